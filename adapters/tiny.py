@@ -1,0 +1,118 @@
+"""Tiny checkpoints of real architectures, made on the spot.
+
+Nothing can be downloaded here, so tests, the demo and the README's default
+input use checkpoints that transformers itself builds and saves
+(``AutoModelForCausalLM.from_config`` + ``save_pretrained``) from a real
+architecture with its sizes shrunk. The shapes are chosen to exercise every
+layout rule: 8 query heads over 2 KV heads (tp 4 and 8 replicate KV heads),
+a vocab of 200 (not a multiple of 64, so vLLM pads), 8 experts (ep up to 8),
+intermediate sizes divisible by 8.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["TINY_SIZES", "BUILTIN_TINY_MODELS", "shrink_config", "tiny_config", "save_tiny_checkpoint"]
+
+#: Sizes every tiny model shares (keys are transformers config attributes).
+TINY_SIZES: dict[str, Any] = {
+    "hidden_size": 128,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "vocab_size": 200,
+    "num_experts": 8,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 256,
+}
+
+#: Built-in tiny models: name -> (transformers model_type, extra config keys).
+BUILTIN_TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "tiny-llama": ("llama", {"architectures": ["LlamaForCausalLM"]}),
+    "tiny-qwen2": ("qwen2", {"architectures": ["Qwen2ForCausalLM"]}),
+    "tiny-qwen3": ("qwen3", {"architectures": ["Qwen3ForCausalLM"], "tie_word_embeddings": False}),
+    "tiny-qwen3-tied": ("qwen3", {"architectures": ["Qwen3ForCausalLM"], "tie_word_embeddings": True}),
+    "tiny-qwen3-moe": ("qwen3_moe", {"architectures": ["Qwen3MoeForCausalLM"], "decoder_sparse_step": 1, "mlp_only_layers": []}),
+    "tiny-mixtral": ("mixtral", {"architectures": ["MixtralForCausalLM"]}),
+}
+
+
+def shrink_config(config, **overrides):
+    """Return a copy of a transformers ``config`` with ``TINY_SIZES`` applied.
+
+    Only attributes the config already has are changed (a dense config gets
+    no expert count). ``overrides`` win over ``TINY_SIZES``. Token ids are
+    cleared so they fit the tiny vocab.
+    """
+    data = config.to_dict()
+    data.pop("layer_types", None)  # derived from num_hidden_layers on rebuild
+    sizes = {**TINY_SIZES, **overrides}
+    for key, value in sizes.items():
+        if key in overrides or key in data:
+            data[key] = value
+    config = config.__class__.from_dict(data)
+    if getattr(config, "model_type", "") == "qwen2" and "head_dim" not in overrides:
+        # Qwen2 derives head_dim from hidden_size / num_attention_heads.
+        config.head_dim = config.hidden_size // config.num_attention_heads
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if hasattr(config, key):
+            setattr(config, key, None)
+    config.dtype = torch.bfloat16
+    return config
+
+
+def tiny_config(name: str, **overrides):
+    """The config of a built-in tiny model (see ``BUILTIN_TINY_MODELS``).
+
+    Raises:
+        ValueError: ``name`` is not a built-in tiny model (lists the valid names).
+    """
+    from transformers import AutoConfig
+
+    if name not in BUILTIN_TINY_MODELS:
+        raise ValueError(
+            f"unknown tiny model '{name}'; built-in names are {sorted(BUILTIN_TINY_MODELS)}"
+        )
+    model_type, extra = BUILTIN_TINY_MODELS[name]
+    return shrink_config(AutoConfig.for_model(model_type, **extra), **overrides)
+
+
+def save_tiny_checkpoint(config_or_name, out_dir, *, seed: int = 0,
+                         max_shard_size: str | int | None = None) -> Path:
+    """Build a randomly initialised model and save it as safetensors.
+
+    Args:
+        config_or_name: a transformers config (saved as given) or a built-in
+            tiny model name.
+        out_dir: directory to write (``config.json`` + ``*.safetensors``).
+        seed: torch seed for the random weights.
+        max_shard_size: pass e.g. ``"50KB"`` for a sharded checkpoint with
+            ``model.safetensors.index.json``.
+
+    Returns:
+        ``out_dir`` as a ``Path``.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(config_or_name) if isinstance(config_or_name, str) else config_or_name
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with torch.no_grad():
+        # Norm weights start at exactly 1.0 and biases at 0: randomise them so
+        # a norm sent to the wrong place is caught by a byte comparison.
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(torch.randn_like(p))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(out, **kwargs)
+    return out

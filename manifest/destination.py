@@ -1,0 +1,85 @@
+"""Destination layouts: what each inference worker holds and where bytes land.
+
+The inference side declares, per wire tensor, which box each worker needs
+and where that box lands inside a worker-local parameter (a vLLM parameter
+name and an element offset per dim). Fused parameters receive several
+bindings (q, k and v rows in one ``qkv_proj``); replicated tensors bind the
+same box on many workers. Regions no wire tensor fills (vocab padding) are
+declared as ``zero_boxes`` so coverage can be proven for every element.
+
+This module knows no model family: adapters (``m2nkit.adapters.vllm``) fill
+it from their tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .layout import Box
+
+__all__ = ["DestinationParam", "Binding", "DestinationLayout"]
+
+
+@dataclass(frozen=True)
+class DestinationParam:
+    """A worker-local parameter: ``name``, ``dtype`` and local ``shape``.
+
+    ``zero_boxes`` are regions (local coordinates) that no wire tensor fills
+    and that must hold zeros (vocab padding rows).
+    """
+
+    worker: int
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    zero_boxes: tuple[Box, ...] = ()
+
+
+@dataclass(frozen=True)
+class Binding:
+    """``wire_box`` of wire tensor ``wire_name`` lands in ``param`` of ``worker``.
+
+    The element at ``wire_box`` start lands at ``offset`` (local coordinates
+    of the parameter, one int per dim; same tensor rank as the wire tensor).
+    """
+
+    wire_name: str
+    worker: int
+    wire_box: Box
+    param: str
+    offset: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class DestinationLayout:
+    """Everything the inference side holds, for one model and parallel layout.
+
+    Attributes:
+        spec: the parallel spec it was built for (``"vllm:tp=2,dp=1"``).
+        num_workers: workers ``0..num_workers-1`` (dp-major: ``dp*tp + tp_rank``).
+        params: every worker-local parameter.
+        bindings: wire tensor name -> its bindings (any order).
+        skipped: wire tensor name -> why the inference side does not take
+            it (a tied ``lm_head.weight``); such tensors move no bytes.
+        aliases: worker-local name -> the parameter it shares storage with.
+    """
+
+    spec: str
+    num_workers: int
+    params: tuple[DestinationParam, ...]
+    bindings: dict[str, tuple[Binding, ...]]
+    skipped: dict[str, str] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)
+
+    def param_index(self) -> dict[tuple[int, str], DestinationParam]:
+        """``(worker, name) -> DestinationParam``."""
+        return {(p.worker, p.name): p for p in self.params}
+
+    def allocate(self, worker: int, fill: float = 0.0) -> dict[str, torch.Tensor]:
+        """Fresh local storage of one worker: ``{name: tensor}`` filled with ``fill``."""
+        return {
+            p.name: torch.full(p.shape, fill, dtype=p.dtype)
+            for p in self.params if p.worker == worker
+        }
