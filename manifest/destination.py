@@ -64,6 +64,9 @@ class DestinationLayout:
         skipped: wire tensor name -> why the inference side does not take
             it (a tied ``lm_head.weight``); such tensors move no bytes.
         aliases: worker-local name -> the parameter it shares storage with.
+        unknown: wire tensor name -> why no inference-side rule takes it (a
+            name the family table does not know); such tensors move no
+            bytes, and callers decide whether that is an error.
     """
 
     spec: str
@@ -72,6 +75,7 @@ class DestinationLayout:
     bindings: dict[str, tuple[Binding, ...]]
     skipped: dict[str, str] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)
+    unknown: dict[str, str] = field(default_factory=dict)
 
     def param_index(self) -> dict[tuple[int, str], DestinationParam]:
         """``(worker, name) -> DestinationParam``."""

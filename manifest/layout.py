@@ -17,7 +17,7 @@ reason, never silently approximated.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import product
 from typing import Sequence
@@ -75,7 +75,9 @@ class SourceLayout:
     owners: tuple[int, ...] | None = None
     mesh_shape: tuple[int, ...] | None = None
     placements: tuple[Placement, ...] | None = None
-    where: str = "source layout"
+    # Only labels error messages: two layouts that differ in ``where`` alone
+    # are the same layout (equal, same hash).
+    where: str = field(default="source layout", compare=False)
 
     def __post_init__(self) -> None:
         w = self.where
@@ -262,8 +264,9 @@ class SourcePieces:
             hits = []
             while i < len(ivs) and ivs[i][0] < hi:
                 a, b = ivs[i]
-                if b > lo:
-                    hits.append((i, (max(a, lo), min(b, hi))))
+                s, e = max(a, lo), min(b, hi)
+                if s < e:  # an empty query extent touches nothing
+                    hits.append((i, (s, e)))
                 i += 1
             if not hits:
                 return
@@ -333,11 +336,11 @@ def m2n_encoding(boxes: Sequence[tuple[int, Box]], shape: Sequence[int]) -> M2NE
     ranks = sorted(r for r, _ in boxes)
     if not ranks:
         return "no ranks hold it"
+    box_of = dict(boxes)
+    if len(box_of) != len(boxes):  # before the interval test, which duplicates also fail
+        return "a rank holds two separate boxes"
     if ranks != list(range(ranks[0], ranks[0] + len(ranks))):
         return f"ranks {ranks[:8]}{'...' if len(ranks) > 8 else ''} are not a contiguous interval"
-    box_of = dict(boxes)
-    if len(box_of) != len(boxes):
-        return "a rank holds two separate boxes"
     n = len(ranks)
     full = full_box(shape)
     varying = {d for _, b in boxes for d in range(len(shape)) if b[d] != full[d]}

@@ -1,0 +1,708 @@
+"""Hugging Face safetensors checkpoints as wire tensors, read box by box.
+
+A checkpoint (or just its ``config.json``) becomes an ordered list of wire
+tensors (DESIGN.md, "Wire tensor"): the on-disk names, except that MoE
+experts stored one tensor per expert are re-fused into the stacked
+``<prefix>.experts.gate_up_proj.weight [E, 2*Im, H]`` and
+``<prefix>.experts.down_proj.weight [E, H, Im]`` that vLLM's routed-experts
+contract takes.
+
+Planning reads **headers only**: names, dtypes and shapes come from the
+safetensors headers (``safe_open(...).keys()``, ``get_slice(name).get_shape()``)
+and are checked against the tensors the config says the model has; no tensor
+data is read. Data is read later, one box at a time
+(:meth:`Checkpoint.read_box`), through ``get_slice(name)[slices]``, so a
+trainer rank reads only the rows it would hold and never the whole file.
+
+What the config expects comes from transformers itself: the model is built
+on the meta device (``AutoModelForCausalLM.from_config``) and its
+``named_parameters()`` are taken, in order; that order is the wire order, so
+every rank builds the same manifest. transformers 5 keeps experts fused in
+memory but writes them per expert on disk, and names a few blocks
+differently in memory than on disk (Mixtral's ``mlp`` is
+``block_sparse_moe`` on disk); :data:`FAMILIES` holds that naming as data
+(transformers ``conversion_mapping.py`` applies the same rules when it
+loads). Adding a family is adding a row.
+
+Every defect a user can hit (missing or corrupt files, wrong shapes,
+unsupported dtypes, incomplete expert sets) raises :class:`CheckpointError`
+naming the file, the tensor, the value and what was expected.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+from safetensors import safe_open
+
+from m2nkit.manifest.layout import Box, local_box
+from m2nkit.manifest.meta import ParamMeta
+
+from .experts import StackedExperts, expert_name, group_expert_tensors, stack_experts
+from .trainer_spec import TrainerSpec, parse_trainer_spec
+
+__all__ = [
+    "CheckpointError",
+    "FamilyNaming",
+    "FAMILIES",
+    "FUSED_EXPERTS",
+    "SAFETENSORS_DTYPES",
+    "Checkpoint",
+    "read_checkpoint",
+    "checkpoint_metas",
+    "checkpoint_manifest",
+    "full_checkpoint_tensors",
+]
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint or config that m2nkit cannot turn into wire tensors."""
+
+
+# --------------------------------------------------------------------------
+# data: dtypes and per-family naming
+
+#: safetensors dtype strings m2nkit carries, and their torch dtypes. The
+#: dtypes model weights use that both transports and ``nccl.m2n`` move
+#: (REFERENCE.md §2). Not carried: ``F64`` and ``BOOL`` (no model weight
+#: needs them), ``I16``/``U16``/``U32``/``U64`` (partial torch support,
+#: not in nccl.m2n's list).
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "I32": torch.int32,
+    "I64": torch.int64,
+}
+
+
+@dataclass(frozen=True)
+class FamilyNaming:
+    """How one architecture's in-memory names (transformers 5) map to disk.
+
+    Attributes:
+        renames: ``(regex, replacement)`` pairs applied in order to an
+            in-memory name to get its on-disk name.
+        experts: part -> on-disk per-expert pattern (``{prefix}``: the MoE
+            block after renames, ``{e}``: the expert), for the parts named
+            in :data:`FUSED_EXPERTS`; ``None`` for dense families.
+    """
+
+    renames: tuple[tuple[str, str], ...] = ()
+    experts: Mapping[str, str] | None = None
+
+    def disk_name(self, in_memory: str) -> str:
+        for pattern, repl in self.renames:
+            in_memory = re.sub(pattern, repl, in_memory)
+        return in_memory
+
+
+#: Families m2nkit knows, by ``config.architectures[0]``. Verified against
+#: checkpoints written by transformers 5 ``save_pretrained`` (tests) and the
+#: published Mixtral-8x7B index (block_sparse_moe, w1/w3/w2 = gate/up/down).
+#: Another causal LM that transformers knows and that has no fused experts
+#: is read with in-memory names taken as on-disk names (any difference shows
+#: up as a missing/extra tensor error); one with fused experts needs a row.
+FAMILIES: dict[str, FamilyNaming] = {
+    "LlamaForCausalLM": FamilyNaming(),
+    "Qwen2ForCausalLM": FamilyNaming(),
+    "Qwen3ForCausalLM": FamilyNaming(),
+    "Qwen3MoeForCausalLM": FamilyNaming(experts={
+        "gate": "{prefix}.experts.{e}.gate_proj.weight",
+        "up": "{prefix}.experts.{e}.up_proj.weight",
+        "down": "{prefix}.experts.{e}.down_proj.weight",
+    }),
+    "MixtralForCausalLM": FamilyNaming(
+        renames=((r"^(model\.layers\.\d+)\.mlp\.", r"\1.block_sparse_moe."),),
+        experts={
+            "gate": "{prefix}.experts.{e}.w1.weight",
+            "up": "{prefix}.experts.{e}.w3.weight",
+            "down": "{prefix}.experts.{e}.w2.weight",
+        },
+    ),
+}
+
+#: transformers 5 in-memory fused expert parameters: in-memory leaf ->
+#: (wire leaf, parts concatenated along rows of each expert). The wire
+#: tensor is ``<prefix>.<wire leaf>`` with ``<prefix>`` the renamed MoE block.
+FUSED_EXPERTS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "experts.gate_up_proj": ("experts.gate_up_proj.weight", ("gate", "up")),
+    "experts.down_proj": ("experts.down_proj.weight", ("down",)),
+}
+
+
+# --------------------------------------------------------------------------
+# the checkpoint
+
+
+@dataclass(frozen=True)
+class _Header:
+    file: Path
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class Checkpoint:
+    """A checkpoint's wire tensors: metadata up front, data by box on demand.
+
+    Built by :func:`read_checkpoint`; holds no tensor data. safetensors
+    files are opened once (memory-mapped, headers parsed) and the handles
+    are kept for later reads; :meth:`close` drops them.
+
+    Attributes:
+        path: the path given to ``read_checkpoint``.
+        root: the checkpoint directory.
+        config: the transformers config.
+        architecture: ``config.architectures[0]`` (e.g. ``Qwen3MoeForCausalLM``).
+        dtype: the dtype holding most wire elements (bf16 for a bf16
+            checkpoint with an fp32 router).
+        params: wire tensors as ``ParamMeta`` (no layout), in wire order.
+        files: safetensors files, sorted; empty for a config-only checkpoint.
+        has_data: False for a config-only checkpoint (metadata only).
+    """
+
+    def __init__(self, *, path: Path, root: Path, config: Any, architecture: str,
+                 params: Sequence[ParamMeta], sources: Mapping[str, str | StackedExperts],
+                 headers: Mapping[str, _Header], handles: dict[Path, Any]) -> None:
+        self.path = path
+        self.root = root
+        self.config = config
+        self.architecture = architecture
+        self.params: tuple[ParamMeta, ...] = tuple(params)
+        self._by_name = {p.name: p for p in self.params}
+        self._sources = dict(sources)
+        self._headers = dict(headers)
+        self._handles = handles
+        self.files: tuple[Path, ...] = tuple(sorted({h.file for h in self._headers.values()}))
+        self.has_data = bool(self.files)
+        elements: Counter = Counter()
+        for p in self.params:
+            elements[p.dtype] += p.nbytes // p.dtype.itemsize
+        self.dtype: torch.dtype = max(elements, key=lambda d: (elements[d], str(d))) \
+            if elements else torch.float32
+
+    # ---- metadata
+
+    @property
+    def names(self) -> list[str]:
+        """Wire names in wire order."""
+        return [p.name for p in self.params]
+
+    def meta(self, name: str) -> ParamMeta:
+        """The ``ParamMeta`` of wire tensor ``name``.
+
+        Raises:
+            CheckpointError: no such wire tensor.
+        """
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise CheckpointError(
+                f"checkpoint {self.root} has no wire tensor '{name}' "
+                f"({len(self.params)} wire tensors, e.g. {self.names[:3]})"
+            ) from None
+
+    def disk_names(self, name: str) -> tuple[str, ...]:
+        """The on-disk tensors wire tensor ``name`` is read from.
+
+        One name for a plain tensor; for stacked experts every per-expert
+        tensor, expert-major, gate before up.
+        """
+        self.meta(name)
+        src = self._sources[name]
+        return src.source_names() if isinstance(src, StackedExperts) else (src,)
+
+    def file_of(self, disk_name: str) -> Path:
+        """The safetensors file holding on-disk tensor ``disk_name``."""
+        return self._headers[disk_name].file
+
+    # ---- data
+
+    def _handle(self, file: Path):
+        h = self._handles.get(file)
+        if h is None:
+            h = self._handles[file] = _open(file)
+        return h
+
+    def _read_slice(self, disk_name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        sl = self._handle(self._headers[disk_name].file).get_slice(disk_name)
+        return sl[index] if index else sl[...]
+
+    def read_box(self, name: str, box: Box) -> torch.Tensor:
+        """Read ``box`` of wire tensor ``name`` from disk, and nothing else.
+
+        Plain tensors: ``get_slice(name)[a0:b0, a1:b1, ...]``. Stacked
+        experts: for each expert in the box, only the rows of gate and/or up
+        (or down) inside the box, columns inside the box
+        (:meth:`StackedExperts.slices`). An empty box returns an empty
+        tensor of the box's extents.
+
+        Args:
+            name: a wire name.
+            box: one ``(start, stop)`` per dim, global coordinates.
+
+        Returns:
+            A new tensor of shape ``(stop - start for each dim)`` and the wire
+            dtype.
+
+        Raises:
+            CheckpointError: unknown name, a box that does not fit the shape,
+                or a config-only checkpoint (no data).
+        """
+        meta = self.meta(name)
+        box = tuple((int(a), int(b)) for a, b in box)
+        if len(box) != len(meta.shape) or any(
+            not 0 <= a <= b <= n for (a, b), n in zip(box, meta.shape)
+        ):
+            raise CheckpointError(
+                f"box {list(box)} does not fit wire tensor '{name}' of shape "
+                f"{list(meta.shape)} (need one (start, stop) per dim, 0 <= start <= "
+                "stop <= size)"
+            )
+        if not self.has_data:
+            raise CheckpointError(
+                f"checkpoint {self.path} is config-only: it has metadata but no tensor "
+                f"data to read '{name}' from"
+            )
+        extents = tuple(b - a for a, b in box)
+        if any(e == 0 for e in extents):
+            return torch.empty(extents, dtype=meta.dtype)
+        src = self._sources[name]
+        if isinstance(src, StackedExperts):
+            return src.read_box(box, self._read_slice)
+        return self._read_slice(src, tuple(slice(a, b) for a, b in box))
+
+    def read_full(self, name: str) -> torch.Tensor:
+        """The whole wire tensor ``name`` (``read_box`` of the full box)."""
+        return self.read_box(name, tuple((0, n) for n in self.meta(name).shape))
+
+    def close(self) -> None:
+        """Drop the open file handles (reads reopen them)."""
+        self._handles.clear()
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        kind = "config-only" if not self.has_data else f"{len(self.files)} file(s)"
+        return (f"Checkpoint({str(self.root)!r}, {self.architecture}, {kind}, "
+                f"{len(self.params)} wire tensors, {self.dtype})")
+
+
+# --------------------------------------------------------------------------
+# reading
+
+
+def _open(file: Path):
+    """``safe_open`` with safetensors' header errors turned into ``CheckpointError``."""
+    try:
+        return safe_open(str(file), framework="pt")
+    except Exception as e:  # safetensors raises SafetensorError / OSError
+        raise CheckpointError(
+            f"cannot read safetensors file {file}: {e} (truncated or not a "
+            "safetensors file?)"
+        ) from e
+
+
+def _read_headers(file: Path, handles: dict[Path, Any]) -> dict[str, _Header]:
+    h = handles[file] = _open(file)
+    out = {}
+    try:
+        keys = list(h.keys())
+        for name in keys:
+            sl = h.get_slice(name)
+            code = sl.get_dtype()
+            dtype = SAFETENSORS_DTYPES.get(code)
+            if dtype is None:
+                raise CheckpointError(
+                    f"tensor '{name}' in {file} has dtype {code}, which m2nkit does not "
+                    f"carry; supported dtypes: {', '.join(SAFETENSORS_DTYPES)}"
+                )
+            out[name] = _Header(file, tuple(int(n) for n in sl.get_shape()), dtype)
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"cannot read the header of {file}: {e}") from e
+    return out
+
+
+def _read_index(root: Path) -> dict[str, str]:
+    index = root / INDEX_FILE
+    try:
+        data = json.loads(index.read_text())
+        weight_map = data["weight_map"]
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise ValueError("weight_map must map tensor names to file names")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(
+            f"cannot read {index}: {type(e).__name__}: {e} (expected JSON with "
+            "'weight_map': {tensor name: shard file})"
+        ) from e
+    return weight_map
+
+
+def _sharded_headers(root: Path, handles: dict[Path, Any]) -> dict[str, _Header]:
+    weight_map = _read_index(root)
+    by_file: dict[str, list[str]] = {}
+    for name, file in weight_map.items():
+        by_file.setdefault(file, []).append(name)
+    headers: dict[str, _Header] = {}
+    for file in sorted(by_file):
+        path = root / file
+        if not path.is_file():
+            names = by_file[file]
+            raise CheckpointError(
+                f"{root / INDEX_FILE} names shard '{file}' (for tensor '{names[0]}'"
+                f"{f' and {len(names) - 1} more' if len(names) > 1 else ''}), but "
+                f"{path} does not exist (for a config-only plan pass "
+                f"{root / CONFIG_FILE} instead)"
+            )
+        found = _read_headers(path, handles)
+        listed = set(by_file[file])
+        for name in by_file[file]:
+            if name not in found:
+                raise CheckpointError(
+                    f"{root / INDEX_FILE} lists tensor '{name}' in shard '{file}', but "
+                    f"{path} does not contain it ({len(found)} tensors there)"
+                )
+        for name in found:
+            if name not in listed:
+                raise CheckpointError(
+                    f"shard {path} holds tensor '{name}' that {INDEX_FILE} maps to "
+                    f"{weight_map.get(name, 'no file')!r}; the index and the shards disagree"
+                )
+        headers.update(found)
+    return headers
+
+
+def _load_config(config_path: Path):
+    # Nothing may come from the Hub: config.json is always a local file here.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoConfig
+
+    if not config_path.is_file():
+        raise CheckpointError(
+            f"{config_path} does not exist: m2nkit needs the model's config.json to "
+            "know which tensors the checkpoint must hold"
+        )
+    try:
+        return AutoConfig.from_pretrained(str(config_path), local_files_only=True)
+    except Exception as e:
+        raise CheckpointError(f"transformers cannot read {config_path}: {e}") from e
+
+
+def _supported() -> str:
+    return ", ".join(FAMILIES)
+
+
+def _architecture(config, config_path: Path) -> str:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    archs = getattr(config, "architectures", None) or []
+    arch = archs[0] if archs else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+    if arch is None or arch not in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()):
+        raise CheckpointError(
+            f"{config_path}: architecture {arch or config.model_type!r} is not a causal LM "
+            f"that transformers knows; m2nkit supports {_supported()}"
+        )
+    return arch
+
+
+@dataclass(frozen=True)
+class _Expected:
+    name: str  # in-memory name
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    tied: bool  # a second name of an earlier parameter (tied lm_head)
+
+
+def _expected_params(config, arch: str, config_path: Path) -> list[_Expected]:
+    """``named_parameters()`` of the model built on the meta device, in order."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as e:
+        raise CheckpointError(
+            f"transformers cannot build {arch} from {config_path}: {type(e).__name__}: {e}"
+        ) from e
+    if type(model).__name__ != arch:
+        raise CheckpointError(
+            f"{config_path}: architectures says {arch} but model_type "
+            f"{config.model_type!r} builds {type(model).__name__}"
+        )
+    seen: set[int] = set()
+    out = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        out.append(_Expected(name, tuple(p.shape), p.dtype, id(p) in seen))
+        seen.add(id(p))
+    return out
+
+
+def _family(arch: str, expected: Sequence[_Expected], config_path: Path) -> FamilyNaming:
+    family = FAMILIES.get(arch)
+    if family is not None:
+        return family
+    fused = [e.name for e in expected if _fused_leaf(e.name)]
+    if fused:
+        raise CheckpointError(
+            f"{config_path}: {arch} keeps experts fused in memory ('{fused[0]}') and "
+            f"m2nkit has no on-disk expert naming for it; supported families: {_supported()}"
+        )
+    return FamilyNaming()  # dense: in-memory names are the on-disk names
+
+
+def _fused_leaf(name: str) -> str | None:
+    for leaf in FUSED_EXPERTS:
+        if name.endswith("." + leaf):
+            return leaf
+    return None
+
+
+def _few(names: Sequence[str], n: int = 5) -> str:
+    shown = ", ".join(f"'{x}'" for x in list(names)[:n])
+    return shown + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+def _resolve(path: Path) -> tuple[Path, Path, str]:
+    """``(root, config path, kind)`` with kind in ``single``, ``sharded``, ``config``."""
+    if not path.exists():
+        raise CheckpointError(f"checkpoint path {path} does not exist")
+    if path.is_file():
+        if path.suffix == ".json" and path.name != INDEX_FILE:
+            return path.parent, path, "config"
+        raise CheckpointError(
+            f"{path} is a file; pass a checkpoint directory ({SINGLE_FILE} or "
+            f"{INDEX_FILE} + shards, with {CONFIG_FILE}) or a {CONFIG_FILE} file"
+        )
+    config = path / CONFIG_FILE
+    if (path / INDEX_FILE).is_file():
+        return path, config, "sharded"
+    if (path / SINGLE_FILE).is_file():
+        return path, config, "single"
+    if config.is_file():
+        return path, config, "config"
+    found = sorted(p.name for p in path.iterdir())
+    raise CheckpointError(
+        f"{path} holds no {SINGLE_FILE}, {INDEX_FILE} or {CONFIG_FILE} "
+        f"(found: {found[:10] or 'nothing'})"
+    )
+
+
+def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Read a checkpoint's wire tensors from its config and safetensors headers.
+
+    Args:
+        path: a checkpoint directory (``model.safetensors``, or
+            ``model.safetensors.index.json`` + shards, next to
+            ``config.json``); or a ``config.json`` file, or a directory
+            holding only ``config.json``, for a config-only (metadata-only)
+            checkpoint.
+
+    Returns:
+        A :class:`Checkpoint`. Wire order is the meta model's
+        ``named_parameters()`` order with on-disk names; per-expert tensors
+        become one stacked ``...experts.gate_up_proj.weight [E, 2*Im, H]``
+        (gate rows then up rows per expert) and ``...experts.down_proj.weight
+        [E, H, Im]`` at the place of transformers' fused parameter. Wire
+        dtypes are the on-disk dtypes (config-only: the config's dtype). A
+        tied ``lm_head.weight`` is a wire tensor only when the files hold it.
+        No tensor data is read.
+
+    Raises:
+        CheckpointError: path missing; nothing to read; unreadable or
+            corrupt safetensors header or index; a shard named by the index
+            missing; a tensor the index lists missing from its shard; an
+            architecture transformers does not know; a tensor whose shape
+            contradicts the config; a tensor the config expects but the
+            files lack; an extra tensor; a dtype outside
+            :data:`SAFETENSORS_DTYPES`; an incomplete expert set.
+    """
+    path = Path(path)
+    root, config_path, kind = _resolve(path)
+    config = _load_config(config_path)
+    arch = _architecture(config, config_path)
+    expected = _expected_params(config, arch, config_path)
+    family = _family(arch, expected, config_path)
+
+    handles: dict[Path, Any] = {}
+    if kind == "single":
+        headers = _read_headers(root / SINGLE_FILE, handles)
+    elif kind == "sharded":
+        headers = _sharded_headers(root, handles)
+    else:
+        headers = {}
+    params, sources = _match(expected, family, headers, kind == "config", root, arch)
+    return Checkpoint(path=path, root=root, config=config, architecture=arch,
+                      params=params, sources=sources, headers=headers, handles=handles)
+
+
+def _match(expected: Sequence[_Expected], family: FamilyNaming, headers: Mapping[str, _Header],
+           config_only: bool, root: Path, arch: str):
+    """Pair every expected parameter with on-disk tensors; check shapes and leftovers."""
+    grouped = group_expert_tensors(headers, family.experts) if family.experts else {}
+    shapes = {n: h.shape for n, h in headers.items()}
+    dtypes = {n: h.dtype for n, h in headers.items()}
+    params: list[ParamMeta] = []
+    sources: dict[str, str | StackedExperts] = {}
+    used: set[str] = set()
+    missing: list[str] = []
+
+    def where(name: str) -> str:
+        return f"tensor '{name}' in {headers[name].file}"
+
+    for exp in expected:
+        leaf = _fused_leaf(exp.name)
+        if leaf is not None and family.experts:
+            wire_leaf, parts = FUSED_EXPERTS[leaf]
+            prefix = family.disk_name(exp.name)[: -len(leaf) - 1]
+            wire = f"{prefix}.{wire_leaf}"
+            num_experts, rows, cols = exp.shape
+            part_shape = (rows // len(parts), cols)
+            pattern_of = {p: family.experts[p] for p in parts}
+
+            def expected_name(e: int, part: str, _prefix=prefix, _pat=pattern_of) -> str:
+                return expert_name(_pat[part], _prefix, e)
+
+            if config_only:
+                stack = StackedExperts(wire, exp.dtype, tuple(
+                    tuple(expected_name(e, p) for p in parts) for e in range(num_experts)
+                ), part_shape)
+            else:
+                found = {}
+                for e, ex in grouped.get(prefix, {}).items():
+                    mine = {p: n for p, n in ex.items() if p in parts}
+                    if mine:
+                        found[e] = mine
+                if not found:
+                    missing.append(expected_name(0, parts[0]))
+                    continue
+                try:
+                    stack = stack_experts(
+                        wire, found, parts, num_experts,
+                        shapes=shapes, dtypes=dtypes,
+                        part_shape=part_shape, expected_name=expected_name,
+                    )
+                except ValueError as e:
+                    raise CheckpointError(f"{root}: {e} (config: {arch})") from e
+                used.update(stack.source_names())
+            params.append(ParamMeta(wire, stack.dtype, stack.shape))
+            sources[wire] = stack
+            continue
+
+        disk = family.disk_name(exp.name)
+        if config_only:
+            if not exp.tied:
+                params.append(ParamMeta(disk, exp.dtype, exp.shape))
+                sources[disk] = disk
+            continue
+        h = headers.get(disk)
+        if h is None:
+            if not exp.tied:
+                missing.append(disk)
+            continue
+        if h.shape != exp.shape:
+            raise CheckpointError(
+                f"{where(disk)} has shape {list(h.shape)}, but the config ({arch}) "
+                f"expects {list(exp.shape)}"
+            )
+        params.append(ParamMeta(disk, h.dtype, h.shape))
+        sources[disk] = disk
+        used.add(disk)
+
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {root} lacks {len(missing)} tensor(s) the config ({arch}) "
+            f"expects: {_few(missing)}"
+        )
+    extra = [n for n in headers if n not in used]
+    if extra:
+        raise CheckpointError(
+            f"checkpoint {root} holds {len(extra)} tensor(s) the config ({arch}) does "
+            f"not expect: {_few(extra)} (first in {headers[extra[0]].file})"
+        )
+    return params, sources
+
+
+# --------------------------------------------------------------------------
+# layouts and manifests
+
+
+def checkpoint_metas(checkpoint: Checkpoint, trainer_spec: TrainerSpec | str) -> list[ParamMeta]:
+    """Every wire tensor as a ``ParamMeta`` with the trainer spec's layout.
+
+    Identical on every rank (depends on headers, config and spec only).
+
+    Raises:
+        ValueError: a malformed trainer spec.
+    """
+    spec = parse_trainer_spec(trainer_spec)
+    out = []
+    for p in checkpoint.params:
+        lay = spec.layout_for(p.shape)
+        out.append(ParamMeta(p.name, p.dtype, p.shape, lay.owners, lay.mesh_shape,
+                             lay.placements))
+    return out
+
+
+def checkpoint_manifest(checkpoint: Checkpoint, trainer_spec: TrainerSpec | str, rank: int):
+    """A ``ManifestM2NWeightSource`` for trainer ``rank`` holding its box of the checkpoint.
+
+    One ``M2NManifestEntry`` per wire tensor, in wire order, with the
+    spec's layout; its ``local_tensor`` reads exactly this rank's box
+    (``local_box`` at the rank's mesh coordinate) via
+    :meth:`Checkpoint.read_box`, only when called. Ranks with an empty box
+    (``fsdp:N`` with N above dim 0) get an empty tensor of the right shape.
+
+    Raises:
+        ValueError: a malformed trainer spec, or ``rank`` outside it.
+    """
+    from m2nkit.manifest.source import M2NManifestEntry, ManifestM2NWeightSource
+
+    spec = parse_trainer_spec(trainer_spec)
+    coord = spec.coord(rank)
+    entries = []
+    for p in checkpoint.params:
+        lay = spec.layout_for(p.shape)
+        box = local_box(p.shape, lay.mesh_shape, lay.placements, coord)
+        entries.append(M2NManifestEntry(
+            p.name, p.dtype, p.shape, lay,
+            functools.partial(checkpoint.read_box, p.name, box),
+        ))
+    return ManifestM2NWeightSource(entries, rank=rank)
+
+
+def full_checkpoint_tensors(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
+    """Every on-disk tensor, whole, by on-disk name (reads all data: for tests).
+
+    Raises:
+        CheckpointError: a config-only checkpoint.
+    """
+    if not checkpoint.has_data:
+        raise CheckpointError(f"checkpoint {checkpoint.path} is config-only: no tensor data")
+    out = {}
+    for name, h in checkpoint._headers.items():
+        out[name] = checkpoint._handle(h.file).get_tensor(name)
+    return out

@@ -1,0 +1,47 @@
+"""Shared fixtures.
+
+``tiny_checkpoints`` builds each tiny model (``m2nkit.adapters.tiny``) at
+most once per test session, on first use, with seed 0. Tests that change
+files must copy the directory first (``shutil.copytree``): the directories
+are shared by every test of the session.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+#: ``max_shard_size`` of the sharded variants: small enough that every tiny
+#: model spans several shards and expert sets cross shard boundaries.
+SHARDED_MAX_SIZE = "60KB"
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory):
+    """``tiny_checkpoints(name, sharded=False) -> Path`` of a saved tiny checkpoint.
+
+    ``name`` is a key of ``m2nkit.adapters.tiny.BUILTIN_TINY_MODELS``
+    (``tiny-llama``, ``tiny-qwen2``, ``tiny-qwen3``, ``tiny-qwen3-tied``,
+    ``tiny-qwen3-moe``, ``tiny-mixtral``). ``sharded=False`` gives one
+    ``model.safetensors``; ``sharded=True`` gives
+    ``model.safetensors.index.json`` plus shards of at most
+    :data:`SHARDED_MAX_SIZE`. Both hold the same tensors (seed 0). The
+    callable has a ``names`` attribute listing the models.
+    """
+    from m2nkit.adapters.tiny import BUILTIN_TINY_MODELS, save_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("tiny_checkpoints")
+    built: dict[tuple[str, bool], Path] = {}
+
+    def get(name: str, sharded: bool = False) -> Path:
+        key = (name, bool(sharded))
+        if key not in built:
+            out = root / (name + ("-sharded" if sharded else ""))
+            save_tiny_checkpoint(name, out, seed=0,
+                                 max_shard_size=SHARDED_MAX_SIZE if sharded else None)
+            built[key] = out
+        return built[key]
+
+    get.names = tuple(BUILTIN_TINY_MODELS)
+    return get

@@ -1,0 +1,440 @@
+"""destination_layout (the fast path) against reference_load (vLLM's loader semantics).
+
+For every tiny model x tp 1/2/4/8 x dp 1/2 x EP on/off (MoE), every worker's
+storage is filled from the wire tensors through the layout's bindings and
+zero boxes and must equal ``reference_load`` of the on-disk checkpoint bit
+for bit, with every parameter element written exactly once. The reference is
+itself pinned to real vLLM 0.33.0 dumps in test_vllm_oracle.py; dp > 1 is
+not covered by the oracle (it builds one TP group) and rests on the rules.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from m2nkit.adapters.vllm import (
+    InferenceSpec,
+    destination_layout,
+    parse_inference_spec,
+    reference_load,
+    supported_architectures,
+)
+from m2nkit.manifest import ParamMeta
+
+DATA = Path(__file__).parent / "data" / "oracle"
+DENSE = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-tied"]
+MOE = ["tiny-qwen3-moe", "tiny-mixtral"]
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
+
+
+def stack_experts(ckpt: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """On-disk names -> wire tensors: per-expert weights stacked per layer.
+
+    ``gate_up_proj[e] = cat(gate_e, up_e)`` (Mixtral: ``cat(w1_e, w3_e)``),
+    ``down_proj[e] = down_e`` (``w2_e``).
+    """
+    wire: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for name, t in ckpt.items():
+        m = _EXPERT.match(name)
+        if m:
+            experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t
+        else:
+            wire[name] = t
+    for prefix, per in experts.items():
+        gate, up, down = ("w1", "w3", "w2") if "w1" in per[0] else ("gate_proj", "up_proj", "down_proj")
+        ids = range(len(per))
+        wire[f"{prefix}.gate_up_proj.weight"] = torch.stack([torch.cat([per[e][gate], per[e][up]]) for e in ids])
+        wire[f"{prefix}.down_proj.weight"] = torch.stack([per[e][down] for e in ids])
+    return wire
+
+
+@lru_cache(maxsize=None)
+def load_model(model: str):
+    """(config dict, on-disk tensors, wire tensors, wire ParamMetas) of a shipped checkpoint."""
+    ckpt_dir = DATA / model / "checkpoint"
+    config = json.loads((ckpt_dir / "config.json").read_text())
+    ckpt = load_file(str(ckpt_dir / "model.safetensors"))
+    wire = stack_experts(ckpt)
+    metas = [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in wire.items()]
+    return config, ckpt, wire, metas
+
+
+def _slices(box):
+    return tuple(slice(a, b) for a, b in box)
+
+
+def fill_worker(layout, wire, worker: int):
+    """Storage of ``worker`` filled via bindings + zero boxes, and a write count per element."""
+    store = layout.allocate(worker, fill=float("nan"))
+    count = {n: torch.zeros(t.shape, dtype=torch.int32) for n, t in store.items()}
+    for p in layout.params:
+        if p.worker == worker:
+            for box in p.zero_boxes:
+                store[p.name][_slices(box)] = 0
+                count[p.name][_slices(box)] += 1
+    for wname, bindings in layout.bindings.items():
+        for b in bindings:
+            if b.worker != worker:
+                continue
+            dst = tuple(slice(o, o + (hi - lo)) for o, (lo, hi) in zip(b.offset, b.wire_box))
+            store[b.param][dst] = wire[wname][_slices(b.wire_box)]
+            count[b.param][dst] += 1
+    return store, count
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def _cases():
+    for model in DENSE + MOE:
+        for tp in (1, 2, 4, 8):
+            for dp in (1, 2):
+                for ep in ((False, True) if model in MOE else (False,)):
+                    yield pytest.param(model, tp, dp, ep, id=f"{model}-tp{tp}-dp{dp}{'-ep' if ep else ''}")
+
+
+@pytest.mark.parametrize("model,tp,dp,ep", list(_cases()))
+def test_layout_equals_reference(model, tp, dp, ep):
+    config, ckpt, wire, metas = load_model(model)
+    spec = InferenceSpec(tp, dp, ep)
+    if ep and tp * dp > 8:  # 8 experts over 16 EP ranks
+        with pytest.raises(ValueError, match=r"num_(local_)?experts=8 .*ep=dp\*tp=16"):
+            destination_layout(config, metas, spec)
+        return
+    layout = destination_layout(config, metas, spec)
+    assert layout.num_workers == tp * dp and layout.spec == str(spec)
+    assert not layout.unknown
+    for worker in range(spec.num_workers):
+        store, count = fill_worker(layout, wire, worker)
+        ref = reference_load(config, ckpt, spec, worker)
+        assert set(store) == set(ref) - set(layout.aliases)
+        for alias, canonical in layout.aliases.items():
+            assert ref[alias] is ref[canonical]
+        for name, t in store.items():
+            assert t.shape == ref[name].shape, name
+            c = count[name]
+            assert int(c.min()) == 1 and int(c.max()) == 1, (
+                f"{name} on worker {worker}: {(c == 0).sum()} elements unwritten, "
+                f"{(c > 1).sum()} written twice")
+            assert torch.equal(bits(t), bits(ref[name])), f"{name} differs on worker {worker}"
+        for p in layout.params:
+            if p.worker == worker:
+                for box in p.zero_boxes:
+                    assert not store[p.name][_slices(box)].any()
+
+
+def test_vocab_padding_rows_are_zero_boxes():
+    config, _, _, metas = load_model("tiny-llama")  # V = 200 -> Vp = 256
+    layout = destination_layout(config, metas, "vllm:tp=8")
+    idx = layout.param_index()
+    # per = 32 rows; rank 6 holds tokens 192..199 then 24 zero rows; rank 7 only zeros.
+    assert idx[(6, "model.embed_tokens.weight")].zero_boxes == (((8, 32), (0, 128)),)
+    assert idx[(7, "lm_head.weight")].zero_boxes == (((0, 32), (0, 128)),)
+    assert idx[(5, "lm_head.weight")].zero_boxes == ()
+    assert not [b for b in layout.bindings["lm_head.weight"] if b.worker == 7]
+    one = destination_layout(config, metas, "vllm:tp=1")
+    assert one.param_index()[(0, "lm_head.weight")].zero_boxes == (((200, 256), (0, 128)),)
+
+
+def test_kv_heads_replicated_when_tp_exceeds_them():
+    config, _, _, metas = load_model("tiny-qwen3")  # nh 8, nkv 2, hd 16
+    layout = destination_layout(config, metas, "vllm:tp=8")
+    k = {b.worker: b for b in layout.bindings["model.layers.0.self_attn.k_proj.weight"]}
+    assert [k[w].wire_box[0] for w in range(8)] == [(0, 16)] * 4 + [(16, 32)] * 4
+    assert {k[w].offset for w in range(8)} == {(16, 0)}  # after one q head
+    v = {b.worker: b for b in layout.bindings["model.layers.0.self_attn.v_proj.weight"]}
+    assert {v[w].offset for w in range(8)} == {(32, 0)}
+
+
+def test_experts_without_and_with_ep():
+    config, _, _, metas = load_model("tiny-qwen3-moe")  # E 8, Im 32, H 128
+    name = "model.layers.0.mlp.experts.gate_up_proj.weight"
+    tpm = destination_layout(config, metas, "vllm:tp=2,dp=2")  # MoE tp = 4, Im/4 = 8
+    w1 = [b for b in tpm.bindings[name] if b.worker == 1]
+    assert [(b.wire_box, b.offset) for b in w1] == [
+        (((0, 8), (8, 16), (0, 128)), (0, 0, 0)),
+        (((0, 8), (40, 48), (0, 128)), (0, 8, 0)),
+    ]
+    p = tpm.param_index()[(3, "model.layers.0.mlp.experts.routed_experts.w13_weight")]
+    assert p.shape == (8, 16, 128)
+    ep = destination_layout(config, metas, "vllm:tp=2,dp=2,ep")
+    w3 = [b for b in ep.bindings[name] if b.worker == 3]
+    assert [(b.wire_box, b.offset) for b in w3] == [(((6, 8), (0, 64), (0, 128)), (0, 0, 0))]
+    down = [b for b in ep.bindings["model.layers.0.mlp.experts.down_proj.weight"] if b.worker == 3]
+    assert down[0].wire_box == ((6, 8), (0, 128), (0, 32))
+    assert ep.aliases["model.layers.1.mlp.experts.gate.weight"] == "model.layers.1.mlp.gate.weight"
+
+
+def test_dense_tensors_are_replicated_across_dp():
+    config, _, _, metas = load_model("tiny-llama")
+    layout = destination_layout(config, metas, "vllm:tp=2,dp=3")
+    by_worker = {b.worker: (b.wire_box, b.offset, b.param)
+                 for b in layout.bindings["model.layers.1.self_attn.o_proj.weight"]}
+    assert sorted(by_worker) == list(range(6))
+    for w in range(6):
+        assert by_worker[w] == by_worker[w % 2]
+
+
+def test_tied_lm_head_is_skipped_and_aliased():
+    config, _, wire, metas = load_model("tiny-qwen3-tied")
+    assert "lm_head.weight" not in wire  # transformers does not save a tied head
+    extra = metas + [ParamMeta("lm_head.weight", torch.bfloat16, (200, 128))]
+    layout = destination_layout(config, extra, "vllm:tp=2")
+    assert "lm_head.weight" in layout.skipped and "lm_head.weight" not in layout.bindings
+    assert layout.aliases == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert all(p.name != "lm_head.weight" for p in layout.params)
+
+
+def test_unknown_wire_tensors_are_reported_not_raised():
+    config, _, _, metas = load_model("tiny-qwen3-moe")
+    extra = metas + [
+        ParamMeta("model.layers.0.mlp.experts.3.gate_proj.weight", torch.bfloat16, (32, 128)),
+        ParamMeta("model.layers.7.input_layernorm.weight", torch.bfloat16, (128,)),
+        ParamMeta("model.layers.0.mlp.gate_proj.weight", torch.bfloat16, (96, 128)),
+        ParamMeta("model.visual.patch_embed.weight", torch.bfloat16, (4, 4)),
+        ParamMeta("model.layers.0.self_attn.rotary_emb.inv_freq", torch.float32, (8,)),
+    ]
+    layout = destination_layout(config, extra, "vllm:tp=2")
+    assert "stacked" in layout.unknown["model.layers.0.mlp.experts.3.gate_proj.weight"]
+    assert "num_hidden_layers=2" in layout.unknown["model.layers.7.input_layernorm.weight"]
+    assert "dense_layer" in layout.unknown["model.layers.0.mlp.gate_proj.weight"]
+    assert "Qwen3MoeForCausalLM" in layout.unknown["model.visual.patch_embed.weight"]
+    assert "rotary" in layout.skipped["model.layers.0.self_attn.rotary_emb.inv_freq"]
+    assert not set(layout.unknown) & set(layout.bindings)
+
+
+def test_missing_wire_tensor_leaves_its_region_uncovered():
+    config, _, wire, metas = load_model("tiny-llama")
+    without_k = [m for m in metas if m.name != "model.layers.1.self_attn.k_proj.weight"]
+    layout = destination_layout(config, without_k, "vllm:tp=2")
+    _, count = fill_worker(layout, wire, 1)
+    c = count["model.layers.1.self_attn.qkv_proj.weight"]  # rows [q 64 | k 16 | v 16]
+    assert (c[64:80] == 0).all() and (c[:64] == 1).all() and (c[80:] == 1).all()
+
+
+def _with_dense_layers(config: dict, ckpt: dict, **changes):
+    """tiny-qwen3-moe with some layers dense: config + on-disk tensors to match.
+
+    Dense layers carry ``mlp.gate_proj/up_proj/down_proj`` (what transformers'
+    Qwen3MoeDecoderLayer saves for them), sparse ones the router and experts.
+    """
+    from m2nkit.adapters.vllm.qwen3_moe import is_moe_layer
+
+    config = {**config, **changes}
+    g = torch.Generator().manual_seed(0)
+    H, I = config["hidden_size"], config["intermediate_size"]
+    out = {}
+    for name, t in ckpt.items():
+        m = re.match(r"^model\.layers\.(\d+)\.", name)
+        if m and int(m.group(1)) >= config["num_hidden_layers"]:
+            continue
+        if m and ".mlp." in name and not is_moe_layer(config, int(m.group(1))):
+            continue
+        out[name] = t
+    for L in range(config["num_hidden_layers"]):
+        if not is_moe_layer(config, L):
+            for proj, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+                out[f"model.layers.{L}.mlp.{proj}.weight"] = torch.randn(
+                    shape, generator=g).to(torch.bfloat16)
+    return config, out
+
+
+@pytest.mark.parametrize("changes", [
+    {"mlp_only_layers": [1]},
+    {"decoder_sparse_step": 2},
+], ids=["mlp_only_layers", "decoder_sparse_step"])
+def test_qwen3_moe_dense_layers(changes):
+    base, ckpt0, _, _ = load_model("tiny-qwen3-moe")
+    config, ckpt = _with_dense_layers(base, ckpt0, **changes)
+    wire = stack_experts(ckpt)
+    metas = [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in wire.items()]
+    dense = 1 if "mlp_only_layers" in changes else 0
+    sparse = 1 - dense
+    for spec in (InferenceSpec(2, 2), InferenceSpec(2, 2, ep=True), InferenceSpec(4)):
+        layout = destination_layout(config, metas, spec)
+        assert not layout.unknown
+        names = {p.name for p in layout.params if p.worker == 0}
+        assert f"model.layers.{dense}.mlp.gate_up_proj.weight" in names
+        assert f"model.layers.{dense}.mlp.gate.weight" not in names
+        assert f"model.layers.{sparse}.mlp.experts.routed_experts.w13_weight" in names
+        assert f"model.layers.{dense}.mlp.experts.gate.weight" not in layout.aliases
+        for worker in range(spec.num_workers):
+            store, count = fill_worker(layout, wire, worker)
+            ref = reference_load(config, ckpt, spec, worker)
+            assert set(store) == set(ref) - set(layout.aliases)
+            for name, t in store.items():
+                assert (count[name] == 1).all(), name
+                assert torch.equal(bits(t), bits(ref[name])), name
+
+
+def test_dict_and_pretrained_config_agree():
+    from transformers import AutoConfig
+
+    config, _, _, metas = load_model("tiny-mixtral")
+    hf = AutoConfig.from_pretrained(DATA / "tiny-mixtral" / "checkpoint")
+    a = destination_layout(config, metas, "vllm:tp=2,dp=2")
+    b = destination_layout(hf, metas, "vllm:tp=2,dp=2")
+    assert a == b
+
+
+# -- errors -------------------------------------------------------------------
+
+def _tiny_dict(model: str, **changes):
+    config = dict(load_model(model)[0])
+    config.update(changes)
+    return config
+
+
+@pytest.mark.parametrize("spec,match", [
+    ("vllm:tp=3", r"num_attention_heads=8 is not divisible by tp=3.*valid tp with dp=1: \[1, 2, 4, 8\]"),
+    ("vllm:tp=16", r"num_attention_heads=8 is not divisible by tp=16"),
+])
+def test_tp_not_dividing_heads(spec, match):
+    config, _, _, metas = load_model("tiny-llama")
+    with pytest.raises(ValueError, match=match):
+        destination_layout(config, metas, spec)
+
+
+def test_kv_heads_and_tp_must_divide_one_another():
+    config = _tiny_dict("tiny-llama", num_attention_heads=12, num_key_value_heads=3,
+                        head_dim=16, hidden_size=192, vocab_size=192)
+    with pytest.raises(ValueError, match=r"num_key_value_heads=3 is not divisible by tp=2"):
+        destination_layout(config, [], "vllm:tp=2")
+    with pytest.raises(ValueError, match=r"tp=4 >= num_key_value_heads=3 must be a multiple.*valid tp with dp=1: \[1, 3, 6, 12\]"):
+        destination_layout(config, [], "vllm:tp=4")
+
+
+def test_intermediate_not_divisible():
+    config = _tiny_dict("tiny-qwen3", intermediate_size=100)
+    with pytest.raises(ValueError, match=r"intermediate_size=100 is not divisible by tp=8.*\[1, 2, 4\]"):
+        destination_layout(config, [], "vllm:tp=8")
+
+
+def test_moe_intermediate_not_divisible_by_flattened_tp():
+    config, _, _, metas = load_model("tiny-qwen3-moe")  # Im 32
+    with pytest.raises(ValueError, match=r"moe_intermediate_size=32 is not divisible by the MoE tensor-parallel size dp\*tp=64"):
+        destination_layout(config, metas, "vllm:tp=2,dp=32")
+
+
+def test_ep_with_experts_not_divisible():
+    config = _tiny_dict("tiny-qwen3-moe", num_local_experts=6)
+    with pytest.raises(ValueError, match=r"num_experts=6 is not divisible by the expert-parallel size ep=dp\*tp=4.*valid tp with dp=1, ep: \[1, 2\]"):
+        destination_layout(config, [], "vllm:tp=4,ep")
+    config = _tiny_dict("tiny-mixtral", num_local_experts=6)
+    with pytest.raises(ValueError, match=r"num_local_experts=6 is not divisible"):
+        destination_layout(config, [], "vllm:tp=4,ep")
+
+
+def test_qwen3_moe_tp_above_experts():
+    config = _tiny_dict("tiny-qwen3-moe", num_local_experts=4)
+    with pytest.raises(ValueError, match=r"tp=8 is greater than num_experts=4"):
+        destination_layout(config, [], "vllm:tp=8")
+
+
+def test_unknown_architecture():
+    config = _tiny_dict("tiny-llama", architectures=["FooForCausalLM"])
+    with pytest.raises(ValueError, match=r"'FooForCausalLM'.*LlamaForCausalLM.*Qwen3MoeForCausalLM"):
+        destination_layout(config, [], "vllm:tp=1")
+    assert "MixtralForCausalLM" in supported_architectures()
+
+
+def test_wire_shape_and_dtype_mismatch():
+    config, _, _, metas = load_model("tiny-llama")
+    bad = [m if m.name != "model.norm.weight" else ParamMeta(m.name, m.dtype, (64,)) for m in metas]
+    with pytest.raises(ValueError, match=r"'model.norm.weight' has shape \(64,\).*\(128,\)"):
+        destination_layout(config, bad, "vllm:tp=1")
+    mixed = [m if m.name != "model.layers.0.self_attn.k_proj.weight"
+             else ParamMeta(m.name, torch.float32, m.shape) for m in metas]
+    with pytest.raises(ValueError, match=r"k_proj.weight' \(torch.float32\).*qkv_proj.weight"):
+        destination_layout(config, mixed, "vllm:tp=1")
+    with pytest.raises(ValueError, match="listed twice"):
+        destination_layout(config, metas + metas[:1], "vllm:tp=1")
+
+
+@pytest.mark.parametrize("text,match", [
+    ("", "must start with 'vllm:'"),
+    ("sglang:tp=2", "must start with 'vllm:'"),
+    ("vllm:", "empty item"),
+    ("vllm:tp=0", r"tp=0 must be a positive int"),
+    ("vllm:tp=-2", r"'tp=-2' needs a positive int"),
+    ("vllm:tp=two", r"'tp=two' needs a positive int"),
+    ("vllm:dp=2", "has no tp"),
+    ("vllm:tp=2,tp=4", "gives 'tp' twice"),
+    ("vllm:tp=2,pp=2", r"unknown key 'pp'; valid keys are tp, dp, ep"),
+    ("vllm:tp=2,ep=maybe", "must be 'ep', 'ep=1' or 'ep=0'"),
+    ("vllm:tp=2,,dp=2", "empty item"),
+])
+def test_bad_spec_strings(text, match):
+    with pytest.raises(ValueError, match=match):
+        parse_inference_spec(text)
+
+
+def test_spec_parsing_and_worker_numbering():
+    assert parse_inference_spec("vllm:tp=4") == InferenceSpec(4, 1, False)
+    s = parse_inference_spec(" vllm: dp=2 , tp=4 , ep ")
+    assert s == InferenceSpec(4, 2, True) and str(s) == "vllm:tp=4,dp=2,ep"
+    assert parse_inference_spec("vllm:tp=2,ep=0").ep is False
+    assert s.num_workers == 8 and s.worker(1, 3) == 7 and (s.dp_index(7), s.tp_rank(7)) == (1, 3)
+    with pytest.raises(ValueError, match="tp=0"):
+        InferenceSpec(0)
+
+
+# -- scale --------------------------------------------------------------------
+
+#: Qwen/Qwen3-235B-A22B config.json (shared/models/Qwen__Qwen3-235B-A22B), the sizes that matter.
+QWEN3_235B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 4096, "num_attention_heads": 64,
+    "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 12288,
+    "moe_intermediate_size": 1536, "num_experts": 128, "num_hidden_layers": 94,
+    "vocab_size": 151936, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+}
+
+
+def _qwen3_235b_wire():
+    c = QWEN3_235B
+    H, nh, nkv, hd, Im, E, V = (c[k] for k in ("hidden_size", "num_attention_heads",
+                                               "num_key_value_heads", "head_dim",
+                                               "moe_intermediate_size", "num_experts", "vocab_size"))
+    bf = torch.bfloat16
+    wire = [ParamMeta("model.embed_tokens.weight", bf, (V, H))]
+    for L in range(c["num_hidden_layers"]):
+        a, m = f"model.layers.{L}.self_attn", f"model.layers.{L}.mlp"
+        wire += [
+            ParamMeta(f"{a}.q_proj.weight", bf, (nh * hd, H)),
+            ParamMeta(f"{a}.k_proj.weight", bf, (nkv * hd, H)),
+            ParamMeta(f"{a}.v_proj.weight", bf, (nkv * hd, H)),
+            ParamMeta(f"{a}.o_proj.weight", bf, (H, nh * hd)),
+            ParamMeta(f"{a}.q_norm.weight", bf, (hd,)),
+            ParamMeta(f"{a}.k_norm.weight", bf, (hd,)),
+            ParamMeta(f"model.layers.{L}.input_layernorm.weight", bf, (H,)),
+            ParamMeta(f"model.layers.{L}.post_attention_layernorm.weight", bf, (H,)),
+            ParamMeta(f"{m}.gate.weight", bf, (E, H)),
+            ParamMeta(f"{m}.experts.gate_up_proj.weight", bf, (E, 2 * Im, H)),
+            ParamMeta(f"{m}.experts.down_proj.weight", bf, (E, H, Im)),
+        ]
+    return wire + [ParamMeta("model.norm.weight", bf, (H,)), ParamMeta("lm_head.weight", bf, (V, H))]
+
+
+@pytest.mark.parametrize("spec", ["vllm:tp=8,dp=8", "vllm:tp=8,dp=8,ep"])
+def test_qwen3_235b_at_64_workers_plans_in_seconds(spec):
+    wire = _qwen3_235b_wire()
+    t0 = time.perf_counter()
+    layout = destination_layout(QWEN3_235B, wire, spec)
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 5.0, f"{elapsed:.2f}s"
+    assert layout.num_workers == 64 and not layout.unknown
+    # MoE tp (or ep) spans all 64 workers: every (expert, row) lands exactly once.
+    w13 = layout.bindings["model.layers.93.mlp.experts.gate_up_proj.weight"]
+    rows = sum((e1 - e0) * (r1 - r0) for (e0, e1), (r0, r1), _ in (b.wire_box for b in w13))
+    assert rows == 128 * 2 * 1536
