@@ -1,0 +1,119 @@
+"""The init payload both sides build a transfer session from.
+
+Trainer rank 0 sends it through ``VLLMWeightSyncClient.init_weight_transfer_engine``
+(vLLM's ``POST /init_weight_transfer_engine`` body ``{"init_info": ...}``).
+It carries the rendezvous (vLLM ``m2n_common.py``: trainer ranks ``[0, T)``,
+workers ``[T, T+N)``, ``rank_offset = T``), the manifest, and the digests
+each side must reproduce: a worker recomputes the manifest digest from the
+manifest it received and rebuilds the plan from its own model config and
+parallel layout; any difference is refused before a byte moves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Mapping
+
+from m2nkit.engine.plan import Plan, build_plan
+
+__all__ = ["INIT_SCHEMA_VERSION", "InitPayload", "plan_from_manifest"]
+
+INIT_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class InitPayload:
+    """Everything a worker needs to join a transfer session.
+
+    Attributes:
+        master_address, master_port: the rendezvous ``TCPStore`` (hosted by
+            trainer rank 0).
+        rank_offset: ``T``, the number of trainer ranks; worker ``w`` joins
+            as rank ``T + w``.
+        world_size: ``T + N``.
+        backend: ``"gloo"`` or ``"nccl"`` (the ``torch_p2p`` group).
+        inference: the inference layout the trainer planned for
+            (``"vllm:tp=2,dp=1"``); a worker refuses one that differs from its own.
+        manifest: ``m2nkit.manifest.serialize.manifest_to_json`` output.
+        manifest_digest: sha256 of the canonical manifest.
+        plan_digest: ``Plan.digest()`` on the trainer.
+        timeout_s: seconds any single wait may take, on every rank.
+        bucket_bytes: ``BucketSchedule`` bucket size (bytes).
+    """
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    backend: str
+    inference: str
+    manifest: dict
+    manifest_digest: str
+    plan_digest: str
+    timeout_s: float
+    bucket_bytes: int
+    schema_version: int = INIT_SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        if self.schema_version != INIT_SCHEMA_VERSION:
+            raise ValueError(f"init payload schema_version {self.schema_version} is not supported; "
+                             f"this m2nkit speaks {INIT_SCHEMA_VERSION}")
+        for name in ("master_port", "rank_offset", "world_size", "bucket_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"init payload field '{name}' must be a positive int, got {v!r}")
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"init payload master_port {self.master_port} is not a TCP port")
+        if self.world_size <= self.rank_offset:
+            raise ValueError(f"init payload world_size {self.world_size} leaves no workers after "
+                             f"rank_offset {self.rank_offset}")
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"init payload backend '{self.backend}' is not 'gloo' or 'nccl'")
+        if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
+            raise ValueError(f"init payload timeout_s must be > 0, got {self.timeout_s!r}")
+
+    @property
+    def num_workers(self) -> int:
+        return self.world_size - self.rank_offset
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "InitPayload":
+        """Parse a payload dict.
+
+        Raises:
+            ValueError: not a dict, missing or unknown fields, bad values
+                (names the field).
+        """
+        if not isinstance(data, Mapping):
+            raise ValueError(f"init payload must be a JSON object, got {type(data).__name__}")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"init payload has unknown fields {unknown}; expected {sorted(names)}")
+        missing = sorted(n for n in names - set(data) if n != "schema_version")
+        if missing:
+            raise ValueError(f"init payload is missing fields {missing}")
+        return cls(**dict(data))
+
+
+def plan_from_manifest(manifest: Mapping[str, Any], model_config: Any, inference) -> tuple[Plan, str]:
+    """Rebuild the plan from a manifest JSON, a model config and an inference spec.
+
+    Returns ``(plan, manifest digest)``; both sides of a session call this,
+    so the plan is a pure function of what they agree on.
+
+    Raises:
+        ValueError: a malformed manifest, an inference spec that does not
+            fit the model (from ``m2nkit.adapters.vllm``).
+    """
+    from m2nkit.adapters.vllm import destination_layout, parse_inference_spec
+    from m2nkit.manifest.serialize import manifest_digest, manifest_from_json
+
+    metas, num_trainer_ranks = manifest_from_json(dict(manifest))
+    spec = parse_inference_spec(inference) if isinstance(inference, str) else inference
+    digest = manifest_digest(metas, num_trainer_ranks)
+    dest = destination_layout(model_config, metas, spec)
+    return build_plan(metas, num_trainer_ranks, dest, manifest_digest=digest), digest
