@@ -104,8 +104,8 @@ def _print_summary(console, args, ckpt, metas, plan, timings):
     if reasons:
         r = Table(title="not carried by nccl_m2n (sent by torch_p2p)", title_justify="left")
         r.add_column("tensors", justify="right")
-        r.add_column("reason")
-        r.add_column("example")
+        r.add_column("reason", overflow="fold")
+        r.add_column("example", overflow="fold")
         for key, n in reasons.most_common():
             name, reason = example[key]
             r.add_row(str(n), reason, name)
@@ -122,7 +122,7 @@ def _print_tensors(console, plan):
 
     t = Table(title="wire tensors", title_justify="left")
     for col in ("name", "dtype", "shape", "bytes moved", "slabs", "nccl_m2n"):
-        t.add_column(col)
+        t.add_column(col, overflow="fold")
     for w in plan.wires:
         m2n = "skipped: " + w.skipped if w.skipped else ("yes" if w.m2n.ok else "no: " + w.m2n.reason)
         t.add_row(w.name, str(w.meta.dtype).removeprefix("torch."), str(list(w.meta.shape)),
@@ -167,8 +167,11 @@ def _verify(console, ckpt, tspec, ispec, plan) -> bool:
 
 def _cmd_plan(args) -> int:
     from rich.console import Console
+    from transformers.utils import logging as hf_logging
 
-    console = Console()
+    hf_logging.set_verbosity_error()
+    # Piped output (logs, CI) gets wide tables instead of rich's 80 columns.
+    console = Console(width=None if sys.stdout.isatty() else 200)
     ckpt, tspec, ispec, metas, plan, timings = _build(args)
     _print_summary(console, args, ckpt, metas, plan, timings)
     if args.verbose:

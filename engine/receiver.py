@@ -1,0 +1,444 @@
+"""The worker-side receiver: one vLLM worker's end of a ``torch_p2p`` session.
+
+A receiver owns one worker's live vLLM-layout storage and changes it only by
+committing a *complete* round. Bytes land in a staging copy first; the copy
+is written into the live parameters at ``finish_weight_update`` only when
+every wire tensor the plan sends this worker arrived. A round that fails
+halfway (dead trainer, timeout, broken group) therefore never leaves
+half-new weights behind: the live storage and the committed version stay
+as they were, and the error lists what arrived and what is missing.
+
+The price is memory: during a round the worker holds its storage twice
+(live + staging, the worker's full local parameter bytes again), freed at
+commit or abort. Receiving in place would save that copy but lose the
+all-or-nothing guarantee, which is what lets an RL loop retry a step.
+
+Before any byte moves the receiver checks the init payload against itself
+(the inference spec, the manifest digest, the plan it rebuilds from its own
+model config, the plan digest) and then ``agree_on_plan`` with every rank;
+any difference is an error, never a hang or shifted weights (DESIGN.md,
+"Control plane"; REFERENCE.md §2: workers reject a payload whose recomputed
+digest differs).
+
+Contract: vLLM ``vllm/distributed/weight_transfer/base.py``
+(``WeightTransferEngine``), as restated in ``m2nkit.manifest.protocol``;
+the calls arrive through vLLM's routes
+(``vllm/entrypoints/serve/dev/rlhf/api_router.py``: ``/init_weight_transfer_engine``,
+``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from m2nkit.adapters.vllm import InferenceSpec, parse_inference_spec
+from m2nkit.engine.plan import Plan
+from m2nkit.engine.session import InitPayload, plan_from_manifest
+from m2nkit.engine.transports.torch_p2p import (
+    BucketSchedule,
+    PlanMismatchError,
+    TransferError,
+    agree_on_plan,
+    create_group,
+    recv_round,
+)
+from m2nkit.manifest.destination import DestinationLayout
+from m2nkit.manifest.protocol import WeightTransferEngine, WeightTransferUpdateInfo
+
+__all__ = ["M2NUpdateInfo", "IncompleteRoundError", "M2NReceiver", "build_vllm_storage"]
+
+_LIST_AT_MOST = 40  # wire names quoted in one error message
+
+
+class IncompleteRoundError(TransferError):
+    """``finish_weight_update`` refused: some wire tensors of the round never arrived.
+
+    ``received`` and ``missing`` list the wire tensor names.
+    """
+
+    def __init__(self, message: str, received: list[str], missing: list[str]) -> None:
+        super().__init__(message)
+        self.received = received
+        self.missing = missing
+
+
+@dataclass
+class M2NUpdateInfo(WeightTransferUpdateInfo):
+    """Per-round update info: ``{"round": k, "version": v}``.
+
+    ``round`` (int >= 0) labels the round in errors; ``version`` is the
+    weight version the trainer intends to commit (used when
+    ``finish_weight_update`` gets none).
+
+    Raises:
+        ValueError: ``round`` not a non-negative int, ``version`` not a
+            string or None.
+    """
+
+    round: int
+    version: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.round, bool) or not isinstance(self.round, int) or self.round < 0:
+            raise ValueError(f"update_info field 'round' must be an int >= 0, got {self.round!r}")
+        if self.version is not None and not isinstance(self.version, str):
+            raise ValueError(f"update_info field 'version' must be a string or null, "
+                             f"got {self.version!r}")
+
+
+def _few(names, n: int = _LIST_AT_MOST) -> str:
+    names = sorted(names)
+    more = f" ... and {len(names) - n} more" if len(names) > n else ""
+    return "[" + ", ".join(f"'{x}'" for x in names[:n]) + "]" + more
+
+
+def build_vllm_storage(destination: DestinationLayout, worker: int,
+                       device: torch.device | str = "cpu") -> torch.nn.Module:
+    """One worker's vLLM-layout storage as a plain ``torch.nn.Module``.
+
+    Parameters sit in nested submodules along their dotted vLLM names, so
+    ``module.named_parameters(remove_duplicate=False)`` yields exactly the
+    names a vLLM worker's model has (``model.layers.0.self_attn.qkv_proj.weight``),
+    each with the worker-local shape and dtype of ``destination``. Aliases
+    (a tied ``lm_head.weight``, Qwen3-MoE ``mlp.experts.gate.weight``) are
+    the same ``Parameter`` registered under both names. Every element is 0
+    (NaN-free; the ``zero_boxes`` of vocab padding must be 0 anyway, as in
+    vLLM's loaders). ``requires_grad`` is off.
+
+    Raises:
+        ValueError: no parameter of ``destination`` belongs to ``worker``.
+    """
+    root = torch.nn.Module()
+    params: dict[str, torch.nn.Parameter] = {}
+
+    def put(name: str, p: torch.nn.Parameter) -> None:
+        *path, leaf = name.split(".")
+        mod = root
+        for part in path:
+            child = mod._modules.get(part)
+            if child is None:
+                child = torch.nn.Module()
+                mod.add_module(part, child)
+            mod = child
+        mod.register_parameter(leaf, p)
+
+    for p in destination.params:
+        if p.worker != worker:
+            continue
+        t = torch.zeros(p.shape, dtype=p.dtype, device=device)
+        params[p.name] = torch.nn.Parameter(t, requires_grad=False)
+        put(p.name, params[p.name])
+    if not params:
+        raise ValueError(f"destination {destination.spec} has no parameters on worker {worker} "
+                         f"(workers 0..{destination.num_workers - 1})")
+    for alias, target in destination.aliases.items():
+        if target in params and alias not in params:
+            put(alias, params[target])
+    return root
+
+
+def _unique_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.data for n, p in module.named_parameters()}
+
+
+def _check_target(module: Any, plan: Plan, worker: int) -> None:
+    if not isinstance(module, torch.nn.Module):
+        raise ValueError(f"worker {worker}: the update target must be a torch.nn.Module, "
+                         f"got {type(module).__name__}")
+    have = dict(module.named_parameters(remove_duplicate=False))
+    for p in plan.destination.params:
+        if p.worker != worker:
+            continue
+        t = have.get(p.name)
+        if t is None:
+            raise ValueError(f"worker {worker}: the target storage has no parameter '{p.name}' "
+                             f"that plan {plan.destination.spec} writes")
+        if tuple(t.shape) != tuple(p.shape) or t.dtype != p.dtype:
+            raise ValueError(f"worker {worker}: target parameter '{p.name}' is "
+                             f"{tuple(t.shape)} {t.dtype}; the plan writes {tuple(p.shape)} {p.dtype}")
+
+
+class M2NReceiver(WeightTransferEngine):
+    """One vLLM worker's receiver for ``torch_p2p`` sessions.
+
+    Args:
+        model_config: the HF config (transformers ``PretrainedConfig`` or
+            ``config.json`` dict) the worker serves.
+        inference: this worker's side, ``InferenceSpec`` or
+            ``"vllm:tp=T[,dp=D][,ep]"``.
+        worker: this worker's index ``dp_index * tp + tp_rank``; it joins the
+            group as rank ``rank_offset + worker``.
+        target: the live storage, an ``nn.Module`` whose parameters carry
+            vLLM names (``build_vllm_storage``). ``None``: allocated at the
+            first ``init_transfer_engine`` from the plan's destination.
+        device: where staging and receive buffers live (``"cpu"`` for gloo).
+
+    Lifecycle (per ``WeightTransferEngine``): ``init_transfer_engine`` (again
+    after any failed round: the group is then broken), then per round
+    ``start_weight_update``, ``update_weights({"round": k, "version": v})``,
+    ``finish_weight_update(v)``; ``shutdown`` at the end.
+
+    Raises:
+        ValueError: a bad spec, or ``worker`` outside ``0..dp*tp-1``.
+    """
+
+    init_info_cls: ClassVar[type] = InitPayload
+    update_info_cls: ClassVar[type] = M2NUpdateInfo
+
+    def __init__(self, model_config: Any, inference: InferenceSpec | str, worker: int,
+                 target: torch.nn.Module | None = None, *,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__(target, model_config=model_config, device=device)
+        self.spec = parse_inference_spec(inference)
+        if isinstance(worker, bool) or not isinstance(worker, int) \
+                or not 0 <= worker < self.spec.num_workers:
+            raise ValueError(f"worker {worker!r} is not in 0..{self.spec.num_workers - 1} "
+                             f"for {self.spec}")
+        self.worker = worker
+        self._version: str | None = None
+        self._payload: InitPayload | None = None
+        self._plan: Plan | None = None
+        self._schedule: BucketSchedule | None = None
+        self._expected: frozenset[str] = frozenset()
+        self._store = None
+        self._group = None
+        self._broken: str | None = None      # why the group is unusable
+        self._staging: dict[str, torch.Tensor] | None = None
+        self._received: set[str] = set()
+        self._round: M2NUpdateInfo | None = None
+
+    # -- state ------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> str | None:
+        """The last committed version (``None`` before the first commit)."""
+        return self._version
+
+    @property
+    def storage(self) -> dict[str, torch.Tensor]:
+        """The live storage, ``{vLLM name: tensor}`` including aliases; empty before init."""
+        if self.model is None:
+            return {}
+        return {n: p.data for n, p in self.model.named_parameters(remove_duplicate=False)}
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan of the current session (``None`` before init)."""
+        return self._plan
+
+    def _name(self) -> str:
+        return f"worker {self.worker}"
+
+    # -- init -------------------------------------------------------------
+
+    def parse_init_info(self, init_dict: Mapping[str, Any]) -> InitPayload:
+        """``InitPayload.from_json`` with this worker named in the error.
+
+        Raises:
+            ValueError: not a dict, a missing or unknown field, a bad value
+                (the message names the field).
+        """
+        try:
+            payload = InitPayload.from_json(init_dict)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{self._name()}: {e}") from None
+        for name in ("master_address", "inference", "manifest_digest", "plan_digest"):
+            if not isinstance(getattr(payload, name), str):
+                raise ValueError(f"{self._name()}: init payload field '{name}' must be a string, "
+                                 f"got {getattr(payload, name)!r}")
+        if not isinstance(payload.manifest, Mapping):
+            raise ValueError(f"{self._name()}: init payload field 'manifest' must be an object")
+        return payload
+
+    def _session_plan(self, payload: InitPayload) -> Plan:
+        """Every check that needs no peer; returns the plan this worker rebuilt."""
+        me = self._name()
+        try:
+            theirs = parse_inference_spec(payload.inference)
+        except ValueError as e:
+            raise ValueError(f"{me}: init payload field 'inference': {e}") from None
+        if theirs != self.spec:
+            raise ValueError(f"{me}: init payload field 'inference' is '{theirs}' but this worker "
+                             f"serves '{self.spec}'")
+        if payload.num_workers != self.spec.num_workers:
+            raise ValueError(f"{me}: init payload world_size {payload.world_size} - rank_offset "
+                             f"{payload.rank_offset} = {payload.num_workers} workers, but "
+                             f"{self.spec} has {self.spec.num_workers}")
+        try:
+            plan, digest = plan_from_manifest(payload.manifest, self.model_config, self.spec)
+        except ValueError as e:
+            raise ValueError(f"{me}: init payload field 'manifest': {e}") from None
+        if digest != payload.manifest_digest:
+            raise ValueError(f"{me}: init payload field 'manifest_digest' is "
+                             f"{payload.manifest_digest[:16]}... but the manifest hashes to "
+                             f"{digest[:16]}...; the manifest was changed or corrupted")
+        if plan.num_trainer_ranks != payload.rank_offset:
+            raise ValueError(f"{me}: init payload rank_offset {payload.rank_offset} differs from "
+                             f"the manifest's num_trainer_ranks {plan.num_trainer_ranks}")
+        if plan.problems:
+            raise ValueError(f"{me}: the plan for this manifest cannot run: "
+                             + "; ".join(str(p) for p in plan.problems[:_LIST_AT_MOST]))
+        if plan.digest() != payload.plan_digest:
+            raise PlanMismatchError(
+                f"{me}: init payload field 'plan_digest' is {payload.plan_digest[:16]}... but this "
+                f"worker's plan for the same manifest and {self.spec} is {plan.digest()[:16]}... "
+                "(a different model config, destination rules or m2nkit version); nothing was sent")
+        return plan
+
+    def init_transfer_engine(self, init_info: InitPayload | Mapping[str, Any]) -> None:
+        """Check the payload, then join a fresh group and agree on the plan.
+
+        A refused payload changes nothing (an earlier session, the live
+        storage and the version stay); an accepted one first shuts down any
+        earlier group. Storage is allocated here when no target was given.
+
+        Raises:
+            ValueError: a bad payload (names the field), an inference spec
+                other than this worker's (names both), a manifest digest
+                that does not match the manifest, a plan with problems
+                (names the wire tensors), a target that does not fit the plan.
+            PlanMismatchError: the payload's plan digest differs from the
+                plan this worker rebuilt, or ``agree_on_plan`` found ranks
+                that disagree. Nothing was sent.
+            TransferError: the rendezvous or agreement timed out
+                (``timeout_s`` of the payload).
+        """
+        payload = init_info if isinstance(init_info, InitPayload) else self.parse_init_info(init_info)
+        plan = self._session_plan(payload)
+        if self.model is None:
+            self.model = build_vllm_storage(plan.destination, self.worker, self.device)
+            self._default_target = (self.model, self.model_config)
+        else:
+            _check_target(self.model, plan, self.worker)
+        schedule = BucketSchedule.build(plan, payload.bucket_bytes)
+        self.shutdown()
+        rank = payload.rank_offset + self.worker
+        store, group = create_group(payload.master_address, payload.master_port, rank,
+                                    payload.world_size, timeout_s=payload.timeout_s,
+                                    backend=payload.backend)
+        try:
+            agree_on_plan(group, rank, payload.world_size, plan, timeout_s=payload.timeout_s)
+        except BaseException:
+            _abort(group)
+            raise
+        self._store, self._group = store, group
+        self._payload, self._plan, self._schedule = payload, plan, schedule
+        self._expected = frozenset(
+            w.name for w in plan.wires if len(w.table) and (w.table[:, 1] == self.worker).any())
+        self._broken = None
+
+    # -- rounds -----------------------------------------------------------
+
+    def _require_session(self, what: str) -> None:
+        if self._group is None:
+            raise ValueError(f"{self._name()}: {what} before init_transfer_engine")
+        if self._broken:
+            raise TransferError(f"{self._name()}: {what} on a broken group ({self._broken}); "
+                                "call init_transfer_engine again with a fresh group")
+
+    def start_weight_update(self) -> None:
+        """Begin a round: allocate the staging copy of the live storage.
+
+        Costs one more copy of the worker's parameters until the round ends.
+
+        Raises:
+            ValueError: no session yet; the target no longer fits the plan.
+            TransferError: the group broke in an earlier round (re-init first).
+        """
+        self._require_session("start_weight_update")
+        _check_target(self.model, self._plan, self.worker)
+        self._staging = {n: t.clone() for n, t in _unique_params(self.model).items()}
+        self._received = set()
+        self._round = None
+
+    def receive_weights(self, update_info: M2NUpdateInfo) -> None:
+        """Receive this worker's slabs of one round into staging.
+
+        Every wait is bounded by the payload's ``timeout_s``.
+
+        Raises:
+            ValueError: no round started, or this round was already received.
+            TransferError: the receive failed or timed out; ``received`` and
+                ``missing`` list wire tensor names. The group is broken
+                afterwards.
+        """
+        if self._staging is None:
+            raise ValueError(f"{self._name()}: update_weights before start_weight_update")
+        self._require_session("update_weights")
+        if self._round is not None:
+            raise ValueError(f"{self._name()}: round {self._round.round} was already received; "
+                             "call finish_weight_update, then start_weight_update")
+        self._round = update_info
+        t0 = time.monotonic()
+        try:
+            done, _ = recv_round(self._group, self._plan, self._schedule, self.worker,
+                                 self._staging, timeout_s=self._payload.timeout_s,
+                                 device=self.device)
+        except Exception as e:
+            self._received = set(getattr(e, "received", ()))
+            missing = sorted(self._expected - self._received)
+            self._broken = f"round {update_info.round} failed"
+            err = TransferError(
+                f"{self._name()}: round {update_info.round} failed after "
+                f"{time.monotonic() - t0:.1f} s: {e}; received {len(self._received)} of "
+                f"{len(self._expected)} wire tensors, missing {_few(missing)}")
+            err.received, err.missing = sorted(self._received), missing
+            raise err from e
+        self._received = set(done)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """Commit the round: copy staging into the live storage, set the version.
+
+        Commits only when every wire tensor the plan sends this worker
+        arrived. The copy is in place (``param.data.copy_``), so the live
+        tensors keep their addresses (vLLM's CUDA graphs hold them). The
+        version becomes ``weight_version``, else the round's ``version``.
+
+        Raises:
+            ValueError: no round started.
+            IncompleteRoundError: wire tensors are missing (listed); the
+                live storage and the version are unchanged, staging is freed.
+        """
+        if self._staging is None:
+            raise ValueError(f"{self._name()}: finish_weight_update without start_weight_update")
+        staging, self._staging = self._staging, None
+        missing = sorted(self._expected - self._received)
+        if missing:
+            label = f"round {self._round.round}" if self._round else "the round (never received)"
+            raise IncompleteRoundError(
+                f"{self._name()}: {label} is incomplete, not committing: {len(missing)} of "
+                f"{len(self._expected)} wire tensors missing {_few(missing)}; version stays "
+                f"{self._version!r}", sorted(self._received), missing)
+        live = _unique_params(self.model)
+        with torch.no_grad():
+            for name, t in staging.items():
+                live[name].copy_(t)
+        if weight_version is None and self._round is not None:
+            weight_version = self._round.version
+        self._version = weight_version
+
+    def shutdown(self) -> None:
+        """Abort and drop the group (pending receives included); idempotent.
+
+        The live storage and version stay; a later ``init_transfer_engine``
+        starts a new session.
+        """
+        group, self._group, self._store = self._group, None, None
+        self._staging = None
+        if group is not None:
+            _abort(group)
+
+
+def _abort(group) -> None:
+    # A stateless group is not registered with torch.distributed, so
+    # destroy_process_group does not apply; abort() closes its pairs and
+    # cancels posted receives (the next bucket is always pre-posted).
+    try:
+        group.abort()
+    except RuntimeError:
+        pass
