@@ -125,22 +125,34 @@ def _wire_fingerprints(plan: Plan) -> list[list[str]]:
     return out
 
 
-def agree_on_plan(group, rank: int, world_size: int, plan: Plan, *, timeout_s: float) -> None:
+def agree_on_plan(group, rank: int, world_size: int, plan: Plan | None, *, timeout_s: float,
+                  error: str | None = None) -> None:
     """Check every rank built the same plan before any byte moves.
 
     All ranks exchange a per-wire-tensor fingerprint list (names, layouts,
     bindings, slabs). On any difference every rank raises, naming the first
-    wire tensor that differs and the ranks involved.
+    wire tensor that differs and the ranks involved. A rank that could not
+    build a plan at all (its payload or model did not fit) passes
+    ``plan=None`` and ``error``: every rank then raises that message, so a
+    refusal on one side ends the session everywhere instead of leaving the
+    others waiting.
 
     Raises:
-        PlanMismatchError: the plans differ.
+        PlanMismatchError: the plans differ, or some rank reported ``error``.
         TransferError: a peer did not answer within ``timeout_s``.
     """
-    mine = _wire_fingerprints(plan)
-    payload = json.dumps({"digest": plan.digest(), "wires": mine,
-                          "trainers": plan.num_trainer_ranks, "workers": plan.num_workers}).encode()
+    if plan is None:
+        payload = json.dumps({"error": error or "no plan"}).encode()
+    else:
+        payload = json.dumps({"digest": plan.digest(), "wires": _wire_fingerprints(plan),
+                              "trainers": plan.num_trainer_ranks,
+                              "workers": plan.num_workers}).encode()
     everyone = [json.loads(p) for p in _allgather_bytes(group, rank, world_size, payload,
                                                           timeout_s, "plan agreement")]
+    for other_rank, other in enumerate(everyone):
+        if "error" in other:
+            raise PlanMismatchError(f"rank {rank}: rank {other_rank} refused the session: "
+                                    f"{other['error']}; nothing was sent")
     ref = everyone[0]
     for other_rank, other in enumerate(everyone):
         if other["digest"] == ref["digest"]:
@@ -366,3 +378,24 @@ def recv_round(group, plan: Plan, schedule: BucketSchedule, worker: int,
         e.missing = sorted(expected - done)
         raise
     return done, got
+
+
+def finish_round(group, rank: int, world_size: int, *, error: str | None, timeout_s: float) -> None:
+    """End a round on every rank with one verdict: all succeeded, or it failed.
+
+    Each rank reports ``error`` (``None`` when its own part succeeded); ranks
+    exchange reports. A rank whose sends finished still learns that a worker
+    lost data, and a stalled or dead rank turns into a timeout or connection
+    error here instead of a silent success elsewhere.
+
+    Raises:
+        TransferError: some rank reported an error (the message names every
+            failing rank), or the exchange itself failed or timed out.
+    """
+    payload = json.dumps({"error": error}).encode()
+    everyone = [json.loads(p) for p in _allgather_bytes(group, rank, world_size, payload,
+                                                          timeout_s, "end-of-round status")]
+    failed = [(r, e["error"]) for r, e in enumerate(everyone) if e.get("error")]
+    if failed:
+        listed = "; ".join(f"rank {r}: {msg}" for r, msg in failed[:4])
+        raise TransferError(f"rank {rank}: the round failed on {len(failed)} rank(s): {listed}")

@@ -1,0 +1,445 @@
+"""An inference-side server for tests and the demo: N worker processes behind HTTP.
+
+It stands in for a vLLM server where vLLM cannot run (no GPU): each worker
+is a separate process holding one ``M2NReceiver`` and its vLLM-layout
+storage, as a vLLM worker would, and a stdlib ``ThreadingHTTPServer``
+exposes vLLM's weight-transfer routes (``vllm/entrypoints/serve/dev/rlhf/
+api_router.py``; bodies in ``m2nkit.engine.clients``), fanning each call
+out to every worker at once. What it adds over vLLM is only what tests
+need: ``GET /weight_version`` (every worker's committed version) and
+``POST /m2nkit/save_storage`` (each worker writes its live storage to a
+safetensors file, to be compared with ``reference_load``).
+
+No call can hang: a worker that dies is noticed at once (its process
+sentinel) and named in the error; one that stays silent is reported after
+``timeout_s``. Late replies are matched by sequence number and dropped.
+
+Run standalone (serves until killed, prints the URL)::
+
+    python -m m2nkit.engine.server --model examples/tiny-qwen3-moe --inference vllm:tp=2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from multiprocessing.connection import wait as mp_wait
+from pathlib import Path
+from typing import Any
+
+from m2nkit.engine.clients import WeightSyncError
+
+__all__ = ["InferenceServer", "load_model_config"]
+
+_BAD_INPUT = 400
+
+
+def load_model_config(source: str | os.PathLike):
+    """The HF config of a checkpoint directory or a ``config.json`` path.
+
+    Reads only ``config.json`` (never safetensors data).
+
+    Raises:
+        CheckpointError: no readable config (``m2nkit.adapters.hf_checkpoint``).
+    """
+    from m2nkit.adapters.hf_checkpoint import read_checkpoint
+
+    path = Path(source)
+    return read_checkpoint(path / "config.json" if path.is_dir() else path).config
+
+
+# --------------------------------------------------------------------------
+# worker process
+
+
+def _worker_main(conn, model: str, inference: str, worker: int) -> None:
+    """One worker: build the receiver, then serve ``(seq, command, arg)`` until told to stop."""
+    import torch
+
+    from m2nkit.engine.clients import error_status
+    from m2nkit.engine.receiver import M2NReceiver
+
+    torch.set_num_threads(1)
+    try:
+        receiver = M2NReceiver(load_model_config(model), inference, worker)
+    except Exception as e:
+        conn.send((0, False, (500, f"worker {worker} failed to start: {e}")))
+        return
+    conn.send((0, True, os.getpid()))
+
+    def save(path: str) -> str:
+        from safetensors.torch import save_file
+
+        # Aliases share storage, which safetensors refuses: save unique names.
+        save_file({n: p.detach().contiguous() for n, p in receiver.model.named_parameters()}, path)
+        return path
+
+    commands = {
+        "init": lambda a: receiver.init_transfer_engine(receiver.parse_init_info(a)),
+        "start": lambda a: receiver.start_weight_update(),
+        "update": lambda a: receiver.update_weights(a),
+        "finish": lambda a: receiver.finish_weight_update(a),
+        "version": lambda a: receiver.weight_version,
+        "save": save,
+    }
+    while True:
+        try:
+            seq, cmd, arg = conn.recv()
+        except (EOFError, OSError):
+            break                                   # the server went away
+        if cmd == "stop":
+            receiver.shutdown()
+            conn.send((seq, True, None))
+            break
+        try:
+            conn.send((seq, True, commands[cmd](arg)))
+        except Exception as e:
+            conn.send((seq, False, (error_status(e), f"{type(e).__name__}: {e}")))
+    receiver.shutdown()
+
+
+# --------------------------------------------------------------------------
+# server
+
+
+class InferenceServer:
+    """N receiver processes (one per vLLM worker) behind vLLM's weight-transfer routes.
+
+    Args:
+        model: checkpoint directory or ``config.json`` path (only the
+            config is read).
+        inference: ``"vllm:tp=T[,dp=D][,ep]"``; one worker process per
+            ``dp * tp``.
+        host, port: where to listen (``port=0``: any free port).
+        timeout_s: how long one call waits for every worker (seconds);
+            must exceed a round's receive time.
+        start_timeout_s: how long worker processes may take to start.
+
+    ``start()`` returns the URL; ``stop()`` always terminates and joins
+    every worker. Usable as a context manager.
+
+    Raises:
+        ValueError: a bad inference spec; CheckpointError: no config.
+    """
+
+    def __init__(self, model: str | os.PathLike, inference: str, host: str = "127.0.0.1",
+                 port: int = 0, timeout_s: float = 600.0, start_timeout_s: float = 120.0) -> None:
+        from m2nkit.adapters.vllm import parse_inference_spec
+
+        self.model = str(model)
+        self.spec = parse_inference_spec(inference)
+        self.inference = str(self.spec)
+        self.host, self.port = host, port
+        self.timeout_s = timeout_s
+        self.start_timeout_s = start_timeout_s
+        load_model_config(self.model)               # fail here, not in N processes
+        self._procs: list[mp.Process] = []
+        self._conns: list[Any] = []
+        self._seq = 0
+        self._lock = threading.Lock()
+        self._httpd: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+        self.url: str | None = None
+
+    @property
+    def num_workers(self) -> int:
+        return self.spec.num_workers
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the workers, in worker order."""
+        return [p.pid for p in self._procs]
+
+    # -- lifecycle --------------------------------------------------------
+
+    def start(self) -> str:
+        """Spawn the workers, wait until each is ready, start serving; returns the URL.
+
+        Raises:
+            WeightSyncError: a worker failed to start or did not within
+                ``start_timeout_s`` (everything started is stopped).
+        """
+        ctx = mp.get_context("spawn")
+        try:
+            for w in range(self.num_workers):
+                parent, child = ctx.Pipe()
+                p = ctx.Process(target=_worker_main, args=(child, self.model, self.inference, w),
+                                name=f"m2nkit-worker-{w}", daemon=True)
+                p.start()
+                child.close()
+                self._procs.append(p)
+                self._conns.append(parent)
+            self._gather(0, "start", self.start_timeout_s)
+            self._httpd = ThreadingHTTPServer((self.host, self.port), _handler(self))
+            self._httpd.daemon_threads = True
+            self._thread = threading.Thread(target=self._httpd.serve_forever,
+                                            name="m2nkit-http", daemon=True)
+            self._thread.start()
+        except BaseException:
+            self.stop()
+            raise
+        host, port = self._httpd.server_address[:2]
+        self.url = f"http://{host}:{port}"
+        return self.url
+
+    def stop(self) -> None:
+        """Stop serving, ask every worker to stop, then terminate/kill and join. Idempotent."""
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._httpd = None
+        for conn in self._conns:
+            try:
+                conn.send((-1, "stop", None))
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + 5.0
+        for p in self._procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self._procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(2.0)
+            if p.is_alive():
+                p.kill()
+                p.join(2.0)
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
+
+    def __enter__(self) -> "InferenceServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- fan-out ----------------------------------------------------------
+
+    def _describe(self, w: int) -> str:
+        p = self._procs[w]
+        return f"worker {w} (pid {p.pid})"
+
+    def _gather(self, seq: int, cmd: str, timeout_s: float) -> list[Any]:
+        """Wait for every worker's reply to ``seq``; raise naming each worker that failed."""
+        results: dict[int, Any] = {}
+        errors: dict[int, tuple[int, str]] = {}
+        pending = set(range(len(self._procs)))
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            waitables = {}
+            for w in pending:
+                waitables[self._conns[w]] = w
+                waitables[self._procs[w].sentinel] = w
+            for ready in mp_wait(list(waitables), timeout=left):
+                w = waitables[ready]
+                if w not in pending:
+                    continue
+                conn = self._conns[w]
+                try:
+                    while conn.poll():
+                        rseq, ok, value = conn.recv()
+                        if rseq != seq:
+                            continue                # a late reply to an earlier call
+                        if ok:
+                            results[w] = value
+                        else:
+                            errors[w] = value
+                        pending.discard(w)
+                        break
+                except (EOFError, OSError):
+                    self._procs[w].join(1.0)        # the pipe closed: it is dying
+                if w in pending and not self._procs[w].is_alive():
+                    errors[w] = (500, f"{self._describe(w)} died during {cmd} "
+                                      f"(exit code {self._procs[w].exitcode})")
+                    pending.discard(w)
+        for w in pending:
+            errors[w] = (500, f"{self._describe(w)} did not answer {cmd} within {timeout_s:g} s")
+        if errors:
+            status = _BAD_INPUT if all(s == _BAD_INPUT for s, _ in errors.values()) else 500
+            by_message: dict[str, list[int]] = {}
+            for w, (_, msg) in sorted(errors.items()):
+                by_message.setdefault(msg, []).append(w)
+            detail = "; ".join(f"worker{'s' if len(ws) > 1 else ''} "
+                               f"{', '.join(map(str, ws))}: {msg}" for msg, ws in by_message.items())
+            raise WeightSyncError(f"{cmd} failed on workers {sorted(errors)}: {detail}",
+                                  status=status)
+        return [results[w] for w in range(len(self._procs))]
+
+    def call(self, cmd: str, arg: Any = None, *, per_worker: list | None = None,
+             timeout_s: float | None = None) -> list[Any]:
+        """Send ``cmd`` to every worker at once; their results in worker order.
+
+        ``arg`` goes to every worker, or ``per_worker[w]`` to worker ``w``.
+
+        Raises:
+            WeightSyncError: any worker failed (``status`` 400 when every
+                failure is bad input, else 500), died or stayed silent
+                within ``timeout_s``; the message names each worker; 503
+                when another call held the workers for ``timeout_s``.
+        """
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        if not self._lock.acquire(timeout=timeout_s):
+            raise WeightSyncError(f"{cmd}: another call kept the workers busy for {timeout_s:g} s",
+                                  status=503)
+        try:
+            self._seq += 1
+            for w, conn in enumerate(self._conns):
+                try:
+                    conn.send((self._seq, cmd, arg if per_worker is None else per_worker[w]))
+                except (OSError, ValueError):
+                    pass                            # dead: _gather names it (sentinel)
+            return self._gather(self._seq, cmd, timeout_s)
+        finally:
+            self._lock.release()
+
+    # -- verification helpers (tests, demo) --------------------------------
+
+    def weight_versions(self) -> list[str | None]:
+        """Every worker's committed version."""
+        return self.call("version")
+
+    def save_storage(self, directory: str | os.PathLike) -> list[str]:
+        """Each worker writes its live storage to ``directory/worker{w}.safetensors``."""
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        paths = [str(d / f"worker{w}.safetensors") for w in range(self.num_workers)]
+        return self.call("save", per_worker=paths)
+
+    def storage(self, worker: int, directory: str | os.PathLike) -> dict:
+        """Worker ``worker``'s live storage ``{vLLM name: tensor}`` (unique names), via files."""
+        from safetensors.torch import load_file
+
+        return load_file(self.save_storage(directory)[worker])
+
+
+# --------------------------------------------------------------------------
+# HTTP
+
+
+def _http_error(status: int, message: str) -> WeightSyncError:
+    return WeightSyncError(message, status=status)
+
+
+def _handler(server: InferenceServer):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args) -> None:      # quiet: errors go to the client
+            pass
+
+        def _reply(self, status: int, doc: dict) -> None:
+            body = json.dumps(doc).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def _body(self) -> dict:
+            n = int(self.headers.get("Content-Length") or 0)
+            raw = self.rfile.read(n) if n else b""
+            try:
+                doc = json.loads(raw) if raw else {}
+            except ValueError as e:
+                raise _http_error(_BAD_INPUT, f"request body is not JSON: {e}") from None
+            if not isinstance(doc, dict):
+                raise _http_error(_BAD_INPUT, "request body must be a JSON object")
+            return doc
+
+        def _field(self, doc: dict, key: str, kinds, *, required: bool = True) -> Any:
+            extra = sorted(set(doc) - {key})
+            if extra:
+                raise _http_error(_BAD_INPUT, f"{self.path}: unknown fields {extra}; "
+                                             f"expected {{'{key}': ...}}")
+            if key not in doc:
+                if required:
+                    raise _http_error(_BAD_INPUT, f"{self.path}: body needs '{key}'")
+                return None
+            v = doc[key]
+            if not isinstance(v, kinds) or (isinstance(v, list)
+                                            and not all(isinstance(x, dict) for x in v)):
+                raise _http_error(_BAD_INPUT, f"{self.path}: '{key}' has the wrong type "
+                                             f"({type(v).__name__})")
+            return v
+
+        def _route(self, method: str) -> None:
+            try:
+                if method == "GET" and self.path == "/get_world_size":
+                    return self._reply(200, {"world_size": server.num_workers})
+                if method == "GET" and self.path == "/weight_version":
+                    return self._reply(200, {"versions": server.call("version")})
+                if method != "POST":
+                    raise _http_error(404, f"no route {method} {self.path}")
+                doc = self._body()
+                if self.path == "/init_weight_transfer_engine":
+                    server.call("init", self._field(doc, "init_info", dict))
+                elif self.path == "/start_weight_update":
+                    server.call("start")             # extra keys (is_checkpoint_format) ignored
+                elif self.path == "/update_weights":
+                    server.call("update", self._field(doc, "update_info", (dict, list)))
+                elif self.path == "/finish_weight_update":
+                    server.call("finish", self._field(doc, "weight_version", (str, type(None)),
+                                                      required=False))
+                elif self.path == "/m2nkit/save_storage":
+                    return self._reply(200, {"files": server.save_storage(
+                        self._field(doc, "dir", str))})
+                else:
+                    raise _http_error(404, f"no route {method} {self.path}")
+                self._reply(200, {"ok": True})
+            except WeightSyncError as e:
+                self._reply(e.status, {"error": str(e)})
+            except Exception as e:                  # a server bug: still answer
+                self._reply(500, {"error": f"{type(e).__name__}: {e}"})
+
+        def do_GET(self) -> None:
+            self._route("GET")
+
+        def do_POST(self) -> None:
+            self._route("POST")
+
+    return Handler
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m m2nkit.engine.server",
+                                 description="Serve vLLM's weight-transfer routes from N "
+                                             "m2nkit receiver processes (until killed).")
+    ap.add_argument("--model", required=True, help="checkpoint directory or config.json")
+    ap.add_argument("--inference", required=True, help="vllm:tp=T[,dp=D][,ep]")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per call")
+    args = ap.parse_args(argv)
+    try:
+        server = InferenceServer(args.model, args.inference, args.host, args.port, args.timeout)
+    except ValueError as e:
+        print(f"error: {e}", flush=True)
+        return 2
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        print(server.start(), flush=True)
+        while not stop.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        pass
+    except RuntimeError as e:
+        print(f"error: {e}", flush=True)
+        return 1
+    finally:
+        server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

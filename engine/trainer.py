@@ -1,0 +1,240 @@
+"""The trainer-side engine: one per trainer rank, ``send_weights()`` every RL step.
+
+Implements ``TrainerWeightTransferEngine`` (vLLM ``weight_transfer/base.py``)
+over m2nkit's plan: each trainer rank sends only its own slabs, straight
+into each worker's vLLM-layout storage. Trainer rank 0 drives the inference
+side through a ``VLLMWeightSyncClient``; every rank joins one stateless
+process group with the workers (trainer ranks ``[0, T)``, workers
+``[T, T+N)``, vLLM ``m2n_common.py``) and, before any byte moves, every rank
+agrees on the manifest digest and the plan.
+
+A round (``send_weights``) on rank 0: ``start_weight_update()``, then
+``update_weights(...)`` in a thread — the inference side's RPC returns only
+once the workers have received everything, so it must overlap the send —
+while every rank runs the transport; then ``finish_weight_update(version)``,
+which commits the new version on the workers only if the round arrived whole.
+Every wait is bounded by ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from m2nkit.manifest.protocol import TrainerInitInfo, TrainerWeightTransferEngine, VLLMWeightSyncClient
+from m2nkit.manifest.serialize import manifest_to_json
+
+from .session import InitPayload, plan_from_manifest
+from .transports.torch_p2p import (
+    BucketSchedule,
+    TransferError,
+    agree_on_plan,
+    create_group,
+    finish_round,
+    send_round,
+)
+
+__all__ = ["M2NTrainerInitInfo", "M2NTrainerEngine", "RoundStats"]
+
+
+@dataclass
+class M2NTrainerInitInfo(TrainerInitInfo):
+    """How this trainer rank joins a transfer session.
+
+    Attributes:
+        num_trainer_ranks: T, the trainer ranks taking part (ranks ``0..T-1``).
+        inference: the workers' layout, ``"vllm:tp=T[,dp=D][,ep]"``.
+        model_config: the HF config of the model (transformers config or
+            ``config.json`` dict): the vLLM destination layout follows from it.
+        master_address, master_port: where trainer rank 0 hosts the
+            rendezvous store; the same on every rank.
+        group_backend: ``torch.distributed`` backend of the group, ``"gloo"`` or ``"nccl"``.
+        timeout_s: bound on every wait (rendezvous, agreement, each send,
+            each control-plane call), seconds.
+        bucket_bytes: transport bucket size (bytes); peak extra trainer
+            memory is about two buckets.
+    """
+
+    backend: ClassVar[str] = "m2nkit"
+
+    num_trainer_ranks: int = 1
+    inference: str = "vllm:tp=1"
+    model_config: Any = None
+    master_address: str = "127.0.0.1"
+    master_port: int = 29555
+    group_backend: str = "gloo"
+    timeout_s: float = 60.0
+    bucket_bytes: int = 64 << 20
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.num_trainer_ranks <= 0 or self.rank >= self.num_trainer_ranks:
+            raise ValueError(f"trainer rank {self.rank} is outside 0..{self.num_trainer_ranks - 1} "
+                             f"(num_trainer_ranks={self.num_trainer_ranks})")
+        if self.model_config is None:
+            raise ValueError("M2NTrainerInitInfo needs model_config (the HF config of the model)")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+
+
+@dataclass
+class RoundStats:
+    """What one ``send_weights`` call did on this rank."""
+
+    round: int
+    version: str
+    bytes_sent: int
+    seconds: float
+    extra: dict = field(default_factory=dict)
+
+
+def _call_in_thread(fn, *args):
+    """Run ``fn(*args)`` in a daemon thread; returns ``(thread, box)`` where box holds result/error."""
+    box: dict[str, Any] = {}
+
+    def run():
+        try:
+            box["result"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+
+    t = threading.Thread(target=run, daemon=True, name=f"m2nkit-{getattr(fn, '__name__', 'rpc')}")
+    t.start()
+    return t, box
+
+
+def _join(thread, box, timeout_s: float, what: str):
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise TransferError(f"{what} did not return within {timeout_s:g} s")
+    if "error" in box:
+        raise TransferError(f"{what} failed: {box['error']}") from box["error"]
+    return box.get("result")
+
+
+class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
+    """Trainer-side m2nkit engine (torch_p2p transport).
+
+    Build it with ``trainer_init`` on every trainer rank; call
+    ``send_weights()`` on every rank each step; ``shutdown()`` at the end.
+    ``source`` is an ``M2NWeightSource`` (``ManifestM2NWeightSource``,
+    ``DTensorModuleSource``, a checkpoint manifest) whose metadata is the
+    same on every rank and whose ``iter_local()`` yields this rank's pieces.
+    """
+
+    init_info_cls = M2NTrainerInitInfo
+
+    def __init__(self, *, init_info: M2NTrainerInitInfo, client: VLLMWeightSyncClient | None,
+                 source, plan, payload: InitPayload, group, store) -> None:
+        super().__init__(client=client, source=source, is_sender=init_info.is_sender)
+        self.init_info = init_info
+        self.plan = plan
+        self.payload = payload
+        self.schedule = BucketSchedule.build(plan, init_info.bucket_bytes)
+        self._group = group
+        self._store = store
+        self._round = 0
+
+    @classmethod
+    def trainer_init(cls, init_info: M2NTrainerInitInfo, *, client: VLLMWeightSyncClient | None = None,
+                     source=None) -> "M2NTrainerEngine":
+        """Plan, rendezvous with the workers, and agree on the plan.
+
+        Rank 0 calls ``client.init_weight_transfer_engine`` with the init
+        payload while joining the group. Raises ``ValueError`` for a plan
+        with problems (on every rank, before any rendezvous),
+        ``PlanMismatchError`` when ranks disagree (on every rank, naming the
+        first differing wire tensor), ``TransferError`` on timeouts.
+        """
+        info = init_info
+        if source is None:
+            raise ValueError("trainer_init needs a source (an M2NWeightSource)")
+        if info.is_sender and client is None:
+            raise ValueError("trainer rank 0 needs a client to drive the inference side")
+        metas = list(source.metadata)
+        manifest = manifest_to_json(metas, info.num_trainer_ranks)
+        plan, digest = plan_from_manifest(manifest, info.model_config, info.inference)
+        if plan.problems:
+            listed = "; ".join(str(p) for p in plan.problems[:5])
+            raise ValueError(f"trainer rank {info.rank}: the plan has {len(plan.problems)} problem(s), "
+                             f"nothing can be sent: {listed}")
+        payload = InitPayload(
+            master_address=info.master_address, master_port=info.master_port,
+            rank_offset=info.num_trainer_ranks,
+            world_size=info.num_trainer_ranks + plan.num_workers,
+            backend=info.group_backend, inference=plan.destination.spec, manifest=manifest,
+            manifest_digest=digest, plan_digest=plan.digest(), timeout_s=info.timeout_s,
+            bucket_bytes=info.bucket_bytes,
+        )
+        rpc = None
+        if info.is_sender:
+            rpc = _call_in_thread(client.init_weight_transfer_engine, payload.to_json())
+        try:
+            store, group = create_group(info.master_address, info.master_port, info.rank,
+                                        payload.world_size, timeout_s=info.timeout_s,
+                                        backend=info.group_backend)
+            agree_on_plan(group, info.rank, payload.world_size, plan, timeout_s=info.timeout_s)
+        except TransferError as e:
+            if rpc is not None and not rpc[0].is_alive() and "error" in rpc[1]:
+                raise TransferError(f"{e}; the inference side said: {rpc[1]['error']}") from e
+            raise
+        if rpc is not None:
+            _join(*rpc, info.timeout_s, "init_weight_transfer_engine")
+        return cls(init_info=info, client=client, source=source, plan=plan, payload=payload,
+                   group=group, store=store)
+
+    def send_weights(self, weight_version: str | None = None) -> RoundStats:
+        """Run one round on this rank; returns what it sent.
+
+        ``weight_version`` (rank 0) labels the version the workers commit;
+        default: the round number.
+
+        Raises:
+            TransferError: a peer died or stalled, the source broke the
+                manifest order, or the inference side refused to commit
+                (rank 0). The workers' version is then unchanged; build a
+                fresh engine (``trainer_init``) for the next round.
+        """
+        self._round += 1
+        version = weight_version or str(self._round)
+        t0 = time.perf_counter()
+        rpc = None
+        timeout = self.init_info.timeout_s
+        if self.is_sender:
+            self.client.start_weight_update()
+            rpc = _call_in_thread(self.client.update_weights,
+                                  {"round": self._round, "version": version})
+        rank, world = self.init_info.rank, self.payload.world_size
+        sent, error = 0, None
+        try:
+            sent = send_round(self._group, self.plan, self.schedule, rank,
+                              self.source.iter_local(), timeout_s=timeout)
+        except Exception as e:  # noqa: BLE001 - reported to every rank below
+            error = f"{type(e).__name__}: {e}"
+        try:
+            # Every rank (trainers and workers) ends the round with one verdict.
+            finish_round(self._group, rank, world, error=error, timeout_s=timeout)
+        except TransferError as e:
+            if rpc is not None:
+                rpc[0].join(min(timeout, 5.0))
+                if "error" in rpc[1]:
+                    raise TransferError(f"{e}; the inference side said: {rpc[1]['error']}") from e
+            raise
+        if rpc is not None:
+            _join(*rpc, timeout, "update_weights")
+            self.client.finish_weight_update(version)
+        return RoundStats(self._round, version, sent, time.perf_counter() - t0)
+
+    def shutdown(self) -> None:
+        """Drop the process group and the store (idempotent)."""
+        group, self._group = self._group, None
+        if group is not None:
+            shutdown = getattr(group, "shutdown", None)
+            if callable(shutdown):
+                try:
+                    shutdown()
+                except RuntimeError:
+                    pass
+        self._store = None
