@@ -16,9 +16,12 @@ all-or-nothing guarantee, which is what lets an RL loop retry a step.
 Before any byte moves the receiver checks the init payload against itself
 (the inference spec, the manifest digest, the plan it rebuilds from its own
 model config, the plan digest) and then ``agree_on_plan`` with every rank;
-any difference is an error, never a hang or shifted weights (DESIGN.md,
-"Control plane"; REFERENCE.md §2: workers reject a payload whose recomputed
-digest differs).
+any difference is an error on every rank, never a hang or shifted weights
+(DESIGN.md, "Control plane"; REFERENCE.md §2: workers reject a payload whose
+recomputed digest differs). A refusal is told to the trainers through the
+same agreement. After its receives every rank takes part in ``finish_round``,
+one verdict for the round: a worker whose own bytes all arrived still does
+not commit when another rank failed.
 
 Contract: vLLM ``vllm/distributed/weight_transfer/base.py``
 (``WeightTransferEngine``), as restated in ``m2nkit.manifest.protocol``;
@@ -45,6 +48,7 @@ from m2nkit.engine.transports.torch_p2p import (
     TransferError,
     agree_on_plan,
     create_group,
+    finish_round,
     recv_round,
 )
 from m2nkit.manifest.destination import DestinationLayout
@@ -159,8 +163,8 @@ def _check_target(module: Any, plan: Plan, worker: int) -> None:
             raise ValueError(f"worker {worker}: the target storage has no parameter '{p.name}' "
                              f"that plan {plan.destination.spec} writes")
         if tuple(t.shape) != tuple(p.shape) or t.dtype != p.dtype:
-            raise ValueError(f"worker {worker}: target parameter '{p.name}' is "
-                             f"{tuple(t.shape)} {t.dtype}; the plan writes {tuple(p.shape)} {p.dtype}")
+            raise ValueError(f"worker {worker}: target parameter '{p.name}' is {tuple(t.shape)} "
+                             f"{t.dtype}; the plan writes {tuple(p.shape)} {p.dtype}")
 
 
 class M2NReceiver(WeightTransferEngine):
@@ -176,12 +180,14 @@ class M2NReceiver(WeightTransferEngine):
         target: the live storage, an ``nn.Module`` whose parameters carry
             vLLM names (``build_vllm_storage``). ``None``: allocated at the
             first ``init_transfer_engine`` from the plan's destination.
-        device: where staging and receive buffers live (``"cpu"`` for gloo).
+        device: where storage, staging and receive buffers live (``"cpu"``
+            for gloo, a CUDA device for nccl).
 
     Lifecycle (per ``WeightTransferEngine``): ``init_transfer_engine`` (again
     after any failed round: the group is then broken), then per round
     ``start_weight_update``, ``update_weights({"round": k, "version": v})``,
-    ``finish_weight_update(v)``; ``shutdown`` at the end.
+    ``finish_weight_update(v)``; ``shutdown`` at the end. One call at a
+    time (``InProcessClient`` and the server's worker loop ensure it).
 
     Raises:
         ValueError: a bad spec, or ``worker`` outside ``0..dp*tp-1``.
@@ -211,6 +217,7 @@ class M2NReceiver(WeightTransferEngine):
         self._staging: dict[str, torch.Tensor] | None = None
         self._received: set[str] = set()
         self._round: M2NUpdateInfo | None = None
+        self._failed: str | None = None      # why the current round failed
 
     # -- state ------------------------------------------------------------
 
@@ -293,9 +300,15 @@ class M2NReceiver(WeightTransferEngine):
     def init_transfer_engine(self, init_info: InitPayload | Mapping[str, Any]) -> None:
         """Check the payload, then join a fresh group and agree on the plan.
 
-        A refused payload changes nothing (an earlier session, the live
-        storage and the version stay); an accepted one first shuts down any
-        earlier group. Storage is allocated here when no target was given.
+        A payload that does not parse is refused at once. One that parses
+        but is refused (spec, digests, plan, target) still joins its group
+        and reports the refusal through ``agree_on_plan(plan=None, error=...)``,
+        so every trainer rank fails at once with this worker's message
+        instead of waiting out the rendezvous; that join is bounded by the
+        payload's ``timeout_s``. Either way nothing moves and nothing
+        changes here (an earlier session, the live storage and the version
+        stay). An accepted payload first shuts down any earlier group;
+        storage is allocated when no target was given.
 
         Raises:
             ValueError: a bad payload (names the field), an inference spec
@@ -304,20 +317,26 @@ class M2NReceiver(WeightTransferEngine):
                 (names the wire tensors), a target that does not fit the plan.
             PlanMismatchError: the payload's plan digest differs from the
                 plan this worker rebuilt, or ``agree_on_plan`` found ranks
-                that disagree. Nothing was sent.
+                that disagree or refuse. Nothing was sent.
             TransferError: the rendezvous or agreement timed out
                 (``timeout_s`` of the payload).
         """
-        payload = init_info if isinstance(init_info, InitPayload) else self.parse_init_info(init_info)
-        plan = self._session_plan(payload)
+        payload = (init_info if isinstance(init_info, InitPayload)
+                   else self.parse_init_info(init_info))
+        rank = payload.rank_offset + self.worker
+        try:
+            plan = self._session_plan(payload)
+            if self.model is not None:
+                _check_target(self.model, plan, self.worker)
+        except (ValueError, PlanMismatchError) as refusal:
+            if rank < payload.world_size:
+                self._report_refusal(payload, rank, str(refusal))
+            raise
         if self.model is None:
             self.model = build_vllm_storage(plan.destination, self.worker, self.device)
             self._default_target = (self.model, self.model_config)
-        else:
-            _check_target(self.model, plan, self.worker)
         schedule = BucketSchedule.build(plan, payload.bucket_bytes)
         self.shutdown()
-        rank = payload.rank_offset + self.worker
         store, group = create_group(payload.master_address, payload.master_port, rank,
                                     payload.world_size, timeout_s=payload.timeout_s,
                                     backend=payload.backend)
@@ -331,6 +350,21 @@ class M2NReceiver(WeightTransferEngine):
         self._expected = frozenset(
             w.name for w in plan.wires if len(w.table) and (w.table[:, 1] == self.worker).any())
         self._broken = None
+
+    def _report_refusal(self, payload: InitPayload, rank: int, message: str) -> None:
+        """Join the payload's group only to tell every rank why this worker refuses."""
+        group = None
+        try:
+            _, group = create_group(payload.master_address, payload.master_port, rank,
+                                    payload.world_size, timeout_s=payload.timeout_s,
+                                    backend=payload.backend)
+            agree_on_plan(group, rank, payload.world_size, None, error=message,
+                          timeout_s=payload.timeout_s)
+        except (TransferError, ValueError):
+            pass                  # raised with our own message, or nobody came: refuse anyway
+        finally:
+            if group is not None:
+                _abort(group)
 
     # -- rounds -----------------------------------------------------------
 
@@ -355,17 +389,24 @@ class M2NReceiver(WeightTransferEngine):
         self._staging = {n: t.clone() for n, t in _unique_params(self.model).items()}
         self._received = set()
         self._round = None
+        self._failed = None
 
     def receive_weights(self, update_info: M2NUpdateInfo) -> None:
-        """Receive this worker's slabs of one round into staging.
+        """Receive this worker's slabs of one round into staging, then agree on the verdict.
 
-        Every wait is bounded by the payload's ``timeout_s``.
+        After its receives (whole or failed) the worker joins every rank in
+        ``finish_round``, the end-of-round verdict the trainer engine also
+        calls: this worker learns whether any other rank failed (then it
+        must not commit either, or TP ranks would serve mixed versions), and
+        the trainers learn this worker's error at once. Every wait is bounded
+        by the payload's ``timeout_s``; a failed round reports within about
+        twice that (receive timeout, then the verdict's).
 
         Raises:
             ValueError: no round started, or this round was already received.
-            TransferError: the receive failed or timed out; ``received`` and
-                ``missing`` list wire tensor names. The group is broken
-                afterwards.
+            TransferError: the receive failed or timed out, or another rank
+                failed; ``received`` and ``missing`` list wire tensor names.
+                The group is broken afterwards.
         """
         if self._staging is None:
             raise ValueError(f"{self._name()}: update_weights before start_weight_update")
@@ -374,45 +415,64 @@ class M2NReceiver(WeightTransferEngine):
             raise ValueError(f"{self._name()}: round {self._round.round} was already received; "
                              "call finish_weight_update, then start_weight_update")
         self._round = update_info
+        payload, rank = self._payload, self._payload.rank_offset + self.worker
         t0 = time.monotonic()
+        mine: Exception | None = None
         try:
             done, _ = recv_round(self._group, self._plan, self._schedule, self.worker,
-                                 self._staging, timeout_s=self._payload.timeout_s,
-                                 device=self.device)
+                                 self._staging, timeout_s=payload.timeout_s, device=self.device)
+            self._received = set(done)
         except Exception as e:
+            mine = e
             self._received = set(getattr(e, "received", ()))
-            missing = sorted(self._expected - self._received)
-            self._broken = f"round {update_info.round} failed"
-            err = TransferError(
-                f"{self._name()}: round {update_info.round} failed after "
-                f"{time.monotonic() - t0:.1f} s: {e}; received {len(self._received)} of "
-                f"{len(self._expected)} wire tensors, missing {_few(missing)}")
-            err.received, err.missing = sorted(self._received), missing
-            raise err from e
-        self._received = set(done)
+        try:
+            finish_round(self._group, rank, payload.world_size,
+                         error=None if mine is None else f"{self._name()}: {mine}",
+                         timeout_s=payload.timeout_s)
+            verdict = None
+        except Exception as e:  # a TransferError, or the aborted group's RuntimeError
+            verdict = e
+        if mine is None and verdict is None:
+            return
+        self._failed = str(mine or verdict)
+        self._broken = f"round {update_info.round} failed"
+        missing = sorted(self._expected - self._received)
+        if mine is not None:
+            what = f"{mine}; received {len(self._received)} of {len(self._expected)} wire " \
+                   f"tensors, missing {_few(missing)}"
+        else:
+            what = f"this worker received all {len(self._expected)} wire tensors, but " \
+                   f"another rank failed: {verdict}"
+        err = TransferError(f"{self._name()}: round {update_info.round} failed after "
+                            f"{time.monotonic() - t0:.1f} s: {what}")
+        err.received, err.missing = sorted(self._received), missing
+        raise err from (mine or verdict)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         """Commit the round: copy staging into the live storage, set the version.
 
         Commits only when every wire tensor the plan sends this worker
-        arrived. The copy is in place (``param.data.copy_``), so the live
-        tensors keep their addresses (vLLM's CUDA graphs hold them). The
-        version becomes ``weight_version``, else the round's ``version``.
+        arrived and no rank reported a failure. The copy is in place
+        (``param.data.copy_``), so the live tensors keep their addresses
+        (vLLM's CUDA graphs hold them). The version becomes
+        ``weight_version``, else the round's ``version``.
 
         Raises:
             ValueError: no round started.
-            IncompleteRoundError: wire tensors are missing (listed); the
-                live storage and the version are unchanged, staging is freed.
+            IncompleteRoundError: wire tensors are missing (listed) or the
+                round failed elsewhere; the live storage and the version are
+                unchanged, staging is freed.
         """
         if self._staging is None:
             raise ValueError(f"{self._name()}: finish_weight_update without start_weight_update")
         staging, self._staging = self._staging, None
         missing = sorted(self._expected - self._received)
-        if missing:
+        if missing or self._failed:
             label = f"round {self._round.round}" if self._round else "the round (never received)"
+            why = f"{len(missing)} of {len(self._expected)} wire tensors missing {_few(missing)}" \
+                if missing else f"it failed elsewhere ({self._failed})"
             raise IncompleteRoundError(
-                f"{self._name()}: {label} is incomplete, not committing: {len(missing)} of "
-                f"{len(self._expected)} wire tensors missing {_few(missing)}; version stays "
+                f"{self._name()}: {label} is incomplete, not committing: {why}; version stays "
                 f"{self._version!r}", sorted(self._received), missing)
         live = _unique_params(self.model)
         with torch.no_grad():

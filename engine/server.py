@@ -26,6 +26,7 @@ import json
 import multiprocessing as mp
 import os
 import signal
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -43,23 +44,41 @@ _BAD_INPUT = 400
 def load_model_config(source: str | os.PathLike):
     """The HF config of a checkpoint directory or a ``config.json`` path.
 
-    Reads only ``config.json`` (never safetensors data).
+    Reads only ``config.json`` (transformers ``AutoConfig``, offline), never
+    safetensors data or the model registry, so it is cheap in every process.
 
     Raises:
-        CheckpointError: no readable config (``m2nkit.adapters.hf_checkpoint``).
+        ValueError: no readable ``config.json``, or an architecture without
+            a vLLM destination table (lists the supported ones).
     """
-    from m2nkit.adapters.hf_checkpoint import read_checkpoint
+    from m2nkit.adapters.vllm import family_for
 
     path = Path(source)
-    return read_checkpoint(path / "config.json" if path.is_dir() else path).config
+    config_path = path / "config.json" if path.is_dir() else path
+    if not config_path.is_file():
+        raise ValueError(f"{config_path} does not exist: the server needs the model's "
+                         "config.json (a checkpoint directory or the file itself)")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")    # nothing may come from the Hub
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(config_path), local_files_only=True)
+    except Exception as e:
+        raise ValueError(f"transformers cannot read {config_path}: {e}") from None
+    family_for(config)
+    return config
 
 
 # --------------------------------------------------------------------------
 # worker process
 
 
-def _worker_main(conn, model: str, inference: str, worker: int) -> None:
-    """One worker: build the receiver, then serve ``(seq, command, arg)`` until told to stop."""
+def _worker_main(conn, model_config: Any, inference: str, worker: int) -> None:
+    """One worker: build the receiver, then serve ``(seq, command, arg)`` until told to stop.
+
+    ``model_config`` arrives pickled from the server (the config it
+    validated), which spares each worker transformers' model registry.
+    """
     import torch
 
     from m2nkit.engine.clients import error_status
@@ -67,7 +86,7 @@ def _worker_main(conn, model: str, inference: str, worker: int) -> None:
 
     torch.set_num_threads(1)
     try:
-        receiver = M2NReceiver(load_model_config(model), inference, worker)
+        receiver = M2NReceiver(model_config, inference, worker)
     except Exception as e:
         conn.send((0, False, (500, f"worker {worker} failed to start: {e}")))
         return
@@ -81,12 +100,13 @@ def _worker_main(conn, model: str, inference: str, worker: int) -> None:
         return path
 
     commands = {
-        "init": lambda a: receiver.init_transfer_engine(receiver.parse_init_info(a)),
-        "start": lambda a: receiver.start_weight_update(),
-        "update": lambda a: receiver.update_weights(a),
-        "finish": lambda a: receiver.finish_weight_update(a),
-        "version": lambda a: receiver.weight_version,
-        "save": save,
+        "init_weight_transfer_engine":
+            lambda a: receiver.init_transfer_engine(receiver.parse_init_info(a)),
+        "start_weight_update": lambda a: receiver.start_weight_update(),
+        "update_weights": lambda a: receiver.update_weights(a),
+        "finish_weight_update": lambda a: receiver.finish_weight_update(a),
+        "weight_version": lambda a: receiver.weight_version,
+        "save_storage": save,
     }
     while True:
         try:
@@ -102,6 +122,11 @@ def _worker_main(conn, model: str, inference: str, worker: int) -> None:
         except Exception as e:
             conn.send((seq, False, (error_status(e), f"{type(e).__name__}: {e}")))
     receiver.shutdown()
+    # Skip interpreter teardown (about a second with torch loaded): the
+    # group is aborted and nothing else of this process needs flushing.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # --------------------------------------------------------------------------
@@ -122,10 +147,16 @@ class InferenceServer:
         start_timeout_s: how long worker processes may take to start.
 
     ``start()`` returns the URL; ``stop()`` always terminates and joins
-    every worker. Usable as a context manager.
+    every worker. Usable as a context manager. ``worker_pids`` lists the
+    worker processes; ``save_storage(dir)`` / ``storage(worker, dir)`` give
+    a worker's live storage for verification. Calls reach the workers one
+    at a time (a ``GET /weight_version`` during a round waits for it).
+    Errors answer HTTP 400 (every worker refused the input: bad payload,
+    plan mismatch), 500 (transfer failure, dead or silent worker) or 404,
+    with ``{"error": message naming each worker}``.
 
     Raises:
-        ValueError: a bad inference spec; CheckpointError: no config.
+        ValueError: a bad inference spec or model config.
     """
 
     def __init__(self, model: str | os.PathLike, inference: str, host: str = "127.0.0.1",
@@ -138,7 +169,7 @@ class InferenceServer:
         self.host, self.port = host, port
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s
-        load_model_config(self.model)               # fail here, not in N processes
+        self.model_config = load_model_config(self.model)   # fail here, not in N processes
         self._procs: list[mp.Process] = []
         self._conns: list[Any] = []
         self._seq = 0
@@ -169,16 +200,16 @@ class InferenceServer:
         try:
             for w in range(self.num_workers):
                 parent, child = ctx.Pipe()
-                p = ctx.Process(target=_worker_main, args=(child, self.model, self.inference, w),
-                                name=f"m2nkit-worker-{w}", daemon=True)
+                p = ctx.Process(target=_worker_main, name=f"m2nkit-worker-{w}", daemon=True,
+                                args=(child, self.model_config, self.inference, w))
                 p.start()
                 child.close()
                 self._procs.append(p)
                 self._conns.append(parent)
-            self._gather(0, "start", self.start_timeout_s)
+            self._gather(0, "startup", self.start_timeout_s)
             self._httpd = ThreadingHTTPServer((self.host, self.port), _handler(self))
             self._httpd.daemon_threads = True
-            self._thread = threading.Thread(target=self._httpd.serve_forever,
+            self._thread = threading.Thread(target=self._httpd.serve_forever, args=(0.1,),
                                             name="m2nkit-http", daemon=True)
             self._thread.start()
         except BaseException:
@@ -211,7 +242,7 @@ class InferenceServer:
                 p.join(2.0)
         for conn in self._conns:
             conn.close()
-        self._procs, self._conns = [], []
+        self._procs, self._conns, self.url = [], [], None
 
     def __enter__(self) -> "InferenceServer":
         self.start()
@@ -268,9 +299,11 @@ class InferenceServer:
             status = _BAD_INPUT if all(s == _BAD_INPUT for s, _ in errors.values()) else 500
             by_message: dict[str, list[int]] = {}
             for w, (_, msg) in sorted(errors.items()):
-                by_message.setdefault(msg, []).append(w)
-            detail = "; ".join(f"worker{'s' if len(ws) > 1 else ''} "
-                               f"{', '.join(map(str, ws))}: {msg}" for msg, ws in by_message.items())
+                # Workers that failed alike are listed once ("workers 0, 1: ...").
+                by_message.setdefault(msg.replace(f": worker {w}: ", ": ", 1), []).append(w)
+            detail = "; ".join(
+                f"worker{'s' if len(ws) > 1 else ''} {', '.join(map(str, ws))}: {msg}"
+                for msg, ws in by_message.items())
             raise WeightSyncError(f"{cmd} failed on workers {sorted(errors)}: {detail}",
                                   status=status)
         return [results[w] for w in range(len(self._procs))]
@@ -306,14 +339,14 @@ class InferenceServer:
 
     def weight_versions(self) -> list[str | None]:
         """Every worker's committed version."""
-        return self.call("version")
+        return self.call("weight_version")
 
     def save_storage(self, directory: str | os.PathLike) -> list[str]:
         """Each worker writes its live storage to ``directory/worker{w}.safetensors``."""
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         paths = [str(d / f"worker{w}.safetensors") for w in range(self.num_workers)]
-        return self.call("save", per_worker=paths)
+        return self.call("save_storage", per_worker=paths)
 
     def storage(self, worker: int, directory: str | os.PathLike) -> dict:
         """Worker ``worker``'s live storage ``{vLLM name: tensor}`` (unique names), via files."""
@@ -328,6 +361,38 @@ class InferenceServer:
 
 def _http_error(status: int, message: str) -> WeightSyncError:
     return WeightSyncError(message, status=status)
+
+
+#: POST route -> (body field, allowed types, required). The worker command
+#: has the route's name. ``/start_weight_update`` reads no field: vLLM sends
+#: ``{"is_checkpoint_format": bool}``, which is accepted and ignored.
+_POST_ROUTES: dict[str, tuple[str | None, tuple[type, ...], bool]] = {
+    "/init_weight_transfer_engine": ("init_info", (dict,), True),
+    "/start_weight_update": (None, (), False),
+    "/update_weights": ("update_info", (dict, list), True),
+    "/finish_weight_update": ("weight_version", (str, type(None)), False),
+    "/m2nkit/save_storage": ("dir", (str,), True),
+}
+
+
+def _body_field(route: str, doc: Any, key: str, kinds: tuple[type, ...], required: bool) -> Any:
+    """``doc[key]`` after checking the body has exactly that field, of the right type."""
+    if not isinstance(doc, dict):
+        raise _http_error(_BAD_INPUT, f"{route}: the body must be a JSON object")
+    extra = sorted(set(doc) - {key})
+    if extra:
+        raise _http_error(_BAD_INPUT, f"{route}: unknown fields {extra}; expected '{key}'")
+    if key not in doc:
+        if required:
+            raise _http_error(_BAD_INPUT, f"{route}: the body needs '{key}'")
+        return None
+    v = doc[key]
+    if not isinstance(v, kinds) or (isinstance(v, list)
+                                    and not all(isinstance(x, dict) for x in v)):
+        raise _http_error(_BAD_INPUT, f"{route}: '{key}' must be "
+                                      f"{' or '.join(k.__name__ for k in kinds)} (of objects), "
+                                      f"got {type(v).__name__}")
+    return v
 
 
 def _handler(server: InferenceServer):
@@ -345,59 +410,34 @@ def _handler(server: InferenceServer):
             self.end_headers()
             self.wfile.write(body)
 
-        def _body(self) -> dict:
+        def _answer(self, method: str) -> dict:
+            route = self.path
+            if method == "GET" and route == "/get_world_size":
+                return {"world_size": server.num_workers}
+            if method == "GET" and route == "/weight_version":
+                return {"versions": server.weight_versions()}
+            if method != "POST" or route not in _POST_ROUTES:
+                raise _http_error(404, f"no route {method} {route}")
             n = int(self.headers.get("Content-Length") or 0)
-            raw = self.rfile.read(n) if n else b""
             try:
-                doc = json.loads(raw) if raw else {}
+                doc = json.loads(self.rfile.read(n)) if n else {}
             except ValueError as e:
-                raise _http_error(_BAD_INPUT, f"request body is not JSON: {e}") from None
-            if not isinstance(doc, dict):
-                raise _http_error(_BAD_INPUT, "request body must be a JSON object")
-            return doc
-
-        def _field(self, doc: dict, key: str, kinds, *, required: bool = True) -> Any:
-            extra = sorted(set(doc) - {key})
-            if extra:
-                raise _http_error(_BAD_INPUT, f"{self.path}: unknown fields {extra}; "
-                                             f"expected {{'{key}': ...}}")
-            if key not in doc:
-                if required:
-                    raise _http_error(_BAD_INPUT, f"{self.path}: body needs '{key}'")
-                return None
-            v = doc[key]
-            if not isinstance(v, kinds) or (isinstance(v, list)
-                                            and not all(isinstance(x, dict) for x in v)):
-                raise _http_error(_BAD_INPUT, f"{self.path}: '{key}' has the wrong type "
-                                             f"({type(v).__name__})")
-            return v
+                raise _http_error(_BAD_INPUT, f"{route}: the body is not JSON: {e}") from None
+            key, kinds, required = _POST_ROUTES[route]
+            if key is None:
+                server.call(route[1:])
+                return {"ok": True}
+            value = _body_field(route, doc, key, kinds, required)
+            if route == "/m2nkit/save_storage":
+                return {"files": server.save_storage(value)}
+            server.call(route[1:], value)
+            return {"ok": True}
 
         def _route(self, method: str) -> None:
             try:
-                if method == "GET" and self.path == "/get_world_size":
-                    return self._reply(200, {"world_size": server.num_workers})
-                if method == "GET" and self.path == "/weight_version":
-                    return self._reply(200, {"versions": server.call("version")})
-                if method != "POST":
-                    raise _http_error(404, f"no route {method} {self.path}")
-                doc = self._body()
-                if self.path == "/init_weight_transfer_engine":
-                    server.call("init", self._field(doc, "init_info", dict))
-                elif self.path == "/start_weight_update":
-                    server.call("start")             # extra keys (is_checkpoint_format) ignored
-                elif self.path == "/update_weights":
-                    server.call("update", self._field(doc, "update_info", (dict, list)))
-                elif self.path == "/finish_weight_update":
-                    server.call("finish", self._field(doc, "weight_version", (str, type(None)),
-                                                      required=False))
-                elif self.path == "/m2nkit/save_storage":
-                    return self._reply(200, {"files": server.save_storage(
-                        self._field(doc, "dir", str))})
-                else:
-                    raise _http_error(404, f"no route {method} {self.path}")
-                self._reply(200, {"ok": True})
+                self._reply(200, self._answer(method))
             except WeightSyncError as e:
-                self._reply(e.status, {"error": str(e)})
+                self._reply(e.status or 500, {"error": str(e)})
             except Exception as e:                  # a server bug: still answer
                 self._reply(500, {"error": f"{type(e).__name__}: {e}"})
 

@@ -1,0 +1,332 @@
+"""Baselines to measure m2nkit against: gather-then-broadcast and the raw wire floor.
+
+m2nkit claims that sending each worker only its slabs, straight from each
+trainer rank's shard, beats the way RL frameworks move weights today. A
+claim like that needs the field's way implemented fairly, on the same
+process group, the same processes, the same checkpoint and the same
+receiving storage; this module is that comparison and nothing else. It is
+not a transport m2nkit offers.
+
+:func:`gather_then_broadcast_round` does what OpenRLHF's
+``broadcast_to_vllm`` (DeepSpeed ``GatheredParameters`` then
+``torch.distributed.broadcast`` from rank 0) and the FSDP paths of verl and
+NeMo-RL (``DTensor.full_tensor()`` then rank 0 sends) do, per wire tensor in
+manifest order:
+
+1. every trainer rank all-gathers the full tensor from the local shards —
+   a real collective among the ``T`` trainer ranks only, on their own
+   stateless gloo group (:func:`create_trainer_group`): one group over all
+   ``T + N`` ranks cannot all-gather over a subset of them. Uneven
+   ``Shard(0)`` chunks are padded to the largest chunk and trimmed after,
+   as FSDP2 does; every trainer rank ends up holding the full tensor, as
+   ``full_tensor()`` leaves it;
+2. trainer rank 0 sends the *full* tensor to every worker (point to point
+   over the ``T + N`` group), so it sends ``N`` times the model;
+3. each worker keeps the pieces it needs — the wire boxes of its bindings
+   in the same plan m2nkit uses — and drops the rest, as vLLM's
+   ``weight_loader`` narrows a full checkpoint tensor.
+
+It is given the same courtesies as m2nkit's ``torch_p2p``: one tensor's
+sends stay in flight while the next one is gathered, the receive for the
+next tensor is posted before the current one is unpacked, and tensors the
+inference side skips (a tied ``lm_head``) are not sent.
+
+:func:`raw_floor_round` is the floor of this machine: exactly the bytes the
+m2nkit plan puts on each (trainer rank, worker) link, as one message per
+link from buffers filled in advance — no reading, packing or unpacking.
+Nothing can move the plan's bytes over this group faster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+import torch
+
+from m2nkit.engine.plan import Plan
+from m2nkit.engine.transports.torch_p2p import TransferError, _wait, create_group
+from m2nkit.manifest.layout import box_volume, rank_boxes
+
+__all__ = [
+    "GATHER_GROUP_PREFIX",
+    "RoundBytes",
+    "create_trainer_group",
+    "gather_then_broadcast_round",
+    "raw_floor_buffers",
+    "raw_floor_round",
+]
+
+#: ``PrefixStore`` prefix of the trainer-only group (its own keys, its own store).
+GATHER_GROUP_PREFIX = "m2nkit-baseline-gather"
+
+
+@dataclass(frozen=True)
+class RoundBytes:
+    """Bytes one rank moved in one round of a baseline.
+
+    Attributes:
+        sent: bytes sent point to point to workers (trainer ranks).
+        received: bytes received point to point (workers).
+        gathered: bytes this trainer rank sent inside the trainer
+            all-gathers, counted as gloo's ring all-gather sends them:
+            ``T - 1`` padded chunks per wire tensor. 0 for workers.
+    """
+
+    sent: int = 0
+    received: int = 0
+    gathered: int = 0
+
+
+def create_trainer_group(host: str, port: int, rank: int, num_trainer_ranks: int, *,
+                         timeout_s: float):
+    """Join the stateless gloo group of the ``T`` trainer ranks only.
+
+    The all-gather of :func:`gather_then_broadcast_round` runs here. It
+    needs its own ``TCPStore`` (``port``, hosted by trainer rank 0) because
+    a group of ``T + N`` ranks can run collectives only over all of them.
+    Returns ``(store, group)``.
+
+    Raises:
+        TransferError: the rendezvous did not complete within ``timeout_s``.
+        ValueError: ``rank`` is not a trainer rank.
+    """
+    if not 0 <= rank < num_trainer_ranks:
+        raise ValueError(f"rank {rank} is not a trainer rank (0..{num_trainer_ranks - 1}); "
+                         "only trainer ranks join the gather group")
+    return create_group(host, port, rank, num_trainer_ranks, timeout_s=timeout_s,
+                        prefix=GATHER_GROUP_PREFIX)
+
+
+def _check(plan: Plan, rank: int) -> None:
+    if plan.problems:
+        raise ValueError(f"the plan has {len(plan.problems)} problem(s), first: "
+                         f"{plan.problems[0]}; a baseline round needs a plan that can run")
+    world = plan.num_trainer_ranks + plan.num_workers
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is not in the transfer group of {world} ranks "
+                         f"({plan.num_trainer_ranks} trainer ranks + {plan.num_workers} workers)")
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous ``uint8`` view of ``t`` (a copy only when ``t`` is not contiguous)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def gather_then_broadcast_round(group, trainer_group, plan: Plan, rank: int, *,
+                                stream: Iterable[tuple[str, torch.Tensor]] | None = None,
+                                storage: Mapping[str, torch.Tensor] | None = None,
+                                timeout_s: float) -> RoundBytes:
+    """One round the way RL frameworks move weights today (see the module docstring).
+
+    Every rank of the ``T + N`` group calls it with the same ``plan``.
+    Trainer ranks ``[0, T)`` pass ``trainer_group`` (:func:`create_trainer_group`)
+    and ``stream``, their ``iter_local()`` — ``(wire name, local tensor)``
+    per owned wire tensor in manifest order, each local tensor of the shape
+    of the rank's box. Workers ``[T, T+N)`` pass ``storage``, their
+    vLLM-layout parameters (``allocate_storage``); every binding of the
+    worker is written from the full tensor it receives.
+
+    Per wire tensor of ``S`` bytes, trainer rank 0 sends ``N * S`` bytes,
+    every worker receives ``S``, and every trainer rank sends ``(T - 1) *
+    chunk`` bytes in the all-gather (``chunk``: the largest rank's box,
+    bytes).
+
+    Returns:
+        ``RoundBytes`` of this rank.
+
+    Raises:
+        ValueError: the plan has problems, ``rank`` is outside the group, or
+            a trainer rank lacks ``stream``/``trainer_group`` or a worker
+            ``storage``.
+        TransferError: a stream out of manifest order or of the wrong
+            shape, or a collective, send or receive that failed or timed out.
+    """
+    _check(plan, rank)
+    T, N = plan.num_trainer_ranks, plan.num_workers
+    if rank < T:
+        if stream is None or trainer_group is None:
+            raise ValueError(f"trainer rank {rank} needs stream= and trainer_group=")
+        return _gather_and_send(group, trainer_group, plan, rank, stream, timeout_s)
+    if storage is None:
+        raise ValueError(f"worker {rank - T} (rank {rank}) needs storage=")
+    return _receive_full(group, plan, rank - T, storage, timeout_s)
+
+
+def _gather_and_send(group, trainer_group, plan: Plan, rank: int,
+                     stream: Iterable[tuple[str, torch.Tensor]], timeout_s: float) -> RoundBytes:
+    T, N = plan.num_trainer_ranks, plan.num_workers
+    it = iter(stream)
+    sent = gathered = 0
+    in_flight: list[tuple[object, str]] = []
+    keep_alive: torch.Tensor | None = None
+    for wi, wp in enumerate(plan.wires):
+        boxes = dict(rank_boxes(wp.layout, wp.meta.shape))
+        local = None
+        if rank in boxes:
+            try:
+                name, local = next(it)
+            except StopIteration:
+                raise TransferError(f"trainer rank {rank}: source ended before '{wp.name}'") from None
+            want = tuple(b - a for a, b in boxes[rank])
+            if name != wp.name:
+                raise TransferError(f"trainer rank {rank}: source yielded '{name}' where the "
+                                    f"manifest order expects '{wp.name}'")
+            if tuple(local.shape) != want or local.dtype != wp.meta.dtype:
+                raise TransferError(f"trainer rank {rank}: local '{name}' is {tuple(local.shape)} "
+                                    f"{local.dtype}; its box needs {want} {wp.meta.dtype}")
+        if wp.skipped:
+            continue
+
+        # 1. all-gather among the trainer ranks: every rank contributes its
+        #    box padded to the largest box, every rank receives all of them.
+        chunk = max(box_volume(b) for b in boxes.values()) * wp.itemsize
+        mine = torch.empty(chunk, dtype=torch.uint8)
+        if local is not None and local.numel():
+            raw = _as_bytes(local)
+            mine[:raw.numel()].copy_(raw)
+        outs = [torch.empty(chunk, dtype=torch.uint8) for _ in range(T)]
+        what = f"trainer rank {rank}: all-gather of '{wp.name}'"
+        try:
+            work = trainer_group.allgather([outs], [mine])
+        except RuntimeError as e:
+            raise TransferError(f"{what} failed: {str(e).splitlines()[0]}") from e
+        _wait(work, timeout_s, what)
+        gathered += (T - 1) * chunk
+        # Trim the padding and place every box: the full tensor, on every
+        # trainer rank, as DTensor.full_tensor() leaves it.
+        full = torch.empty(wp.meta.shape, dtype=wp.meta.dtype)
+        placed: set = set()
+        for r, box in boxes.items():
+            if box in placed or box_volume(box) == 0:
+                continue
+            placed.add(box)
+            n = box_volume(box) * wp.itemsize
+            piece = outs[r][:n].view(wp.meta.dtype).view(tuple(b - a for a, b in box))
+            full[tuple(slice(a, b) for a, b in box)].copy_(piece)
+        del outs, mine
+
+        # 2. rank 0 sends the full tensor to every worker; the previous
+        #    tensor's sends were left in flight while this one was gathered.
+        for work, what in in_flight:
+            _wait(work, timeout_s, what)
+        in_flight = []
+        keep_alive = None
+        if rank != 0:
+            continue
+        payload = _as_bytes(full)
+        for w in range(N):
+            what = f"trainer rank 0: send of '{wp.name}' to worker {w}"
+            try:
+                work = group.send([payload], T + w, wi)
+            except RuntimeError as e:
+                raise TransferError(f"{what} failed: {str(e).splitlines()[0]}") from e
+            in_flight.append((work, what))
+            sent += payload.numel()
+        keep_alive = payload  # the buffer must outlive its sends
+    for work, what in in_flight:
+        _wait(work, timeout_s, what)
+    del keep_alive
+    leftover = next(it, None)
+    if leftover is not None:
+        raise TransferError(f"trainer rank {rank}: source yielded '{leftover[0]}' after the last "
+                            "wire tensor of the manifest")
+    return RoundBytes(sent=sent, gathered=gathered)
+
+
+def _receive_full(group, plan: Plan, worker: int, storage: Mapping[str, torch.Tensor],
+                  timeout_s: float) -> RoundBytes:
+    T = plan.num_trainer_ranks
+    todo = [wi for wi, wp in enumerate(plan.wires) if not wp.skipped]
+
+    def post(wi: int):
+        wp = plan.wires[wi]
+        buf = torch.empty(wp.meta.nbytes, dtype=torch.uint8)
+        what = f"worker {worker} (rank {T + worker}): receive of '{wp.name}' from trainer rank 0"
+        try:
+            work = group.recv([buf], 0, wi)
+        except RuntimeError as e:
+            raise TransferError(f"{what} failed: {str(e).splitlines()[0]}") from e
+        return wi, buf, work, what
+
+    received = 0
+    pending = post(todo[0]) if todo else None
+    for k in range(len(todo)):
+        wi, buf, work, what = pending
+        pending = post(todo[k + 1]) if k + 1 < len(todo) else None
+        _wait(work, timeout_s, what)
+        received += buf.numel()
+        wp = plan.wires[wi]
+        full = buf.view(wp.meta.dtype).view(wp.meta.shape)
+        # 3. keep this worker's boxes, drop the rest (vLLM's weight_loader
+        #    narrows the full checkpoint tensor the same way).
+        for b in wp.bindings:
+            if b.worker != worker:
+                continue
+            src = full[tuple(slice(a, c) for a, c in b.wire_box)]
+            dst = storage[b.param][tuple(slice(o, o + c - a)
+                                         for o, (a, c) in zip(b.offset, b.wire_box))]
+            dst.copy_(src)
+    return RoundBytes(received=received)
+
+
+def raw_floor_buffers(plan: Plan, rank: int) -> dict[int, torch.Tensor]:
+    """Filled ``uint8`` buffers for :func:`raw_floor_round`, one per link of ``rank``.
+
+    A trainer rank gets ``{worker: buffer}``, a worker ``{trainer rank:
+    buffer}``, each of the plan's ``link_bytes`` for that link. Every page
+    is written here, so the round measures the wire, not page faults.
+
+    Raises:
+        ValueError: ``rank`` is outside the ``T + N`` group.
+    """
+    _check(plan, rank)
+    T = plan.num_trainer_ranks
+    out = {}
+    for (src, dst), n in sorted(plan.link_bytes.items()):
+        if rank == src:
+            out[dst] = torch.full((n,), (src * 31 + dst) % 251, dtype=torch.uint8)
+        elif rank == T + dst:
+            out[src] = torch.zeros(n, dtype=torch.uint8)
+    return out
+
+
+def raw_floor_round(group, plan: Plan, rank: int, buffers: Mapping[int, torch.Tensor], *,
+                    timeout_s: float) -> RoundBytes:
+    """Move the plan's bytes per link as one raw gloo message per link.
+
+    ``buffers`` come from :func:`raw_floor_buffers` for the same ``rank``.
+    Trainer ranks post every send at once, workers every receive; then
+    both wait. The wall time of this round is the least any transfer of
+    the plan's bytes can take on this group.
+
+    Raises:
+        ValueError: the buffers do not match the plan's links of ``rank``.
+        TransferError: a send or receive failed or timed out.
+    """
+    _check(plan, rank)
+    T = plan.num_trainer_ranks
+    if rank < T:
+        links = {dst: n for (src, dst), n in plan.link_bytes.items() if src == rank}
+    else:
+        links = {src: n for (src, dst), n in plan.link_bytes.items() if dst == rank - T}
+    got = {peer: b.numel() for peer, b in buffers.items()}
+    if got != links:
+        raise ValueError(f"rank {rank}: buffers cover links {got} but the plan has {links}; "
+                         "build them with raw_floor_buffers(plan, rank)")
+    posted = []
+    for peer, buf in sorted(buffers.items()):
+        if rank < T:
+            what = f"trainer rank {rank}: floor send to worker {peer}"
+            op = lambda b=buf, p=peer: group.send([b], T + p, 0)  # noqa: E731
+        else:
+            what = f"worker {rank - T} (rank {rank}): floor receive from trainer rank {peer}"
+            op = lambda b=buf, p=peer: group.recv([b], p, 0)  # noqa: E731
+        try:
+            posted.append((op(), what))
+        except RuntimeError as e:
+            raise TransferError(f"{what} failed: {str(e).splitlines()[0]}") from e
+    for work, what in posted:
+        _wait(work, timeout_s, what)
+    n = sum(links.values())
+    return RoundBytes(sent=n) if rank < T else RoundBytes(received=n)

@@ -1,0 +1,240 @@
+"""The gather-then-broadcast baseline and the raw floor, run for real.
+
+Four spawned processes (trainer ranks 0-1 holding ``fsdp:2`` shards of
+examples/tiny-qwen3-moe, workers 2-3 holding ``vllm:tp=2`` storage) join
+one stateless gloo group over 127.0.0.1, the trainers a second one for the
+all-gather; then each process runs m2nkit's ``torch_p2p`` round, the
+gather-then-broadcast round and the raw floor round on the same groups.
+The parent builds the plan and the trainer shards once and checks every
+worker's storage against ``reference_load`` (an independent restatement of
+vLLM's loaders), so the children import torch and m2nkit only.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import socket
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+CHECKPOINT = ROOT / "examples" / "tiny-qwen3-moe"
+TRAINER, INFERENCE = "fsdp:2", "vllm:tp=2"
+T, N = 2, 2
+TIMEOUT_S = 30.0  # any single wait inside a child
+DEADLINE_S = 60.0  # the whole multi-process run
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _to_bytes(storage: dict[str, torch.Tensor]) -> dict[str, tuple[bytes, torch.dtype, tuple]]:
+    # Plain bytes through the queue: torch's shared-memory tensor pickling
+    # would need the child alive until the parent has read the tensor.
+    return {k: (v.contiguous().view(torch.uint8).numpy().tobytes(), v.dtype, tuple(v.shape))
+            for k, v in storage.items()}
+
+
+def _from_bytes(packed) -> dict[str, torch.Tensor]:
+    return {k: torch.frombuffer(bytearray(b), dtype=torch.uint8).view(dt).view(shape)
+            for k, (b, dt, shape) in packed.items()}
+
+
+def _rank_main(rank: int, ports: tuple[int, int], plan, local, out) -> None:
+    """One process: the three rounds on the same groups; results to ``out``."""
+    try:
+        torch.set_num_threads(1)
+        from m2nkit.engine.baseline import (create_trainer_group, gather_then_broadcast_round,
+                                            raw_floor_buffers, raw_floor_round)
+        from m2nkit.engine.local import allocate_storage
+        from m2nkit.engine.transports.torch_p2p import (BucketSchedule, agree_on_plan,
+                                                        create_group, recv_round, send_round)
+
+        _, group = create_group("127.0.0.1", ports[0], rank, T + N, timeout_s=TIMEOUT_S)
+        tgroup = None
+        if rank < T:
+            _, tgroup = create_trainer_group("127.0.0.1", ports[1], rank, T, timeout_s=TIMEOUT_S)
+        agree_on_plan(group, rank, T + N, plan, timeout_s=TIMEOUT_S)
+        result = {}
+
+        sched = BucketSchedule.build(plan, 64 << 10)  # several buckets even for a tiny model
+        if rank < T:
+            result["m2nkit"] = send_round(group, plan, sched, rank, iter(local),
+                                          timeout_s=TIMEOUT_S)
+        else:
+            storage = allocate_storage(plan.destination, rank - T)
+            _, n = recv_round(group, plan, sched, rank - T, storage, timeout_s=TIMEOUT_S)
+            result["m2nkit"] = (n, _to_bytes(storage))
+
+        if rank < T:
+            result["gather"] = gather_then_broadcast_round(group, tgroup, plan, rank,
+                                                           stream=iter(local), timeout_s=TIMEOUT_S)
+        else:
+            storage = allocate_storage(plan.destination, rank - T)
+            n = gather_then_broadcast_round(group, None, plan, rank, storage=storage,
+                                            timeout_s=TIMEOUT_S)
+            result["gather"] = (n, _to_bytes(storage))
+
+        result["floor"] = raw_floor_round(group, plan, rank, raw_floor_buffers(plan, rank),
+                                          timeout_s=TIMEOUT_S)
+        out.put((rank, "ok", result))
+    except BaseException:
+        out.put((rank, "error", traceback.format_exc()))
+        raise
+
+
+@pytest.fixture(scope="module")
+def setup():
+    from m2nkit.adapters.hf_checkpoint import checkpoint_manifest, checkpoint_metas, read_checkpoint
+    from m2nkit.engine.session import plan_from_manifest
+    from m2nkit.manifest.serialize import manifest_to_json
+
+    ck = read_checkpoint(CHECKPOINT)
+    manifest = manifest_to_json(checkpoint_metas(ck, TRAINER), T)
+    plan, _ = plan_from_manifest(manifest, ck.config, INFERENCE)
+    assert not plan.problems
+    locals_ = [[(n, t.clone()) for n, t in checkpoint_manifest(ck, TRAINER, r).iter_local()]
+               for r in range(T)]
+    return ck, plan, locals_
+
+
+@pytest.fixture(scope="module")
+def results(setup):
+    """Run the four processes once; ``{rank: result}``. Children are always reaped."""
+    _, plan, locals_ = setup
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    ports = (_free_port(), _free_port())
+    procs = [ctx.Process(target=_rank_main, args=(r, ports, plan, locals_[r] if r < T else None, out),
+                         daemon=True) for r in range(T + N)]
+    got: dict[int, dict] = {}
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + DEADLINE_S
+        while len(got) < T + N:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                pytest.fail(f"ranks {sorted(set(range(T + N)) - set(got))} did not report "
+                            f"within {DEADLINE_S:g} s")
+            try:
+                rank, status, payload = out.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in got]
+                if dead:
+                    pytest.fail(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} "
+                                "without reporting")
+                continue
+            if status != "ok":
+                pytest.fail(f"rank {rank} failed:\n{payload}")
+            got[rank] = payload
+        for p in procs:
+            p.join(10)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+    return got
+
+
+@pytest.fixture(scope="module")
+def reference(setup):
+    from m2nkit.adapters.hf_checkpoint import full_checkpoint_tensors
+    from m2nkit.adapters.vllm import reference_load
+
+    ck, _, _ = setup
+    full = full_checkpoint_tensors(ck)
+    return {w: reference_load(ck.config, full, INFERENCE, w) for w in range(N)}
+
+
+def _model_bytes_on_disk() -> int:
+    """Every tensor of the checkpoint file, numel × element size, read from the header."""
+    from safetensors import safe_open
+
+    total = 0
+    with safe_open(str(CHECKPOINT / "model.safetensors"), framework="pt") as f:
+        for name in f.keys():
+            t = f.get_slice(name)
+            numel = 1
+            for n in t.get_shape():
+                numel *= n
+            itemsize = {"BF16": 2, "F16": 2, "F32": 4}[t.get_dtype()]
+            total += numel * itemsize
+    return total
+
+
+def _assert_bit_exact(storage: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], what: str):
+    from m2nkit.engine.local import bitwise_equal
+
+    assert storage, what
+    bad = [k for k in storage if not bitwise_equal(storage[k], ref[k])]
+    assert not bad, f"{what}: {len(bad)} parameters differ from reference_load, e.g. {bad[:3]}"
+
+
+@pytest.mark.timeout(120)
+def test_gather_then_broadcast_is_bit_exact(results, reference):
+    for w in range(N):
+        _, packed = results[T + w]["gather"]
+        _assert_bit_exact(_from_bytes(packed), reference[w], f"gather-then-broadcast worker {w}")
+
+
+@pytest.mark.timeout(120)
+def test_m2nkit_is_bit_exact_on_the_same_processes(results, reference):
+    for w in range(N):
+        _, packed = results[T + w]["m2nkit"]
+        _assert_bit_exact(_from_bytes(packed), reference[w], f"m2nkit worker {w}")
+
+
+@pytest.mark.timeout(120)
+def test_gather_then_broadcast_sends_the_full_model_to_every_worker(results):
+    model = _model_bytes_on_disk()
+    assert results[0]["gather"].sent == N * model
+    for r in range(1, T):
+        assert results[r]["gather"].sent == 0
+    for w in range(N):
+        counts, _ = results[T + w]["gather"]
+        assert counts.received == model
+    # fsdp:2 splits every row count evenly here, so each rank's all-gather
+    # share is half the model (0-d tensors would differ; this model has none).
+    assert sum(results[r]["gather"].gathered for r in range(T)) == (T - 1) * model
+
+
+@pytest.mark.timeout(120)
+def test_m2nkit_moves_exactly_the_bytes_the_workers_hold(setup, results):
+    _, plan, _ = setup
+    dest = plan.destination
+    held = 0  # from first principles: every worker element except vLLM's zero padding rows
+    for p in dest.params:
+        padding = 0
+        for z in p.zero_boxes:
+            v = 1
+            for a, b in z:
+                v *= b - a
+            padding += v
+        held += (p.dtype.itemsize * (torch.Size(p.shape).numel() - padding))
+    assert plan.nbytes_min == held
+    assert sum(plan.link_bytes.values()) == plan.nbytes_min
+    # On the wire torch_p2p aligns every slab to 16 bytes; nothing else is added.
+    wire = sum(-(-int(n) // 16) * 16 for wp in plan.wires for n in wp.slab_nbytes())
+    sent = sum(results[r]["m2nkit"] for r in range(T))
+    received = sum(results[T + w]["m2nkit"][0] for w in range(N))
+    assert sent == received == wire
+    assert plan.nbytes_min < N * _model_bytes_on_disk()
+
+
+@pytest.mark.timeout(120)
+def test_raw_floor_moves_the_plan_bytes_per_link(setup, results):
+    _, plan, _ = setup
+    for r in range(T):
+        assert results[r]["floor"].sent == int(plan.send_bytes[r])
+    for w in range(N):
+        assert results[T + w]["floor"].received == int(plan.recv_bytes[w])

@@ -1,0 +1,412 @@
+"""M2NReceiver and InProcessClient against real torch_p2p groups (gloo, 127.0.0.1).
+
+Trainer ranks are threads of the test process that use ``torch_p2p``
+directly (the trainer-side engine is tested elsewhere); each receiver runs
+in its own thread through ``InProcessClient``. Every gloo group is its own
+``ProcessGroupGloo`` over its own ``TCPStore``, so threads of one process
+make a real multi-rank group. Storage is compared bit-exact with
+``reference_load`` (vLLM 0.33.0's loaders restated, oracle-checked).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from m2nkit.adapters.hf_checkpoint import (
+    checkpoint_manifest,
+    checkpoint_metas,
+    full_checkpoint_tensors,
+    read_checkpoint,
+)
+from m2nkit.adapters.vllm import reference_load
+from m2nkit.engine.clients import InProcessClient, WeightSyncError
+from m2nkit.engine.local import bitwise_equal
+from m2nkit.engine.receiver import IncompleteRoundError, M2NReceiver, build_vllm_storage
+from m2nkit.engine.session import InitPayload, plan_from_manifest
+from m2nkit.engine.transports.torch_p2p import (
+    BucketSchedule,
+    PlanMismatchError,
+    TransferError,
+    agree_on_plan,
+    create_group,
+    finish_round,
+    send_round,
+)
+from m2nkit.manifest.protocol import VLLMWeightSyncClient
+from m2nkit.manifest.serialize import manifest_digest, manifest_from_json, manifest_to_json
+
+CHECKPOINT = Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3-moe"
+TRAINER, INFERENCE, T, N = "fsdp:2", "vllm:tp=2", 2, 2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ck():
+    return read_checkpoint(CHECKPOINT)
+
+
+def reference(ck, scale: float, worker: int) -> dict[str, torch.Tensor]:
+    full = {k: v * scale for k, v in full_checkpoint_tensors(ck).items()}
+    return reference_load(ck.config, full, INFERENCE, worker)
+
+
+def assert_storage(receiver: M2NReceiver, ref: dict[str, torch.Tensor]) -> None:
+    st = receiver.storage
+    assert sorted(st) == sorted(ref)
+    bad = [k for k in ref if not bitwise_equal(st[k], ref[k])]
+    assert not bad, f"worker {receiver.worker}: differs from reference_load in {bad}"
+
+
+class Trainers:
+    """T trainer ranks as threads, one torch_p2p session (fresh port) per instance.
+
+    Follows the control-plane protocol: rank 0 calls ``client.init_...`` in a
+    thread while every rank joins the group and agrees on the plan; per
+    round rank 0 calls ``start``, ``update`` in a thread while every rank
+    sends, then ``finish``.
+    """
+
+    def __init__(self, ck, *, timeout_s: float = 10.0, bucket_bytes: int = 16 << 10,
+                 manifest: dict | None = None, plan_for_rank: dict | None = None):
+        self.ck, self.timeout_s, self.bucket_bytes = ck, timeout_s, bucket_bytes
+        self.manifest = manifest or manifest_to_json(checkpoint_metas(ck, TRAINER), T)
+        self.plan, self.digest = plan_from_manifest(self.manifest, ck.config, INFERENCE)
+        self.plans = {r: (plan_for_rank or {}).get(r, self.plan) for r in range(T)}
+        self.port = free_port()
+        self.groups: dict[int, tuple] = {}
+
+    def payload(self) -> dict:
+        return InitPayload(
+            master_address="127.0.0.1", master_port=self.port, rank_offset=T, world_size=T + N,
+            backend="gloo", inference=INFERENCE, manifest=self.manifest,
+            manifest_digest=self.digest, plan_digest=self.plan.digest(),
+            timeout_s=self.timeout_s, bucket_bytes=self.bucket_bytes).to_json()
+
+    def _ranks(self, body, client_call) -> dict:
+        """Run ``body(rank)`` on every rank; ``client_call`` in a thread beside rank 0."""
+        out: dict = {}
+
+        def run(key, fn):
+            try:
+                out[key] = ("ok", fn())
+            except BaseException as e:
+                out[key] = ("err", e)
+
+        threads = [threading.Thread(target=run, args=(r, lambda r=r: body(r)), daemon=True)
+                   for r in range(T)]
+        if client_call is not None:
+            threads.append(threading.Thread(target=run, args=("client", client_call), daemon=True))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(4 * self.timeout_s)
+            assert not t.is_alive(), "a trainer thread hung"
+        return out
+
+    def join(self, client, payload: dict | None = None) -> dict:
+        def body(r):
+            store, group = create_group("127.0.0.1", self.port, r, T + N, timeout_s=self.timeout_s)
+            self.groups[r] = (store, group)
+            agree_on_plan(group, r, T + N, self.plans[r], timeout_s=self.timeout_s)
+        payload = payload or self.payload()
+        return self._ranks(body, lambda: client.init_weight_transfer_engine(payload))
+
+    def round(self, client, k: int, version: str, scale: float, fail: str | None = None) -> dict:
+        """One round. ``fail``: halfway through, trainer rank 1's source ``"raises"``,
+        or it ``"stalls"`` (stops sending, alive, past the timeout), or it ``"dies"``
+        (aborts its group); or it sends everything and ``"reports"`` an error in
+        the end-of-round verdict."""
+        schedule = BucketSchedule.build(self.plan, self.bucket_bytes)
+        client.start_weight_update()
+
+        half = len(self.plan.wires) // 2
+
+        def stream(r):
+            for i, (name, t) in enumerate(checkpoint_manifest(self.ck, TRAINER, r).iter_local()):
+                if r == 1 and i == half and fail in ("raises", "stalls", "dies"):
+                    if fail == "stalls":
+                        time.sleep(1.2 * self.timeout_s)
+                    elif fail == "dies":
+                        self.groups[r][1].abort()
+                    raise RuntimeError(f"trainer rank 1: source {fail}")
+                yield name, t * scale
+
+        def body(r):
+            # As the trainer engine does: send, then one end-of-round verdict on every rank.
+            group = self.groups[r][1]
+            try:
+                sent = send_round(group, self.plan, schedule, r, stream(r),
+                                  timeout_s=self.timeout_s)
+            except Exception as e:
+                if not (fail == "dies" and r == 1):
+                    with contextlib.suppress(TransferError):
+                        finish_round(group, r, T + N, error=str(e), timeout_s=self.timeout_s)
+                raise
+            if fail == "reports" and r == 1:
+                msg = "trainer rank 1: refused after sending (say, a NaN check)"
+                with contextlib.suppress(TransferError):
+                    finish_round(group, r, T + N, error=msg, timeout_s=self.timeout_s)
+                raise RuntimeError(msg)
+            finish_round(group, r, T + N, error=None, timeout_s=self.timeout_s)
+            return sent
+        out = self._ranks(body, lambda: client.update_weights({"round": k, "version": version}))
+        if out["client"][0] == "ok":
+            client.finish_weight_update(version)
+        return out
+
+    def close(self) -> None:
+        for _, group in self.groups.values():
+            group.abort()
+        self.groups.clear()
+
+
+def ok(out: dict) -> None:
+    errs = {k: v[1] for k, v in out.items() if v[0] != "ok"}
+    assert not errs, errs
+
+
+@pytest.fixture
+def session(ck):
+    """Two receivers behind an InProcessClient; closes every group after the test."""
+    receivers = [M2NReceiver(ck.config, INFERENCE, w) for w in range(N)]
+    client = InProcessClient(receivers, timeout_s=60)
+    trainers: list[Trainers] = []
+    yield receivers, client, trainers
+    for tr in trainers:
+        tr.close()
+    for r in receivers:
+        r.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_full_rounds_bit_exact(ck, session):
+    receivers, client, trainers = session
+    assert isinstance(client, VLLMWeightSyncClient)
+    tr = Trainers(ck)
+    trainers.append(tr)
+    ok(tr.join(client))
+    # Storage is a module with vLLM names, allocated at init, zero (NaN-free).
+    module = receivers[0].model
+    assert isinstance(module, torch.nn.Module)
+    names = dict(module.named_parameters(remove_duplicate=False))
+    assert "model.layers.0.self_attn.qkv_proj.weight" in names
+    alias, router = "model.layers.0.mlp.experts.gate.weight", "model.layers.0.mlp.gate.weight"
+    assert names[alias] is names[router]
+    assert all(not torch.isnan(t).any() for t in receivers[0].storage.values())
+    assert client.weight_versions() == [None, None]
+
+    ok(tr.round(client, 1, "v1", 1.0))
+    assert client.weight_versions() == ["v1", "v1"]
+    for r in receivers:
+        assert_storage(r, reference(ck, 1.0, r.worker))
+    # A second round on the same group replaces every byte.
+    ok(tr.round(client, 2, "v2", 2.0))
+    assert client.weight_versions() == ["v2", "v2"]
+    for r in receivers:
+        assert_storage(r, reference(ck, 2.0, r.worker))
+    # Same parameter objects as before: the commit copied in place.
+    assert dict(receivers[0].model.named_parameters(remove_duplicate=False))[
+        "model.embed_tokens.weight"] is names["model.embed_tokens.weight"]
+
+
+def test_build_vllm_storage_matches_reference_names(ck):
+    tr = Trainers(ck)
+    module = build_vllm_storage(tr.plan.destination, 1)
+    got = {n: (tuple(p.shape), p.dtype) for n, p in module.named_parameters(remove_duplicate=False)}
+    ref = reference(ck, 1.0, 1)
+    assert got == {n: (tuple(t.shape), t.dtype) for n, t in ref.items()}
+    assert not any(p.requires_grad for p in module.parameters())
+
+
+@pytest.fixture(scope="module")
+def committed(ck):
+    """Receivers that committed round 1 ("v1"), shared by the refusal tests (which change
+    nothing)."""
+    receivers = [M2NReceiver(ck.config, INFERENCE, w) for w in range(N)]
+    client = InProcessClient(receivers, timeout_s=60)
+    tr = Trainers(ck)
+    ok(tr.join(client))
+    ok(tr.round(client, 1, "v1", 1.0))
+    yield receivers, tr
+    tr.close()
+    for r in receivers:
+        r.shutdown()
+
+
+def _extra_tensor(p: dict) -> None:
+    metas, t = manifest_from_json(p["manifest"])
+    from m2nkit.manifest.meta import ParamMeta
+    metas.append(ParamMeta("model.layers.0.mlp.extra_proj.weight", torch.bfloat16, (4, 128)))
+    p["manifest"] = manifest_to_json(metas, t)
+    p["manifest_digest"] = manifest_digest(metas, t)
+
+
+#: Payloads that do not parse: refused at once, without joining (no rendezvous is known).
+UNPARSEABLE = {
+    "missing field": (lambda p: p.pop("plan_digest"), "missing fields ['plan_digest']"),
+    "unknown field": (lambda p: p.update(colour="red"), "unknown fields ['colour']"),
+    "bad port": (lambda p: p.update(master_port=0), "'master_port'"),
+    "manifest not an object": (lambda p: p.update(manifest=[]), "'manifest'"),
+}
+
+#: Payloads that parse but are refused: the worker joins only to tell every rank why.
+REFUSED = {
+    "not a spec": (lambda p: p.update(inference="sglang:tp=2"), ValueError, "'inference'"),
+    "other spec": (lambda p: p.update(inference="vllm:tp=2,ep"), ValueError,
+                   "'vllm:tp=2,dp=1,ep' but this worker serves 'vllm:tp=2,dp=1'"),
+    "manifest digest": (lambda p: p.update(manifest_digest="0" * 64), ValueError,
+                        "'manifest_digest'"),
+    "changed manifest": (lambda p: p["manifest"]["params"][0].update(dtype="float32"), ValueError,
+                         "manifest hashes to"),
+    "plan digest": (lambda p: p.update(plan_digest="0" * 64), PlanMismatchError, "'plan_digest'"),
+    "extra tensor": (_extra_tensor, ValueError, "model.layers.0.mlp.extra_proj.weight"),
+}
+
+
+def assert_unchanged(ck, receivers) -> None:
+    for r in receivers:
+        assert r.weight_version == "v1"
+        assert_storage(r, reference(ck, 1.0, r.worker))
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("case", list(UNPARSEABLE))
+def test_unparseable_payload_refused_at_once(ck, committed, case):
+    receivers, tr = committed
+    mutate, words = UNPARSEABLE[case]
+    payload = copy.deepcopy(tr.payload())
+    mutate(payload)
+    for r in receivers:
+        t0 = time.monotonic()
+        with pytest.raises(ValueError) as e:
+            r.init_transfer_engine(r.parse_init_info(payload))
+        assert time.monotonic() - t0 < 5, "refused only after trying to join a group"
+        assert words in str(e.value) and f"worker {r.worker}" in str(e.value)
+    assert_unchanged(ck, receivers)
+    with pytest.raises(WeightSyncError) as e:
+        InProcessClient(receivers, timeout_s=30).init_weight_transfer_engine(payload)
+    assert e.value.status == 400 and sorted(e.value.errors) == [0, 1]
+    assert "workers [0, 1]" in str(e.value) and words in str(e.value)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_refused_payload_fails_every_rank_before_any_data_moves(ck, committed, case):
+    receivers, _ = committed
+    mutate, kind, words = REFUSED[case]
+    tr = Trainers(ck, timeout_s=10.0)          # a new session on a fresh port
+    payload = copy.deepcopy(tr.payload())
+    mutate(payload)
+    try:
+        t0 = time.monotonic()
+        out = tr.join(InProcessClient(receivers, timeout_s=30), payload)
+        assert time.monotonic() - t0 < tr.timeout_s, "a rank waited for the timeout"
+    finally:
+        tr.close()
+    # Every trainer rank learns the worker's reason at once (not a timeout).
+    for r in range(T):
+        assert out[r][0] == "err" and isinstance(out[r][1], PlanMismatchError), out[r]
+        assert "refused the session" in str(out[r][1]) and words in str(out[r][1])
+    err = out["client"][1]
+    assert isinstance(err, WeightSyncError) and err.status == 400
+    assert all(isinstance(e, kind) and words in str(e) for e in err.errors.values())
+    assert sorted(err.errors) == [0, 1]
+    assert_unchanged(ck, receivers)
+
+
+@pytest.mark.timeout(60)
+def test_ranks_that_disagree_on_the_plan_refuse_before_any_data_moves(ck, session):
+    receivers, client, trainers = session
+    other, _ = plan_from_manifest(manifest_to_json(checkpoint_metas(ck, TRAINER), T), ck.config,
+                                  "vllm:tp=2,ep")
+    tr = Trainers(ck, plan_for_rank={1: other})
+    trainers.append(tr)
+    out = tr.join(client)
+    for key in (0, 1, "client"):
+        assert out[key][0] == "err", key
+    assert isinstance(out[1][1], PlanMismatchError)
+    err = out["client"][1]
+    assert isinstance(err, WeightSyncError) and err.status == 400
+    assert all(isinstance(e, PlanMismatchError) for e in err.errors.values())
+    assert "plans differ" in str(err)
+    assert client.weight_versions() == [None, None]
+    assert all(not t.any() for r in receivers for t in r.storage.values())
+    with pytest.raises(WeightSyncError, match="before init_transfer_engine"):
+        client.start_weight_update()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fail", ["raises", "stalls", "dies", "reports"])
+def test_failed_round_commits_nothing_then_reinit_succeeds(ck, session, fail):
+    receivers, client, trainers = session
+    tr = Trainers(ck, timeout_s=3.0)
+    trainers.append(tr)
+    ok(tr.join(client))
+    ok(tr.round(client, 1, "v1", 1.0))
+
+    t0 = time.monotonic()
+    out = tr.round(client, 2, "v2", 2.0, fail=fail)
+    assert time.monotonic() - t0 < 3 * tr.timeout_s
+    err = out["client"][1]
+    assert isinstance(err, WeightSyncError) and err.status == 500, out
+    assert sorted(err.errors) == [0, 1]
+    for w, e in err.errors.items():
+        assert isinstance(e, TransferError) and f"worker {w}" in str(e)
+        if fail == "reports":       # every byte arrived, but the verdict says the round failed
+            assert not e.missing and "another rank failed" in str(e)
+            assert "refused after sending" in str(e)
+        else:
+            assert e.missing and "missing" in str(e)
+    # finish refuses, naming the missing tensors (or the failure elsewhere); nothing changed.
+    with pytest.raises(WeightSyncError) as fin:
+        client.finish_weight_update("v2")
+    for w, e in fin.value.errors.items():
+        assert isinstance(e, IncompleteRoundError)
+        assert e.missing == err.errors[w].missing
+        assert all(f"'{name}'" in str(e) for name in e.missing)
+        assert e.missing or "failed elsewhere" in str(e)
+    assert client.weight_versions() == ["v1", "v1"]
+    for r in receivers:
+        assert_storage(r, reference(ck, 1.0, r.worker))
+    # The group is broken: a new round is refused until a fresh init.
+    with pytest.raises(WeightSyncError, match="broken group"):
+        client.start_weight_update()
+    tr.close()
+
+    fresh = Trainers(ck, timeout_s=5.0)
+    trainers.append(fresh)
+    assert fresh.port != tr.port
+    ok(fresh.join(client))
+    ok(fresh.round(client, 3, "v3", 2.0))
+    assert client.weight_versions() == ["v3", "v3"]
+    for r in receivers:
+        assert_storage(r, reference(ck, 2.0, r.worker))
+
+
+def test_call_order_and_update_info_errors(ck):
+    r = M2NReceiver(ck.config, INFERENCE, 0)
+    with pytest.raises(ValueError, match="before init_transfer_engine"):
+        r.start_weight_update()
+    with pytest.raises(ValueError, match="without start_weight_update"):
+        r.finish_weight_update("v")
+    with pytest.raises(ValueError, match="'round'"):
+        r.parse_update_info({"round": -1})
+    with pytest.raises(ValueError, match="M2NReceiver"):
+        r.parse_update_info({"round": 1, "colour": "red"})
+    with pytest.raises(ValueError, match="worker 2 is not in 0..1"):
+        M2NReceiver(ck.config, INFERENCE, 2)
+    r.shutdown()
+    r.shutdown()                               # idempotent
