@@ -54,7 +54,7 @@ LABELS = {
 }
 
 #: The default benchmark model: big enough that a round takes long enough to
-#: time on 2 cores (about 340 MB of bf16 for Qwen3-MoE at scale 1), small
+#: time on 2 cores (354 MB of bf16 for Qwen3-MoE at scale 1), small
 #: enough that 6 processes plus the reference check stay well under 24 GiB.
 #: Keys a family's config does not have are left out.
 BENCH_SIZES = {
@@ -86,11 +86,11 @@ def _rss_kib() -> int:
 
 
 def _reset_peak() -> bool:
-    """Reset the RSS high-water mark (and so ``ru_maxrss``) to the current RSS.
+    """Reset this process's RSS high-water mark (``VmHWM``) to its current RSS.
 
     Linux ``/proc/PID/clear_refs`` value 5 (``reset_mm_hiwater_rss``).
-    Returns False where that is not allowed; ``ru_maxrss`` then also holds
-    the setup's peak.
+    Returns False where that is not allowed; the peak then also covers the
+    setup.
     """
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -101,6 +101,22 @@ def _reset_peak() -> bool:
 
 
 def _peak_kib() -> int:
+    """This process's peak RSS since the last :func:`_reset_peak`, KiB.
+
+    ``VmHWM``, the high-water mark behind ``ru_maxrss``. ``ru_maxrss``
+    itself is not usable in a spawned child: Linux keeps the larger of the
+    process's own mark and the mark of the memory image ``exec`` replaced
+    (``getrusage``: ``signal->maxrss``), so every child would report at
+    least the parent's RSS at fork time, and ``clear_refs`` cannot reset it.
+    Falls back to ``ru_maxrss`` without ``/proc``.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
 
 
@@ -125,7 +141,7 @@ def _run_rank(method: str, rank: int, cfg: dict) -> dict:
     import torch
 
     torch.set_num_threads(1)  # T + N processes share the machine's cores
-    from m2nkit.adapters.hf_checkpoint import checkpoint_manifest, checkpoint_metas, read_checkpoint
+    from m2nkit.adapters.hf_checkpoint import checkpoint_manifest, checkpoint_metas
     from m2nkit.adapters.trainer_spec import parse_trainer_spec
     from m2nkit.engine.baseline import (create_trainer_group, gather_then_broadcast_round,
                                         raw_floor_buffers, raw_floor_round)
@@ -141,8 +157,11 @@ def _run_rank(method: str, rank: int, cfg: dict) -> dict:
     world = T + N
     is_trainer = rank < T
 
-    # Every rank builds its own plan from the manifest, as in a session.
-    ck = read_checkpoint(cfg["checkpoint"])
+    # Every rank builds its own plan from the manifest, as in a session. The
+    # checkpoint's headers were read once by the parent (``read_checkpoint``
+    # builds the model on the meta device: seconds of CPU per process on a
+    # shared 2-core machine); this rank reopens the files to read its data.
+    ck = cfg["checkpoint"]
     tspec = parse_trainer_spec(cfg["trainer"])
     manifest = manifest_to_json(checkpoint_metas(ck, tspec), T)
     plan, _ = plan_from_manifest(manifest, ck.config, cfg["inference"])
@@ -273,11 +292,11 @@ def run_method(method: str, cfg: dict, deadline_s: float) -> dict[int, dict]:
     return got
 
 
-def ensure_model(name_or_dir: str, scale: int) -> Path:
-    """A checkpoint directory: ``name_or_dir`` itself, or a built-in model built once."""
+def ensure_model(name_or_dir: str, scale: int) -> tuple[Path, bool]:
+    """``(checkpoint directory, built now)``: ``name_or_dir`` itself, or a built-in model built once."""
     path = Path(name_or_dir)
     if path.is_dir():
-        return path
+        return path, False
     from m2nkit.adapters.tiny import BUILTIN_TINY_MODELS, save_tiny_checkpoint, tiny_config
 
     if name_or_dir not in BUILTIN_TINY_MODELS:
@@ -290,7 +309,7 @@ def ensure_model(name_or_dir: str, scale: int) -> Path:
     sizes["num_hidden_layers"] = BENCH_LAYERS * scale
     out = Path(tempfile.gettempdir()) / "m2nkit-bench" / f"{name_or_dir}-x{scale}-seed0"
     if (out / "model.safetensors").is_file():
-        return out
+        return out, False
     print(f"building {name_or_dir} at bench sizes ({sizes['num_hidden_layers']} layers) in {out} ...",
           file=sys.stderr, flush=True)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
@@ -298,7 +317,7 @@ def ensure_model(name_or_dir: str, scale: int) -> Path:
     save_tiny_checkpoint(tiny_config(name_or_dir, **sizes), tmp, seed=0)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
-    return out
+    return out, True
 
 
 def _mib(kib: float) -> str:
@@ -326,6 +345,7 @@ def summarize(method: str, reports: dict[int, dict], T: int, N: int, payload_byt
     return {
         "method": method, "round_s": median, "rounds_s": per_round,
         "sent_max": max(sent), "sent_total": sum(sent), "recv_max": max(received),
+        "recv_total": sum(received),
         "p2p_sent": [last[r]["sent"] for r in range(T)],
         "gathered": [last[r]["gathered"] for r in range(T)],
         "gbps": payload_bytes / median / 1e9,
@@ -370,7 +390,7 @@ def main() -> None:
     from m2nkit.manifest.serialize import manifest_to_json
 
     t_build = time.perf_counter()
-    checkpoint = ensure_model(args.model, args.scale)
+    checkpoint, built = ensure_model(args.model, args.scale)
     t_build = time.perf_counter() - t_build
     try:
         tspec = parse_trainer_spec(args.trainer)
@@ -385,9 +405,8 @@ def main() -> None:
     model_bytes = sum(wp.meta.nbytes for wp in plan.wires if not wp.skipped)
     payload = plan.nbytes_min
     assert sum(plan.link_bytes.values()) == payload, "plan payload differs from nbytes_min"
-    # torch_p2p puts each slab at a 16-byte aligned offset of its message.
-    wire = sum(-(-int(n) // 16) * 16 for wp in plan.wires for n in wp.slab_nbytes())
-    cfg = {"checkpoint": str(checkpoint), "trainer": str(tspec), "inference": args.inference,
+    ck.close()  # the children reopen the files; the handles do not pickle
+    cfg = {"checkpoint": ck, "trainer": str(tspec), "inference": args.inference,
            "T": T, "N": N, "rounds": args.rounds, "bucket_bytes": int(args.bucket_mb * 2**20),
            "timeout_s": args.timeout}
     print(f"model {checkpoint} ({ck.architecture}, {len(plan.wires)} wire tensors, "
@@ -418,9 +437,9 @@ def main() -> None:
     for row in rows:
         if row["exact"] == "NO":
             failures.append(f"{LABELS[row['method']]} wrote wrong bytes: {row['exact_detail']}")
-        if row["method"] == "m2nkit" and row["sent_total"] != wire:
-            failures.append(f"m2nkit sent {row['sent_total']} bytes, the plan's slabs with "
-                            f"alignment are {wire}")
+        if row["method"] == "m2nkit" and not row["sent_total"] == row["recv_total"] == payload:
+            failures.append(f"m2nkit sent {row['sent_total']} and received {row['recv_total']} "
+                            f"bytes; plan.nbytes_min is {payload}")
         if row["method"] == "gather" and row["p2p_sent"][0] != N * model_bytes:
             failures.append(f"gather-then-broadcast rank 0 sent {row['p2p_sent'][0]} bytes, "
                             f"expected N x model = {N * model_bytes}")
@@ -449,26 +468,27 @@ def main() -> None:
           f"({model_bytes:,} B); GB/s = nbytes_min / round s for every method.")
     for r in rows:
         if r["method"] == "m2nkit":
-            print(f"m2nkit payload {sum(plan.send_bytes.tolist()):,} B == nbytes_min: "
-                  f"{int(plan.send_bytes.sum()) == payload}; on the wire {r['sent_total']:,} B "
-                  f"(+{r['sent_total'] - payload:,} B of 16-byte slab alignment, "
-                  f"{plan.num_slabs:,} slabs)")
+            print(f"m2nkit: trainers sent {r['sent_total']:,} B and workers received "
+                  f"{r['recv_total']:,} B in {plan.num_slabs:,} slabs; == plan.nbytes_min: "
+                  f"{r['sent_total'] == r['recv_total'] == payload}")
         if r["method"] == "gather":
             print(f"gather-then-broadcast: rank 0 sent {r['p2p_sent'][0]:,} B to workers "
                   f"(= {N} x model: {r['p2p_sent'][0] == N * model_bytes}); all-gather sends "
                   f"per trainer rank {', '.join(f'{g:,}' for g in r['gathered'])} B (ring: T-1 "
                   "padded chunks per tensor), counted in 'sent'")
     idle = max(r["rss_idle"] for r in rows)
-    print(f"peak = ru_maxrss inside each process during the rounds"
+    print(f"peak = VmHWM, the high-water mark getrusage's ru_maxrss reads, measured inside each "
+          f"process over the rounds"
           f"{'' if all(r['peak_reset'] for r in rows) else ' and setup (reset unavailable)'}, "
-          f"max over ranks; Δ idle = over the same process's RSS when idle after imports, "
+          "max over ranks (not ru_maxrss itself: a spawned child's ru_maxrss starts at its "
+          "parent's mark, see _peak_kib); Δ idle = over the same process's RSS when idle after imports, "
           f"checkpoint headers, plan and groups (at most {_mib(idle)}: interpreter, torch, "
-          "transformers); Δ ready = over its RSS just before round 1, with its shard (trainer) "
+          "m2nkit, the config); Δ ready = over its RSS just before round 1, with its shard (trainer) "
           "or vLLM storage (worker) resident: what the transfer itself costs.")
     print(f"load average {os.getloadavg()[0]:.1f} at the end (other processes share these CPUs: "
           "compare rows of one run, not runs)")
-    if t_build > 1:
-        print(f"(model built in {t_build:.0f} s)")
+    if built:
+        print(f"(model built in {t_build:.0f} s, kept for the next run)")
     if failures:
         sys.exit("FAILED: " + "; ".join(failures))
 

@@ -144,7 +144,7 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
 
         Rank 0 calls ``client.init_weight_transfer_engine`` with the init
         payload while joining the group. Raises ``ValueError`` for a plan
-        with problems (on every rank, before any rendezvous),
+        with problems (on every rank, after the ranks agreed on it),
         ``PlanMismatchError`` when ranks disagree (on every rank, naming the
         first differing wire tensor), ``TransferError`` on timeouts.
         """
@@ -156,10 +156,6 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
         metas = list(source.metadata)
         manifest = manifest_to_json(metas, info.num_trainer_ranks)
         plan, digest = plan_from_manifest(manifest, info.model_config, info.inference)
-        if plan.problems:
-            listed = "; ".join(str(p) for p in plan.problems[:5])
-            raise ValueError(f"trainer rank {info.rank}: the plan has {len(plan.problems)} problem(s), "
-                             f"nothing can be sent: {listed}")
         payload = InitPayload(
             master_address=info.master_address, master_port=info.master_port,
             rank_offset=info.num_trainer_ranks,
@@ -182,6 +178,11 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
             raise
         if rpc is not None:
             _join(*rpc, info.timeout_s, "init_weight_transfer_engine")
+        if plan.problems:
+            # Identical on every rank (the plans agreed), so every rank refuses.
+            listed = "; ".join(str(p) for p in plan.problems[:5])
+            raise ValueError(f"trainer rank {info.rank}: the plan has {len(plan.problems)} problem(s), "
+                             f"nothing can be sent: {listed}")
         return cls(init_info=info, client=client, source=source, plan=plan, payload=payload,
                    group=group, store=store)
 
