@@ -189,7 +189,12 @@ def _run_rank(method: str, rank: int, cfg: dict) -> dict:
 
     peak_reset = _reset_peak()
     rss_ready = _rss_kib()
-    times, counts = [], []
+    times, cpus, counts = [], [], []
+
+    def cpu_s() -> float:  # all threads of this process, gloo's included
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        return ru.ru_utime + ru.ru_stime
+
     for k in range(cfg["rounds"]):
         if storage is not None:
             for t in storage.values():  # every round must write every byte again
@@ -200,7 +205,7 @@ def _run_rank(method: str, rank: int, cfg: dict) -> dict:
                     for z in p.zero_boxes:
                         storage[p.name][tuple(slice(a, b) for a, b in z)] = 0
         barrier(f"before round {k}")
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), cpu_s()
         if method == "m2nkit":
             if is_trainer:
                 n = send_round(group, plan, schedule, rank, iter(local), timeout_s=timeout_s)
@@ -218,6 +223,7 @@ def _run_rank(method: str, rank: int, cfg: dict) -> dict:
             c = {"sent": r.sent, "received": r.received, "gathered": 0}
         barrier(f"after round {k}")
         times.append(time.perf_counter() - t0)
+        cpus.append(cpu_s() - c0)
         counts.append(c)
     peak = _peak_kib()
     phases["rounds"] = time.time()
@@ -231,7 +237,7 @@ def _run_rank(method: str, rank: int, cfg: dict) -> dict:
         bad = [name for name in storage if not bitwise_equal(storage[name], ref[name])]
         exact = {"ok": not bad, "params": len(storage), "bad": bad[:3]}
     phases["verify"] = time.time()
-    return {"times": times, "counts": counts, "rss_idle": rss_idle, "rss_ready": rss_ready,
+    return {"times": times, "cpus": cpus, "counts": counts, "rss_idle": rss_idle, "rss_ready": rss_ready,
             "peak": peak, "peak_reset": peak_reset, "exact": exact, "phases": phases}
 
 
@@ -340,10 +346,11 @@ def summarize(method: str, reports: dict[int, dict], T: int, N: int, payload_byt
             raise RuntimeError(f"{method}: rank {rank} moved different bytes in different rounds")
     exact = [reports[T + w]["exact"] for w in range(N)]
     median = statistics.median(per_round)
+    cpu = statistics.median(sum(r["cpus"][k] for r in reports.values()) for k in range(rounds))
     trainers = [reports[r] for r in range(T)]
     workers = [reports[T + w] for w in range(N)]
     return {
-        "method": method, "round_s": median, "rounds_s": per_round,
+        "method": method, "round_s": median, "rounds_s": per_round, "cpu_s": cpu,
         "sent_max": max(sent), "sent_total": sum(sent), "recv_max": max(received),
         "recv_total": sum(received),
         "p2p_sent": [last[r]["sent"] for r in range(T)],
@@ -446,13 +453,13 @@ def main() -> None:
         if row["method"] == "floor" and row["sent_total"] != payload:
             failures.append(f"raw floor sent {row['sent_total']} bytes, plan moves {payload}")
 
-    head = (f"{'method':22} {'round s':>8} {'sent/trainer max':>17} {'sent total':>12} "
+    head = (f"{'method':22} {'round s':>8} {'CPU s':>6} {'sent/trainer max':>17} {'sent total':>12} "
             f"{'recv/worker max':>16} {'GB/s':>6} {'bit-exact':>9}")
     print()
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{LABELS[r['method']]:22} {r['round_s']:8.3f} {_mb(r['sent_max']):>17} "
+        print(f"{LABELS[r['method']]:22} {r['round_s']:8.3f} {r['cpu_s']:6.2f} {_mb(r['sent_max']):>17} "
               f"{_mb(r['sent_total']):>12} {_mb(r['recv_max']):>16} {r['gbps']:6.2f} {r['exact']:>9}")
     head = (f"{'method':22} {'trainer peak':>13} {'Δ idle':>9} {'Δ ready':>9} "
             f"{'worker peak':>12} {'Δ idle':>9} {'Δ ready':>9}")
@@ -465,7 +472,9 @@ def main() -> None:
               f"{_mib(r['w_delta']):>9}")
     print()
     print(f"bytes the workers need (plan.nbytes_min): {payload:,} = {payload / model_bytes:.3f} x model "
-          f"({model_bytes:,} B); GB/s = nbytes_min / round s for every method.")
+          f"({model_bytes:,} B); GB/s = nbytes_min / round s for every method; round s = the "
+          f"slowest rank's, median of rounds; CPU s = user+system seconds of all {T + N} ranks "
+          "in a round, median (less sensitive than wall time to other load on the machine).")
     for r in rows:
         if r["method"] == "m2nkit":
             print(f"m2nkit: trainers sent {r['sent_total']:,} B and workers received "

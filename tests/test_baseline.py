@@ -22,6 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from m2nkit.engine.baseline import (create_trainer_group, gather_then_broadcast_round,
+                                    raw_floor_buffers, raw_floor_round)
+
 ROOT = Path(__file__).resolve().parent.parent
 CHECKPOINT = ROOT / "examples" / "tiny-qwen3-moe"
 TRAINER, INFERENCE = "fsdp:2", "vllm:tp=2"
@@ -52,8 +55,6 @@ def _rank_main(rank: int, ports: tuple[int, int], plan, local, out) -> None:
     """One process: the three rounds on the same groups; results to ``out``."""
     try:
         torch.set_num_threads(1)
-        from m2nkit.engine.baseline import (create_trainer_group, gather_then_broadcast_round,
-                                            raw_floor_buffers, raw_floor_round)
         from m2nkit.engine.local import allocate_storage
         from m2nkit.engine.transports.torch_p2p import (BucketSchedule, agree_on_plan,
                                                         create_group, recv_round, send_round)
@@ -238,3 +239,35 @@ def test_raw_floor_moves_the_plan_bytes_per_link(setup, results):
         assert results[r]["floor"].sent == int(plan.send_bytes[r])
     for w in range(N):
         assert results[T + w]["floor"].received == int(plan.recv_bytes[w])
+
+
+# --------------------------------------------------------------------------
+# refusals before any byte moves (no processes needed)
+
+
+@pytest.mark.timeout(30)
+def test_floor_buffers_match_the_plan_links(setup):
+    _, plan, _ = setup
+    for r in range(T):
+        bufs = raw_floor_buffers(plan, r)
+        assert {w: b.numel() for w, b in bufs.items()} == \
+            {d: n for (s, d), n in plan.link_bytes.items() if s == r}
+    for w in range(N):
+        bufs = raw_floor_buffers(plan, T + w)
+        assert {s: b.numel() for s, b in bufs.items()} == \
+            {s: n for (s, d), n in plan.link_bytes.items() if d == w}
+
+
+@pytest.mark.timeout(30)
+def test_refusals_name_the_rank_and_what_is_missing(setup):
+    _, plan, _ = setup
+    with pytest.raises(ValueError, match="rank 9 is not in the transfer group of 4 ranks"):
+        gather_then_broadcast_round(None, None, plan, 9, timeout_s=1)
+    with pytest.raises(ValueError, match="trainer rank 0 needs stream= and trainer_group="):
+        gather_then_broadcast_round(None, None, plan, 0, timeout_s=1)
+    with pytest.raises(ValueError, match=r"worker 1 \(rank 3\) needs storage="):
+        gather_then_broadcast_round(None, None, plan, 3, timeout_s=1)
+    with pytest.raises(ValueError, match="build them with raw_floor_buffers"):
+        raw_floor_round(None, plan, 0, raw_floor_buffers(plan, 1), timeout_s=1)
+    with pytest.raises(ValueError, match="rank 2 is not a trainer rank"):
+        create_trainer_group("127.0.0.1", 1, 2, T, timeout_s=1)

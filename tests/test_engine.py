@@ -259,6 +259,6 @@ def test_one_rank_with_a_different_manifest_is_refused_everywhere(server, kind, 
         assert errors[r], msgs[r]
         assert needle in errors[r][0], errors[r]
         assert "PlanMismatchError" in errors[r][0], errors[r]
-    assert not killed
+    assert seconds < 4 * TIMEOUT
     # The workers refused too, and nothing moved.
     assert server.weight_versions() == [None, None]

@@ -98,17 +98,28 @@ def _wait(work, timeout_s: float, what: str) -> None:
         raise TransferError(f"{what} did not complete within {timeout_s:g} s")
 
 
+def _group_device(group) -> torch.device:
+    """Where a group's collectives take tensors: CUDA for NCCL, else CPU."""
+    nccl = getattr(dist, "ProcessGroupNCCL", None)
+    if nccl is not None and isinstance(group, nccl):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _allgather_bytes(group, rank: int, world_size: int, payload: bytes, timeout_s: float,
                      what: str) -> list[bytes]:
-    n = torch.tensor([len(payload)], dtype=torch.int64)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
+    dev = _group_device(group)
+    n = torch.tensor([len(payload)], dtype=torch.int64, device=dev)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world_size)]
     _wait(group.allgather([sizes], [n]), timeout_s, f"{what} (sizes)")
-    cap = int(max(s.item() for s in sizes))
+    lengths = [int(s.item()) for s in sizes]
+    cap = max(lengths)
     mine = torch.zeros(cap, dtype=torch.uint8)
-    mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else mine[:0]
-    outs = [torch.zeros(cap, dtype=torch.uint8) for _ in range(world_size)]
-    _wait(group.allgather([outs], [mine]), timeout_s, what)
-    return [bytes(o[: int(s.item())].tolist()) for o, s in zip(outs, sizes)]
+    if payload:
+        mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    outs = [torch.zeros(cap, dtype=torch.uint8, device=dev) for _ in range(world_size)]
+    _wait(group.allgather([outs], [mine.to(dev)]), timeout_s, what)
+    return [bytes(o[:n].cpu().tolist()) for o, n in zip(outs, lengths)]
 
 
 def _wire_fingerprints(plan: Plan) -> list[list[str]]:
