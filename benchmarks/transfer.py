@@ -42,6 +42,7 @@ import socket
 import statistics
 import sys
 import tempfile
+import textwrap
 import time
 import traceback
 from pathlib import Path
@@ -237,7 +238,8 @@ def _run_rank(method: str, rank: int, cfg: dict) -> dict:
         bad = [name for name in storage if not bitwise_equal(storage[name], ref[name])]
         exact = {"ok": not bad, "params": len(storage), "bad": bad[:3]}
     phases["verify"] = time.time()
-    return {"times": times, "cpus": cpus, "counts": counts, "rss_idle": rss_idle, "rss_ready": rss_ready,
+    return {"times": times, "cpus": cpus, "counts": counts, "rss_idle": rss_idle,
+            "rss_ready": rss_ready,
             "peak": peak, "peak_reset": peak_reset, "exact": exact, "phases": phases}
 
 
@@ -276,11 +278,13 @@ def run_method(method: str, cfg: dict, deadline_s: float) -> dict[int, dict]:
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = sorted(set(range(world)) - set(got))
-                raise RuntimeError(f"{method}: ranks {missing} did not finish within {deadline_s:g} s")
+                raise RuntimeError(f"{method}: ranks {missing} did not finish within "
+                                   f"{deadline_s:g} s")
             try:
                 rank, status, payload = out.get(timeout=min(left, 1.0))
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in got]
+                dead = [r for r, p in enumerate(procs)
+                        if p.exitcode not in (None, 0) and r not in got]
                 if dead:
                     raise RuntimeError(f"{method}: rank {dead[0]} exited with code "
                                        f"{procs[dead[0]].exitcode} without reporting") from None
@@ -299,7 +303,7 @@ def run_method(method: str, cfg: dict, deadline_s: float) -> dict[int, dict]:
 
 
 def ensure_model(name_or_dir: str, scale: int) -> tuple[Path, bool]:
-    """``(checkpoint directory, built now)``: ``name_or_dir`` itself, or a built-in model built once."""
+    """``(checkpoint directory, built now)``: ``name_or_dir``, or a built-in model built once."""
     path = Path(name_or_dir)
     if path.is_dir():
         return path, False
@@ -316,7 +320,8 @@ def ensure_model(name_or_dir: str, scale: int) -> tuple[Path, bool]:
     out = Path(tempfile.gettempdir()) / "m2nkit-bench" / f"{name_or_dir}-x{scale}-seed0"
     if (out / "model.safetensors").is_file():
         return out, False
-    print(f"building {name_or_dir} at bench sizes ({sizes['num_hidden_layers']} layers) in {out} ...",
+    print(f"building {name_or_dir} at bench sizes ({sizes['num_hidden_layers']} layers) "
+          f"in {out} ...",
           file=sys.stderr, flush=True)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -369,11 +374,52 @@ def summarize(method: str, reports: dict[int, dict], T: int, N: int, payload_byt
     }
 
 
+def check_bytes(rows: list[dict], payload: int, model_bytes: int, N: int) -> list[str]:
+    """What each method must move, from first principles; a list of failures."""
+    failures = []
+    for row in rows:
+        if row["exact"] == "NO":
+            failures.append(f"{LABELS[row['method']]} wrote wrong bytes: {row['exact_detail']}")
+        if row["method"] == "m2nkit" and not row["sent_total"] == row["recv_total"] == payload:
+            failures.append(f"m2nkit sent {row['sent_total']} and received {row['recv_total']} "
+                            f"bytes; plan.nbytes_min is {payload}")
+        if row["method"] == "gather" and row["p2p_sent"][0] != N * model_bytes:
+            failures.append(f"gather-then-broadcast rank 0 sent {row['p2p_sent'][0]} bytes, "
+                            f"expected N x model = {N * model_bytes}")
+        if row["method"] == "floor" and row["sent_total"] != payload:
+            failures.append(f"raw floor sent {row['sent_total']} bytes, plan moves {payload}")
+    return failures
+
+
+def _table(columns: list[tuple[str, int]], rows: list[list[str]]) -> None:
+    head = " ".join(f"{name:{'<' if i == 0 else '>'}{w}}" for i, (name, w) in enumerate(columns))
+    print()
+    print(head)
+    print("-" * len(head))
+    for row in rows:
+        print(" ".join(f"{v:{'<' if i == 0 else '>'}{w}}"
+                       for i, (v, (_, w)) in enumerate(zip(row, columns))))
+
+
+def print_tables(rows: list[dict]) -> None:
+    """The time/bytes table and the memory table."""
+    _table([("method", 22), ("round s", 8), ("CPU s", 6), ("sent/trainer max", 17),
+            ("sent total", 12), ("recv/worker max", 16), ("GB/s", 6), ("bit-exact", 9)],
+           [[LABELS[r["method"]], f"{r['round_s']:.3f}", f"{r['cpu_s']:.2f}", _mb(r["sent_max"]),
+             _mb(r["sent_total"]), _mb(r["recv_max"]), f"{r['gbps']:.2f}", r["exact"]]
+            for r in rows])
+    _table([("method", 22), ("trainer peak", 13), ("Δ idle", 9), ("Δ ready", 9),
+            ("worker peak", 12), ("Δ idle", 9), ("Δ ready", 9)],
+           [[LABELS[r["method"]], _mib(r["t_peak"]), _mib(r["t_over_idle"]), _mib(r["t_delta"]),
+             _mib(r["w_peak"]), _mib(r["w_over_idle"]), _mib(r["w_delta"])] for r in rows])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny-qwen3-moe",
                    help="built-in tiny model name (built at bench sizes) or checkpoint directory")
-    p.add_argument("--trainer", default="fsdp:4", help="trainer layout (fsdp:N, hsdp:R,S, replicated:N)")
+    p.add_argument("--trainer", default="fsdp:4",
+                   help="trainer layout (fsdp:N, hsdp:R,S, replicated:N)")
     p.add_argument("--inference", default="vllm:tp=2", help="vLLM layout (vllm:tp=T[,dp=D][,ep])")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--scale", type=int, default=1, help="built-in model: 4*scale layers")
@@ -436,66 +482,43 @@ def main() -> None:
                  for k in ("imports", "plan", "rounds", "verify")}
         print(f"  {LABELS[method]}: rounds {', '.join(f'{s:.3f}' for s in row['rounds_s'])} s, "
               f"bit-exact {row['exact']} ({row['wall_s']:.0f} s in all; ranks done with imports "
-              f"{spans['imports']:.0f} s, plan {spans['plan']:.0f} s, rounds {spans['rounds']:.0f} s, "
+              f"{spans['imports']:.0f} s, plan {spans['plan']:.0f} s, "
+              f"rounds {spans['rounds']:.0f} s, "
               f"checks {spans['verify']:.0f} s after the first started)",
               file=sys.stderr, flush=True)
 
-    failures = []
-    for row in rows:
-        if row["exact"] == "NO":
-            failures.append(f"{LABELS[row['method']]} wrote wrong bytes: {row['exact_detail']}")
-        if row["method"] == "m2nkit" and not row["sent_total"] == row["recv_total"] == payload:
-            failures.append(f"m2nkit sent {row['sent_total']} and received {row['recv_total']} "
-                            f"bytes; plan.nbytes_min is {payload}")
-        if row["method"] == "gather" and row["p2p_sent"][0] != N * model_bytes:
-            failures.append(f"gather-then-broadcast rank 0 sent {row['p2p_sent'][0]} bytes, "
-                            f"expected N x model = {N * model_bytes}")
-        if row["method"] == "floor" and row["sent_total"] != payload:
-            failures.append(f"raw floor sent {row['sent_total']} bytes, plan moves {payload}")
-
-    head = (f"{'method':22} {'round s':>8} {'CPU s':>6} {'sent/trainer max':>17} {'sent total':>12} "
-            f"{'recv/worker max':>16} {'GB/s':>6} {'bit-exact':>9}")
+    failures = check_bytes(rows, payload, model_bytes, N)
+    print_tables(rows)
     print()
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        print(f"{LABELS[r['method']]:22} {r['round_s']:8.3f} {r['cpu_s']:6.2f} {_mb(r['sent_max']):>17} "
-              f"{_mb(r['sent_total']):>12} {_mb(r['recv_max']):>16} {r['gbps']:6.2f} {r['exact']:>9}")
-    head = (f"{'method':22} {'trainer peak':>13} {'Δ idle':>9} {'Δ ready':>9} "
-            f"{'worker peak':>12} {'Δ idle':>9} {'Δ ready':>9}")
-    print()
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        print(f"{LABELS[r['method']]:22} {_mib(r['t_peak']):>13} {_mib(r['t_over_idle']):>9} "
-              f"{_mib(r['t_delta']):>9} {_mib(r['w_peak']):>12} {_mib(r['w_over_idle']):>9} "
-              f"{_mib(r['w_delta']):>9}")
-    print()
-    print(f"bytes the workers need (plan.nbytes_min): {payload:,} = {payload / model_bytes:.3f} x model "
-          f"({model_bytes:,} B); GB/s = nbytes_min / round s for every method; round s = the "
-          f"slowest rank's, median of rounds; CPU s = user+system seconds of all {T + N} ranks "
-          "in a round, median (less sensitive than wall time to other load on the machine).")
+    notes = [
+        f"bytes the workers need (plan.nbytes_min): {payload:,} = {payload / model_bytes:.3f} x "
+        f"the model ({model_bytes:,} B). GB/s = nbytes_min / round s for every method; round s "
+        f"= the slowest rank's, median of rounds; CPU s = user+system seconds of all {T + N} "
+        "ranks in a round, median (less sensitive than wall time to other load).",
+    ]
     for r in rows:
         if r["method"] == "m2nkit":
-            print(f"m2nkit: trainers sent {r['sent_total']:,} B and workers received "
-                  f"{r['recv_total']:,} B in {plan.num_slabs:,} slabs; == plan.nbytes_min: "
-                  f"{r['sent_total'] == r['recv_total'] == payload}")
+            notes.append(f"m2nkit: trainers sent {r['sent_total']:,} B and workers received "
+                         f"{r['recv_total']:,} B in {plan.num_slabs:,} slabs; == plan.nbytes_min: "
+                         f"{r['sent_total'] == r['recv_total'] == payload}")
         if r["method"] == "gather":
-            print(f"gather-then-broadcast: rank 0 sent {r['p2p_sent'][0]:,} B to workers "
-                  f"(= {N} x model: {r['p2p_sent'][0] == N * model_bytes}); all-gather sends "
-                  f"per trainer rank {', '.join(f'{g:,}' for g in r['gathered'])} B (ring: T-1 "
-                  "padded chunks per tensor), counted in 'sent'")
-    idle = max(r["rss_idle"] for r in rows)
-    print(f"peak = VmHWM, the high-water mark getrusage's ru_maxrss reads, measured inside each "
-          f"process over the rounds"
-          f"{'' if all(r['peak_reset'] for r in rows) else ' and setup (reset unavailable)'}, "
-          "max over ranks (not ru_maxrss itself: a spawned child's ru_maxrss starts at its "
-          "parent's mark, see _peak_kib); Δ idle = over the same process's RSS when idle after imports, "
-          f"checkpoint headers, plan and groups (at most {_mib(idle)}: interpreter, torch, "
-          "m2nkit, the config); Δ ready = over its RSS just before round 1, with its shard (trainer) "
-          "or vLLM storage (worker) resident: what the transfer itself costs.")
-    print(f"load average {os.getloadavg()[0]:.1f} at the end (other processes share these CPUs: "
-          "compare rows of one run, not runs)")
+            notes.append(f"gather-then-broadcast: rank 0 sent {r['p2p_sent'][0]:,} B to workers "
+                         f"(= {N} x model: {r['p2p_sent'][0] == N * model_bytes}); all-gather "
+                         "sends "
+                         f"per trainer rank {', '.join(f'{g:,}' for g in r['gathered'])} B (ring: "
+                         "T-1 padded chunks per tensor), counted in 'sent'")
+    reset = "" if all(r["peak_reset"] for r in rows) else " and setup (reset unavailable)"
+    notes.append(
+        f"peak = VmHWM, the high-water mark ru_maxrss reads, inside each process over the "
+        f"rounds{reset}, max over ranks (not ru_maxrss itself: a spawned child's starts at its "
+        "parent's mark). Δ idle = over the process's RSS when idle after imports, checkpoint "
+        f"headers, plan and groups (at most {_mib(max(r['rss_idle'] for r in rows))}). Δ ready "
+        "= over its RSS just before round 1, shard (trainer) or vLLM storage (worker) "
+        "resident: what the transfer itself costs.")
+    notes.append(f"load average {os.getloadavg()[0]:.1f} at the end (other processes share "
+                 "these CPUs: compare rows of one run, not runs)")
+    for note in notes:
+        print(textwrap.fill(note, width=100, subsequent_indent="  "))
     if built:
         print(f"(model built in {t_build:.0f} s, kept for the next run)")
     if failures:

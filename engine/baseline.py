@@ -7,11 +7,13 @@ process group, the same processes, the same checkpoint and the same
 receiving storage; this module is that comparison and nothing else. It is
 not a transport m2nkit offers.
 
-:func:`gather_then_broadcast_round` does what OpenRLHF's
-``broadcast_to_vllm`` (DeepSpeed ``GatheredParameters`` then
-``torch.distributed.broadcast`` from rank 0) and the FSDP paths of verl and
-NeMo-RL (``DTensor.full_tensor()`` then rank 0 sends) do, per wire tensor in
-manifest order:
+:func:`gather_then_broadcast_round` follows the pattern of OpenRLHF's and
+open-instruct's weight sync and of vLLM's RLHF example: the trainer gathers
+each parameter whole (DeepSpeed ``GatheredParameters``, FSDP2
+``DTensor.full_tensor()``), trainer rank 0 broadcasts it to the workers,
+and every worker receives the full tensor (``WorkerWrap.update_weight``
+allocates ``torch.empty(shape)``) and hands it to ``load_weights``. Per
+wire tensor in manifest order:
 
 1. every trainer rank all-gathers the full tensor from the local shards —
    a real collective among the ``T`` trainer ranks only, on their own
@@ -26,6 +28,13 @@ manifest order:
    in the same plan m2nkit uses — and drops the rest, as vLLM's
    ``weight_loader`` narrows a full checkpoint tensor.
 
+The all-gather spans all ``T`` trainer ranks, each contributing its own box;
+with replicated layouts (``hsdp:R,S``, ``replicated:N``) a real trainer
+gathers only across the shard axis, so there the baseline's all-gather
+bytes are an overstatement (its bytes to the workers are not). With FSDP,
+the benchmark's default, every rank holds a distinct chunk and the count
+is what a ring all-gather of the padded chunks sends.
+
 It is given the same courtesies as m2nkit's ``torch_p2p``: one tensor's
 sends stay in flight while the next one is gathered, the receive for the
 next tensor is posted before the current one is unpacked, and tensors the
@@ -33,8 +42,9 @@ inference side skips (a tied ``lm_head``) are not sent.
 
 :func:`raw_floor_round` is the floor of this machine: exactly the bytes the
 m2nkit plan puts on each (trainer rank, worker) link, as one message per
-link from buffers filled in advance — no reading, packing or unpacking.
-Nothing can move the plan's bytes over this group faster.
+link from buffers filled in advance — no reading, packing or unpacking:
+a lower bound for any transfer of the plan's bytes between these
+processes over this group.
 """
 
 from __future__ import annotations
@@ -167,7 +177,8 @@ def _gather_and_send(group, trainer_group, plan: Plan, rank: int,
             try:
                 name, local = next(it)
             except StopIteration:
-                raise TransferError(f"trainer rank {rank}: source ended before '{wp.name}'") from None
+                raise TransferError(f"trainer rank {rank}: source ended before "
+                                    f"'{wp.name}'") from None
             want = tuple(b - a for a, b in boxes[rank])
             if name != wp.name:
                 raise TransferError(f"trainer rank {rank}: source yielded '{name}' where the "

@@ -240,10 +240,95 @@ def run_demo(model: str, trainer: str, inference: str, *, rounds: int = 2, timeo
             tmp.cleanup()
 
 
-def _run_baseline(model_dir, tspec, ispec, timeout_s) -> dict | None:
-    """Gather-then-broadcast on the same data and ranks (``engine/baseline.py``), if present."""
+def _baseline_rank(rank, model_dir, trainer, inference, ports, timeout_s, results):
+    """One process of the gather-then-broadcast baseline (``engine/baseline.py``)."""
+    torch.set_num_threads(1)
     try:
-        from m2nkit.engine.baseline import run_baseline
-    except ImportError:
-        return None
-    return run_baseline(str(model_dir), str(tspec), str(ispec), timeout_s=timeout_s)
+        from transformers.utils import logging as hf_logging
+
+        from m2nkit.adapters.hf_checkpoint import (
+            checkpoint_manifest,
+            checkpoint_metas,
+            full_checkpoint_tensors,
+            read_checkpoint,
+        )
+        from m2nkit.adapters.trainer_spec import parse_trainer_spec
+        from m2nkit.adapters.vllm import reference_load
+        from m2nkit.engine.baseline import create_trainer_group, gather_then_broadcast_round
+        from m2nkit.engine.local import allocate_storage, bitwise_equal
+        from m2nkit.engine.session import plan_from_manifest
+        from m2nkit.engine.transports.torch_p2p import create_group
+        from m2nkit.manifest.serialize import manifest_to_json
+
+        hf_logging.set_verbosity_error()
+        ckpt = read_checkpoint(model_dir)
+        tspec = parse_trainer_spec(trainer)
+        T = tspec.num_ranks
+        plan, _ = plan_from_manifest(manifest_to_json(checkpoint_metas(ckpt, tspec), T),
+                                     ckpt.config, inference)
+        world = T + plan.num_workers
+        _, group = create_group("127.0.0.1", ports[0], rank, world, timeout_s=timeout_s)
+        if rank < T:
+            _, tgroup = create_trainer_group("127.0.0.1", ports[1], rank, T, timeout_s=timeout_s)
+            stream = checkpoint_manifest(ckpt, tspec, rank).iter_local()
+            t0 = time.perf_counter()
+            moved = gather_then_broadcast_round(group, tgroup, plan, rank, stream=stream,
+                                                timeout_s=timeout_s)
+            results.put(("trainer", rank, moved.sent + moved.gathered, time.perf_counter() - t0))
+        else:
+            w = rank - T
+            storage = allocate_storage(plan.destination, w)
+            t0 = time.perf_counter()
+            gather_then_broadcast_round(group, None, plan, rank, storage=storage, timeout_s=timeout_s)
+            seconds = time.perf_counter() - t0
+            ref = reference_load(ckpt.config, full_checkpoint_tensors(ckpt), inference, w)
+            ok = all(bitwise_equal(t, ref[n]) for n, t in storage.items())
+            results.put(("worker", rank, ok, seconds))
+    except BaseException as e:  # noqa: BLE001 - reported to the driver
+        results.put(("error", rank, f"{type(e).__name__}: {e}", 0.0))
+
+
+def _run_baseline(model_dir, tspec, ispec, timeout_s) -> dict:
+    """Gather-then-broadcast on the same checkpoint and ranks, verified.
+
+    Trainer ranks all-gather every full tensor, trainer rank 0 sends it to
+    every worker (``engine/baseline.py``). Returns bytes sent by trainer
+    ranks (point to point plus all-gather), the slowest rank's time, and
+    whether every worker ended bit-exact.
+
+    Raises:
+        RuntimeError: a baseline process failed or did not finish in time.
+    """
+    T, N = tspec.num_ranks, ispec.num_workers
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    ports = (free_port(), free_port())
+    procs = [ctx.Process(target=_baseline_rank, daemon=True, name=f"m2nkit-baseline-{r}",
+                         args=(r, str(model_dir), str(tspec), str(ispec), ports, timeout_s, results))
+             for r in range(T + N)]
+    for p in procs:
+        p.start()
+    reports = []
+    try:
+        deadline = time.monotonic() + 6 * timeout_s
+        while len(reports) < T + N:
+            try:
+                msg = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except Exception:  # queue.Empty
+                raise RuntimeError("the gather-then-broadcast baseline did not finish in time") from None
+            if msg[0] == "error":
+                raise RuntimeError(f"baseline rank {msg[1]} failed: {msg[2]}")
+            reports.append(msg)
+    finally:
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    sent = [m[2] for m in reports if m[0] == "trainer"]
+    return {
+        "bytes_total": sum(sent),
+        "bytes_max_rank": max(sent),
+        "seconds": max(m[3] for m in reports),
+        "verified": all(m[2] for m in reports if m[0] == "worker"),
+    }

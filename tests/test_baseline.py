@@ -114,8 +114,9 @@ def results(setup):
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     ports = (_free_port(), _free_port())
-    procs = [ctx.Process(target=_rank_main, args=(r, ports, plan, locals_[r] if r < T else None, out),
-                         daemon=True) for r in range(T + N)]
+    procs = [ctx.Process(target=_rank_main, daemon=True,
+                         args=(r, ports, plan, locals_[r] if r < T else None, out))
+             for r in range(T + N)]
     got: dict[int, dict] = {}
     try:
         for p in procs:
@@ -129,7 +130,8 @@ def results(setup):
             try:
                 rank, status, payload = out.get(timeout=min(left, 1.0))
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in got]
+                dead = [r for r, p in enumerate(procs)
+                        if p.exitcode not in (None, 0) and r not in got]
                 if dead:
                     pytest.fail(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} "
                                 "without reporting")
