@@ -41,7 +41,7 @@ import torch
 
 from m2nkit.adapters.vllm import InferenceSpec, parse_inference_spec
 from m2nkit.engine.plan import Plan
-from m2nkit.engine.session import InitPayload, plan_from_manifest
+from m2nkit.engine.session import InitPayload, open_transport, plan_from_manifest
 from m2nkit.engine.transports.torch_p2p import (
     BucketSchedule,
     PlanMismatchError,
@@ -213,6 +213,7 @@ class M2NReceiver(WeightTransferEngine):
         self._expected: frozenset[str] = frozenset()
         self._store = None
         self._group = None
+        self._transport = None               # NcclM2NTransport, or None for torch_p2p
         self._broken: str | None = None      # why the group is unusable
         self._staging: dict[str, torch.Tensor] | None = None
         self._received: set[str] = set()
@@ -342,6 +343,11 @@ class M2NReceiver(WeightTransferEngine):
                                     backend=payload.backend)
         try:
             agree_on_plan(group, rank, payload.world_size, plan, timeout_s=payload.timeout_s)
+            # nccl_m2n: the communicator over the same ranks (collective).
+            self._transport = open_transport(payload.transport, store, group, rank,
+                                             payload.world_size, device=self.device,
+                                             timeout_s=payload.timeout_s,
+                                             bucket_bytes=payload.bucket_bytes)
         except BaseException:
             _abort(group)
             raise
@@ -419,8 +425,11 @@ class M2NReceiver(WeightTransferEngine):
         t0 = time.monotonic()
         mine: Exception | None = None
         try:
-            done, _ = recv_round(self._group, self._plan, self._schedule, self.worker,
-                                 self._staging, timeout_s=payload.timeout_s, device=self.device)
+            if self._transport is not None:
+                done, _ = self._transport.recv_round(self._plan, self.worker, self._staging)
+            else:
+                done, _ = recv_round(self._group, self._plan, self._schedule, self.worker,
+                                     self._staging, timeout_s=payload.timeout_s, device=self.device)
             self._received = set(done)
         except Exception as e:
             mine = e
@@ -489,7 +498,10 @@ class M2NReceiver(WeightTransferEngine):
         starts a new session.
         """
         group, self._group, self._store = self._group, None, None
+        transport, self._transport = self._transport, None
         self._staging = None
+        if transport is not None:
+            transport.close()
         if group is not None:
             _abort(group)
 

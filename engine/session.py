@@ -16,9 +16,41 @@ from typing import Any, Mapping
 
 from m2nkit.engine.plan import Plan, build_plan
 
-__all__ = ["INIT_SCHEMA_VERSION", "InitPayload", "plan_from_manifest"]
+__all__ = ["INIT_SCHEMA_VERSION", "TRANSPORTS", "check_transport", "InitPayload", "plan_from_manifest"]
 
 INIT_SCHEMA_VERSION = 1
+TRANSPORTS = ("torch_p2p", "nccl_m2n")
+
+
+def check_transport(transport: str, where: str) -> str:
+    """Return ``transport`` if this machine can run it.
+
+    Raises:
+        ValueError: an unknown transport, or ``nccl_m2n`` without CUDA
+            (names ``where`` and what would be valid).
+    """
+    import torch
+
+    if transport not in TRANSPORTS:
+        raise ValueError(f"{where} '{transport}' is not one of {list(TRANSPORTS)}")
+    if transport == "nccl_m2n" and not torch.cuda.is_available():
+        raise ValueError(f"{where} 'nccl_m2n' needs CUDA GPUs and this process sees none; "
+                         "use 'torch_p2p' (any backend, gloo on CPU)")
+    return transport
+
+
+def open_transport(transport: str, store, group, rank: int, world_size: int, *, device,
+                   timeout_s: float, bucket_bytes: int):
+    """The ``nccl_m2n`` transport over an existing group, or ``None`` for torch_p2p.
+
+    Collective for ``nccl_m2n``: every rank of the group calls it.
+    """
+    if transport != "nccl_m2n":
+        return None
+    from .transports.nccl_m2n import NcclM2NTransport
+
+    return NcclM2NTransport.connect(store, group, rank, world_size, device=device,
+                                    timeout_s=timeout_s, bucket_bytes=bucket_bytes)
 
 
 @dataclass(frozen=True)
@@ -39,6 +71,9 @@ class InitPayload:
         plan_digest: ``Plan.digest()`` on the trainer.
         timeout_s: seconds any single wait may take, on every rank.
         bucket_bytes: ``BucketSchedule`` bucket size (bytes).
+        transport: ``"torch_p2p"`` (any backend, any layout) or
+            ``"nccl_m2n"`` (GPUs: one ``nccl.m2n.reshard`` per expressible
+            wire tensor, torch_p2p for the rest).
     """
 
     master_address: str
@@ -52,6 +87,7 @@ class InitPayload:
     plan_digest: str
     timeout_s: float
     bucket_bytes: int
+    transport: str = "torch_p2p"
     schema_version: int = INIT_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -69,6 +105,7 @@ class InitPayload:
                              f"rank_offset {self.rank_offset}")
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"init payload backend '{self.backend}' is not 'gloo' or 'nccl'")
+        check_transport(self.transport, "init payload transport")
         if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
             raise ValueError(f"init payload timeout_s must be > 0, got {self.timeout_s!r}")
 
@@ -93,7 +130,7 @@ class InitPayload:
         unknown = sorted(set(data) - names)
         if unknown:
             raise ValueError(f"init payload has unknown fields {unknown}; expected {sorted(names)}")
-        missing = sorted(n for n in names - set(data) if n != "schema_version")
+        missing = sorted(n for n in names - set(data) if n not in ("schema_version", "transport"))
         if missing:
             raise ValueError(f"init payload is missing fields {missing}")
         return cls(**dict(data))

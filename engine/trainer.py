@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 from m2nkit.manifest.protocol import TrainerInitInfo, TrainerWeightTransferEngine, VLLMWeightSyncClient
 from m2nkit.manifest.serialize import manifest_to_json
 
-from .session import InitPayload, plan_from_manifest
+from .session import InitPayload, check_transport, open_transport, plan_from_manifest
 from .transports.torch_p2p import (
     BucketSchedule,
     TransferError,
@@ -55,6 +55,9 @@ class M2NTrainerInitInfo(TrainerInitInfo):
             each control-plane call), seconds.
         bucket_bytes: transport bucket size (bytes); peak extra trainer
             memory is about two buckets.
+        transport: ``"torch_p2p"`` (default; any backend) or ``"nccl_m2n"``
+            (GPUs; set ``group_backend="nccl"`` and ``device``).
+        device: where staging buffers live (``"cpu"``, or this rank's ``"cuda:i"``).
     """
 
     backend: ClassVar[str] = "m2nkit"
@@ -67,9 +70,12 @@ class M2NTrainerInitInfo(TrainerInitInfo):
     group_backend: str = "gloo"
     timeout_s: float = 60.0
     bucket_bytes: int = 64 << 20
+    transport: str = "torch_p2p"
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_transport(self.transport, "transport")
         if self.num_trainer_ranks <= 0 or self.rank >= self.num_trainer_ranks:
             raise ValueError(f"trainer rank {self.rank} is outside 0..{self.num_trainer_ranks - 1} "
                              f"(num_trainer_ranks={self.num_trainer_ranks})")
@@ -127,7 +133,7 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
     init_info_cls = M2NTrainerInitInfo
 
     def __init__(self, *, init_info: M2NTrainerInitInfo, client: VLLMWeightSyncClient | None,
-                 source, plan, payload: InitPayload, group, store) -> None:
+                 source, plan, payload: InitPayload, group, store, transport=None) -> None:
         super().__init__(client=client, source=source, is_sender=init_info.is_sender)
         self.init_info = init_info
         self.plan = plan
@@ -135,6 +141,7 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
         self.schedule = BucketSchedule.build(plan, init_info.bucket_bytes)
         self._group = group
         self._store = store
+        self._transport = transport  # NcclM2NTransport, or None for torch_p2p
         self._round = 0
 
     @classmethod
@@ -162,7 +169,7 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
             world_size=info.num_trainer_ranks + plan.num_workers,
             backend=info.group_backend, inference=plan.destination.spec, manifest=manifest,
             manifest_digest=digest, plan_digest=plan.digest(), timeout_s=info.timeout_s,
-            bucket_bytes=info.bucket_bytes,
+            bucket_bytes=info.bucket_bytes, transport=info.transport,
         )
         rpc = None
         if info.is_sender:
@@ -172,6 +179,11 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
                                         payload.world_size, timeout_s=info.timeout_s,
                                         backend=info.group_backend)
             agree_on_plan(group, info.rank, payload.world_size, plan, timeout_s=info.timeout_s)
+            transport = None
+            if not plan.problems:
+                transport = open_transport(info.transport, store, group, info.rank,
+                                           payload.world_size, device=info.device,
+                                           timeout_s=info.timeout_s, bucket_bytes=info.bucket_bytes)
         except TransferError as e:
             if rpc is not None and not rpc[0].is_alive() and "error" in rpc[1]:
                 raise TransferError(f"{e}; the inference side said: {rpc[1]['error']}") from e
@@ -184,7 +196,7 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
             raise ValueError(f"trainer rank {info.rank}: the plan has {len(plan.problems)} problem(s), "
                              f"nothing can be sent: {listed}")
         return cls(init_info=info, client=client, source=source, plan=plan, payload=payload,
-                   group=group, store=store)
+                   group=group, store=store, transport=transport)
 
     def send_weights(self, weight_version: str | None = None) -> RoundStats:
         """Run one round on this rank; returns what it sent.
@@ -210,8 +222,13 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
         rank, world = self.init_info.rank, self.payload.world_size
         sent, error = 0, None
         try:
-            sent = send_round(self._group, self.plan, self.schedule, rank,
-                              self.source.iter_local(), timeout_s=timeout)
+            if self._transport is not None:
+                report = self._transport.send_round(self.plan, rank, self.source.iter_local())
+                sent = report.m2n_bytes + report.p2p_bytes
+            else:
+                sent = send_round(self._group, self.plan, self.schedule, rank,
+                                  self.source.iter_local(), timeout_s=timeout,
+                                  device=self.init_info.device)
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             error = f"{type(e).__name__}: {e}"
         try:
@@ -229,7 +246,10 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
         return RoundStats(self._round, version, sent, time.perf_counter() - t0)
 
     def shutdown(self) -> None:
-        """Drop the process group and the store (idempotent)."""
+        """Drop the transport, the process group and the store (idempotent)."""
+        transport, self._transport = self._transport, None
+        if transport is not None:
+            transport.close()
         group, self._group = self._group, None
         if group is not None:
             shutdown = getattr(group, "shutdown", None)

@@ -262,3 +262,24 @@ def test_one_rank_with_a_different_manifest_is_refused_everywhere(server, kind, 
     assert seconds < 4 * TIMEOUT
     # The workers refused too, and nothing moved.
     assert server.weight_versions() == [None, None]
+
+
+def test_nccl_m2n_transport_is_refused_clearly_without_cuda():
+    # The GPU path itself is exercised by benchmarks/gpu_check.py on a GPU
+    # machine; here: choosing it where it cannot run is a clear error before
+    # any rendezvous, on the trainer and in the payload a worker parses.
+    from m2nkit.engine.session import InitPayload
+    from m2nkit.engine.trainer import M2NTrainerInitInfo
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ValueError, match="'nccl_m2n' needs CUDA GPUs.*torch_p2p"):
+        M2NTrainerInitInfo(rank=0, num_trainer_ranks=1, model_config={}, transport="nccl_m2n")
+    with pytest.raises(ValueError, match=r"transport 'ucx' is not one of \['torch_p2p', 'nccl_m2n'\]"):
+        M2NTrainerInitInfo(rank=0, num_trainer_ranks=1, model_config={}, transport="ucx")
+    base = dict(master_address="127.0.0.1", master_port=29500, rank_offset=1, world_size=2,
+                backend="gloo", inference="vllm:tp=1", manifest={}, manifest_digest="x",
+                plan_digest="y", timeout_s=5.0, bucket_bytes=1024)
+    assert InitPayload.from_json(base).transport == "torch_p2p"
+    with pytest.raises(ValueError, match="init payload transport 'nccl_m2n' needs CUDA"):
+        InitPayload.from_json({**base, "transport": "nccl_m2n"})
