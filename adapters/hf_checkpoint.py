@@ -406,10 +406,32 @@ def _load_config(config_path: Path):
             f"{config_path} does not exist: m2nkit needs the model's config.json to "
             "know which tensors the checkpoint must hold"
         )
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    model_type = _peek_model_type(config_path)
+    if model_type is not None and model_type not in CONFIG_MAPPING:
+        raise CheckpointError(
+            f"{config_path}: model_type {model_type!r} is not built into transformers (it would "
+            f"need the model's own Python code, which m2nkit never runs); m2nkit supports "
+            f"{_supported()}")
     try:
-        return AutoConfig.from_pretrained(str(config_path), local_files_only=True)
+        return AutoConfig.from_pretrained(str(config_path), local_files_only=True,
+                                          trust_remote_code=False)
     except Exception as e:
-        raise CheckpointError(f"transformers cannot read {config_path}: {e}") from e
+        # transformers' messages can span lines: make them one line.
+        first = " ".join(str(e).split())[:300] or type(e).__name__
+        raise CheckpointError(
+            f"transformers cannot read {config_path}"
+            + (f" (model_type {model_type!r})" if model_type else "")
+            + f": {first}; m2nkit supports {_supported()}") from e
+
+
+def _peek_model_type(config_path: Path) -> str | None:
+    try:
+        data = json.loads(config_path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data.get("model_type") if isinstance(data, dict) else None
 
 
 def _supported() -> str:
@@ -420,6 +442,9 @@ def _architecture(config, config_path: Path) -> str:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     archs = getattr(config, "architectures", None) or []
+    if isinstance(archs, str) or not all(isinstance(a, str) for a in archs):
+        raise CheckpointError(f"{config_path}: 'architectures' must be a list of class names "
+                              f"like [\"Qwen3ForCausalLM\"], got {archs!r}")
     arch = archs[0] if archs else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
     if arch is None or arch not in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()):
         raise CheckpointError(

@@ -99,6 +99,10 @@ class TrainerSpec:
         return f"{self.kind}:{','.join(str(m) for m in self.mesh_shape)}"
 
 
+#: Largest trainer world m2nkit plans for (a guard against typos like fsdp:99999999999).
+MAX_TRAINER_RANKS = 1 << 16
+
+
 def _bad(spec: object, why: str) -> ValueError:
     return ValueError(
         f"trainer spec {spec!r}: {why}; valid specs are "
@@ -129,9 +133,15 @@ def parse_trainer_spec(spec: str | TrainerSpec) -> TrainerSpec:
     parts = [p.strip() for p in m.group("sizes").split(",")]
     sizes = []
     for p in parts:
-        if not p.isdigit() or int(p) <= 0:
+        if not (p.isascii() and p.isdigit()) or int(p) <= 0:
             raise _bad(spec, f"size {p!r} is not a positive integer")
         sizes.append(int(p))
+    total = 1
+    for n in sizes:
+        total *= n
+    if total > MAX_TRAINER_RANKS:
+        raise _bad(spec, f"{total} trainer ranks is more than m2nkit plans for "
+                         f"({MAX_TRAINER_RANKS})")
     if kind in ("replicated", "fsdp"):
         if len(sizes) != 1:
             raise _bad(spec, f"'{kind}' takes one size N, got {len(sizes)}")

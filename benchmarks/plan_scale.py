@@ -20,7 +20,18 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_MODELS = HERE.parent.parent / "shared" / "models"
+
+
+def _default_models() -> Path:
+    """``shared/models`` beside the repository (as CI and developers lay it out)."""
+    for parent in HERE.parents:
+        candidate = parent / "shared" / "models"
+        if candidate.is_dir():
+            return candidate
+    return HERE.parent.parent / "shared" / "models"
+
+
+DEFAULT_MODELS = _default_models()
 
 CASES = {
     "qwen3-30b-a3b fsdp:256 -> tp8 ep": ("Qwen__Qwen3-30B-A3B", "fsdp:256", "vllm:tp=8,ep"),
@@ -64,6 +75,9 @@ def main() -> None:
     if args._one:
         print(json.dumps(run_case(args.models, *args._one)))
         return
+    if not args.models.is_dir():
+        sys.exit(f"plan_scale: no model configs at {args.models}; pass --models DIR "
+                 "(a folder of <org>__<name>/config.json)")
     rows = []
     for name in args.case or CASES:
         model, trainer, inference = CASES[name]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections import Counter
@@ -165,6 +166,18 @@ def _verify(console, ckpt, tspec, ispec, plan) -> bool:
     return ok
 
 
+def _open_json(path: str | None):
+    """Open ``--json PATH`` for writing before any work, so a bad path fails first."""
+    if path is None:
+        return None
+    if not path.strip():
+        raise UserError("--json needs a file path, got an empty string")
+    try:
+        return open(path, "w")
+    except OSError as e:
+        raise UserError(f"--json {path}: cannot write there ({e.strerror or e})") from None
+
+
 def _cmd_plan(args) -> int:
     from rich.console import Console
     from transformers.utils import logging as hf_logging
@@ -172,15 +185,32 @@ def _cmd_plan(args) -> int:
     hf_logging.set_verbosity_error()
     # Piped output (logs, CI) gets wide tables instead of rich's 80 columns.
     console = Console(width=None if sys.stdout.isatty() else 200)
+    json_file = _open_json(args.json)
+    written = False
+    try:
+        status = _plan_and_report(args, console, json_file)
+        written = True
+        return status
+    finally:
+        if json_file is not None:
+            json_file.close()
+            if not written:  # no half-written or empty file left behind
+                Path(args.json).unlink(missing_ok=True)
+
+
+def _plan_and_report(args, console, json_file) -> int:
     ckpt, tspec, ispec, metas, plan, timings = _build(args)
+    if args.verify and not ckpt.has_data:
+        raise UserError(f"--verify needs tensor data, but {ckpt.path} has only a config")
     _print_summary(console, args, ckpt, metas, plan, timings)
     if args.verbose:
         _print_tensors(console, plan)
-    if args.json:
+    if json_file is not None:
         from m2nkit.manifest.serialize import manifest_to_json
 
         out = {"manifest": manifest_to_json(metas, tspec.num_ranks), "plan": plan.to_json()}
-        Path(args.json).write_text(json.dumps(out))
+        json.dump(out, json_file)
+        json_file.flush()
         console.print(f"wrote {args.json}")
     status = EXIT_OK
     for p in plan.problems:
@@ -189,8 +219,6 @@ def _cmd_plan(args) -> int:
     if args.verify:
         if plan.problems:
             console.print("[red]verify skipped: the plan has problems[/red]")
-        elif not ckpt.has_data:
-            raise UserError(f"--verify needs tensor data, but {ckpt.path} has only a config")
         elif not _verify(console, ckpt, tspec, ispec, plan):
             status = EXIT_PROBLEMS
     return status
@@ -237,7 +265,9 @@ def _cmd_demo(args) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="m2nkit", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="m2nkit",
+        description="Plan and run shard-to-shard weight transfers from RL trainers into vLLM workers.")
     sub = p.add_subparsers(dest="command", required=True)
     plan = sub.add_parser("plan", help="dry-run: what moves where, and how long it takes")
     plan.add_argument("checkpoint", help="HF checkpoint directory (safetensors) or a config.json")
@@ -268,8 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     for flag in ("link_gbps", "timeout", "bucket_mib"):
         value = getattr(args, flag, 1.0)
-        if not value > 0:  # also refuses NaN
-            print(f"m2nkit: error: --{flag.replace('_', '-')} must be > 0, got {value}", file=sys.stderr)
+        if not (value > 0 and math.isfinite(value)):  # also refuses NaN and inf
+            print(f"m2nkit: error: --{flag.replace('_', '-')} must be a finite number > 0, "
+                  f"got {value}", file=sys.stderr)
             return EXIT_USAGE
     try:
         return args.func(args)

@@ -353,7 +353,10 @@ def m2n_encoding(boxes: Sequence[tuple[int, Box]], shape: Sequence[int]) -> M2NE
     k = len(chunks)
     size = shape[d] // k
     if shape[d] % k or any(iv != (i * size, (i + 1) * size) for i, iv in enumerate(chunks)):
-        return f"dim {d} of size {shape[d]} is not split evenly into {k} chunks"
+        lengths = sorted({b - a for a, b in (box_of[r][d] for r in ranks)})
+        empty = sum(1 for r in ranks if box_of[r][d][0] == box_of[r][d][1])
+        return (f"dim {d} of size {shape[d]} is not split evenly over {n} ranks "
+                f"(chunk lengths {lengths}" + (f", {empty} ranks hold nothing)" if empty else ")"))
     pos = {iv: i for i, iv in enumerate(chunks)}
     idx = [pos[box_of[r][d]] for r in ranks]
     if n % k:

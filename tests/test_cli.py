@@ -182,3 +182,58 @@ def test_bad_trainer_spec_and_missing_path(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr and "fsdp:0" in r.stderr
     r = _cli("plan", tmp_path / "nope", "--trainer", "fsdp:2", "--inference", "vllm:tp=2")
     assert r.returncode == 2 and "Traceback" not in r.stderr and "nope" in r.stderr
+
+
+@pytest.mark.parametrize("which", ["router", "all", "q_proj"])
+def test_wire_dtype_other_than_vllms_is_cast_on_arrival(tiny_checkpoints, tmp_path, capsys, which):
+    # vLLM allocates every parameter in the config's dtype (bf16 here) and its
+    # loaders cast on copy; so must m2nkit: the plan is clean, --verify is
+    # bit-exact against the reference (which casts like vLLM), and the plan
+    # says nccl.m2n cannot carry a tensor that needs a cast.
+    d = _copy(tiny_checkpoints("tiny-qwen3-moe"), tmp_path / "ck")
+    t = load_file(d / "model.safetensors")
+    for name in t:
+        if which == "all" or (which == "router" and name.endswith("mlp.gate.weight")) or \
+                (which == "q_proj" and name == "model.layers.0.self_attn.q_proj.weight"):
+            t[name] = t[name].to(torch.float32)
+    save_file(t, d / "model.safetensors", metadata={"format": "pt"})
+    out_json = tmp_path / "p.json"
+    code, out, err = run_plan(capsys, d, "--trainer", "fsdp:2", "--inference", "vllm:tp=2,ep",
+                              "--verify", "--json", out_json)
+    assert code == 0, out + err
+    assert "verify: all 2 workers" in out
+    wires = {w["name"]: w for w in json.loads(out_json.read_text())["plan"]["wires"]}
+    router = wires["model.layers.0.mlp.gate.weight"]["nccl_m2n"]
+    if which in ("router", "all"):
+        assert not router["ok"] and "cast to vLLM's bfloat16" in router["reason"]
+    else:
+        assert "cast" not in (router["reason"] or "")
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--json", "/proc/m2nkit-cannot-write.json"], "--json /proc/m2nkit-cannot-write.json: cannot write"),
+    (["--json", ""], "--json needs a file path"),
+    (["--link-gbps", "inf"], "--link-gbps must be a finite number > 0, got inf"),
+    (["--link-gbps", "nan"], "--link-gbps must be a finite number > 0, got nan"),
+])
+def test_bad_flags_fail_before_any_work(capsys, args, needle):
+    code, out, err = run_plan(capsys, EXAMPLE, "--trainer", "fsdp:2", "--inference", "vllm:tp=2", *args)
+    assert code == 2 and needle in err
+    assert out == ""  # nothing was planned or printed first
+
+
+def test_failed_run_leaves_no_json_behind(tmp_path, capsys):
+    out_json = tmp_path / "p.json"
+    code, _, err = run_plan(capsys, EXAMPLE, "--trainer", "fsdp:2", "--inference", "vllm:tp=3",
+                            "--json", out_json)
+    assert code == 2 and "tp=3" in err and not out_json.exists()
+
+
+@pytest.mark.parametrize("trainer,inference,needle", [
+    ("fsdp:99999999999", "vllm:tp=2", "more than m2nkit plans for (65536)"),
+    ("fsdp:\u00b2", "vllm:tp=2", "is not a positive integer"),
+    ("fsdp:2", "vllm:tp=1,dp=100000", "more than m2nkit plans for (16384)"),
+])
+def test_absurd_sizes_are_refused(capsys, trainer, inference, needle):
+    code, _, err = run_plan(capsys, EXAMPLE, "--trainer", trainer, "--inference", inference)
+    assert code == 2 and needle in err

@@ -511,7 +511,25 @@ def test_error_unknown_model_type(tiny_checkpoints, tmp_path):
     cfg = json.loads((d / "config.json").read_text())
     cfg["model_type"] = "not_a_model_type"
     (d / "config.json").write_text(json.dumps(cfg))
-    _raises(d, "transformers cannot read", d / "config.json", "not_a_model_type")
+    _raises(d, "is not built into transformers", d / "config.json", "not_a_model_type")
+
+
+def test_error_bad_config_value_is_one_line(tiny_checkpoints, tmp_path):
+    d = copy_ckpt(tiny_checkpoints("tiny-qwen3"), tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["hidden_size"] = "128"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError) as e:
+        read_checkpoint(d)
+    assert "\n" not in str(e.value) and "hidden_size" in str(e.value)
+
+
+def test_error_architectures_not_a_list(tiny_checkpoints, tmp_path):
+    d = copy_ckpt(tiny_checkpoints("tiny-qwen3"), tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["architectures"] = "Qwen3ForCausalLM"
+    (d / "config.json").write_text(json.dumps(cfg))
+    _raises(d, "'architectures' must be a list")
 
 
 def test_error_architecture_contradicts_model_type(tiny_checkpoints, tmp_path):

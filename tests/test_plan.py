@@ -227,3 +227,15 @@ def test_m2n_verdicts_follow_the_preconditions():
     assert not v.ok and "dtype" in v.reason
     ok = verdict((8,), (2,), (Shard(0),), (1,), (Replicate(),))
     assert ok.ok and ok.dst.mesh_dims == (1, 1) and ok.dst.placements == (-1, 0)
+
+
+def test_m2n_fan_out_is_a_property_of_the_layouts_not_the_replica_choice():
+    # One source shard held by 3 replicas feeds 128 (then 64) destination
+    # shards: nccl.m2n allows 64 per source shard, whichever replicas send.
+    meta = ParamMeta("w", torch.bfloat16, (16,), owners=(0, 1, 2))
+    for workers, ok in ((128, False), (64, True)):
+        dest = placement_destination("w", (16,), torch.bfloat16, (workers,), (Replicate(),))
+        verdict = build_plan([meta], 3, dest).wires[0].m2n
+        assert verdict.ok is ok, verdict
+        if not ok:
+            assert f"one source shard feeds {workers} destination shards" in verdict.reason

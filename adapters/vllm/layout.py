@@ -330,8 +330,8 @@ def destination_layout(
 
     Returns:
         ``DestinationLayout`` with ``num_workers = dp*tp`` (dp-major), every
-        worker's parameters (dtype = the wire dtype feeding it, else the
-        config dtype), bindings per wire tensor, ``skipped`` (tied
+        worker's parameters (in the config's model dtype, as vLLM allocates
+        them; a wire tensor of another dtype is cast on arrival), bindings per wire tensor, ``skipped`` (tied
         ``lm_head.weight``, rotary caches), ``aliases`` (tied lm_head,
         Qwen3-MoE router alias) and ``unknown`` (wire tensors no rule takes;
         not an error here). Parameters no wire tensor feeds stay declared and
@@ -341,8 +341,7 @@ def destination_layout(
         ValueError: an unknown architecture (lists the supported ones); a bad
             spec; a parallel size the model cannot be split by (names the
             config value and lists the valid tp); a wire tensor whose shape
-            disagrees with the config; two wire tensors of different dtypes
-            feeding one parameter; a repeated wire name.
+            disagrees with the config; a repeated wire name.
     """
     spec = parse_inference_spec(spec)
     family = family_for(config)
@@ -360,7 +359,6 @@ def destination_layout(
     bindings: dict[str, tuple[Binding, ...]] = {}
     skipped: dict[str, str] = {}
     unknown: dict[str, str] = {}
-    dtype_of: dict[str, tuple[torch.dtype, str]] = {}
     seen: set[str] = set()
     for meta in wire:
         wname = meta.name
@@ -384,12 +382,6 @@ def destination_layout(
             raise ValueError(
                 f"wire tensor '{wname}' has shape {tuple(meta.shape)}, but the "
                 f"{family.architecture} config implies {expect} for {pname}")
-        prev = dtype_of.get(pname)
-        if prev is not None and prev[0] != meta.dtype:
-            raise ValueError(
-                f"wire tensors '{prev[1]}' ({prev[0]}) and '{wname}' ({meta.dtype}) "
-                f"feed one vLLM parameter {pname}; send them in one dtype")
-        dtype_of.setdefault(pname, (meta.dtype, wname))
         out: list[Binding] = []
         if p.kind in (W13, W2):
             for w in range(W):
@@ -401,10 +393,14 @@ def destination_layout(
                 out.extend(Binding(wname, w, box, pname, off) for box, off in per_rank[w % tp])
         bindings[wname] = tuple(out)
 
-    fallback = s.dtype
-    if fallback is None:
+    # vLLM allocates every parameter of these families in the model dtype
+    # (ModelConfig.dtype from the config's ``dtype``/``torch_dtype``) and its
+    # weight loaders cast on copy; a wire tensor in another dtype is cast on
+    # arrival the same way (the plan marks it, nccl.m2n cannot cast).
+    model_dtype = s.dtype
+    if model_dtype is None:
         common = Counter(m.dtype for m in wire).most_common(1)
-        fallback = common[0][0] if common else torch.float32
+        model_dtype = common[0][0] if common else torch.float32
     shapes = {name: _local_shape(p, s, g) for name, p in ex.params}
     vocab_zero: dict[int, tuple] = {}
     for r in range(tp):
@@ -415,9 +411,8 @@ def destination_layout(
     for w in range(W):
         r = w % tp
         for name, p in ex.params:
-            dtype = dtype_of[name][0] if name in dtype_of else fallback
             zeros = vocab_zero[r] if p.kind == VOCAB else ()
-            params.append(DestinationParam(w, name, dtype, shapes[name], zeros))
+            params.append(DestinationParam(w, name, model_dtype, shapes[name], zeros))
     return DestinationLayout(
         spec=str(spec), num_workers=W, params=tuple(params), bindings=bindings,
         skipped=skipped, aliases=dict(ex.aliases), unknown=unknown,

@@ -18,6 +18,8 @@ __all__ = ["InferenceSpec", "parse_inference_spec", "SPEC_SYNTAX"]
 SPEC_SYNTAX = "vllm:tp=T[,dp=D][,ep] (T, D positive ints; e.g. 'vllm:tp=4', 'vllm:tp=2,dp=4,ep')"
 
 _INT = re.compile(r"^[0-9]+$")
+#: Largest inference world m2nkit plans for (a guard against typos like dp=100000).
+MAX_WORKERS = 1 << 14
 
 
 def _check_size(name: str, value: object) -> int:
@@ -124,4 +126,8 @@ def parse_inference_spec(text: str) -> InferenceSpec:
             )
     if "tp" not in values:
         raise ValueError(f"vLLM spec {text!r} has no tp=...; expected {SPEC_SYNTAX}")
+    workers = values["tp"] * values.get("dp", 1)
+    if workers > MAX_WORKERS:
+        raise ValueError(f"vLLM spec {text!r}: tp*dp = {workers} workers is more than m2nkit "
+                         f"plans for ({MAX_WORKERS})")
     return InferenceSpec(tp=values["tp"], dp=values.get("dp", 1), ep=values.get("ep", False))
