@@ -232,6 +232,7 @@ def _cmd_demo(args) -> int:
     from m2nkit.engine.demo import run_demo
 
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     console = Console(width=None if sys.stdout.isatty() else 200)
     try:
         result = run_demo(args.model, args.trainer, args.inference, rounds=args.rounds,

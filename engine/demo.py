@@ -27,6 +27,12 @@ import torch
 __all__ = ["shift", "DemoRound", "DemoResult", "run_demo", "free_port"]
 
 
+from m2nkit.engine.server import exit_with_parent
+
+#: Most processes (trainers + workers) the demo starts on one machine.
+MAX_DEMO_PROCESSES = 32
+
+
 def shift(t: torch.Tensor, round_index: int) -> torch.Tensor:
     """Round ``round_index``'s version of a tensor: ``t + 0.5*round_index`` (floats only).
 
@@ -62,6 +68,7 @@ def shifted_source(checkpoint, trainer_spec, rank: int, state: dict):
 def _trainer_main(rank, num_ranks, model_dir, trainer, inference, url, port, rounds,
                   timeout_s, bucket_bytes, results, go):
     """One trainer process: init, then one ``send_weights`` per round, reporting each."""
+    exit_with_parent()
     torch.set_num_threads(1)
     try:
         from transformers.utils import logging as hf_logging
@@ -143,6 +150,15 @@ def run_demo(model: str, trainer: str, inference: str, *, rounds: int = 2, timeo
 
     if rounds < 1:
         raise ValueError(f"--rounds must be >= 1, got {rounds}")
+    if bucket_bytes < 1:
+        raise ValueError(f"--bucket-mib must be at least one byte, got {bucket_bytes} bytes")
+    from m2nkit.adapters.trainer_spec import parse_trainer_spec as _pts
+    from m2nkit.adapters.vllm import parse_inference_spec as _pis
+
+    count = _pts(trainer).num_ranks + _pis(inference).num_workers
+    if count > MAX_DEMO_PROCESSES:
+        raise ValueError(f"{trainer} -> {inference} needs {count} processes; the demo runs at most "
+                         f"{MAX_DEMO_PROCESSES} on one machine (use m2nkit plan for larger layouts)")
     tmp = tempfile.TemporaryDirectory(prefix="m2nkit-demo-") if workdir is None else None
     work = Path(workdir or tmp.name)
     try:
@@ -242,6 +258,7 @@ def run_demo(model: str, trainer: str, inference: str, *, rounds: int = 2, timeo
 
 def _baseline_rank(rank, model_dir, trainer, inference, ports, timeout_s, results):
     """One process of the gather-then-broadcast baseline (``engine/baseline.py``)."""
+    exit_with_parent()
     torch.set_num_threads(1)
     try:
         from transformers.utils import logging as hf_logging

@@ -73,6 +73,27 @@ def load_model_config(source: str | os.PathLike):
 # worker process
 
 
+def exit_with_parent() -> None:
+    """In a spawned child: exit as soon as the parent process is gone.
+
+    ``daemon=True`` children are only reaped when the parent exits normally;
+    this also covers a parent killed by a signal or the OOM killer, so no
+    orphan keeps holding memory or ports.
+    """
+    import threading
+    from multiprocessing.connection import wait
+
+    parent = mp.parent_process()
+    if parent is None:
+        return
+
+    def watch():
+        wait([parent.sentinel])
+        os._exit(3)
+
+    threading.Thread(target=watch, daemon=True, name="m2nkit-parent-watch").start()
+
+
 def _worker_main(conn, model_config: Any, inference: str, worker: int) -> None:
     """One worker: build the receiver, then serve ``(seq, command, arg)`` until told to stop.
 
@@ -84,6 +105,7 @@ def _worker_main(conn, model_config: Any, inference: str, worker: int) -> None:
     from m2nkit.engine.clients import error_status
     from m2nkit.engine.receiver import M2NReceiver
 
+    exit_with_parent()
     torch.set_num_threads(1)
     try:
         receiver = M2NReceiver(model_config, inference, worker)

@@ -96,6 +96,20 @@ class RoundStats:
     extra: dict = field(default_factory=dict)
 
 
+def _release(group) -> None:
+    """Abort a stateless group (closes its connections); never raises."""
+    if group is None:
+        return
+    for name in ("abort", "shutdown"):
+        fn = getattr(group, name, None)
+        if callable(fn):
+            try:
+                fn()
+                return
+            except RuntimeError:
+                pass
+
+
 def _call_in_thread(fn, *args):
     """Run ``fn(*args)`` in a daemon thread; returns ``(thread, box)`` where box holds result/error."""
     box: dict[str, Any] = {}
@@ -143,6 +157,8 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
         self._store = store
         self._transport = transport  # NcclM2NTransport, or None for torch_p2p
         self._round = 0
+        self._broken: str | None = None
+        self._busy = threading.Lock()
 
     @classmethod
     def trainer_init(cls, init_info: M2NTrainerInitInfo, *, client: VLLMWeightSyncClient | None = None,
@@ -174,6 +190,7 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
         rpc = None
         if info.is_sender:
             rpc = _call_in_thread(client.init_weight_transfer_engine, payload.to_json())
+        store = group = None
         try:
             store, group = create_group(info.master_address, info.master_port, info.rank,
                                         payload.world_size, timeout_s=info.timeout_s,
@@ -184,13 +201,23 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
                 transport = open_transport(info.transport, store, group, info.rank,
                                            payload.world_size, device=info.device,
                                            timeout_s=info.timeout_s, bucket_bytes=info.bucket_bytes)
-        except TransferError as e:
-            if rpc is not None and not rpc[0].is_alive() and "error" in rpc[1]:
+        except BaseException as e:
+            # Release the group and the store (rank 0's port) so a fresh
+            # trainer_init can use the same rendezvous right away.
+            _release(group)
+            store = group = None
+            if isinstance(e, TransferError) and rpc is not None and not rpc[0].is_alive() \
+                    and "error" in rpc[1]:
                 raise TransferError(f"{e}; the inference side said: {rpc[1]['error']}") from e
             raise
-        if rpc is not None:
-            _join(*rpc, info.timeout_s, "init_weight_transfer_engine")
+        try:
+            if rpc is not None:
+                _join(*rpc, info.timeout_s, "init_weight_transfer_engine")
+        except BaseException:
+            _release(group)
+            raise
         if plan.problems:
+            _release(group)
             # Identical on every rank (the plans agreed), so every rank refuses.
             listed = "; ".join(str(p) for p in plan.problems[:5])
             raise ValueError(f"trainer rank {info.rank}: the plan has {len(plan.problems)} problem(s), "
@@ -201,22 +228,50 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
     def send_weights(self, weight_version: str | None = None) -> RoundStats:
         """Run one round on this rank; returns what it sent.
 
-        ``weight_version`` (rank 0) labels the version the workers commit;
-        default: the round number.
+        ``weight_version`` (rank 0) labels the version the workers commit
+        (converted with ``str``); default: the round number.
 
         Raises:
+            ValueError: called after ``shutdown()``.
+            RuntimeError: another ``send_weights`` is running on this engine.
             TransferError: a peer died or stalled, the source broke the
                 manifest order, or the inference side refused to commit
-                (rank 0). The workers' version is then unchanged; build a
-                fresh engine (``trainer_init``) for the next round.
+                (rank 0). The workers' version is then unchanged, this
+                engine has released its group and refuses further rounds:
+                build a fresh engine (``trainer_init``) for the next round.
         """
+        if self._group is None:
+            raise ValueError(f"trainer rank {self.init_info.rank}: send_weights after shutdown(); "
+                             "build a fresh engine with trainer_init")
+        if self._broken:
+            raise TransferError(f"trainer rank {self.init_info.rank}: this engine's group broke in "
+                                f"an earlier round ({self._broken}); build a fresh engine with "
+                                "trainer_init")
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError(f"trainer rank {self.init_info.rank}: send_weights is already "
+                               "running on this engine; rounds cannot overlap")
+        try:
+            return self._send_round(weight_version)
+        except BaseException as e:
+            # The group cannot be trusted after a failed round: release it
+            # (and rank 0's store port) now; the next round needs a new engine.
+            self._broken = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            self.shutdown()
+            raise
+        finally:
+            self._busy.release()
+
+    def _send_round(self, weight_version) -> RoundStats:
         self._round += 1
-        version = weight_version or str(self._round)
+        version = str(weight_version) if weight_version is not None else str(self._round)
         t0 = time.perf_counter()
         rpc = None
         timeout = self.init_info.timeout_s
         if self.is_sender:
-            self.client.start_weight_update()
+            try:
+                self.client.start_weight_update()
+            except Exception as e:  # e.g. the client's WeightSyncError
+                raise TransferError(f"start_weight_update failed: {e}") from e
             rpc = _call_in_thread(self.client.update_weights,
                                   {"round": self._round, "version": version})
         rank, world = self.init_info.rank, self.payload.world_size
@@ -242,7 +297,10 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
             raise
         if rpc is not None:
             _join(*rpc, timeout, "update_weights")
-            self.client.finish_weight_update(version)
+            try:
+                self.client.finish_weight_update(version)
+            except Exception as e:  # e.g. the client's WeightSyncError
+                raise TransferError(f"finish_weight_update failed: {e}") from e
         return RoundStats(self._round, version, sent, time.perf_counter() - t0)
 
     def shutdown(self) -> None:
@@ -251,11 +309,5 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
         if transport is not None:
             transport.close()
         group, self._group = self._group, None
-        if group is not None:
-            shutdown = getattr(group, "shutdown", None)
-            if callable(shutdown):
-                try:
-                    shutdown()
-                except RuntimeError:
-                    pass
+        _release(group)
         self._store = None

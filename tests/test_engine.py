@@ -57,6 +57,9 @@ def test_demo_rounds_are_bit_exact_over_http(tmp_path, model, trainer, inference
 def _trainer(rank, T, model_dir, trainer, inference, url, port, fault, results, rounds=1,
              reorder=False, extra=False):
     """A trainer process; ``fault`` = (round, wire index, action) or None."""
+    from m2nkit.engine.server import exit_with_parent
+
+    exit_with_parent()
     torch.set_num_threads(1)
     try:
         from m2nkit.adapters.hf_checkpoint import read_checkpoint
@@ -100,9 +103,23 @@ def _trainer(rank, T, model_dir, trainer, inference, url, port, fault, results, 
         engine = M2NTrainerEngine.trainer_init(info, client=client, source=source)
         for k in range(1, rounds + 1):
             state["round"] = k
-            engine.send_weights(f"v{k}")
+            try:
+                engine.send_weights(f"v{k}")
+            except Exception as e:
+                # A failed engine refuses further rounds at once (no RPC, no wait).
+                t0 = time.monotonic()
+                try:
+                    engine.send_weights("again")
+                except Exception as again:  # noqa: BLE001
+                    results.put(("retry", rank, (f"{type(again).__name__}: {again}",
+                                                 time.monotonic() - t0)))
+                raise e
             results.put(("ok", rank, k))
         engine.shutdown()
+        try:
+            engine.send_weights("after-shutdown")
+        except ValueError as e:
+            results.put(("after_shutdown", rank, str(e)))
         results.put(("done", rank, None))
     except BaseException as e:  # noqa: BLE001 - the test inspects it
         results.put(("error", rank, f"{type(e).__name__}: {e}"))
@@ -212,6 +229,9 @@ def test_trainer_stall_or_death_mid_round_fails_everyone_and_keeps_the_version(s
     # Errors arrive within the bound: a wait times out after TIMEOUT, the
     # end-of-round verdict after at most another TIMEOUT.
     assert seconds < 4 * TIMEOUT
+    for r in (0, 2):
+        retry = [p for k, p in msgs[r] if k == "retry"]
+        assert retry and "build a fresh engine" in retry[0][0] and retry[0][1] < 1.0, msgs[r]
     # The workers refused to commit round 2: still at v1 with v1's bytes.
     assert server.weight_versions() == ["v1", "v1"]
     _check_workers(server, tmp_path, 1)
@@ -219,6 +239,8 @@ def test_trainer_stall_or_death_mid_round_fails_everyone_and_keeps_the_version(s
     msgs, _, codes, _ = _run_trainers(server.url, 3, "fsdp:3", "vllm:tp=2", rounds=2,
                                       budget=10 * TIMEOUT)
     assert not any(_errors(msgs).values()), msgs
+    for r in range(3):
+        assert any(k == "after_shutdown" and "after shutdown()" in p for k, p in msgs[r]), msgs[r]
     assert server.weight_versions() == ["v2", "v2"]
     _check_workers(server, tmp_path, 2)
 
@@ -283,3 +305,11 @@ def test_nccl_m2n_transport_is_refused_clearly_without_cuda():
     assert InitPayload.from_json(base).transport == "torch_p2p"
     with pytest.raises(ValueError, match="init payload transport 'nccl_m2n' needs CUDA"):
         InitPayload.from_json({**base, "transport": "nccl_m2n"})
+
+
+def test_demo_refuses_more_processes_than_one_machine_runs(capsys):
+    from m2nkit.engine.cli import main
+
+    assert main(["demo", "--trainer", "fsdp:40", "--inference", "vllm:tp=2"]) == 2
+    err = capsys.readouterr().err
+    assert "needs 42 processes" in err and "at most 32" in err
