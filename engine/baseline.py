@@ -54,7 +54,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from m2nkit.engine.plan import Plan
+from m2nkit.engine.plan import Plan, next_local
 from m2nkit.engine.transports.torch_p2p import TransferError, _wait, create_group
 from m2nkit.manifest.layout import box_volume, rank_boxes
 
@@ -153,7 +153,7 @@ def gather_then_broadcast_round(group, trainer_group, plan: Plan, rank: int, *,
             shape, or a collective, send or receive that failed or timed out.
     """
     _check(plan, rank)
-    T, N = plan.num_trainer_ranks, plan.num_workers
+    T = plan.num_trainer_ranks
     if rank < T:
         if stream is None or trainer_group is None:
             raise ValueError(f"trainer rank {rank} needs stream= and trainer_group=")
@@ -174,18 +174,7 @@ def _gather_and_send(group, trainer_group, plan: Plan, rank: int,
         boxes = dict(rank_boxes(wp.layout, wp.meta.shape))
         local = None
         if rank in boxes:
-            try:
-                name, local = next(it)
-            except StopIteration:
-                raise TransferError(f"trainer rank {rank}: source ended before "
-                                    f"'{wp.name}'") from None
-            want = tuple(b - a for a, b in boxes[rank])
-            if name != wp.name:
-                raise TransferError(f"trainer rank {rank}: source yielded '{name}' where the "
-                                    f"manifest order expects '{wp.name}'")
-            if tuple(local.shape) != want or local.dtype != wp.meta.dtype:
-                raise TransferError(f"trainer rank {rank}: local '{name}' is {tuple(local.shape)} "
-                                    f"{local.dtype}; its box needs {want} {wp.meta.dtype}")
+            local = next_local(it, wp, rank, boxes[rank], error=TransferError)
         if wp.skipped:
             continue
 

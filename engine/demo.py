@@ -14,7 +14,6 @@ committed the round's version.
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import socket
 import tempfile
 import time

@@ -17,7 +17,7 @@ import torch
 from m2nkit.manifest.destination import DestinationLayout
 from m2nkit.manifest.layout import rank_boxes
 
-from .plan import Plan
+from .plan import Plan, next_local
 
 __all__ = ["allocate_storage", "execute_plan", "bitwise_equal"]
 
@@ -72,17 +72,7 @@ def execute_plan(
             if it is None:
                 raise ValueError(f"no local stream for trainer rank {rank}, an owner of "
                                  f"'{wp.name}'")
-            try:
-                name, tensor = next(it)
-            except StopIteration:
-                raise ValueError(f"trainer rank {rank}'s stream ended before '{wp.name}'") from None
-            if name != wp.name:
-                raise ValueError(f"trainer rank {rank} yielded '{name}' where the manifest "
-                                 f"order expects '{wp.name}'")
-            want = tuple(b - a for a, b in boxes[rank])
-            if tuple(tensor.shape) != want:
-                raise ValueError(f"trainer rank {rank}'s local '{wp.name}' has shape "
-                                 f"{tuple(tensor.shape)}; its box needs {want}")
+            tensor = next_local(it, wp, rank, boxes[rank])
             local[rank] = tensor
         if wp.skipped:
             continue

@@ -36,7 +36,6 @@ from m2nkit.manifest.layout import (
     M2NEncoding,
     SourceLayout,
     box_volume,
-    local_box,
     m2n_encoding,
     rank_boxes,
     region_is_contiguous,
@@ -55,6 +54,7 @@ __all__ = [
     "Plan",
     "build_plan",
     "count_coverage",
+    "next_local",
 ]
 
 #: dtypes nccl.m2n can move (vLLM ``m2n_common.py``, mirrored from nccl_m2n).
@@ -553,3 +553,35 @@ def count_coverage(plan: Plan) -> dict[tuple[int, str], torch.Tensor]:
             region = tuple(slice(o, o + hi - lo) for o, (lo, hi) in zip(s.dst_start, s.box))
             counts[(s.dst, s.param)][region] += 1
     return counts
+
+
+def next_local(it, wp: WirePlan, rank: int, box: Box | None = None, *,
+               error: type[Exception] = ValueError) -> torch.Tensor:
+    """Take wire tensor ``wp``'s local piece from a rank's ``iter_local()`` stream.
+
+    Every executor and transport pulls a trainer rank's stream through this
+    one check (``WeightSource.iter_local`` contract: owned tensors, manifest
+    order, each of its box's shape and the manifest dtype). ``box`` is the
+    rank's box of ``wp``; ``None`` skips the shape check.
+
+    Raises:
+        ``error`` (``ValueError`` by default; transports pass
+        ``TransferError``): the stream ended early, yielded another name,
+        or a piece of the wrong shape or dtype (names rank and tensor).
+    """
+    try:
+        name, local = next(it)
+    except StopIteration:
+        raise error(f"trainer rank {rank}: source ended before '{wp.name}'") from None
+    if name != wp.name:
+        raise error(f"trainer rank {rank}: source yielded '{name}' where the manifest "
+                    f"order expects '{wp.name}'")
+    if box is not None:
+        want = tuple(b - a for a, b in box)
+        if tuple(local.shape) != want:
+            raise error(f"trainer rank {rank}: local '{name}' has shape {tuple(local.shape)}; "
+                        f"its box needs {want}")
+    if local.dtype != wp.meta.dtype:
+        raise error(f"trainer rank {rank}: local '{name}' is {local.dtype}; the manifest "
+                    f"says {wp.meta.dtype}")
+    return local

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from m2nkit.engine.plan import Plan, WirePlan
+from m2nkit.engine.plan import Plan, WirePlan, next_local
 from m2nkit.engine.transports import torch_p2p
 from m2nkit.engine.transports.torch_p2p import BucketSchedule, TransferError
 from m2nkit.manifest.layout import Box, rank_boxes
@@ -582,15 +582,7 @@ class _Cursor:
         self.rank = rank
 
     def take(self, wp: WirePlan) -> tuple[str, torch.Tensor]:
-        try:
-            name, local = next(self.it)
-        except StopIteration:
-            raise TransferError(f"trainer rank {self.rank}: source ended before "
-                                f"'{wp.name}'") from None
-        if name != wp.name:
-            raise TransferError(f"trainer rank {self.rank}: source yielded '{name}' where the "
-                                f"manifest order expects '{wp.name}'")
-        return name, local
+        return wp.name, next_local(self.it, wp, self.rank, error=TransferError)
 
     def segment(self, plan: Plan, wires: Sequence[int]) -> Iterator[tuple[str, torch.Tensor]]:
         """Exactly this rank's owned wire tensors of one segment, pulled lazily."""

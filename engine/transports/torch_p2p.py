@@ -27,13 +27,13 @@ import json
 import hashlib
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterable, Iterator, Mapping
+from typing import Iterable, Mapping
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from m2nkit.engine.plan import Plan, WirePlan
+from m2nkit.engine.plan import Plan, WirePlan, next_local
 from m2nkit.manifest.layout import rank_boxes
 
 __all__ = [
@@ -299,18 +299,8 @@ def send_round(group, plan: Plan, schedule: BucketSchedule, rank: int,
             if wi not in owned_boxes:
                 continue
             wp = plan.wires[wi]
-            try:
-                name, local = next(it)
-            except StopIteration:
-                raise TransferError(f"trainer rank {rank}: source ended before '{wp.name}'") from None
-            if name != wp.name:
-                raise TransferError(f"trainer rank {rank}: source yielded '{name}' where the "
-                                    f"manifest order expects '{wp.name}'")
             box = owned_boxes[wi]
-            want = tuple(b - a for a, b in box)
-            if tuple(local.shape) != want or local.dtype != wp.meta.dtype:
-                raise TransferError(f"trainer rank {rank}: local '{name}' is {tuple(local.shape)} "
-                                    f"{local.dtype}; its box needs {want} {wp.meta.dtype}")
+            local = next_local(it, wp, rank, box, error=TransferError)
             for dst, r in by_wire.get(wi, ()):
                 lo, hi = _row_region(wp, r)
                 piece = local[tuple(slice(a - s, b - s) for a, b, (s, _) in zip(lo, hi, box))]
