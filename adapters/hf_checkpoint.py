@@ -19,10 +19,10 @@ on the meta device (``AutoModelForCausalLM.from_config``) and its
 ``named_parameters()`` are taken, in order; that order is the wire order, so
 every rank builds the same manifest. transformers 5 keeps experts fused in
 memory but writes them per expert on disk, and names a few blocks
-differently in memory than on disk (Mixtral's ``mlp`` is
-``block_sparse_moe`` on disk); :data:`FAMILIES` holds that naming as data
-(transformers ``conversion_mapping.py`` applies the same rules when it
-loads). Adding a family is adding a row.
+differently in memory than on disk; each family's module in
+``m2nkit.adapters.families`` holds that naming as data (``HF_NAMES``, an
+``HFNaming``), and this module holds none. An architecture without a family
+is refused with the registry's one message.
 
 Every defect a user can hit (missing or corrupt files, wrong shapes,
 unsupported dtypes, incomplete expert sets) raises :class:`CheckpointError`
@@ -47,13 +47,13 @@ from m2nkit.manifest.layout import Box, local_box
 from m2nkit.manifest.meta import ParamMeta
 
 from .experts import StackedExperts, expert_name, group_expert_tensors, stack_experts
+from .families import (UnsupportedArchitecture, check_architecture, family,
+                       supported_architectures)
+from .families.table import HFNaming
 from .trainer_spec import TrainerSpec, parse_trainer_spec
 
 __all__ = [
     "CheckpointError",
-    "FamilyNaming",
-    "FAMILIES",
-    "FUSED_EXPERTS",
     "SAFETENSORS_DTYPES",
     "Checkpoint",
     "read_checkpoint",
@@ -72,7 +72,7 @@ class CheckpointError(ValueError):
 
 
 # --------------------------------------------------------------------------
-# data: dtypes and per-family naming
+# data: dtypes
 
 #: safetensors dtype strings m2nkit carries, and their torch dtypes. The
 #: dtypes model weights use that both transports and ``nccl.m2n`` move
@@ -89,61 +89,6 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "U8": torch.uint8,
     "I32": torch.int32,
     "I64": torch.int64,
-}
-
-
-@dataclass(frozen=True)
-class FamilyNaming:
-    """How one architecture's in-memory names (transformers 5) map to disk.
-
-    Attributes:
-        renames: ``(regex, replacement)`` pairs applied in order to an
-            in-memory name to get its on-disk name.
-        experts: part -> on-disk per-expert pattern (``{prefix}``: the MoE
-            block after renames, ``{e}``: the expert), for the parts named
-            in :data:`FUSED_EXPERTS`; ``None`` for dense families.
-    """
-
-    renames: tuple[tuple[str, str], ...] = ()
-    experts: Mapping[str, str] | None = None
-
-    def disk_name(self, in_memory: str) -> str:
-        for pattern, repl in self.renames:
-            in_memory = re.sub(pattern, repl, in_memory)
-        return in_memory
-
-
-#: Families m2nkit knows, by ``config.architectures[0]``. Verified against
-#: checkpoints written by transformers 5 ``save_pretrained`` (tests) and the
-#: published Mixtral-8x7B index (block_sparse_moe, w1/w3/w2 = gate/up/down).
-#: Another causal LM that transformers knows and that has no fused experts
-#: is read with in-memory names taken as on-disk names (any difference shows
-#: up as a missing/extra tensor error); one with fused experts needs a row.
-FAMILIES: dict[str, FamilyNaming] = {
-    "LlamaForCausalLM": FamilyNaming(),
-    "Qwen2ForCausalLM": FamilyNaming(),
-    "Qwen3ForCausalLM": FamilyNaming(),
-    "Qwen3MoeForCausalLM": FamilyNaming(experts={
-        "gate": "{prefix}.experts.{e}.gate_proj.weight",
-        "up": "{prefix}.experts.{e}.up_proj.weight",
-        "down": "{prefix}.experts.{e}.down_proj.weight",
-    }),
-    "MixtralForCausalLM": FamilyNaming(
-        renames=((r"^(model\.layers\.\d+)\.mlp\.", r"\1.block_sparse_moe."),),
-        experts={
-            "gate": "{prefix}.experts.{e}.w1.weight",
-            "up": "{prefix}.experts.{e}.w3.weight",
-            "down": "{prefix}.experts.{e}.w2.weight",
-        },
-    ),
-}
-
-#: transformers 5 in-memory fused expert parameters: in-memory leaf ->
-#: (wire leaf, parts concatenated along rows of each expert). The wire
-#: tensor is ``<prefix>.<wire leaf>`` with ``<prefix>`` the renamed MoE block.
-FUSED_EXPERTS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "experts.gate_up_proj": ("experts.gate_up_proj.weight", ("gate", "up")),
-    "experts.down_proj": ("experts.down_proj.weight", ("down",)),
 }
 
 
@@ -169,7 +114,8 @@ class Checkpoint:
         path: the path given to ``read_checkpoint``.
         root: the checkpoint directory.
         config: the transformers config.
-        architecture: ``config.architectures[0]`` (e.g. ``Qwen3MoeForCausalLM``).
+        architecture: ``config.architectures[0]``, a supported architecture
+            (``m2nkit.adapters.families.supported_architectures()``).
         dtype: the dtype holding most wire elements (bf16 for a bf16
             checkpoint with an fp32 router).
         params: wire tensors as ``ParamMeta`` (no layout), in wire order.
@@ -397,18 +343,22 @@ def _sharded_headers(root: Path, handles: dict[Path, Any]) -> dict[str, _Header]
 
 
 def _load_config(config_path: Path):
-    # Nothing may come from the Hub: config.json is always a local file here.
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoConfig
-
     if not config_path.is_file():
         raise CheckpointError(
             f"{config_path} does not exist: m2nkit needs the model's config.json to "
             "know which tensors the checkpoint must hold"
         )
+    data = _peek(config_path)
+    archs = data.get("architectures")
+    if isinstance(archs, list) and archs and isinstance(archs[0], str):
+        _check_supported(archs[0], config_path)  # before transformers is imported
+    model_type = data.get("model_type")
+
+    # Nothing may come from the Hub: config.json is always a local file here.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    model_type = _peek_model_type(config_path)
     if model_type is not None and model_type not in CONFIG_MAPPING:
         raise CheckpointError(
             f"{config_path}: model_type {model_type!r} is not built into transformers (it would "
@@ -426,16 +376,24 @@ def _load_config(config_path: Path):
             + f": {first}; m2nkit supports {_supported()}") from e
 
 
-def _peek_model_type(config_path: Path) -> str | None:
+def _peek(config_path: Path) -> dict:
+    """``config.json`` as a dict, or ``{}`` when it is not JSON (transformers then says why)."""
     try:
         data = json.loads(config_path.read_text())
     except (OSError, ValueError):
-        return None
-    return data.get("model_type") if isinstance(data, dict) else None
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def _supported() -> str:
-    return ", ".join(FAMILIES)
+    return ", ".join(supported_architectures())
+
+
+def _check_supported(arch: str, config_path: Path) -> None:
+    try:
+        check_architecture(arch)
+    except UnsupportedArchitecture as e:
+        raise CheckpointError(f"{config_path}: {e}") from None
 
 
 def _architecture(config, config_path: Path) -> str:
@@ -444,13 +402,17 @@ def _architecture(config, config_path: Path) -> str:
     archs = getattr(config, "architectures", None) or []
     if isinstance(archs, str) or not all(isinstance(a, str) for a in archs):
         raise CheckpointError(f"{config_path}: 'architectures' must be a list of class names "
-                              f"like [\"Qwen3ForCausalLM\"], got {archs!r}")
+                              f"like [\"{supported_architectures()[0]}\"], got {archs!r}")
     arch = archs[0] if archs else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
-    if arch is None or arch not in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()):
+    if arch is None:
         raise CheckpointError(
-            f"{config_path}: architecture {arch or config.model_type!r} is not a causal LM "
-            f"that transformers knows; m2nkit supports {_supported()}"
-        )
+            f"{config_path}: no 'architectures', and model_type {config.model_type!r} is not "
+            f"a causal LM that transformers knows; m2nkit supports {_supported()}")
+    _check_supported(arch, config_path)
+    if arch not in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()):
+        raise CheckpointError(
+            f"{config_path}: this transformers has no causal LM class {arch!r} "
+            f"(transformers too old?)")
     return arch
 
 
@@ -484,26 +446,6 @@ def _expected_params(config, arch: str, config_path: Path) -> list[_Expected]:
         out.append(_Expected(name, tuple(p.shape), p.dtype, id(p) in seen))
         seen.add(id(p))
     return out
-
-
-def _family(arch: str, expected: Sequence[_Expected], config_path: Path) -> FamilyNaming:
-    family = FAMILIES.get(arch)
-    if family is not None:
-        return family
-    fused = [e.name for e in expected if _fused_leaf(e.name)]
-    if fused:
-        raise CheckpointError(
-            f"{config_path}: {arch} keeps experts fused in memory ('{fused[0]}') and "
-            f"m2nkit has no on-disk expert naming for it; supported families: {_supported()}"
-        )
-    return FamilyNaming()  # dense: in-memory names are the on-disk names
-
-
-def _fused_leaf(name: str) -> str | None:
-    for leaf in FUSED_EXPERTS:
-        if name.endswith("." + leaf):
-            return leaf
-    return None
 
 
 def _few(names: Sequence[str], n: int = 5) -> str:
@@ -560,7 +502,9 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
         CheckpointError: path missing; nothing to read; unreadable or
             corrupt safetensors header or index; a shard named by the index
             missing; a tensor the index lists missing from its shard; an
-            architecture transformers does not know; a tensor whose shape
+            architecture without a family in ``m2nkit.adapters.families``
+            (the registry's one message, prefixed with the config path) or
+            one transformers does not know; a tensor whose shape
             contradicts the config; a tensor the config expects but the
             files lack; an extra tensor; a dtype outside
             :data:`SAFETENSORS_DTYPES`; an incomplete expert set.
@@ -570,7 +514,7 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
     config = _load_config(config_path)
     arch = _architecture(config, config_path)
     expected = _expected_params(config, arch, config_path)
-    family = _family(arch, expected, config_path)
+    hf = family(arch).hf
 
     handles: dict[Path, Any] = {}
     if kind == "single":
@@ -579,15 +523,15 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
         headers = _sharded_headers(root, handles)
     else:
         headers = {}
-    params, sources = _match(expected, family, headers, kind == "config", root, arch)
+    params, sources = _match(expected, hf, headers, kind == "config", root, arch)
     return Checkpoint(path=path, root=root, config=config, architecture=arch,
                       params=params, sources=sources, headers=headers, handles=handles)
 
 
-def _match(expected: Sequence[_Expected], family: FamilyNaming, headers: Mapping[str, _Header],
+def _match(expected: Sequence[_Expected], hf: HFNaming, headers: Mapping[str, _Header],
            config_only: bool, root: Path, arch: str):
     """Pair every expected parameter with on-disk tensors; check shapes and leftovers."""
-    grouped = group_expert_tensors(headers, family.experts) if family.experts else {}
+    grouped = group_expert_tensors(headers, hf.experts_on_disk) if hf.experts_on_disk else {}
     shapes = {n: h.shape for n, h in headers.items()}
     dtypes = {n: h.dtype for n, h in headers.items()}
     params: list[ParamMeta] = []
@@ -599,14 +543,14 @@ def _match(expected: Sequence[_Expected], family: FamilyNaming, headers: Mapping
         return f"tensor '{name}' in {headers[name].file}"
 
     for exp in expected:
-        leaf = _fused_leaf(exp.name)
-        if leaf is not None and family.experts:
-            wire_leaf, parts = FUSED_EXPERTS[leaf]
-            prefix = family.disk_name(exp.name)[: -len(leaf) - 1]
+        leaf = hf.fused_leaf(exp.name)
+        if leaf is not None:
+            wire_leaf, parts = hf.fused_experts[leaf]
+            prefix = hf.disk_name(exp.name)[: -len(leaf) - 1]
             wire = f"{prefix}.{wire_leaf}"
             num_experts, rows, cols = exp.shape
             part_shape = (rows // len(parts), cols)
-            pattern_of = {p: family.experts[p] for p in parts}
+            pattern_of = {p: hf.experts_on_disk[p] for p in parts}
 
             def expected_name(e: int, part: str, _prefix=prefix, _pat=pattern_of) -> str:
                 return expert_name(_pat[part], _prefix, e)
@@ -637,7 +581,7 @@ def _match(expected: Sequence[_Expected], family: FamilyNaming, headers: Mapping
             sources[wire] = stack
             continue
 
-        disk = family.disk_name(exp.name)
+        disk = hf.disk_name(exp.name)
         if config_only:
             if not exp.tied:
                 params.append(ParamMeta(disk, exp.dtype, exp.shape))

@@ -7,14 +7,21 @@ architecture with its sizes shrunk. The shapes are chosen to exercise every
 layout rule: 8 query heads over 2 KV heads (tp 4 and 8 replicate KV heads),
 a vocab of 200 (not a multiple of 64, so vLLM pads), 8 experts (ep up to 8),
 intermediate sizes divisible by 8.
+
+The sizes are shared (:data:`TINY_SIZES`); which tiny models exist, and the
+config keys each adds, belong to the families (``TINY_MODELS`` in each
+module of ``m2nkit.adapters.families``), collected here into
+:data:`BUILTIN_TINY_MODELS`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Mapping
 
 import torch
+
+from .families import ARCHITECTURES, family
 
 __all__ = ["TINY_SIZES", "BUILTIN_TINY_MODELS", "shrink_config", "tiny_config", "save_tiny_checkpoint"]
 
@@ -34,23 +41,33 @@ TINY_SIZES: dict[str, Any] = {
     "max_position_embeddings": 256,
 }
 
-#: Built-in tiny models: name -> (transformers model_type, extra config keys).
-BUILTIN_TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
-    "tiny-llama": ("llama", {"architectures": ["LlamaForCausalLM"]}),
-    "tiny-qwen2": ("qwen2", {"architectures": ["Qwen2ForCausalLM"]}),
-    "tiny-qwen3": ("qwen3", {"architectures": ["Qwen3ForCausalLM"], "tie_word_embeddings": False}),
-    "tiny-qwen3-tied": ("qwen3", {"architectures": ["Qwen3ForCausalLM"], "tie_word_embeddings": True}),
-    "tiny-qwen3-moe": ("qwen3_moe", {"architectures": ["Qwen3MoeForCausalLM"], "decoder_sparse_step": 1, "mlp_only_layers": []}),
-    "tiny-mixtral": ("mixtral", {"architectures": ["MixtralForCausalLM"]}),
-}
+
+def _builtin() -> tuple[dict[str, tuple[str, dict[str, Any]]], dict[str, Mapping[str, Callable]]]:
+    models: dict[str, tuple[str, dict[str, Any]]] = {}
+    derived: dict[str, Mapping[str, Callable]] = {}
+    for arch in ARCHITECTURES:  # registry order
+        for name, tiny in family(arch).tiny.items():
+            models[name] = (tiny.model_type, {"architectures": [arch], **tiny.config})
+            derived[name] = tiny.derived
+    return models, derived
 
 
-def shrink_config(config, **overrides):
+#: Built-in tiny models: name -> (transformers model_type, extra config keys),
+#: from the families' ``TINY_MODELS``.
+BUILTIN_TINY_MODELS: dict[str, tuple[str, dict[str, Any]]]
+_DERIVED: dict[str, Mapping[str, Callable]]
+BUILTIN_TINY_MODELS, _DERIVED = _builtin()
+
+
+def shrink_config(config, *, derived: Mapping[str, Callable] | None = None, **overrides):
     """Return a copy of a transformers ``config`` with ``TINY_SIZES`` applied.
 
     Only attributes the config already has are changed (a dense config gets
-    no expert count). ``overrides`` win over ``TINY_SIZES``. Token ids are
-    cleared so they fit the tiny vocab.
+    no expert count). ``overrides`` win over ``TINY_SIZES``. ``derived``
+    (a family's ``TinyModel.derived``: config key -> function of the shrunk
+    config) sets keys that must follow others, unless overridden; by default
+    it is taken from the family of ``config.architectures[0]`` when m2nkit
+    has one. Token ids are cleared so they fit the tiny vocab.
     """
     data = config.to_dict()
     data.pop("layer_types", None)  # derived from num_hidden_layers on rebuild
@@ -59,14 +76,27 @@ def shrink_config(config, **overrides):
         if key in overrides or key in data:
             data[key] = value
     config = config.__class__.from_dict(data)
-    if getattr(config, "model_type", "") == "qwen2" and "head_dim" not in overrides:
-        # Qwen2 derives head_dim from hidden_size / num_attention_heads.
-        config.head_dim = config.hidden_size // config.num_attention_heads
+    if derived is None:
+        derived = _family_derived(config)
+    for key, rule in derived.items():
+        if key not in overrides:
+            setattr(config, key, rule(config))
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if hasattr(config, key):
             setattr(config, key, None)
     config.dtype = torch.bfloat16
     return config
+
+
+def _family_derived(config) -> Mapping[str, Callable]:
+    archs = getattr(config, "architectures", None) or []
+    if not archs or archs[0] not in ARCHITECTURES:
+        return {}
+    out: dict[str, Callable] = {}
+    for tiny in family(archs[0]).tiny.values():
+        if tiny.model_type == getattr(config, "model_type", None):
+            out.update(tiny.derived)
+    return out
 
 
 def tiny_config(name: str, **overrides):
@@ -82,7 +112,8 @@ def tiny_config(name: str, **overrides):
             f"unknown tiny model '{name}'; built-in names are {sorted(BUILTIN_TINY_MODELS)}"
         )
     model_type, extra = BUILTIN_TINY_MODELS[name]
-    return shrink_config(AutoConfig.for_model(model_type, **extra), **overrides)
+    return shrink_config(AutoConfig.for_model(model_type, **extra), derived=_DERIVED[name],
+                         **overrides)
 
 
 def save_tiny_checkpoint(config_or_name, out_dir, *, seed: int = 0,

@@ -10,8 +10,17 @@ checkpoint) after every round, and once more after a round that sends
 everything through ``torch_p2p`` alone, for comparison. Prints a table.
 
     python benchmarks/gpu_check.py                 # GPU machine, < 5 minutes
-    python benchmarks/gpu_check.py --dry-run       # any machine: plans, descriptors,
-                                                   # and an in-process byte check
+    python benchmarks/gpu_check.py --dry-run       # any machine, no GPU: plans, an
+                                                   # in-process byte check, and the
+                                                   # nccl.m2n descriptors if it imports
+
+``--dry-run`` does everything that needs no GPU: it builds each scenario's
+plan, prints which tensors each transport would carry (and why not
+``nccl.m2n``), executes the plan in this process and compares every worker
+byte with vLLM's loaders. Where ``nccl.m2n`` imports (``m2nkit[nccl]``; no
+driver needed) it also builds the real descriptors and moves the m2n
+tensors as they describe; where it does not, it says so and moves every
+tensor slab by slab. It ends by listing what it skipped.
 
 One rank per GPU when there are enough GPUs. With fewer (one H200, say)
 ``--share-gpu auto`` puts several ranks on one device: NCCL refuses two
@@ -95,7 +104,7 @@ def _compare(ck, ispec, plan, worker: int, storage) -> list[str]:
 
 
 # --------------------------------------------------------------------------
-# dry run: plans, descriptors, and an in-process byte check (CPU)
+# dry run: plans, an in-process byte check, and descriptors where nccl.m2n imports (CPU)
 
 
 def _simulate(ck, tspec, ispec, plan, calls) -> list[str]:
@@ -120,7 +129,13 @@ def _simulate(ck, tspec, ispec, plan, calls) -> list[str]:
     return [f"worker {w}: {n}" for w in range(N) for n in _compare(ck, ispec, plan, w, storage[w])]
 
 
-def dry_run(ckpt_dir: str, scenarios) -> bool:
+def dry_run(ckpt_dir: str, scenarios, m2n=None) -> bool:
+    """Plan, route and byte-check every scenario in this process; True when all verify.
+
+    ``m2n`` is the imported ``nccl.m2n`` module, or ``None`` where it does
+    not import: then no descriptor is built and every tensor, the m2n ones
+    included, is moved slab by slab for the byte check.
+    """
     from m2nkit.engine.transports.nccl_m2n import (CARRIER_M2N, CARRIER_P2P, m2n_descriptors,
                                                    plan_segments, wire_carrier)
 
@@ -132,23 +147,25 @@ def dry_run(ckpt_dir: str, scenarios) -> bool:
             print(f"{text}: plan problems: {plan.problems[:3]}")
             ok = False
             continue
-        calls = {i: m2n_descriptors(plan, i) for i, w in enumerate(plan.wires)
-                 if wire_carrier(w) == CARRIER_M2N}
+        m2n_wires = [i for i, w in enumerate(plan.wires) if wire_carrier(w) == CARRIER_M2N]
+        calls = {} if m2n is None else {i: m2n_descriptors(plan, i, m2n=m2n) for i in m2n_wires}
         p2p = [w for w in plan.wires if wire_carrier(w) == CARRIER_P2P]
         bad = _simulate(ck, tspec, ispec, plan, calls)
         ok &= not bad
         label = text.replace("/", " -> ")
-        rows.append((label, plan.num_trainer_ranks + plan.num_workers, len(calls),
-                     _fmt_bytes(sum(plan.wires[i].nbytes_moved for i in calls)), len(p2p),
+        rows.append((label, plan.num_trainer_ranks + plan.num_workers, len(m2n_wires),
+                     _fmt_bytes(sum(plan.wires[i].nbytes_moved for i in m2n_wires)),
+                     f"{len(calls)} checked" if m2n is not None else "skipped", len(p2p),
                      _fmt_bytes(sum(w.nbytes_moved for w in p2p)), len(plan_segments(plan)),
                      "ok" if not bad else f"{len(bad)} differ: {bad[:2]}"))
-        reasons = sorted({w.m2n.reason for w in p2p})
+        reasons = sorted({w.verdict("nccl_m2n").reason for w in p2p})
         for r in reasons:
             print(f"  {label}: torch_p2p because {r}")
-    head = ("scenario", "ranks", "nccl_m2n tensors", "nccl_m2n bytes", "torch_p2p tensors",
-            "torch_p2p bytes", "segments", "in-process byte check")
-    _table("dry run (no GPU work): nccl_m2n descriptors match the plan for every m2n tensor",
-           head, rows)
+    head = ("scenario", "ranks", "nccl_m2n tensors", "nccl_m2n bytes", "descriptors",
+            "torch_p2p tensors", "torch_p2p bytes", "segments", "in-process byte check")
+    how = ("m2n tensors moved as their nccl.m2n descriptors say, the rest slab by slab"
+           if m2n is not None else "every tensor moved slab by slab (no nccl.m2n descriptors)")
+    _table(f"dry run (no GPU work): {how}; every worker byte vs vLLM's loaders", head, rows)
     return ok
 
 
@@ -353,7 +370,8 @@ def _table(title, head, rows) -> None:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dry-run", action="store_true",
-                   help="plans, nccl.m2n descriptors and an in-process byte check; no GPU work")
+                   help="no GPU work, any machine: plans, an in-process byte check, and the "
+                        "nccl.m2n descriptors where nccl.m2n imports")
     p.add_argument("--scenario", action="append", metavar="TRAINER/INFERENCE",
                    help=f"repeatable; default: {', '.join(DEFAULT_SCENARIOS)}")
     p.add_argument("--model", default="tiny-qwen3-moe", help="built-in tiny model (m2nkit.adapters.tiny)")
@@ -380,27 +398,38 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     from m2nkit.adapters.tiny import BUILTIN_TINY_MODELS, save_tiny_checkpoint
-    from m2nkit.engine.transports.nccl_m2n import NcclM2NUnavailableError
+    from m2nkit.engine.transports.nccl_m2n import NcclM2NUnavailableError, import_nccl_m2n
 
     if args.model not in BUILTIN_TINY_MODELS:
         p.error(f"--model {args.model!r} is not a built-in tiny model; choose from "
                 f"{sorted(BUILTIN_TINY_MODELS)}")
-    hf_logging.set_verbosity_error()
-    with tempfile.TemporaryDirectory() as tmp:
-        ckpt = str(save_tiny_checkpoint(args.model, Path(tmp) / args.model, seed=0))
-        try:
-            ok = dry_run(ckpt, scenarios)
-            if args.dry_run:
-                return EXIT_OK if ok else EXIT_FAILED
-            import torch
-
-            if not torch.cuda.is_available():
-                print("no CUDA device here: only --dry-run can run", file=sys.stderr)
-                return EXIT_USAGE
-            return EXIT_OK if gpu_run(ckpt, scenarios, args) and ok else EXIT_FAILED
-        except NcclM2NUnavailableError as e:
+    try:
+        m2n, _ = import_nccl_m2n()
+        no_m2n = None
+    except NcclM2NUnavailableError as e:
+        if not args.dry_run:          # the GPU run needs it; say so before any work
             print(f"gpu_check: {e}", file=sys.stderr)
             return EXIT_USAGE
+        m2n, no_m2n = None, str(e)
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = str(save_tiny_checkpoint(args.model, Path(tmp) / args.model, seed=0))
+        ok = dry_run(ckpt, scenarios, m2n)
+        if args.dry_run:
+            print("skipped (--dry-run): the GPU run (one process per rank, nccl.m2n reshards "
+                  "and torch_p2p over NCCL); run without --dry-run on a GPU machine")
+            if no_m2n:
+                print(f"skipped: the nccl.m2n descriptors, because {no_m2n}")
+            print("dry run: every worker byte matches vLLM's loaders" if ok else
+                  "dry run: FAILED (see the table)")
+            return EXIT_OK if ok else EXIT_FAILED
+        import torch
+
+        if not torch.cuda.is_available():
+            print("no CUDA device here: only --dry-run can run", file=sys.stderr)
+            return EXIT_USAGE
+        return EXIT_OK if gpu_run(ckpt, scenarios, args) and ok else EXIT_FAILED
 
 
 if __name__ == "__main__":

@@ -1,11 +1,14 @@
 """How long does planning a real-size model take, and how much memory?
 
-Plans real configs from ../shared/models (config.json only: names and shapes
-come from transformers on the meta device, no weights exist) for large
-trainer and inference layouts. Each case runs in its own process so its
-peak RSS is its own. Prints a table.
+Plans the real public configs shipped in examples/configs (config.json
+only: names and shapes come from transformers on the meta device, no weights
+exist) for large trainer and inference layouts. Each case runs in its own
+process so its peak RSS is its own. Prints a table.
 
     python benchmarks/plan_scale.py [--models DIR] [--case NAME ...]
+
+``--models DIR`` takes any folder laid out the same way,
+``<org>__<name>/config.json``.
 """
 
 from __future__ import annotations
@@ -21,17 +24,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-
-def _default_models() -> Path:
-    """``shared/models`` beside the repository (as CI and developers lay it out)."""
-    for parent in HERE.parents:
-        candidate = parent / "shared" / "models"
-        if candidate.is_dir():
-            return candidate
-    return HERE.parent.parent / "shared" / "models"
-
-
-DEFAULT_MODELS = _default_models()
+#: ``<org>__<name>/config.json`` for every model in CASES, shipped with the repo.
+DEFAULT_MODELS = HERE.parent / "examples" / "configs"
 
 CASES = {
     "qwen3-30b-a3b fsdp:256 -> tp8 ep": ("Qwen__Qwen3-30B-A3B", "fsdp:256", "vllm:tp=8,ep"),
@@ -60,7 +54,7 @@ def run_case(models: Path, model: str, trainer: str, inference: str) -> dict:
     return {
         "wire": len(metas), "slabs": plan.num_slabs, "moved": plan.nbytes_moved,
         "min": plan.nbytes_min, "problems": len(plan.problems),
-        "m2n_share": plan.m2n_share(),
+        "m2n_share": plan.carried_share("nccl_m2n"),
         "read_s": t1 - t0, "dest_s": t2 - t1, "plan_s": t3 - t2, "total_s": t3 - t0,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
@@ -68,7 +62,8 @@ def run_case(models: Path, model: str, trainer: str, inference: str) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", type=Path, default=DEFAULT_MODELS)
+    p.add_argument("--models", type=Path, default=DEFAULT_MODELS,
+                   help="folder of <org>__<name>/config.json (default: examples/configs)")
     p.add_argument("--case", action="append", choices=sorted(CASES))
     p.add_argument("--_one", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args()

@@ -148,7 +148,7 @@ def _run_rank(method: str, rank: int, cfg: dict) -> dict:
                                         raw_floor_buffers, raw_floor_round)
     from m2nkit.engine.local import allocate_storage, bitwise_equal
     from m2nkit.engine.session import plan_from_manifest
-    from m2nkit.engine.transports.torch_p2p import (BucketSchedule, _wait, agree_on_plan,
+    from m2nkit.engine.transports.torch_p2p import (BucketSchedule, agree_on_plan, wait_work,
                                                     create_group, recv_round, send_round)
     from m2nkit.manifest.serialize import manifest_to_json
 
@@ -165,7 +165,9 @@ def _run_rank(method: str, rank: int, cfg: dict) -> dict:
     ck = cfg["checkpoint"]
     tspec = parse_trainer_spec(cfg["trainer"])
     manifest = manifest_to_json(checkpoint_metas(ck, tspec), T)
-    plan, _ = plan_from_manifest(manifest, ck.config, cfg["inference"])
+    from m2nkit.adapters.vllm import vllm_destination
+
+    plan, _ = plan_from_manifest(manifest, vllm_destination(ck.config, cfg["inference"]))
     _, group = create_group("127.0.0.1", cfg["ports"][0], rank, world, timeout_s=timeout_s)
     tgroup = None
     if method == "gather" and is_trainer:
@@ -186,7 +188,7 @@ def _run_rank(method: str, rank: int, cfg: dict) -> dict:
     gc.collect()
 
     def barrier(what: str) -> None:
-        _wait(group.barrier(), timeout_s, f"rank {rank}: barrier {what}")
+        wait_work(group.barrier(), timeout_s, f"rank {rank}: barrier {what}")
 
     peak_reset = _reset_peak()
     rss_ready = _rss_kib()
@@ -448,8 +450,10 @@ def main() -> None:
     try:
         tspec = parse_trainer_spec(args.trainer)
         ck = read_checkpoint(checkpoint)
+        from m2nkit.adapters.vllm import vllm_destination
+
         plan, _ = plan_from_manifest(manifest_to_json(checkpoint_metas(ck, tspec), tspec.num_ranks),
-                                     ck.config, args.inference)
+                                     vllm_destination(ck.config, args.inference))
     except ValueError as e:
         sys.exit(f"error: {e}")
     if plan.problems:

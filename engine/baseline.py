@@ -49,14 +49,16 @@ processes over this group.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 import torch
 
 from m2nkit.engine.plan import Plan, next_local
-from m2nkit.engine.transports.torch_p2p import TransferError, _wait, create_group
-from m2nkit.manifest.layout import box_volume, rank_boxes
+from m2nkit.engine.transports.torch_p2p import TransferError, create_group, wait_work
+from m2nkit.manifest.pieces import box_slices
 
 __all__ = [
     "GATHER_GROUP_PREFIX",
@@ -142,6 +144,10 @@ def gather_then_broadcast_round(group, trainer_group, plan: Plan, rank: int, *,
     chunk`` bytes in the all-gather (``chunk``: the largest rank's box,
     bytes).
 
+    ``timeout_s`` bounds each wait (an all-gather, a send, a receive)
+    separately: a measuring tool with the field's per-operation timeouts,
+    not the runtime's one deadline per round.
+
     Returns:
         ``RoundBytes`` of this rank.
 
@@ -171,16 +177,16 @@ def _gather_and_send(group, trainer_group, plan: Plan, rank: int,
     in_flight: list[tuple[object, str]] = []
     keep_alive: torch.Tensor | None = None
     for wi, wp in enumerate(plan.wires):
-        boxes = dict(rank_boxes(wp.layout, wp.meta.shape))
         local = None
-        if rank in boxes:
-            local = next_local(it, wp, rank, boxes[rank], error=TransferError)
+        if wp.meta.holds(rank):
+            local = next_local(it, wp, rank, error=TransferError)
         if wp.skipped:
             continue
 
         # 1. all-gather among the trainer ranks: every rank contributes its
-        #    box padded to the largest box, every rank receives all of them.
-        chunk = max(box_volume(b) for b in boxes.values()) * wp.itemsize
+        #    local tensor padded to the largest, every rank receives all of them.
+        shapes = {r: wp.meta.local_shape(r) for r in wp.owners}
+        chunk = max(math.prod(sh) for sh in shapes.values()) * wp.itemsize
         mine = torch.empty(chunk, dtype=torch.uint8)
         if local is not None and local.numel():
             raw = _as_bytes(local)
@@ -191,25 +197,21 @@ def _gather_and_send(group, trainer_group, plan: Plan, rank: int,
             work = trainer_group.allgather([outs], [mine])
         except RuntimeError as e:
             raise TransferError(f"{what} failed: {str(e).splitlines()[0]}") from e
-        _wait(work, timeout_s, what)
+        wait_work(work, timeout_s, what)
         gathered += (T - 1) * chunk
         # Trim the padding and place every box: the full tensor, on every
         # trainer rank, as DTensor.full_tensor() leaves it.
         full = torch.empty(wp.meta.shape, dtype=wp.meta.dtype)
-        placed: set = set()
-        for r, box in boxes.items():
-            if box in placed or box_volume(box) == 0:
-                continue
-            placed.add(box)
-            n = box_volume(box) * wp.itemsize
-            piece = outs[r][:n].view(wp.meta.dtype).view(tuple(b - a for a, b in box))
-            full[tuple(slice(a, b) for a, b in box)].copy_(piece)
+        for pc in wp.pieces:
+            sh = shapes[pc.rank]
+            held = outs[pc.rank][:math.prod(sh) * wp.itemsize].view(wp.meta.dtype).view(sh)
+            full[box_slices(pc.box)].copy_(held[box_slices(pc.local_box)])
         del outs, mine
 
         # 2. rank 0 sends the full tensor to every worker; the previous
         #    tensor's sends were left in flight while this one was gathered.
         for work, what in in_flight:
-            _wait(work, timeout_s, what)
+            wait_work(work, timeout_s, what)
         in_flight = []
         keep_alive = None
         if rank != 0:
@@ -225,7 +227,7 @@ def _gather_and_send(group, trainer_group, plan: Plan, rank: int,
             sent += payload.numel()
         keep_alive = payload  # the buffer must outlive its sends
     for work, what in in_flight:
-        _wait(work, timeout_s, what)
+        wait_work(work, timeout_s, what)
     del keep_alive
     leftover = next(it, None)
     if leftover is not None:
@@ -254,7 +256,7 @@ def _receive_full(group, plan: Plan, worker: int, storage: Mapping[str, torch.Te
     for k in range(len(todo)):
         wi, buf, work, what = pending
         pending = post(todo[k + 1]) if k + 1 < len(todo) else None
-        _wait(work, timeout_s, what)
+        wait_work(work, timeout_s, what)
         received += buf.numel()
         wp = plan.wires[wi]
         full = buf.view(wp.meta.dtype).view(wp.meta.shape)
@@ -263,10 +265,7 @@ def _receive_full(group, plan: Plan, worker: int, storage: Mapping[str, torch.Te
         for b in wp.bindings:
             if b.worker != worker:
                 continue
-            src = full[tuple(slice(a, c) for a, c in b.wire_box)]
-            dst = storage[b.param][tuple(slice(o, o + c - a)
-                                         for o, (a, c) in zip(b.offset, b.wire_box))]
-            dst.copy_(src)
+            storage[b.param][box_slices(b.region)].copy_(full[box_slices(b.box)])
     return RoundBytes(received=received)
 
 
@@ -327,6 +326,6 @@ def raw_floor_round(group, plan: Plan, rank: int, buffers: Mapping[int, torch.Te
         except RuntimeError as e:
             raise TransferError(f"{what} failed: {str(e).splitlines()[0]}") from e
     for work, what in posted:
-        _wait(work, timeout_s, what)
+        wait_work(work, timeout_s, what)
     n = sum(links.values())
     return RoundBytes(sent=n) if rank < T else RoundBytes(received=n)

@@ -1,23 +1,35 @@
-"""``m2nkit`` command line: see the plan before renting a GPU.
+"""``m2nkit`` command line: see the plan before renting a GPU, or run the demo.
 
 ``m2nkit plan CHECKPOINT --trainer SPEC --inference SPEC`` reads a
 checkpoint's safetensors headers (or just its ``config.json``), lays the
 tensors out as the trainer holds them, lays vLLM's storage out as the
 workers will, and prints what moves where, what ``nccl.m2n`` cannot carry
-and why, and how long it should take. ``--verify`` runs the plan in this
-process on the checkpoint's real bytes and checks every worker against an
-independent reference of vLLM's loaders.
+and why, and how long it should take. ``--bindings`` shows where each
+Hugging Face tensor lands in vLLM's parameters; ``--verify`` runs the plan
+in this process on the checkpoint's real bytes and checks every worker
+against an independent reference of vLLM's loaders; ``--dump DIR`` then
+writes every worker's storage as safetensors.
 
-Built on argparse (standard library) and rich (tables). User errors print
-one line, no traceback, and exit 2; a plan with problems or a failed
-verification exits 1.
+``m2nkit demo`` runs a real multi-process transfer on this machine
+(``engine/demo.py``) under a small supervisor, so that Ctrl-C stops it with
+one line (see :func:`_supervise_demo`).
+
+Built on argparse (standard library) and rich (tables). Specs and the
+model's architecture are checked before torch or transformers is imported,
+so a typo is refused in milliseconds. User errors print one line, no
+traceback, and exit 2; a plan with problems, a failed verification or a
+failed demo round exits 1; an interrupted demo exits 128 + the signal
+(130 for Ctrl-C).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import math
+import os
 import sys
 import time
 from collections import Counter
@@ -44,6 +56,142 @@ class UserError(Exception):
     """An error the user can fix; printed without a traceback."""
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("m2nkit")
+    except PackageNotFoundError:  # running from a tree that was never installed
+        return "unknown"
+
+
+def _console():
+    """A rich console for stdout: the terminal's width, else ``COLUMNS``, else 200.
+
+    Piped output (logs, CI) would get rich's 80 columns; 200 keeps the tables
+    on one line each, and ``COLUMNS`` overrides it as it does on a terminal.
+    """
+    from rich.console import Console
+
+    if sys.stdout.isatty():
+        return Console()                           # rich reads COLUMNS itself
+    columns = os.environ.get("COLUMNS", "").strip()
+    return Console(width=int(columns) if columns.isdigit() and int(columns) > 0 else 200)
+
+
+# --------------------------------------------------------------------------
+# checks before the heavy imports
+
+#: Packages whose ``__init__`` imports torch although the spec parsers under
+#: them need none of it.
+_TORCH_PACKAGES = ("m2nkit.manifest", "m2nkit.adapters.vllm")
+
+
+def _import_light(name: str):
+    """Import module ``name`` without running the ``__init__`` of :data:`_TORCH_PACKAGES`.
+
+    Workaround, owned here: importing ``m2nkit.adapters.vllm.spec`` or
+    ``m2nkit.adapters.trainer_spec`` runs ``m2nkit.adapters.vllm/__init__``
+    or ``m2nkit.manifest/__init__``, which import torch (2-10 s), so a typo
+    in a spec would take seconds to refuse. While ``name`` imports, those
+    packages are stood in for by bare package objects (their ``__path__``
+    only); the real packages import as usual later, find the submodules
+    already loaded, and :func:`_bind_light_modules` attaches them. Once those
+    ``__init__`` files stop importing torch, this becomes a plain import.
+    Where torch is already imported it is one now.
+    """
+    if "torch" in sys.modules:
+        return importlib.import_module(name)
+    stand_ins = {}
+    for package in _TORCH_PACKAGES:
+        if package in sys.modules:
+            continue
+        spec = importlib.util.find_spec(package)   # imports the parents only (no torch)
+        if spec is None or spec.submodule_search_locations is None:
+            continue
+        stand_ins[package] = sys.modules[package] = importlib.util.module_from_spec(spec)
+    try:
+        return importlib.import_module(name)
+    finally:
+        for package, module in stand_ins.items():
+            if sys.modules.get(package) is module:
+                del sys.modules[package]
+
+
+def _bind_light_modules() -> None:
+    """Attach submodules that :func:`_import_light` loaded to their real packages."""
+    for package in _TORCH_PACKAGES:
+        parent = sys.modules.get(package)
+        if parent is None:
+            continue
+        for name, module in list(sys.modules.items()):
+            head, _, child = name.rpartition(".")
+            if head == package and not hasattr(parent, child):
+                setattr(parent, child, module)
+
+
+def _check_architecture(path: str | os.PathLike, what: str) -> None:
+    """Refuse a checkpoint whose ``config.json`` names an unsupported architecture.
+
+    Reads the file with ``json`` only. Anything else wrong with it (missing,
+    not JSON) is left to the checkpoint reader, which says what is wrong.
+
+    Raises:
+        UserError: ``architectures[0]`` has no model family (the message lists
+            the supported ones: ``m2nkit.adapters.families``).
+    """
+    from m2nkit.adapters.families import architecture_of
+
+    p = Path(path)
+    config = p / "config.json" if p.is_dir() else p
+    if config.suffix != ".json" or not config.is_file():
+        return
+    try:
+        doc = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return
+    if not isinstance(doc, dict):
+        return
+    try:
+        architecture_of(doc)
+    except ValueError as e:
+        raise UserError(f"{what} {config}: {e}") from None
+
+
+def _precheck(args) -> None:
+    """Everything a user can get wrong that needs no torch: specs, architecture, flags.
+
+    Raises:
+        UserError, ValueError: printed as one line, exit 2.
+    """
+    for flag in ("link_gbps", "timeout", "bucket_mib"):
+        value = getattr(args, flag, 1.0)
+        if not (value > 0 and math.isfinite(value)):  # also refuses NaN and inf
+            raise UserError(f"--{flag.replace('_', '-')} must be a finite number > 0, got {value}")
+    tspec = _import_light("m2nkit.adapters.trainer_spec").parse_trainer_spec(args.trainer)
+    ispec = _import_light("m2nkit.adapters.vllm.spec").parse_inference_spec(args.inference)
+    if args.command == "plan":
+        if args.dump is not None and not args.verify:
+            raise UserError("--dump writes the storage that --verify fills: add --verify")
+        _check_architecture(args.checkpoint, "checkpoint")
+        return
+    from m2nkit.engine.demo import MAX_DEMO_PROCESSES
+
+    if args.rounds < 1:
+        raise UserError(f"--rounds must be >= 1, got {args.rounds}")
+    count = tspec.num_ranks + ispec.num_workers
+    if count > MAX_DEMO_PROCESSES:
+        raise UserError(f"{args.trainer} -> {args.inference} needs {count} processes; the demo "
+                        f"runs at most {MAX_DEMO_PROCESSES} on one machine (use m2nkit plan "
+                        "for larger layouts)")
+    if Path(args.model).is_dir():
+        _check_architecture(args.model, "--model")
+
+
+# --------------------------------------------------------------------------
+# m2nkit plan
+
+
 def _build(args):
     from m2nkit.adapters.hf_checkpoint import checkpoint_metas, read_checkpoint
     from m2nkit.adapters.trainer_spec import parse_trainer_spec
@@ -51,6 +199,7 @@ def _build(args):
     from m2nkit.engine.plan import build_plan
     from m2nkit.manifest.serialize import manifest_digest
 
+    _bind_light_modules()
     tspec = parse_trainer_spec(args.trainer)
     ispec = parse_inference_spec(args.inference)
     t0 = time.perf_counter()
@@ -73,7 +222,7 @@ def _print_summary(console, args, ckpt, metas, plan, timings):
     n_skipped = sum(1 for w in plan.wires if w.skipped)
     send, recv = plan.send_bytes, plan.recv_bytes
     mean_send = send.mean() if len(send) else 0
-    m2n_ok = sum(1 for w in plan.wires if w.m2n.ok)
+    m2n_ok = sum(1 for w in plan.wires if w.verdict("nccl_m2n").ok)
     t.add_row("model", f"{ckpt.architecture} ({ckpt.path})")
     t.add_row("trainer", f"{args.trainer}: {plan.num_trainer_ranks} ranks")
     t.add_row("inference", f"{args.inference}: {plan.num_workers} workers")
@@ -87,7 +236,7 @@ def _print_summary(console, args, ckpt, metas, plan, timings):
     t.add_row("max receive per worker", _fmt_bytes(recv.max(initial=0)))
     t.add_row("send imbalance (max/mean)", f"{send.max() / mean_send:.3f}" if mean_send else "-")
     t.add_row("fan-in / fan-out (max)", f"{plan.fan_in().max(initial=0)} / {plan.fan_out().max(initial=0)}")
-    t.add_row("nccl_m2n expressible", f"{plan.m2n_share():.1%} of bytes, "
+    t.add_row("nccl_m2n expressible", f"{plan.carried_share('nccl_m2n'):.1%} of bytes, "
                                       f"{m2n_ok} of {len(plan.wires) - n_skipped} tensors")
     t.add_row(f"estimated time @ {args.link_gbps:g} Gbit/s per rank",
               _fmt_seconds(plan.estimated_seconds(args.link_gbps)))
@@ -98,10 +247,11 @@ def _print_summary(console, args, ckpt, metas, plan, timings):
     reasons = Counter()
     example = {}
     for w in plan.wires:
-        if not w.skipped and w.bindings and not w.m2n.ok:
-            key = _reason_class(w.m2n.reason)
+        verdict = w.verdict("nccl_m2n")
+        if not w.skipped and w.bindings and not verdict.ok:
+            key = _reason_class(verdict.reason)
             reasons[key] += 1
-            example.setdefault(key, (w.name, w.m2n.reason))
+            example.setdefault(key, (w.name, verdict.reason))
     if reasons:
         r = Table(title="not carried by nccl_m2n (sent by torch_p2p)", title_justify="left")
         r.add_column("tensors", justify="right")
@@ -125,13 +275,105 @@ def _print_tensors(console, plan):
     for col in ("name", "dtype", "shape", "bytes moved", "slabs", "nccl_m2n"):
         t.add_column(col, overflow="fold")
     for w in plan.wires:
-        m2n = "skipped: " + w.skipped if w.skipped else ("yes" if w.m2n.ok else "no: " + w.m2n.reason)
+        verdict = w.verdict("nccl_m2n")
+        m2n = "skipped: " + w.skipped if w.skipped else ("yes" if verdict.ok else "no: " + verdict.reason)
         t.add_row(w.name, str(w.meta.dtype).removeprefix("torch."), str(list(w.meta.shape)),
                   _fmt_bytes(w.nbytes_moved), str(len(w.table)), m2n)
     console.print(t)
 
 
-def _verify(console, ckpt, tspec, ispec, plan) -> bool:
+#: What each dim of a tensor is called in the bindings table, by tensor rank.
+#: Stacked experts (``w13_weight``, ``w2_weight`` and the stacked wire
+#: tensors) are ``[E, rows, cols]``.
+_DIM_NAMES = {1: ("rows",), 2: ("rows", "cols"), 3: ("experts", "rows", "cols")}
+
+
+def describe_box(box, shape) -> str:
+    """``box`` of a tensor of ``shape`` in words: ``"rows 64:80"``, ``"experts 0:4"``.
+
+    Dims the box covers whole are left out; a box covering the whole tensor
+    is ``"whole"``. Ranges are half-open, ``start:stop``.
+    """
+    names = _DIM_NAMES.get(len(shape), tuple(f"dim{i}" for i in range(len(shape))))
+    parts = [f"{n} {a}:{b}" for n, (a, b), size in zip(names, box, shape) if (a, b) != (0, size)]
+    return ", ".join(parts) or "whole"
+
+
+def describe_workers(workers) -> str:
+    """``"worker 3"``, ``"workers 0–3"``, ``"workers 0–1, 4–5"`` (sorted, runs joined)."""
+    ws = sorted(set(workers))
+    runs: list[list[int]] = []
+    for w in ws:
+        if runs and w == runs[-1][1] + 1:
+            runs[-1][1] = w
+        else:
+            runs.append([w, w])
+    text = ", ".join(f"{a}" if a == b else f"{a}–{b}" for a, b in runs)
+    return f"worker{'s' if len(ws) > 1 else ''} {text}"
+
+
+def binding_rows(plan) -> list[tuple[str, str, str, str, str]]:
+    """One row per (wire tensor, vLLM parameter, region): where each wire tensor lands.
+
+    Returns ``(wire tensor, vLLM parameter, region of the parameter, workers,
+    part of the wire tensor they take)``, in wire order. Workers taking the
+    same region of the same parameter share a row; when they take different
+    parts of the wire tensor (tensor-parallel shards), the last column says
+    which worker takes which. Regions and parts are in local coordinates of
+    the parameter and global coordinates of the wire tensor
+    (:func:`describe_box`). Skipped wire tensors, and those no vLLM
+    parameter takes, get one row saying why.
+    """
+    dest = plan.destination
+    params = dest.param_index()
+    rows = []
+    for wp in plan.wires:
+        name, shape = wp.name, tuple(wp.meta.shape)
+        if wp.skipped:
+            rows.append((name, "-", "-", "-", f"skipped: {wp.skipped}"))
+            continue
+        bindings = dest.bindings.get(name, ())
+        if not bindings:
+            why = dest.unknown.get(name, "no vLLM parameter takes it")
+            rows.append((name, "-", "-", "-", f"not taken: {why}"))
+            continue
+        groups: dict[tuple, list] = {}
+        for b in bindings:
+            pshape = params[(b.worker, b.param)].shape
+            groups.setdefault((b.param, b.region, tuple(pshape)), []).append(b)
+        for (param, region, pshape), group in sorted(
+                groups.items(), key=lambda kv: (min(b.worker for b in kv[1]), kv[0][1])):
+            by_box: dict[tuple, list[int]] = {}
+            for b in group:
+                by_box.setdefault(b.box, []).append(b.worker)
+            if len(by_box) == 1:
+                takes = describe_box(next(iter(by_box)), shape)
+            else:
+                takes = "; ".join(f"{describe_box(box, shape)} ({describe_workers(ws)})"
+                                  for box, ws in sorted(by_box.items(), key=lambda kv: min(kv[1])))
+            rows.append((name, param, describe_box(region, pshape),
+                         describe_workers(b.worker for b in group), takes))
+    return rows
+
+
+def _print_bindings(console, plan):
+    from rich.table import Table
+
+    t = Table(title="where each wire tensor lands (HF name -> vLLM parameter)",
+              title_justify="left")
+    for col in ("wire tensor", "vLLM parameter", "region", "workers", "takes"):
+        t.add_column(col, overflow="fold")
+    for row in binding_rows(plan):
+        t.add_row(*row)
+    console.print(t)
+
+
+def _verify(console, ckpt, tspec, ispec, plan):
+    """Execute ``plan`` in this process and compare every worker with ``reference_load``.
+
+    Returns ``(ok, storage)``: whether every worker is bit-exact, and each
+    worker's storage ``{worker: {vLLM param: tensor}}``.
+    """
     from m2nkit.adapters.hf_checkpoint import checkpoint_manifest, full_checkpoint_tensors
     from m2nkit.adapters.vllm import reference_load
     from m2nkit.engine.local import allocate_storage, bitwise_equal, execute_plan
@@ -163,7 +405,65 @@ def _verify(console, ckpt, tspec, ispec, plan) -> bool:
         console.print(f"[green]verify: all {plan.num_workers} workers hold exactly what vLLM's "
                       f"loaders would ({len(names)} parameters each; executed "
                       f"{plan.num_slabs:,} slabs in {_fmt_seconds(t1 - t0)})[/green]")
-    return ok
+    return ok, storage
+
+
+def _open_dump_dir(path: str | None) -> tuple[Path | None, bool]:
+    """Create ``--dump DIR`` before any work, so a bad path fails first.
+
+    Returns the directory (None without ``--dump``) and whether this call
+    created it, so that a run that writes nothing there can remove it again.
+    """
+    if path is None:
+        return None, False
+    if not path.strip():
+        raise UserError("--dump needs a directory path, got an empty string")
+    d = Path(path)
+    created = not d.exists()
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--dump {path}: cannot create that directory ({e.strerror or e})") from None
+    if not os.access(d, os.W_OK):
+        raise UserError(f"--dump {path}: the directory is not writable")
+    return d, created
+
+
+def _dump(console, directory: Path, storage, plan, ckpt, ispec) -> None:
+    """Write each worker's storage as ``DIR/worker{w}.safetensors``.
+
+    Tensors carry vLLM's parameter names, local shapes and dtypes, as the
+    worker holds them. A parameter that shares storage with another (tied
+    ``lm_head.weight``) is saved once, under the name it aliases; the
+    ``aliases`` metadata lists it. Metadata (strings): ``worker``,
+    ``tp_rank``, ``dp_rank``, ``ep_rank`` (``none`` without expert
+    parallelism), ``inference``, ``model``, ``architecture``,
+    ``plan_digest``, ``manifest_digest``, ``aliases`` (JSON ``{alias:
+    parameter}``).
+    """
+    from safetensors.torch import save_file
+
+    plan_digest = plan.digest()
+    for w, tensors in storage.items():
+        aliases = {a: t for a, t in plan.destination.aliases.items() if t in tensors}
+        metadata = {
+            "format": "pt",
+            "worker": str(w),
+            "tp_rank": str(ispec.tp_rank(w)),
+            "dp_rank": str(ispec.dp_index(w)),
+            "ep_rank": str(w) if ispec.ep else "none",
+            "inference": str(ispec),
+            "model": str(Path(ckpt.path).resolve()),
+            "architecture": ckpt.architecture,
+            "plan_digest": plan_digest,
+            "manifest_digest": plan.manifest_digest,
+            "aliases": json.dumps(aliases, sort_keys=True),
+        }
+        out = directory / f"worker{w}.safetensors"
+        save_file({n: t.contiguous() for n, t in tensors.items() if n not in aliases}, str(out),
+                  metadata=metadata)
+    console.print(f"wrote {len(storage)} worker files to {directory}/ "
+                  f"(worker0.safetensors .. worker{len(storage) - 1}.safetensors)")
 
 
 def _open_json(path: str | None):
@@ -179,16 +479,15 @@ def _open_json(path: str | None):
 
 
 def _cmd_plan(args) -> int:
-    from rich.console import Console
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    # Piped output (logs, CI) gets wide tables instead of rich's 80 columns.
-    console = Console(width=None if sys.stdout.isatty() else 200)
-    json_file = _open_json(args.json)
+    json_file, dump_dir, dump_dir_created = None, None, False
     written = False
     try:
-        status = _plan_and_report(args, console, json_file)
+        json_file = _open_json(args.json)
+        dump_dir, dump_dir_created = _open_dump_dir(args.dump)
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        status = _plan_and_report(args, _console(), json_file, dump_dir)
         written = True
         return status
     finally:
@@ -196,15 +495,19 @@ def _cmd_plan(args) -> int:
             json_file.close()
             if not written:  # no half-written or empty file left behind
                 Path(args.json).unlink(missing_ok=True)
+        if dump_dir_created and not any(dump_dir.iterdir()):
+            dump_dir.rmdir()
 
 
-def _plan_and_report(args, console, json_file) -> int:
+def _plan_and_report(args, console, json_file, dump_dir) -> int:
     ckpt, tspec, ispec, metas, plan, timings = _build(args)
     if args.verify and not ckpt.has_data:
         raise UserError(f"--verify needs tensor data, but {ckpt.path} has only a config")
     _print_summary(console, args, ckpt, metas, plan, timings)
     if args.verbose:
         _print_tensors(console, plan)
+    if args.bindings:
+        _print_bindings(console, plan)
     if json_file is not None:
         from m2nkit.manifest.serialize import manifest_to_json
 
@@ -218,30 +521,97 @@ def _plan_and_report(args, console, json_file) -> int:
         status = EXIT_PROBLEMS
     if args.verify:
         if plan.problems:
-            console.print("[red]verify skipped: the plan has problems[/red]")
-        elif not _verify(console, ckpt, tspec, ispec, plan):
+            console.print("[red]verify skipped: the plan has problems"
+                          + (" (nothing dumped)" if dump_dir else "") + "[/red]")
+            return status
+        ok, storage = _verify(console, ckpt, tspec, ispec, plan)
+        if dump_dir is not None:
+            _dump(console, dump_dir, storage, plan, ckpt, ispec)
+        if not ok:
             status = EXIT_PROBLEMS
     return status
 
 
-def _cmd_demo(args) -> int:
-    from rich.console import Console
-    from rich.table import Table
-    from transformers.utils import logging as hf_logging
+# --------------------------------------------------------------------------
+# m2nkit demo
 
-    from m2nkit.engine.demo import run_demo
 
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    console = Console(width=None if sys.stdout.isatty() else 200)
+def _has_real_stdio() -> bool:
+    """Whether stdout and stderr are file descriptors a child process can inherit."""
     try:
-        result = run_demo(args.model, args.trainer, args.inference, rounds=args.rounds,
-                          timeout_s=args.timeout, bucket_bytes=int(args.bucket_mib * (1 << 20)),
-                          log=console.print)
+        sys.stdout.fileno()
+        sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # pytest's capsys, io.StringIO
+        return False
+    return True
+
+
+def _cmd_demo(args) -> int:
+    if args.driver or not _has_real_stdio():
+        return _demo_here(args)
+    return _supervise_demo(args)
+
+
+def _demo_here(args) -> int:
+    """Run the demo in this process (the driver) and print its table."""
+    import signal
+    import threading
+
+    t_start = time.monotonic()
+    console = _console()
+
+    def log(message: str) -> None:
+        console.print(f"[{time.monotonic() - t_start:6.1f} s] {message}", markup=False,
+                      highlight=False)
+
+    if args.driver:
+        # The supervisor stops us with SIGTERM (tear down, exit quietly) and
+        # closes our stdin when it goes away, however it went.
+        def stop(signum, frame):
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGTERM, stop)
+
+        def watch_supervisor():
+            while os.read(0, 1 << 10):
+                pass
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        threading.Thread(target=watch_supervisor, daemon=True, name="m2nkit-supervisor-watch").start()
+    try:
+        log(f"m2nkit demo: {args.model}, {args.trainer} -> {args.inference}, {args.rounds} round"
+            f"{'s' if args.rounds > 1 else ''}"
+            + ("" if args.baseline else ", no baseline") + " (Ctrl-C stops it)")
+        result = _run_demo(args, log)
+        _print_demo_table(console, result)
+    except KeyboardInterrupt:
+        if not args.driver:
+            print("m2nkit: demo interrupted; its processes are stopped", file=sys.stderr)
+        return 130
     except RuntimeError as e:
         # A failed transfer or check (not a usage error): say what broke, exit 1.
         print(f"m2nkit: demo failed: {str(e).splitlines()[0]}", file=sys.stderr)
         return EXIT_PROBLEMS
+    return EXIT_OK
+
+
+def _run_demo(args, log):
+    from m2nkit.engine.demo import run_demo
+
+    log("loading torch and transformers")
+    from transformers.utils import logging as hf_logging
+
+    _bind_light_modules()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    return run_demo(args.model, args.trainer, args.inference, rounds=args.rounds,
+                    timeout_s=args.timeout, bucket_bytes=int(args.bucket_mib * (1 << 20)),
+                    workdir=args.workdir, baseline=args.baseline, log=log)
+
+
+def _print_demo_table(console, result) -> None:
+    from rich.table import Table
+
     t = Table(title=f"m2nkit demo: {result.model}, {result.trainer} -> {result.inference}",
               title_justify="left")
     for col in ("method", "round", "bytes sent (total)", "max per trainer rank",
@@ -263,13 +633,145 @@ def _cmd_demo(args) -> int:
     console.print(t)
     console.print(f"minimum bytes (what the workers hold): {_fmt_bytes(result.nbytes_min)}; "
                   "useful throughput = that / time")
-    return EXIT_OK
+
+
+#: Seconds the demo driver gets to tear its processes down after SIGTERM
+#: before whatever is left of its process group is killed.
+_DRIVER_GRACE_S = 20.0
+
+
+def _supervise_demo(args) -> int:
+    """Run the demo driver in its own session; on Ctrl-C stop it and say so in one line.
+
+    A terminal's Ctrl-C signals every process of the foreground process
+    group. The demo's trainer, worker and baseline processes (spawned by
+    multiprocessing, which cannot start them in another group) would each
+    die with a ``KeyboardInterrupt`` traceback. So the driver (this CLI with
+    ``--driver``) runs in a new session, with its own process group: Ctrl-C
+    and SIGTERM reach only this process, which sends the driver SIGTERM (it
+    tears its processes down itself, quietly), kills whatever is left of its
+    group after :data:`_DRIVER_GRACE_S`, removes the demo's work directory,
+    prints one line and exits 128 + the signal. The driver's output goes
+    straight to this process's stdout and stderr. If this process dies
+    without cleaning up, the driver sees its stdin close and stops.
+    """
+    import shutil
+    import signal
+    import subprocess
+    import tempfile
+
+    received: list[int] = []
+
+    def on_signal(signum, frame):
+        received.append(signum)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    workdir = tempfile.mkdtemp(prefix="m2nkit-demo-")
+    cmd = [sys.executable, "-m", "m2nkit.engine.cli", "demo", "--model", args.model,
+           "--trainer", args.trainer, "--inference", args.inference,
+           "--rounds", str(args.rounds), "--timeout", repr(args.timeout),
+           "--bucket-mib", repr(args.bucket_mib), "--driver", "--workdir", workdir]
+    if not args.baseline:
+        cmd.append("--no-baseline")
+    proc = None
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, start_new_session=True)
+        while not received:
+            try:
+                rc = proc.wait(timeout=0.2)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        if received:
+            signum = received[0]
+            _stop_driver(proc, received)
+            print(f"m2nkit: demo {'interrupted' if signum == signal.SIGINT else 'terminated'}; "
+                  "its processes are stopped and its files removed", file=sys.stderr)
+            return 128 + signum
+        _reap_group(proc.pid, grace_s=5.0)
+        if rc < 0:
+            print(f"m2nkit: demo failed: its driver process died of signal {-rc}", file=sys.stderr)
+            return EXIT_PROBLEMS
+        return rc
+    finally:
+        if proc is not None and proc.poll() is None:   # an error in this function
+            _stop_driver(proc, received)
+        if proc is not None and proc.stdin is not None:
+            proc.stdin.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+def _stop_driver(proc, received: list[int]) -> None:
+    """SIGTERM the driver, wait for it (a second signal cuts the wait short), then kill its group."""
+    import signal
+    import subprocess
+
+    n_signals = len(received)
+    try:
+        proc.send_signal(signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + _DRIVER_GRACE_S
+    while time.monotonic() < deadline and len(received) == n_signals:
+        try:
+            proc.wait(timeout=0.2)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    _reap_group(proc.pid, grace_s=5.0 if proc.poll() is not None else 0.0)
+    proc.wait()
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group ``pgid``, from ``/proc``."""
+    members = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) "
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(entry.name))
+    return members
+
+
+def _reap_group(pgid: int, grace_s: float) -> None:
+    """Wait up to ``grace_s`` for process group ``pgid`` to be gone, then SIGKILL what is left."""
+    import signal
+
+    if not os.path.isdir("/proc"):                  # not Linux: no way to list it; just kill
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        return
+    deadline = time.monotonic() + grace_s
+    while _group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if _group_members(pgid):
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+# --------------------------------------------------------------------------
+# arguments
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="m2nkit",
         description="Plan and run shard-to-shard weight transfers from RL trainers into vLLM workers.")
+    p.add_argument("--version", action="version", version=f"m2nkit {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
     plan = sub.add_parser("plan", help="dry-run: what moves where, and how long it takes")
     plan.add_argument("checkpoint", help="HF checkpoint directory (safetensors) or a config.json")
@@ -279,8 +781,14 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", metavar="PATH", help="write the manifest and plan as JSON")
     plan.add_argument("--verify", action="store_true",
                       help="execute in-process on the checkpoint's data and check every worker")
+    plan.add_argument("--dump", metavar="DIR",
+                      help="with --verify: write each worker's storage as DIR/worker{w}.safetensors "
+                           "(vLLM parameter names, local shapes; metadata names the ranks)")
     plan.add_argument("--link-gbps", type=float, default=400.0,
                       help="per-rank link bandwidth for the time estimate (default 400)")
+    plan.add_argument("--bindings", action="store_true",
+                      help="print where each wire tensor (HF name) lands: vLLM parameter, "
+                           "rows/cols/experts, workers")
     plan.add_argument("-v", "--verbose", action="store_true", help="print the per-tensor table")
     plan.set_defaults(func=_cmd_plan)
     demo = sub.add_parser("demo", help="real multi-process transfer on this machine, verified")
@@ -292,19 +800,20 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--rounds", type=int, default=2, help="update rounds, weights changed each round (default 2)")
     demo.add_argument("--timeout", type=float, default=60.0, help="bound on every wait, seconds (default 60)")
     demo.add_argument("--bucket-mib", type=float, default=4.0, help="transport bucket size in MiB (default 4)")
+    demo.add_argument("--no-baseline", dest="baseline", action="store_false",
+                      help="skip the gather-then-broadcast comparison run after the rounds "
+                           "(the slowest part)")
+    # Internal: how the supervisor starts the driver (see _supervise_demo).
+    demo.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)
+    demo.add_argument("--workdir", help=argparse.SUPPRESS)
     demo.set_defaults(func=_cmd_demo)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    for flag in ("link_gbps", "timeout", "bucket_mib"):
-        value = getattr(args, flag, 1.0)
-        if not (value > 0 and math.isfinite(value)):  # also refuses NaN and inf
-            print(f"m2nkit: error: --{flag.replace('_', '-')} must be a finite number > 0, "
-                  f"got {value}", file=sys.stderr)
-            return EXIT_USAGE
     try:
+        _precheck(args)
         return args.func(args)
     except (UserError, ValueError, OSError) as e:
         print(f"m2nkit: error: {e}", file=sys.stderr)

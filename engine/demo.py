@@ -9,27 +9,91 @@ commutes with any sharding), so a worker that kept last round's bytes is
 caught. After each round every worker's storage is compared bit for bit with
 ``reference_load`` of the round's full tensors, and every worker must have
 committed the round's version.
+
+Importing this module is cheap (no torch): the CLI reads
+``MAX_DEMO_PROCESSES`` from it before deciding anything is worth loading,
+and every spawned process imports it to find its target. Long phases
+(building the checkpoint, starting processes, the baseline) are announced
+through ``log`` before they start, and waits longer than
+``HEARTBEAT_S`` say what they are still waiting for. The processes the demo
+starts ignore SIGINT: on Ctrl-C the parent tears them down.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import queue
+import signal
 import socket
 import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-__all__ = ["shift", "DemoRound", "DemoResult", "run_demo", "free_port"]
-
-
-from m2nkit.engine.server import exit_with_parent
+__all__ = ["shift", "DemoRound", "DemoResult", "run_demo", "free_port", "MAX_DEMO_PROCESSES"]
 
 #: Most processes (trainers + workers) the demo starts on one machine.
 MAX_DEMO_PROCESSES = 32
+
+#: Seconds a wait may stay silent before ``log`` hears what it waits for.
+HEARTBEAT_S = 10.0
+
+
+def _child_setup() -> None:
+    """First thing in every process the demo spawns.
+
+    SIGINT is ignored (Ctrl-C in a terminal reaches every process of the
+    group; the parent tears its children down, so they need not print a
+    traceback each), the process exits with its parent, and torch uses one
+    thread (the demo runs many processes on few cores).
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import torch
+
+    from m2nkit.engine.server import exit_with_parent
+
+    exit_with_parent()
+    torch.set_num_threads(1)
+
+
+def _wait_reports(results, count: int, deadline: float, what: str, log, on_error,
+                  procs=()) -> list:
+    """``count`` reports from ``results`` before ``deadline`` (monotonic seconds).
+
+    Every :data:`HEARTBEAT_S` without a report, ``log`` hears how many of
+    ``what`` have arrived. An ``("error", rank, message, detail)`` report
+    calls ``on_error(report)``, which raises.
+
+    Raises:
+        RuntimeError: the deadline passed (names ``what`` and the processes
+            of ``procs`` that died).
+    """
+    got: list = []
+    t0 = last = time.monotonic()
+    while len(got) < count:
+        now = time.monotonic()
+        if now >= deadline:
+            dead = [p.name for p in procs if not p.is_alive() and p.exitcode]
+            raise RuntimeError(f"timed out waiting for {what} ({len(got)} of {count} arrived)"
+                               + (f"; dead: {dead}" if dead else ""))
+        try:
+            msg = results.get(timeout=min(deadline - now, max(0.1, last + HEARTBEAT_S - now)))
+        except queue.Empty:
+            if time.monotonic() - last >= HEARTBEAT_S:
+                log(f"  still waiting for {what}: {len(got)} of {count} after "
+                    f"{time.monotonic() - t0:.0f} s")
+                last = time.monotonic()
+            continue
+        if msg[0] == "error":
+            on_error(msg)
+        got.append(msg)
+        last = time.monotonic()
+    return got
 
 
 def shift(t: torch.Tensor, round_index: int) -> torch.Tensor:
@@ -57,9 +121,8 @@ def shifted_source(checkpoint, trainer_spec, rank: int, state: dict):
     base = checkpoint_manifest(checkpoint, trainer_spec, rank)
 
     def wrap(entry):
-        return M2NManifestEntry(entry.key, entry.dtype, entry.global_shape, entry.source_layout,
-                                lambda: shift(entry.local_tensor(), state["round"]),
-                                entry.allow_full_fallback)
+        return M2NManifestEntry(entry.name, entry.dtype, entry.global_shape, entry.source_layout,
+                                lambda: shift(entry.local_tensor(), state["round"]))
 
     return ManifestM2NWeightSource([wrap(e) for e in base.entries], rank=rank)
 
@@ -67,8 +130,7 @@ def shifted_source(checkpoint, trainer_spec, rank: int, state: dict):
 def _trainer_main(rank, num_ranks, model_dir, trainer, inference, url, port, rounds,
                   timeout_s, bucket_bytes, results, go):
     """One trainer process: init, then one ``send_weights`` per round, reporting each."""
-    exit_with_parent()
-    torch.set_num_threads(1)
+    _child_setup()
     try:
         from transformers.utils import logging as hf_logging
 
@@ -82,8 +144,10 @@ def _trainer_main(rank, num_ranks, model_dir, trainer, inference, url, port, rou
         tspec = parse_trainer_spec(trainer)
         state = {"round": 0}
         source = shifted_source(ckpt, tspec, rank, state)
-        info = M2NTrainerInitInfo(rank=rank, num_trainer_ranks=num_ranks, inference=inference,
-                                  model_config=ckpt.config, master_port=port,
+        from m2nkit.adapters.vllm import vllm_destination
+
+        info = M2NTrainerInitInfo(rank=rank, num_trainer_ranks=num_ranks,
+                                  destination=vllm_destination(ckpt.config, inference), master_port=port,
                                   timeout_s=timeout_s, bucket_bytes=bucket_bytes)
         client = HTTPClient(url, timeout_s=4 * timeout_s) if rank == 0 else None
         t0 = time.perf_counter()
@@ -162,6 +226,7 @@ def run_demo(model: str, trainer: str, inference: str, *, rounds: int = 2, timeo
     work = Path(workdir or tmp.name)
     try:
         if model in BUILTIN_TINY_MODELS:
+            log(f"building the tiny checkpoint {model} (transformers, seed 0)")
             model_dir = save_tiny_checkpoint(model, work / model, seed=0)
         elif Path(model).is_dir():
             model_dir = Path(model)
@@ -174,7 +239,10 @@ def run_demo(model: str, trainer: str, inference: str, *, rounds: int = 2, timeo
         tspec = parse_trainer_spec(trainer)
         ispec = parse_inference_spec(inference)
         metas = checkpoint_metas(ckpt, tspec)
-        plan, _ = plan_from_manifest(manifest_to_json(metas, tspec.num_ranks), ckpt.config, ispec)
+        from m2nkit.adapters.vllm import vllm_destination
+
+        plan, _ = plan_from_manifest(manifest_to_json(metas, tspec.num_ranks),
+                                     vllm_destination(ckpt.config, ispec))
         if plan.problems:
             raise ValueError("the plan has problems: " + "; ".join(map(str, plan.problems[:5])))
         result = DemoResult(str(model), str(tspec), str(ispec), plan.nbytes_min)
@@ -187,11 +255,16 @@ def run_demo(model: str, trainer: str, inference: str, *, rounds: int = 2, timeo
         server = InferenceServer(model_dir, str(ispec), timeout_s=4 * timeout_s)
         procs = []
         try:
+            log(f"starting {ispec.num_workers} inference worker processes (each loads torch; "
+                "seconds on a busy machine)")
             url = server.start()
             log(f"inference server at {url}, worker pids {server.worker_pids}")
             results = ctx.Queue()
             gos = [ctx.Queue() for _ in range(T)]
             port = free_port()
+            log(f"starting {T} trainer processes: each reads its own shard, then all join "
+                "the transfer group")
+            t_init = time.monotonic()
             for r in range(T):
                 p = ctx.Process(target=_trainer_main, name=f"m2nkit-trainer-{r}", daemon=True,
                                 args=(r, T, str(model_dir), str(tspec), str(ispec), url, port, rounds,
@@ -199,22 +272,16 @@ def run_demo(model: str, trainer: str, inference: str, *, rounds: int = 2, timeo
                 p.start()
                 procs.append(p)
 
+            def failed(msg):
+                raise RuntimeError(f"trainer rank {msg[1]} failed: {msg[2]}\n{msg[3]}")
+
             def collect(kind, count):
-                got = []
-                deadline = time.monotonic() + 6 * timeout_s
-                while len(got) < count:
-                    try:
-                        msg = results.get(timeout=max(0.1, deadline - time.monotonic()))
-                    except Exception:  # queue.Empty
-                        dead = [p.name for p in procs if not p.is_alive() and p.exitcode]
-                        raise RuntimeError(f"timed out waiting for trainer '{kind}' reports"
-                                           + (f"; dead: {dead}" if dead else "")) from None
-                    if msg[0] == "error":
-                        raise RuntimeError(f"trainer rank {msg[1]} failed: {msg[2]}\n{msg[3]}")
-                    got.append(msg)
-                return got
+                return _wait_reports(results, count, time.monotonic() + 6 * timeout_s,
+                                     f"trainer '{kind}' reports", log, failed, procs)
 
             collect("init", T)
+            log(f"{T} trainers joined in {time.monotonic() - t_init:.1f} s; "
+                f"{rounds} round{'s' if rounds > 1 else ''} follow")
             for k in range(1, rounds + 1):
                 for q in gos:
                     q.put(k)
@@ -248,7 +315,13 @@ def run_demo(model: str, trainer: str, inference: str, *, rounds: int = 2, timeo
                 p.join(5)
             server.stop()
         if baseline:
-            result.baseline = _run_baseline(model_dir, tspec, ispec, timeout_s)
+            log(f"baseline: gather-then-broadcast on the same data and ranks, for comparison: "
+                f"{T + ispec.num_workers} new processes, the slowest part of the demo "
+                "(--no-baseline skips it)")
+            t_base = time.monotonic()
+            result.baseline = _run_baseline(model_dir, tspec, ispec, timeout_s, log=log)
+            log(f"baseline: done in {time.monotonic() - t_base:.1f} s"
+                + ("" if result.baseline["verified"] else ", NOT bit-exact"))
         return result
     finally:
         if tmp is not None:
@@ -257,8 +330,7 @@ def run_demo(model: str, trainer: str, inference: str, *, rounds: int = 2, timeo
 
 def _baseline_rank(rank, model_dir, trainer, inference, ports, timeout_s, results):
     """One process of the gather-then-broadcast baseline (``engine/baseline.py``)."""
-    exit_with_parent()
-    torch.set_num_threads(1)
+    _child_setup()
     try:
         from transformers.utils import logging as hf_logging
 
@@ -280,8 +352,10 @@ def _baseline_rank(rank, model_dir, trainer, inference, ports, timeout_s, result
         ckpt = read_checkpoint(model_dir)
         tspec = parse_trainer_spec(trainer)
         T = tspec.num_ranks
+        from m2nkit.adapters.vllm import vllm_destination
+
         plan, _ = plan_from_manifest(manifest_to_json(checkpoint_metas(ckpt, tspec), T),
-                                     ckpt.config, inference)
+                                     vllm_destination(ckpt.config, inference))
         world = T + plan.num_workers
         _, group = create_group("127.0.0.1", ports[0], rank, world, timeout_s=timeout_s)
         if rank < T:
@@ -304,13 +378,14 @@ def _baseline_rank(rank, model_dir, trainer, inference, ports, timeout_s, result
         results.put(("error", rank, f"{type(e).__name__}: {e}", 0.0))
 
 
-def _run_baseline(model_dir, tspec, ispec, timeout_s) -> dict:
+def _run_baseline(model_dir, tspec, ispec, timeout_s, log=print) -> dict:
     """Gather-then-broadcast on the same checkpoint and ranks, verified.
 
     Trainer ranks all-gather every full tensor, trainer rank 0 sends it to
     every worker (``engine/baseline.py``). Returns bytes sent by trainer
     ranks (point to point plus all-gather), the slowest rank's time, and
-    whether every worker ended bit-exact.
+    whether every worker ended bit-exact. Long waits are reported to
+    ``log``; on any error (or interrupt) its processes are killed at once.
 
     Raises:
         RuntimeError: a baseline process failed or did not finish in time.
@@ -322,25 +397,26 @@ def _run_baseline(model_dir, tspec, ispec, timeout_s) -> dict:
     procs = [ctx.Process(target=_baseline_rank, daemon=True, name=f"m2nkit-baseline-{r}",
                          args=(r, str(model_dir), str(tspec), str(ispec), ports, timeout_s, results))
              for r in range(T + N)]
-    for p in procs:
-        p.start()
-    reports = []
+
+    def failed(msg):
+        raise RuntimeError(f"baseline rank {msg[1]} failed: {msg[2]}")
+
+    finished = False
     try:
-        deadline = time.monotonic() + 6 * timeout_s
-        while len(reports) < T + N:
-            try:
-                msg = results.get(timeout=max(0.1, deadline - time.monotonic()))
-            except Exception:  # queue.Empty
-                raise RuntimeError("the gather-then-broadcast baseline did not finish in time") from None
-            if msg[0] == "error":
-                raise RuntimeError(f"baseline rank {msg[1]} failed: {msg[2]}")
-            reports.append(msg)
+        for p in procs:
+            p.start()
+        reports = _wait_reports(results, T + N, time.monotonic() + 6 * timeout_s,
+                                "the gather-then-broadcast baseline's ranks", log, failed, procs)
+        finished = True
     finally:
         for p in procs:
-            p.join(5)
+            if p.pid is None:                       # never started
+                continue
+            if finished:
+                p.join(5)
             if p.is_alive():
                 p.kill()
-                p.join(5)
+            p.join(5)
     sent = [m[2] for m in reports if m[0] == "trainer"]
     return {
         "bytes_total": sum(sent),

@@ -15,7 +15,6 @@ from typing import Iterable, Mapping
 import torch
 
 from m2nkit.manifest.destination import DestinationLayout
-from m2nkit.manifest.layout import rank_boxes
 
 from .plan import Plan, next_local
 
@@ -58,33 +57,22 @@ def execute_plan(
 
     Raises:
         ValueError: a stream yields a name out of manifest order, ends
-            early, or a local tensor's shape differs from the rank's box
+            early, or a local tensor does not hold the rank's pieces
             (names the rank and tensor).
     """
     iters = {r: iter(s) for r, s in local_streams.items()}
     for wp in plan.wires:
-        nd = len(wp.meta.shape)
-        boxes = dict(rank_boxes(wp.layout, wp.meta.shape))
-        starts = {r: tuple(a for a, _ in box) for r, box in boxes.items()}
         local: dict[int, torch.Tensor] = {}
-        for rank in wp.layout.owners:
+        for rank in wp.owners:
             it = iters.get(rank)
             if it is None:
                 raise ValueError(f"no local stream for trainer rank {rank}, an owner of "
                                  f"'{wp.name}'")
-            tensor = next_local(it, wp, rank, boxes[rank])
-            local[rank] = tensor
+            local[rank] = next_local(it, wp, rank)
         if wp.skipped:
             continue
-        for row in wp.table.tolist():
-            src, dst, bi = row[0], row[1], row[2]
-            lo, hi = row[3:3 + nd], row[3 + nd:]
-            b = wp.bindings[bi]
-            s0 = starts[src]
-            src_idx = tuple(slice(a - o, c - o) for a, c, o in zip(lo, hi, s0))
-            dst_idx = tuple(slice(off + a - w0, off + c - w0)
-                            for off, a, c, (w0, _) in zip(b.offset, lo, hi, b.wire_box))
-            storage[dst][b.param][dst_idx] = local[src][src_idx]
+        for slab in wp.slabs():
+            storage[slab.dst][slab.param][slab.dst_region] = local[slab.src][slab.src_region]
         local.clear()
     for rank, it in iters.items():
         extra = next(it, None)

@@ -1,83 +1,73 @@
 """The transfer plan: which slab goes from which trainer rank to which worker.
 
-Every source box (a piece of a wire tensor some trainer ranks hold) is
+Every source piece (a box of a wire tensor that a trainer rank holds, and
+where it sits in the rank's local tensor; ``m2nkit.manifest.pieces``) is
 intersected with every destination binding (a box some worker needs, and
 where it lands in that worker's vLLM storage). Each non-empty intersection
-is a *slab*. Where several trainer ranks hold the same piece (replicas), one
-is chosen per slab, greedily, to balance bytes sent per rank. Nothing is
-ever gathered: bytes moved equal the bytes the workers hold, exactly.
+is a *slab*. Where several pieces hold the same elements (replicas), one is
+chosen per slab, greedily, to balance bytes sent per rank. Nothing is ever
+gathered: bytes moved equal the bytes the workers hold, exactly.
 
 The plan proves its own coverage: per worker parameter, the regions written
 by bindings plus the declared zero regions (vocab padding) are disjoint and
-fill it; per wire tensor, the source pieces tile it. It also says, per wire
-tensor, whether ``nccl.m2n.reshard`` can carry it (NVIDIA nccl-extensions
-``nccl_m2n/README.md`` preconditions; vLLM ``m2n_common.py`` limits) and, if
-not, why — such tensors go through the ``torch_p2p`` transport.
+fill it; every element a worker needs is held by some piece. Each transport
+with rules (``TRANSPORT_RULES``: today ``nccl_m2n``, whose rules live in its
+own module) says per wire tensor whether it can carry it and, if not, why;
+``torch_p2p`` carries anything.
 
-Slabs are kept as one int64 table per wire tensor (numpy), so a plan for a
-235B-parameter MoE over 256 trainer ranks (about a million slabs) builds in
-seconds on two cores.
+Slabs are kept as one int64 table per wire tensor (numpy, columns in
+``SlabTable``), so a plan for a 235B-parameter MoE over 256 trainer ranks
+(about a million slabs) builds in seconds on two cores.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
 
 from m2nkit.manifest.destination import Binding, DestinationLayout, DestinationParam
-from m2nkit.manifest.layout import (
-    Box,
-    M2NEncoding,
-    SourceLayout,
-    box_volume,
-    m2n_encoding,
-    rank_boxes,
-    region_is_contiguous,
-    source_pieces,
-)
 from m2nkit.manifest.meta import ParamMeta
+from m2nkit.manifest.pieces import Box, Piece, box_volume, piece_grid
 
 __all__ = [
-    "M2N_DTYPES",
-    "M2N_MAX_FAN_IN",
-    "M2N_MAX_FAN_OUT",
     "Slab",
+    "SlabTable",
     "Problem",
-    "M2NVerdict",
+    "Verdict",
     "WirePlan",
     "Plan",
+    "TRANSPORT_RULES",
     "build_plan",
     "count_coverage",
     "next_local",
 ]
 
-#: dtypes nccl.m2n can move (vLLM ``m2n_common.py``, mirrored from nccl_m2n).
-M2N_DTYPES = frozenset({
-    torch.int8, torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2, torch.float16,
-    torch.bfloat16, torch.int32, torch.uint32, torch.float32, torch.int64,
-    torch.uint64, torch.float64,
-})
-#: At most this many source shards may feed one destination shard (vLLM ``m2n_common.py``).
-M2N_MAX_FAN_IN = 16
-#: At most this many destination shards may be fed by one source shard.
-M2N_MAX_FAN_OUT = 64
+#: Transports that judge every wire tensor of a plan: name -> ``"module:function"``
+#: with the signature ``(wire_plan, params) -> Verdict`` (``params`` maps
+#: ``(worker, param name)`` to ``DestinationParam``). Each transport keeps
+#: its own rules in its own module; ``torch_p2p`` carries anything and has none.
+TRANSPORT_RULES: dict[str, str] = {
+    "nccl_m2n": "m2nkit.engine.transports.nccl_m2n:can_carry",
+}
 
 
 class Slab(NamedTuple):
-    """One contiguous-in-index-space box copied from a trainer rank to a worker.
+    """One box copied from a trainer rank's local tensor into a worker's parameter.
 
-    ``box`` is in global wire coordinates; ``src_start`` is where it begins in
-    the source rank's local tensor, ``dst_start`` where it begins in the
-    worker's local parameter ``param``. ``nbytes`` = volume × itemsize.
+    ``box`` is in global wire coordinates; ``src_start`` is where it begins
+    in the source rank's local tensor (through the piece that holds it),
+    ``dst_start`` where it begins in the worker's local parameter ``param``.
+    ``nbytes`` = volume × itemsize.
     """
 
-    wire: str
+    name: str
     src: int
     dst: int
     box: Box
@@ -85,6 +75,39 @@ class Slab(NamedTuple):
     param: str
     dst_start: tuple[int, ...]
     nbytes: int
+
+    @property
+    def src_region(self) -> tuple[slice, ...]:
+        """Index of the slab in the source rank's local tensor."""
+        return tuple(slice(s, s + b - a) for s, (a, b) in zip(self.src_start, self.box))
+
+    @property
+    def dst_region(self) -> tuple[slice, ...]:
+        """Index of the slab in the worker's parameter ``param``."""
+        return tuple(slice(s, s + b - a) for s, (a, b) in zip(self.dst_start, self.box))
+
+
+class SlabTable:
+    """Column layout of a wire plan's slab table (one int64 row per slab).
+
+    Columns: ``SRC`` (trainer rank), ``DST`` (worker), ``BINDING`` (index
+    into ``WirePlan.bindings``), ``PIECE`` (index into ``WirePlan.pieces``),
+    then the box: ``ndim`` starts from ``LO``, ``ndim`` stops after them.
+    """
+
+    SRC, DST, BINDING, PIECE, LO = 0, 1, 2, 3, 4
+
+    @staticmethod
+    def width(ndim: int) -> int:
+        return SlabTable.LO + 2 * ndim
+
+    @staticmethod
+    def lo(table: np.ndarray, ndim: int) -> np.ndarray:
+        return table[:, SlabTable.LO:SlabTable.LO + ndim]
+
+    @staticmethod
+    def hi(table: np.ndarray, ndim: int) -> np.ndarray:
+        return table[:, SlabTable.LO + ndim:SlabTable.LO + 2 * ndim]
 
 
 @dataclass(frozen=True)
@@ -99,34 +122,43 @@ class Problem:
 
 
 @dataclass(frozen=True)
-class M2NVerdict:
-    """Whether ``nccl.m2n.reshard`` can carry one wire tensor, and how.
+class Verdict:
+    """Whether one transport can carry one wire tensor, and how.
 
-    ``src``/``dst`` are the encodings (ranks relative to each side) when
-    ``ok``; otherwise ``reason`` says which precondition fails.
+    ``reason`` says which of the transport's rules fails when not ``ok``;
+    ``detail`` holds what the transport needs to carry it when ``ok`` (for
+    ``nccl_m2n``: the source and destination encodings).
     """
 
     ok: bool
     reason: str = ""
-    src: M2NEncoding | None = None
-    dst: M2NEncoding | None = None
+    detail: Any = None
+
+
+_NOT_CHECKED = Verdict(False, "not checked")
 
 
 @dataclass
 class WirePlan:
     """The plan for one wire tensor.
 
-    ``table`` is an int64 array ``[n_slabs, 3 + 2*ndim]``: columns ``src``,
-    ``dst``, ``binding`` (index into ``bindings``), then the box starts and
-    stops in global coordinates.
+    Attributes:
+        meta: the wire tensor (name, dtype, shape, source layout).
+        pieces: every trainer-side piece (``meta.source_pieces(T)``).
+        bindings: where the workers take it.
+        table: ``[n_slabs, SlabTable.width(ndim)]`` int64, see ``SlabTable``.
+        skipped: why the inference side takes none of it ('' if it does).
+        verdicts: transport name -> ``Verdict`` (``TRANSPORT_RULES``).
+        num_trainer_ranks: ``T`` (resolves ``owners=None``).
     """
 
     meta: ParamMeta
-    layout: SourceLayout
+    pieces: tuple[Piece, ...]
     bindings: tuple[Binding, ...]
     table: np.ndarray
     skipped: str = ""
-    m2n: M2NVerdict = field(default_factory=lambda: M2NVerdict(False, "not planned"))
+    verdicts: dict[str, Verdict] = field(default_factory=dict)
+    num_trainer_ranks: int = 0
 
     @property
     def name(self) -> str:
@@ -136,12 +168,35 @@ class WirePlan:
     def itemsize(self) -> int:
         return self.meta.dtype.itemsize
 
+    @property
+    def ndim(self) -> int:
+        return len(self.meta.shape)
+
+    @property
+    def owners(self) -> tuple[int, ...]:
+        """Trainer ranks whose ``iter_local`` yields this tensor (an owner under
+        placements may hold an empty box and no piece)."""
+        return self.meta.owners if self.meta.owners is not None else tuple(
+            range(self.num_trainer_ranks))
+
+    def verdict(self, transport: str) -> Verdict:
+        """The verdict of ``transport`` on this wire tensor (not ok if never checked)."""
+        return self.verdicts.get(transport, _NOT_CHECKED)
+
+    def sends_to(self, worker: int) -> bool:
+        """Whether any slab of this tensor goes to ``worker``."""
+        return bool(len(self.table)) and bool((self.table[:, SlabTable.DST] == worker).any())
+
+    def rank_pieces(self, rank: int) -> list[Piece]:
+        """The pieces trainer ``rank`` holds."""
+        return [p for p in self.pieces if p.rank == rank]
+
     def slab_nbytes(self) -> np.ndarray:
         """Bytes of every slab, ``[n_slabs]`` int64."""
-        nd = len(self.meta.shape)
+        nd = self.ndim
         if nd == 0:
             return np.full(len(self.table), self.itemsize, dtype=np.int64)
-        ext = self.table[:, 3 + nd:3 + 2 * nd] - self.table[:, 3:3 + nd]
+        ext = SlabTable.hi(self.table, nd) - SlabTable.lo(self.table, nd)
         return ext.prod(axis=1) * self.itemsize
 
     @property
@@ -151,27 +206,27 @@ class WirePlan:
     @property
     def nbytes_min(self) -> int:
         """Bytes the workers hold of this tensor: every element once per binding."""
-        return sum(box_volume(b.wire_box) for b in self.bindings) * self.itemsize
+        return sum(box_volume(b.box) for b in self.bindings) * self.itemsize
 
-    def src_starts(self) -> dict[int, tuple[int, ...]]:
-        """Start of each owner's local box in global coordinates."""
-        return {r: tuple(a for a, _ in box) for r, box in rank_boxes(self.layout, self.meta.shape)}
-
-    def slabs(self) -> Iterator[Slab]:
-        """Every slab as a ``Slab`` (for executors, tests and JSON)."""
-        nd = len(self.meta.shape)
-        starts = self.src_starts()
-        sizes = self.slab_nbytes()
-        for row, nbytes in zip(self.table.tolist(), sizes.tolist()):
-            src, dst, bi = row[0], row[1], row[2]
-            lo, hi = row[3:3 + nd], row[3 + nd:3 + 2 * nd]
-            b = self.bindings[bi]
-            s0 = starts[src]
+    def slabs(self, *, src: int | None = None, dst: int | None = None) -> Iterator[Slab]:
+        """Every slab as a ``Slab`` (optionally only those from ``src`` / to ``dst``)."""
+        nd = self.ndim
+        table = self.table
+        if src is not None:
+            table = table[table[:, SlabTable.SRC] == src]
+        if dst is not None:
+            table = table[table[:, SlabTable.DST] == dst]
+        sizes = (np.full(len(table), self.itemsize, dtype=np.int64) if nd == 0 else
+                 (SlabTable.hi(table, nd) - SlabTable.lo(table, nd)).prod(axis=1) * self.itemsize)
+        lo_col = SlabTable.LO
+        for row, nbytes in zip(table.tolist(), sizes.tolist()):
+            box = tuple(zip(row[lo_col:lo_col + nd], row[lo_col + nd:lo_col + 2 * nd]))
+            b = self.bindings[row[SlabTable.BINDING]]
+            piece = self.pieces[row[SlabTable.PIECE]]
             yield Slab(
-                self.meta.name, src, dst, tuple(zip(lo, hi)),
-                tuple(x - o for x, o in zip(lo, s0)), b.param,
-                tuple(off + x - w for off, x, (w, _) in zip(b.offset, lo, b.wire_box)),
-                nbytes,
+                self.meta.name, row[SlabTable.SRC], row[SlabTable.DST], box,
+                tuple(a for a, _ in piece.local_region(box)), b.param,
+                tuple(a for a, _ in b.region_of(box)), nbytes,
             )
 
 
@@ -229,10 +284,10 @@ class Plan:
             out[s] += 1
         return out
 
-    def m2n_share(self) -> float:
-        """Fraction of moved bytes in wire tensors ``nccl.m2n`` can carry."""
+    def carried_share(self, transport: str) -> float:
+        """Fraction of moved bytes in wire tensors ``transport`` can carry."""
         total = self.nbytes_moved
-        ok = sum(w.nbytes_moved for w in self.wires if w.m2n.ok)
+        ok = sum(w.nbytes_moved for w in self.wires if w.verdict(transport).ok)
         return ok / total if total else 1.0
 
     def estimated_seconds(self, link_gbps: float) -> float:
@@ -255,7 +310,7 @@ class Plan:
         }, sort_keys=True).encode())
         for w in self.wires:
             h.update(json.dumps([w.name, w.skipped, [
-                [b.worker, b.param, b.wire_box, b.offset] for b in w.bindings
+                [b.worker, b.param, b.box, b.offset] for b in w.bindings
             ]]).encode())
             h.update(np.ascontiguousarray(w.table, dtype="<i8").tobytes())
         return h.hexdigest()
@@ -271,9 +326,11 @@ class Plan:
                 "skipped": w.skipped or None,
                 "bytes_moved": w.nbytes_moved,
                 "bytes_min": w.nbytes_min,
-                "nccl_m2n": {"ok": w.m2n.ok, "reason": w.m2n.reason or None},
+                "transports": {t: {"ok": v.ok, "reason": v.reason or None}
+                               for t, v in sorted(w.verdicts.items())},
+                "pieces": [pc.to_json() for pc in w.pieces],
                 "bindings": [
-                    {"worker": b.worker, "param": b.param, "wire_box": [list(x) for x in b.wire_box],
+                    {"worker": b.worker, "param": b.param, "box": [list(x) for x in b.box],
                      "offset": list(b.offset)} for b in w.bindings
                 ],
             }
@@ -305,23 +362,22 @@ class Plan:
 
 
 class _Grid:
-    """Numpy view of ``SourcePieces``: interval bounds per dim and holder ranks."""
+    """Numpy view of a ``PieceGrid``: cell bounds per dim, holder pieces per cell."""
 
-    def __init__(self, layout: SourceLayout, shape: tuple[int, ...]):
-        pieces = source_pieces(layout, shape)
-        self.starts = [np.array([a for a, _ in ivs], dtype=np.int64) for ivs in pieces.intervals]
-        self.stops = [np.array([b for _, b in ivs], dtype=np.int64) for ivs in pieces.intervals]
-        reps = {len(r) for r in pieces.holders.values()}
-        self.rep = max(reps) if reps else 0
-        grid_shape = tuple(len(ivs) for ivs in pieces.intervals)
-        self.holders = np.full(grid_shape + (max(self.rep, 1),), -1, dtype=np.int64)
-        for key, ranks in pieces.holders.items():
-            self.holders[key][: len(ranks)] = ranks
-        self.uniform = len(reps) <= 1
+    def __init__(self, pieces: tuple[Piece, ...], shape: tuple[int, ...]):
+        grid = piece_grid(pieces, shape)
+        self.starts = [np.array([a for a, _ in ivs], dtype=np.int64) for ivs in grid.intervals]
+        self.stops = [np.array([b for _, b in ivs], dtype=np.int64) for ivs in grid.intervals]
+        reps = [len(h) for h in grid.holders.values()]
+        self.rep = max(reps, default=0)
+        cells = tuple(len(ivs) for ivs in grid.intervals)
+        self.holders = np.full(cells + (max(self.rep, 1),), -1, dtype=np.int64)
+        for cell, held in grid.holders.items():
+            self.holders[cell][: len(held)] = held
 
 
 def _intersect(grid: _Grid, box: Box):
-    """Grid cells a box touches: ``(holders [n, rep], starts [n, nd], stops [n, nd])``."""
+    """Grid cells a box touches: ``(holder pieces [n, rep], starts [n, nd], stops [n, nd])``."""
     los, his, idx = [], [], []
     for d, (lo, hi) in enumerate(box):
         i0 = int(np.searchsorted(grid.stops[d], lo, side="right"))
@@ -358,60 +414,31 @@ def _regions_disjoint_and_fill(shape: tuple[int, ...], regions: list[Box]) -> st
     return ""
 
 
-def _m2n_verdict(wp: WirePlan, params: dict[tuple[int, str], DestinationParam],
-                 num_workers: int) -> M2NVerdict:
-    meta = wp.meta
-    cast = {params[(b.worker, b.param)].dtype for b in wp.bindings} - {meta.dtype}
-    if cast:
-        return M2NVerdict(False, f"wire dtype {str(meta.dtype).removeprefix('torch.')} is cast to "
-                                 f"vLLM's {str(cast.pop()).removeprefix('torch.')} on arrival "
-                                 "(nccl.m2n moves bytes as they are)")
-    if meta.dtype not in M2N_DTYPES:
-        return M2NVerdict(False, f"dtype {meta.dtype} is not an nccl.m2n dtype")
-    if not 1 <= len(meta.shape) <= 3:
-        return M2NVerdict(False, f"{len(meta.shape)}-D tensor (nccl.m2n moves 1-D to 3-D)")
-    src_boxes = [(r, b) for r, b in rank_boxes(wp.layout, meta.shape)]
-    if wp.layout.mesh_shape is not None and len(wp.layout.mesh_shape) > 2:
-        return M2NVerdict(False, f"source mesh {wp.layout.mesh_shape} has more than 2 axes")
-    shard_axes = [p for p in (wp.layout.placements or ())
-                  if type(p).__name__ == "Shard"]
-    if len(shard_axes) > 1:
-        return M2NVerdict(False, "source shards on more than one mesh axis")
-    src = m2n_encoding(src_boxes, meta.shape)
-    if isinstance(src, str):
-        return M2NVerdict(False, f"source: {src}")
-    per_worker: dict[int, list[Binding]] = {}
-    for b in wp.bindings:
-        per_worker.setdefault(b.worker, []).append(b)
-    for w, bs in per_worker.items():
-        if len(bs) > 1:
-            return M2NVerdict(False, f"worker {w} takes {len(bs)} separate pieces of it "
-                                     f"(fused halves into {bs[0].param})")
-        b = bs[0]
-        p = params[(w, b.param)]
-        region = tuple((o, o + (hi - lo)) for o, (lo, hi) in zip(b.offset, b.wire_box))
-        if not region_is_contiguous(p.shape, region):
-            return M2NVerdict(False, f"its region in worker {w}'s {b.param} is not contiguous")
-    dst = m2n_encoding([(w, bs[0].wire_box) for w, bs in per_worker.items()], meta.shape)
-    if isinstance(dst, str):
-        return M2NVerdict(False, f"destination: {dst}")
-    if len(wp.table):
-        # Per shard, not per rank: replicas of one source box are one source
-        # shard, so the verdict follows the layouts, not the replica choice.
-        piece_of, boxes = {}, {}
-        for r, box in src_boxes:
-            piece_of[r] = boxes.setdefault(box, len(boxes))
-        pieces = np.array([piece_of[r] for r in wp.table[:, 0].tolist()], dtype=np.int64)
-        pairs = np.unique(np.stack([pieces, wp.table[:, 1]], axis=1), axis=0)
-        fan_in = np.bincount(pairs[:, 1]).max()
-        fan_out = np.bincount(pairs[:, 0]).max()
-        if fan_in > M2N_MAX_FAN_IN:
-            return M2NVerdict(False, f"{fan_in} source shards feed one destination shard "
-                                     f"(nccl.m2n allows {M2N_MAX_FAN_IN})")
-        if fan_out > M2N_MAX_FAN_OUT:
-            return M2NVerdict(False, f"one source shard feeds {fan_out} destination shards "
-                                     f"(nccl.m2n allows {M2N_MAX_FAN_OUT})")
-    return M2NVerdict(True, "", src, dst)
+def _transport_rules(names: Sequence[str]) -> dict[str, Callable]:
+    out = {}
+    for name in names:
+        try:
+            module, func = TRANSPORT_RULES[name].split(":")
+        except KeyError:
+            raise ValueError(f"transport '{name}' has no rules; known: "
+                             f"{sorted(TRANSPORT_RULES)}") from None
+        out[name] = getattr(importlib.import_module(module), func)
+    return out
+
+
+def _choose_sources(holders: np.ndarray, vol: np.ndarray, piece_rank: np.ndarray,
+                    load: np.ndarray) -> np.ndarray:
+    """One holder piece per slab; among replicas, the rank that has sent least so far."""
+    if holders.shape[1] == 1:
+        return holders[:, 0]
+    sent = load.tolist()
+    rank_of = piece_rank.tolist()
+    out = []
+    for cand, v in zip(holders.tolist(), vol.tolist()):
+        best = min((k for k in cand if k >= 0), key=lambda k: (sent[rank_of[k]], rank_of[k], k))
+        out.append(best)
+        sent[rank_of[best]] += v
+    return np.array(out, dtype=np.int64)
 
 
 def build_plan(
@@ -420,25 +447,37 @@ def build_plan(
     destination: DestinationLayout,
     *,
     manifest_digest: str = "",
+    transports: Sequence[str] = tuple(TRANSPORT_RULES),
 ) -> Plan:
     """Plan the transfer of ``metas`` (manifest order) into ``destination``.
 
+    Every source piece is intersected with every destination binding; each
+    non-empty intersection is a slab. Where several pieces hold the same
+    element (replicas), the slab goes to the holder whose rank has sent the
+    fewest bytes so far (greedy, deterministic).
+
     Args:
-        metas: wire tensors in send order; layouts with ``owners=None`` mean
-            every one of ``num_trainer_ranks`` ranks.
+        metas: wire tensors in send order; placement layouts with
+            ``owners=None`` mean every one of ``num_trainer_ranks`` ranks.
         num_trainer_ranks: trainer ranks ``0..T-1``.
-        destination: what every worker holds (``m2nkit.adapters.vllm``).
+        destination: what every worker holds (built by an adapter, e.g.
+            ``m2nkit.adapters.vllm.destination_layout``).
         manifest_digest: recorded in the plan digest (``manifest_digest`` of
             ``m2nkit.manifest.serialize``).
+        transports: whose rules judge each wire tensor (``TRANSPORT_RULES``);
+            the verdicts are in ``WirePlan.verdicts``.
 
     Returns:
         A ``Plan``; ``plan.problems`` lists everything that blocks the
-        transfer (a tensor nobody takes, a parameter nothing fills,
-        overlapping writes). Deterministic: same inputs, same digest.
+        transfer (a tensor nobody takes, an element no trainer rank holds, a
+        parameter nothing fills, overlapping writes). Deterministic: same
+        inputs, same digest.
 
     Raises:
-        ValueError: an owner outside ``0..T-1`` (names the tensor).
+        ValueError: an owner outside ``0..T-1``, a repeated wire name
+            (names the tensor); an unknown transport.
     """
+    rules = _transport_rules(transports)
     problems: list[Problem] = []
     params = destination.param_index()
     wires: list[WirePlan] = []
@@ -450,80 +489,69 @@ def build_plan(
         if meta.name in seen:
             raise ValueError(f"wire tensor '{meta.name}' appears twice in the manifest")
         seen.add(meta.name)
-        layout = meta.layout.resolve(num_trainer_ranks)
+        pieces = meta.source_pieces(num_trainer_ranks)
         nd = len(meta.shape)
         skipped = destination.skipped.get(meta.name, "")
         bindings = tuple(destination.bindings.get(meta.name, ()))
-        empty = np.zeros((0, 3 + 2 * nd), dtype=np.int64)
+        empty = np.zeros((0, SlabTable.width(nd)), dtype=np.int64)
         if skipped:
-            wires.append(WirePlan(meta, layout, (), empty, skipped, M2NVerdict(False, "skipped")))
+            wires.append(WirePlan(meta, pieces, (), empty, skipped,
+                                  num_trainer_ranks=num_trainer_ranks))
             continue
         if not bindings:
-            reason = getattr(destination, "unknown", {}).get(
-                meta.name, "no vLLM parameter takes this tensor")
+            reason = destination.unknown.get(meta.name, "no vLLM parameter takes this tensor")
             problems.append(Problem(meta.name, reason))
-            wires.append(WirePlan(meta, layout, (), empty, "", M2NVerdict(False, "no destination")))
+            wires.append(WirePlan(meta, pieces, (), empty, num_trainer_ranks=num_trainer_ranks))
             continue
         for b in bindings:
-            p = params.get((b.worker, b.param))
-            if p is None:  # a destination adapter bug, not user input
+            if (b.worker, b.param) not in params:  # a destination adapter bug, not user input
                 raise RuntimeError(f"binding of '{meta.name}' names unknown parameter "
                                    f"'{b.param}' on worker {b.worker}")
-        grid = _Grid(layout, meta.shape)
-        if not grid.uniform:
-            raise AssertionError(f"non-uniform replica count for '{meta.name}'")
+        grid = _Grid(pieces, meta.shape)
+        piece_rank = np.array([p.rank for p in pieces], dtype=np.int64)
         chunks = []
         for bi, b in enumerate(bindings):
-            if nd == 0:
-                holders = grid.holders.reshape(1, -1)
-                starts = stops = np.zeros((1, 0), dtype=np.int64)
-            else:
-                hit = _intersect(grid, b.wire_box)
-                if hit is None:
-                    continue
-                holders, starts, stops = hit
+            hit = _intersect(grid, b.box) if nd else (
+                grid.holders.reshape(1, -1), np.zeros((1, 0), np.int64), np.zeros((1, 0), np.int64))
+            if hit is None:
+                if box_volume(b.box):
+                    problems.append(Problem(meta.name, f"box {b.box} is held by no trainer rank"))
+                continue
+            holders, starts, stops = hit
             keep = holders[:, 0] >= 0
             if not keep.all():
-                problems.append(Problem(meta.name, f"part of box {b.wire_box} is held by no trainer rank"))
+                problems.append(Problem(meta.name, f"part of box {b.box} is held by no "
+                                                   "trainer rank"))
                 holders, starts, stops = holders[keep], starts[keep], stops[keep]
             n = len(holders)
             vol = ((stops - starts).prod(axis=1) if nd else np.ones(n, dtype=np.int64)) \
                 * meta.dtype.itemsize
-            if grid.rep <= 1:
-                src = holders[:, 0]
-            else:
-                # Greedy: each slab goes to the replica that has sent least so far.
-                load = send.tolist()
-                src_list = []
-                for cand, v in zip(holders.tolist(), vol.tolist()):
-                    best = min(cand, key=lambda r: (load[r], r))
-                    src_list.append(best)
-                    load[best] += v
-                src = np.array(src_list, dtype=np.int64)
+            piece = _choose_sources(holders, vol, piece_rank, send)
+            src = piece_rank[piece] if n else np.zeros(0, dtype=np.int64)
             np.add.at(send, src, vol)
             recv[b.worker] += int(vol.sum())
             np.add.at(link[:, b.worker], src, vol)
-            rows = np.empty((n, 3 + 2 * nd), dtype=np.int64)
-            rows[:, 0] = src
-            rows[:, 1] = b.worker
-            rows[:, 2] = bi
-            rows[:, 3:3 + nd] = starts
-            rows[:, 3 + nd:] = stops
+            rows = np.empty((n, SlabTable.width(nd)), dtype=np.int64)
+            rows[:, SlabTable.SRC] = src
+            rows[:, SlabTable.DST] = b.worker
+            rows[:, SlabTable.BINDING] = bi
+            rows[:, SlabTable.PIECE] = piece
+            rows[:, SlabTable.LO:SlabTable.LO + nd] = starts
+            rows[:, SlabTable.LO + nd:] = stops
             chunks.append(rows)
         table = np.concatenate(chunks) if chunks else empty
-        wp = WirePlan(meta, layout, bindings, table, "")
-        if wp.nbytes_moved != wp.nbytes_min:
+        wp = WirePlan(meta, pieces, bindings, table, num_trainer_ranks=num_trainer_ranks)
+        if wp.nbytes_moved != wp.nbytes_min and not any(p.subject == meta.name for p in problems):
             problems.append(Problem(meta.name, f"slabs carry {wp.nbytes_moved} bytes but the "
                                                f"workers hold {wp.nbytes_min}"))
-        wp.m2n = _m2n_verdict(wp, params, destination.num_workers)
+        wp.verdicts = {name: rule(wp, params) for name, rule in rules.items()}
         wires.append(wp)
 
     # Coverage of every worker parameter: bindings + zero regions, once each.
     regions: dict[tuple[int, str], list[Box]] = {k: list(p.zero_boxes) for k, p in params.items()}
     for wp in wires:
         for b in wp.bindings:
-            regions[(b.worker, b.param)].append(
-                tuple((o, o + hi - lo) for o, (lo, hi) in zip(b.offset, b.wire_box)))
+            regions[(b.worker, b.param)].append(b.region)
     for (worker, name), regs in regions.items():
         why = _regions_disjoint_and_fill(params[(worker, name)].shape, regs)
         if why:
@@ -550,24 +578,24 @@ def count_coverage(plan: Plan) -> dict[tuple[int, str], torch.Tensor]:
             counts[(p.worker, p.name)][tuple(slice(a, b) for a, b in z)] += 1
     for wp in plan.wires:
         for s in wp.slabs():
-            region = tuple(slice(o, o + hi - lo) for o, (lo, hi) in zip(s.dst_start, s.box))
-            counts[(s.dst, s.param)][region] += 1
+            counts[(s.dst, s.param)][s.dst_region] += 1
     return counts
 
 
-def next_local(it, wp: WirePlan, rank: int, box: Box | None = None, *,
+def next_local(it, wp: WirePlan, rank: int, *,
                error: type[Exception] = ValueError) -> torch.Tensor:
-    """Take wire tensor ``wp``'s local piece from a rank's ``iter_local()`` stream.
+    """Take wire tensor ``wp``'s local tensor from a rank's ``iter_local()`` stream.
 
     Every executor and transport pulls a trainer rank's stream through this
     one check (``WeightSource.iter_local`` contract: owned tensors, manifest
-    order, each of its box's shape and the manifest dtype). ``box`` is the
-    rank's box of ``wp``; ``None`` skips the shape check.
+    order, the manifest dtype, and a shape that holds every piece of the
+    rank: exactly its box under placements, at least the pieces' extent
+    under explicit pieces).
 
     Raises:
         ``error`` (``ValueError`` by default; transports pass
         ``TransferError``): the stream ended early, yielded another name,
-        or a piece of the wrong shape or dtype (names rank and tensor).
+        or a local tensor of the wrong shape or dtype (names rank and tensor).
     """
     try:
         name, local = next(it)
@@ -576,11 +604,13 @@ def next_local(it, wp: WirePlan, rank: int, box: Box | None = None, *,
     if name != wp.name:
         raise error(f"trainer rank {rank}: source yielded '{name}' where the manifest "
                     f"order expects '{wp.name}'")
-    if box is not None:
-        want = tuple(b - a for a, b in box)
-        if tuple(local.shape) != want:
-            raise error(f"trainer rank {rank}: local '{name}' has shape {tuple(local.shape)}; "
-                        f"its box needs {want}")
+    want = wp.meta.local_shape(rank)
+    got = tuple(local.shape)
+    if want is not None and (got != want if wp.meta.exact_local_shape else (
+            len(got) != len(want) or any(g < w for g, w in zip(got, want)))):
+        need = "needs" if wp.meta.exact_local_shape else "needs at least"
+        raise error(f"trainer rank {rank}: local '{name}' has shape {got}; its box {need} "
+                    f"{want}")
     if local.dtype != wp.meta.dtype:
         raise error(f"trainer rank {rank}: local '{name}' is {local.dtype}; the manifest "
                     f"says {wp.meta.dtype}")

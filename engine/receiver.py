@@ -15,13 +15,19 @@ all-or-nothing guarantee, which is what lets an RL loop retry a step.
 
 Before any byte moves the receiver checks the init payload against itself
 (the inference spec, the manifest digest, the plan it rebuilds from its own
-model config, the plan digest) and then ``agree_on_plan`` with every rank;
+destination layout, the plan digest) and then ``agree_on_plan`` with every rank;
 any difference is an error on every rank, never a hang or shifted weights
 (DESIGN.md, "Control plane"; REFERENCE.md §2: workers reject a payload whose
 recomputed digest differs). A refusal is told to the trainers through the
 same agreement. After its receives every rank takes part in ``finish_round``,
 one verdict for the round: a worker whose own bytes all arrived still does
 not commit when another rank failed.
+
+The receiver knows no model family: its caller passes the destination
+layout as a ``DestinationBuilder`` (``m2nkit.adapters.vllm.vllm_destination``).
+Timing: ``timeout_s`` of the payload bounds the init and each round, not
+each wait (one deadline each, ``m2nkit.engine.deadline``); a failed round
+raises within ``timeout_s + REPORT_GRACE_S`` of ``update_weights``.
 
 Contract: vLLM ``vllm/distributed/weight_transfer/base.py``
 (``WeightTransferEngine``), as restated in ``m2nkit.manifest.protocol``;
@@ -32,16 +38,21 @@ the calls arrive through vLLM's routes
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
-from m2nkit.adapters.vllm import InferenceSpec, parse_inference_spec
+from m2nkit.engine.deadline import Deadline
 from m2nkit.engine.plan import Plan
-from m2nkit.engine.session import InitPayload, open_transport, plan_from_manifest
+from m2nkit.engine.session import (
+    DestinationBuilder,
+    InitPayload,
+    check_destination,
+    open_transport,
+    plan_from_manifest,
+)
 from m2nkit.engine.transports.torch_p2p import (
     BucketSchedule,
     PlanMismatchError,
@@ -171,10 +182,10 @@ class M2NReceiver(WeightTransferEngine):
     """One vLLM worker's receiver for ``torch_p2p`` sessions.
 
     Args:
-        model_config: the HF config (transformers ``PretrainedConfig`` or
-            ``config.json`` dict) the worker serves.
-        inference: this worker's side, ``InferenceSpec`` or
-            ``"vllm:tp=T[,dp=D][,ep]"``.
+        destination: the inference side's layout rules, a
+            ``DestinationBuilder`` built by an adapter (e.g.
+            ``m2nkit.adapters.vllm.vllm_destination(hf_config, "vllm:tp=2")``);
+            its ``spec`` must equal the payload's ``inference``.
         worker: this worker's index ``dp_index * tp + tp_rank``; it joins the
             group as rank ``rank_offset + worker``.
         target: the live storage, an ``nn.Module`` whose parameters carry
@@ -190,22 +201,23 @@ class M2NReceiver(WeightTransferEngine):
     time (``InProcessClient`` and the server's worker loop ensure it).
 
     Raises:
-        ValueError: a bad spec, or ``worker`` outside ``0..dp*tp-1``.
+        ValueError: ``destination`` is not a ``DestinationBuilder``, or
+            ``worker`` is outside ``0..num_workers-1``.
     """
 
     init_info_cls: ClassVar[type] = InitPayload
     update_info_cls: ClassVar[type] = M2NUpdateInfo
 
-    def __init__(self, model_config: Any, inference: InferenceSpec | str, worker: int,
+    def __init__(self, destination: DestinationBuilder, worker: int,
                  target: torch.nn.Module | None = None, *,
                  device: torch.device | str = "cpu") -> None:
-        super().__init__(target, model_config=model_config, device=device)
-        self.spec = parse_inference_spec(inference)
-        if isinstance(worker, bool) or not isinstance(worker, int) \
-                or not 0 <= worker < self.spec.num_workers:
-            raise ValueError(f"worker {worker!r} is not in 0..{self.spec.num_workers - 1} "
-                             f"for {self.spec}")
+        super().__init__(target, model_config=None, device=device)
+        self.destination = check_destination(destination, "M2NReceiver destination")
+        n = destination.num_workers
+        if isinstance(worker, bool) or not isinstance(worker, int) or not 0 <= worker < n:
+            raise ValueError(f"worker {worker!r} is not in 0..{n - 1} for {destination.spec}")
         self.worker = worker
+        self._rounds_seen: set[int] = set()
         self._version: str | None = None
         self._payload: InitPayload | None = None
         self._plan: Plan | None = None
@@ -265,20 +277,16 @@ class M2NReceiver(WeightTransferEngine):
 
     def _session_plan(self, payload: InitPayload) -> Plan:
         """Every check that needs no peer; returns the plan this worker rebuilt."""
-        me = self._name()
-        try:
-            theirs = parse_inference_spec(payload.inference)
-        except ValueError as e:
-            raise ValueError(f"{me}: init payload field 'inference': {e}") from None
-        if theirs != self.spec:
-            raise ValueError(f"{me}: init payload field 'inference' is '{theirs}' but this worker "
-                             f"serves '{self.spec}'")
-        if payload.num_workers != self.spec.num_workers:
+        me, spec = self._name(), self.destination.spec
+        if payload.inference != spec:
+            raise ValueError(f"{me}: init payload field 'inference' is '{payload.inference}' but "
+                             f"this worker serves '{spec}'")
+        if payload.num_workers != self.destination.num_workers:
             raise ValueError(f"{me}: init payload world_size {payload.world_size} - rank_offset "
                              f"{payload.rank_offset} = {payload.num_workers} workers, but "
-                             f"{self.spec} has {self.spec.num_workers}")
+                             f"{spec} has {self.destination.num_workers}")
         try:
-            plan, digest = plan_from_manifest(payload.manifest, self.model_config, self.spec)
+            plan, digest = plan_from_manifest(payload.manifest, self.destination)
         except ValueError as e:
             raise ValueError(f"{me}: init payload field 'manifest': {e}") from None
         if digest != payload.manifest_digest:
@@ -294,7 +302,7 @@ class M2NReceiver(WeightTransferEngine):
         if plan.digest() != payload.plan_digest:
             raise PlanMismatchError(
                 f"{me}: init payload field 'plan_digest' is {payload.plan_digest[:16]}... but this "
-                f"worker's plan for the same manifest and {self.spec} is {plan.digest()[:16]}... "
+                f"worker's plan for the same manifest and {spec} is {plan.digest()[:16]}... "
                 "(a different model config, destination rules or m2nkit version); nothing was sent")
         return plan
 
@@ -305,8 +313,9 @@ class M2NReceiver(WeightTransferEngine):
         but is refused (spec, digests, plan, target) still joins its group
         and reports the refusal through ``agree_on_plan(plan=None, error=...)``,
         so every trainer rank fails at once with this worker's message
-        instead of waiting out the rendezvous; that join is bounded by the
-        payload's ``timeout_s``. Either way nothing moves and nothing
+        instead of waiting out the rendezvous. One deadline of the payload's
+        ``timeout_s``, set on entry, bounds the rendezvous and the
+        agreement either way. Nothing moves and nothing
         changes here (an earlier session, the live storage and the version
         stay). An accepted payload first shuts down any earlier group;
         storage is allocated when no target was given.
@@ -319,11 +328,12 @@ class M2NReceiver(WeightTransferEngine):
             PlanMismatchError: the payload's plan digest differs from the
                 plan this worker rebuilt, or ``agree_on_plan`` found ranks
                 that disagree or refuse. Nothing was sent.
-            TransferError: the rendezvous or agreement timed out
-                (``timeout_s`` of the payload).
+            TransferError: the rendezvous or agreement did not finish by the
+                deadline (``timeout_s`` of the payload).
         """
         payload = (init_info if isinstance(init_info, InitPayload)
                    else self.parse_init_info(init_info))
+        deadline = Deadline(payload.timeout_s)
         rank = payload.rank_offset + self.worker
         try:
             plan = self._session_plan(payload)
@@ -331,7 +341,7 @@ class M2NReceiver(WeightTransferEngine):
                 _check_target(self.model, plan, self.worker)
         except (ValueError, PlanMismatchError) as refusal:
             if rank < payload.world_size:
-                self._report_refusal(payload, rank, str(refusal))
+                self._report_refusal(payload, rank, str(refusal), deadline)
             raise
         if self.model is None:
             self.model = build_vllm_storage(plan.destination, self.worker, self.device)
@@ -339,10 +349,10 @@ class M2NReceiver(WeightTransferEngine):
         schedule = BucketSchedule.build(plan, payload.bucket_bytes)
         self.shutdown()
         store, group = create_group(payload.master_address, payload.master_port, rank,
-                                    payload.world_size, timeout_s=payload.timeout_s,
+                                    payload.world_size, timeout_s=max(deadline.left(), 1.0),
                                     backend=payload.backend)
         try:
-            agree_on_plan(group, rank, payload.world_size, plan, timeout_s=payload.timeout_s)
+            agree_on_plan(group, rank, payload.world_size, plan, deadline=deadline)
             # nccl_m2n: the communicator over the same ranks (collective).
             self._transport = open_transport(payload.transport, store, group, rank,
                                              payload.world_size, device=self.device,
@@ -354,18 +364,20 @@ class M2NReceiver(WeightTransferEngine):
         self._store, self._group = store, group
         self._payload, self._plan, self._schedule = payload, plan, schedule
         self._expected = frozenset(
-            w.name for w in plan.wires if len(w.table) and (w.table[:, 1] == self.worker).any())
+            w.name for w in plan.wires if w.sends_to(self.worker))
         self._broken = None
+        self._rounds_seen = set()
 
-    def _report_refusal(self, payload: InitPayload, rank: int, message: str) -> None:
+    def _report_refusal(self, payload: InitPayload, rank: int, message: str,
+                        deadline: Deadline) -> None:
         """Join the payload's group only to tell every rank why this worker refuses."""
         group = None
         try:
             _, group = create_group(payload.master_address, payload.master_port, rank,
-                                    payload.world_size, timeout_s=payload.timeout_s,
+                                    payload.world_size, timeout_s=max(deadline.left(), 1.0),
                                     backend=payload.backend)
             agree_on_plan(group, rank, payload.world_size, None, error=message,
-                          timeout_s=payload.timeout_s)
+                          deadline=deadline)
         except (TransferError, ValueError):
             pass                  # raised with our own message, or nobody came: refuse anyway
         finally:
@@ -375,11 +387,11 @@ class M2NReceiver(WeightTransferEngine):
     # -- rounds -----------------------------------------------------------
 
     def _require_session(self, what: str) -> None:
-        if self._group is None:
-            raise ValueError(f"{self._name()}: {what} before init_transfer_engine")
         if self._broken:
             raise TransferError(f"{self._name()}: {what} on a broken group ({self._broken}); "
                                 "call init_transfer_engine again with a fresh group")
+        if self._group is None:
+            raise ValueError(f"{self._name()}: {what} before init_transfer_engine")
 
     def start_weight_update(self) -> None:
         """Begin a round: allocate the staging copy of the live storage.
@@ -404,15 +416,21 @@ class M2NReceiver(WeightTransferEngine):
         ``finish_round``, the end-of-round verdict the trainer engine also
         calls: this worker learns whether any other rank failed (then it
         must not commit either, or TP ranks would serve mixed versions), and
-        the trainers learn this worker's error at once. Every wait is bounded
-        by the payload's ``timeout_s``; a failed round reports within about
-        twice that (receive timeout, then the verdict's).
+        the trainers learn this worker's error at once. A worker whose own
+        receive failed closes its group connections first, so trainers
+        blocked on it fail at once too.
+
+        Timing: one deadline, the payload's ``timeout_s`` after this call,
+        bounds every receive and the verdict; a failed round raises within
+        ``timeout_s + REPORT_GRACE_S`` (2 s) of the call.
 
         Raises:
-            ValueError: no round started, or this round was already received.
+            ValueError: no round started, this round was already received,
+                or its ``round`` number was already used in this session.
             TransferError: the receive failed or timed out, or another rank
-                failed; ``received`` and ``missing`` list wire tensor names.
-                The group is broken afterwards.
+                failed; the message names the root cause and its rank, and
+                ``received`` and ``missing`` list wire tensor names. The
+                group is broken afterwards.
         """
         if self._staging is None:
             raise ValueError(f"{self._name()}: update_weights before start_weight_update")
@@ -420,42 +438,67 @@ class M2NReceiver(WeightTransferEngine):
         if self._round is not None:
             raise ValueError(f"{self._name()}: round {self._round.round} was already received; "
                              "call finish_weight_update, then start_weight_update")
+        if update_info.round in self._rounds_seen:
+            raise ValueError(f"{self._name()}: update_info round {update_info.round} was already "
+                             "used in this session; each round needs a new number")
+        deadline = Deadline(self._payload.timeout_s)
         self._round = update_info
+        self._rounds_seen.add(update_info.round)
         payload, rank = self._payload, self._payload.rank_offset + self.worker
-        t0 = time.monotonic()
         mine: Exception | None = None
         try:
             if self._transport is not None:
-                done, _ = self._transport.recv_round(self._plan, self.worker, self._staging)
+                done, _ = self._transport.recv_round(self._plan, self.worker, self._staging,
+                                                     deadline=deadline)
             else:
                 done, _ = recv_round(self._group, self._plan, self._schedule, self.worker,
-                                     self._staging, timeout_s=payload.timeout_s, device=self.device)
+                                     self._staging, deadline=deadline, device=self.device)
             self._received = set(done)
         except Exception as e:
             mine = e
             self._received = set(getattr(e, "received", ()))
         try:
-            finish_round(self._group, rank, payload.world_size,
+            # A worker that failed closes its connections (pending receives
+            # included) once its report is in: trainers blocked on it fail at
+            # once. The verdict goes through the store, which stays up.
+            finish_round(self._store, rank, payload.world_size,
+                         num_trainer_ranks=payload.rank_offset, round_id=update_info.round,
                          error=None if mine is None else f"{self._name()}: {mine}",
-                         timeout_s=payload.timeout_s)
+                         deadline=deadline,
+                         on_reported=self._close_group if mine is not None else None)
             verdict = None
-        except Exception as e:  # a TransferError, or the aborted group's RuntimeError
+        except Exception as e:  # a TransferError naming the root cause
             verdict = e
         if mine is None and verdict is None:
             return
-        self._failed = str(mine or verdict)
+        self._failed = str(verdict or mine)
         self._broken = f"round {update_info.round} failed"
+        self._close_group()
         missing = sorted(self._expected - self._received)
         if mine is not None:
             what = f"{mine}; received {len(self._received)} of {len(self._expected)} wire " \
                    f"tensors, missing {_few(missing)}"
         else:
             what = f"this worker received all {len(self._expected)} wire tensors, but " \
-                   f"another rank failed: {verdict}"
+                   f"another rank failed"
+        if verdict is not None:
+            what += f". Verdict: {verdict}"
         err = TransferError(f"{self._name()}: round {update_info.round} failed after "
-                            f"{time.monotonic() - t0:.1f} s: {what}")
+                            f"{deadline.elapsed():.1f} s: {what}")
         err.received, err.missing = sorted(self._received), missing
-        raise err from (mine or verdict)
+        raise err from (verdict or mine)
+
+    def _close_group(self) -> None:
+        """Abort the group's connections (pending receives included); keep the store."""
+        group, self._group = self._group, None
+        transport, self._transport = self._transport, None
+        if transport is not None:
+            try:
+                transport.close()
+            except Exception:  # noqa: BLE001 - best effort while reporting a failure
+                pass
+        if group is not None:
+            _abort(group)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         """Commit the round: copy staging into the live storage, set the version.

@@ -94,11 +94,12 @@ def exit_with_parent() -> None:
     threading.Thread(target=watch, daemon=True, name="m2nkit-parent-watch").start()
 
 
-def _worker_main(conn, model_config: Any, inference: str, worker: int) -> None:
+def _worker_main(conn, destination: Any, worker: int) -> None:
     """One worker: build the receiver, then serve ``(seq, command, arg)`` until told to stop.
 
-    ``model_config`` arrives pickled from the server (the config it
-    validated), which spares each worker transformers' model registry.
+    ``destination`` (the ``DestinationBuilder``, holding the config the
+    server validated) arrives pickled, which spares each worker
+    transformers' model registry.
     """
     import torch
 
@@ -108,7 +109,7 @@ def _worker_main(conn, model_config: Any, inference: str, worker: int) -> None:
     exit_with_parent()
     torch.set_num_threads(1)
     try:
-        receiver = M2NReceiver(model_config, inference, worker)
+        receiver = M2NReceiver(destination, worker)
     except Exception as e:
         conn.send((0, False, (500, f"worker {worker} failed to start: {e}")))
         return
@@ -183,7 +184,7 @@ class InferenceServer:
 
     def __init__(self, model: str | os.PathLike, inference: str, host: str = "127.0.0.1",
                  port: int = 0, timeout_s: float = 600.0, start_timeout_s: float = 120.0) -> None:
-        from m2nkit.adapters.vllm import parse_inference_spec
+        from m2nkit.adapters.vllm import parse_inference_spec, vllm_destination
 
         self.model = str(model)
         self.spec = parse_inference_spec(inference)
@@ -192,6 +193,7 @@ class InferenceServer:
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s
         self.model_config = load_model_config(self.model)   # fail here, not in N processes
+        self.destination = vllm_destination(self.model_config, self.spec)
         self._procs: list[mp.Process] = []
         self._conns: list[Any] = []
         self._seq = 0
@@ -223,7 +225,7 @@ class InferenceServer:
             for w in range(self.num_workers):
                 parent, child = ctx.Pipe()
                 p = ctx.Process(target=_worker_main, name=f"m2nkit-worker-{w}", daemon=True,
-                                args=(child, self.model_config, self.inference, w))
+                                args=(child, self.destination, w))
                 p.start()
                 child.close()
                 self._procs.append(p)

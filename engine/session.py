@@ -5,18 +5,75 @@ Trainer rank 0 sends it through ``VLLMWeightSyncClient.init_weight_transfer_engi
 It carries the rendezvous (vLLM ``m2n_common.py``: trainer ranks ``[0, T)``,
 workers ``[T, T+N)``, ``rank_offset = T``), the manifest, and the digests
 each side must reproduce: a worker recomputes the manifest digest from the
-manifest it received and rebuilds the plan from its own model config and
-parallel layout; any difference is refused before a byte moves.
+manifest it received and rebuilds the plan from its own destination layout;
+any difference is refused before a byte moves.
+
+The runtime knows no model family and no inference engine: both sides get
+the destination layout from their caller as a :class:`DestinationBuilder`,
+which an adapter builds (``m2nkit.adapters.vllm.vllm_destination(config,
+spec)``). Nothing here imports ``m2nkit.adapters``.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, runtime_checkable
 
 from m2nkit.engine.plan import Plan, build_plan
 
-__all__ = ["INIT_SCHEMA_VERSION", "TRANSPORTS", "check_transport", "InitPayload", "plan_from_manifest"]
+if TYPE_CHECKING:
+    from m2nkit.manifest.destination import DestinationLayout
+    from m2nkit.manifest.meta import ParamMeta
+
+__all__ = ["INIT_SCHEMA_VERSION", "TRANSPORTS", "DestinationBuilder", "check_destination",
+           "check_transport", "InitPayload", "plan_from_manifest"]
+
+
+@runtime_checkable
+class DestinationBuilder(Protocol):
+    """The inference side's layout rules, as the runtime needs them (built by an adapter).
+
+    Structural: any object with these members works, so an adapter need not
+    import the engine. ``m2nkit.adapters.vllm.vllm_destination(config,
+    "vllm:tp=2")`` builds one for vLLM.
+
+    Attributes:
+        spec: the inference layout in canonical text (``"vllm:tp=2,dp=1"``).
+            It travels in the init payload, and a worker refuses a payload
+            whose ``inference`` is not exactly its own ``spec``.
+        num_workers: ``N``, the workers of that layout (``0..N-1``).
+
+    Calling it with the wire tensors (``ParamMeta`` in manifest order)
+    returns the ``DestinationLayout`` for them: what every worker holds and
+    where each wire tensor lands. It must be a pure function of the metas
+    (both sides of a session call it and compare the resulting plans), and
+    raise ``ValueError`` naming the tensor for wire tensors it cannot place.
+    """
+
+    spec: str
+    num_workers: int
+
+    def __call__(self, metas: Sequence[ParamMeta]) -> DestinationLayout: ...
+
+
+def check_destination(destination: Any, where: str) -> DestinationBuilder:
+    """Return ``destination`` if it is a :class:`DestinationBuilder`.
+
+    Raises:
+        ValueError: it is missing, not callable, or lacks a string ``spec``
+            or a positive int ``num_workers`` (names ``where``).
+    """
+    if destination is None:
+        raise ValueError(f"{where} is missing: pass the destination layout builder, e.g. "
+                         "m2nkit.adapters.vllm.vllm_destination(config, 'vllm:tp=2')")
+    spec = getattr(destination, "spec", None)
+    n = getattr(destination, "num_workers", None)
+    if not callable(destination) or not isinstance(spec, str) or isinstance(n, bool) \
+            or not isinstance(n, int) or n <= 0:
+        raise ValueError(f"{where} must be a DestinationBuilder (a callable (metas) -> "
+                         f"DestinationLayout with a str 'spec' and an int 'num_workers' > 0), "
+                         f"got {type(destination).__name__}")
+    return destination
 
 INIT_SCHEMA_VERSION = 1
 TRANSPORTS = ("torch_p2p", "nccl_m2n")
@@ -64,12 +121,15 @@ class InitPayload:
             as rank ``T + w``.
         world_size: ``T + N``.
         backend: ``"gloo"`` or ``"nccl"`` (the ``torch_p2p`` group).
-        inference: the inference layout the trainer planned for
-            (``"vllm:tp=2,dp=1"``); a worker refuses one that differs from its own.
+        inference: the inference layout the trainer planned for, its
+            ``DestinationBuilder.spec`` (``"vllm:tp=2,dp=1"``); a worker
+            refuses one that differs from its own.
         manifest: ``m2nkit.manifest.serialize.manifest_to_json`` output.
         manifest_digest: sha256 of the canonical manifest.
         plan_digest: ``Plan.digest()`` on the trainer.
-        timeout_s: seconds any single wait may take, on every rank.
+        timeout_s: the bound on the init and on each round, seconds, on
+            every rank: every wait of one counts down to one deadline set
+            when it starts (``m2nkit.engine.deadline``).
         bucket_bytes: ``BucketSchedule`` bucket size (bytes).
         transport: ``"torch_p2p"`` (any backend, any layout) or
             ``"nccl_m2n"`` (GPUs: one ``nccl.m2n.reshard`` per expressible
@@ -136,21 +196,22 @@ class InitPayload:
         return cls(**dict(data))
 
 
-def plan_from_manifest(manifest: Mapping[str, Any], model_config: Any, inference) -> tuple[Plan, str]:
-    """Rebuild the plan from a manifest JSON, a model config and an inference spec.
+def plan_from_manifest(manifest: Mapping[str, Any],
+                       destination: DestinationBuilder) -> tuple[Plan, str]:
+    """Rebuild the plan from a manifest JSON and the destination layout builder.
 
     Returns ``(plan, manifest digest)``; both sides of a session call this,
     so the plan is a pure function of what they agree on.
 
     Raises:
-        ValueError: a malformed manifest, an inference spec that does not
-            fit the model (from ``m2nkit.adapters.vllm``).
+        ValueError: a malformed manifest, a destination that is not a
+            ``DestinationBuilder``, or wire tensors the destination cannot
+            place (its own message).
     """
-    from m2nkit.adapters.vllm import destination_layout, parse_inference_spec
     from m2nkit.manifest.serialize import manifest_digest, manifest_from_json
 
+    check_destination(destination, "destination")
     metas, num_trainer_ranks = manifest_from_json(dict(manifest))
-    spec = parse_inference_spec(inference) if isinstance(inference, str) else inference
     digest = manifest_digest(metas, num_trainer_ranks)
-    dest = destination_layout(model_config, metas, spec)
+    dest = destination(metas)
     return build_plan(metas, num_trainer_ranks, dest, manifest_digest=digest), digest

@@ -13,7 +13,17 @@ A round (``send_weights``) on rank 0: ``start_weight_update()``, then
 once the workers have received everything, so it must overlap the send —
 while every rank runs the transport; then ``finish_weight_update(version)``,
 which commits the new version on the workers only if the round arrived whole.
-Every wait is bounded by ``timeout_s``.
+
+The engine knows no model family: the caller passes the destination layout
+as a ``DestinationBuilder`` (``m2nkit.adapters.vllm.vllm_destination``).
+
+Timing: ``timeout_s`` bounds a whole round, not each wait. ``send_weights``
+sets one ``Deadline`` when it starts; every wait of the round (each bucket's
+send, the control-plane calls, the end-of-round verdict) gets only the time
+left to it. A failed round therefore raises within ``timeout_s +
+REPORT_GRACE_S`` (2 s) of the ``send_weights`` call, on every trainer rank,
+with the root cause and the rank it came from. ``trainer_init`` keeps the
+same bound for the init (rendezvous, agreement, the init RPC).
 """
 
 from __future__ import annotations
@@ -26,7 +36,15 @@ from typing import Any, ClassVar
 from m2nkit.manifest.protocol import TrainerInitInfo, TrainerWeightTransferEngine, VLLMWeightSyncClient
 from m2nkit.manifest.serialize import manifest_to_json
 
-from .session import InitPayload, check_transport, open_transport, plan_from_manifest
+from .deadline import REPORT_GRACE_S, Deadline
+from .session import (
+    DestinationBuilder,
+    InitPayload,
+    check_destination,
+    check_transport,
+    open_transport,
+    plan_from_manifest,
+)
 from .transports.torch_p2p import (
     BucketSchedule,
     TransferError,
@@ -45,14 +63,17 @@ class M2NTrainerInitInfo(TrainerInitInfo):
 
     Attributes:
         num_trainer_ranks: T, the trainer ranks taking part (ranks ``0..T-1``).
-        inference: the workers' layout, ``"vllm:tp=T[,dp=D][,ep]"``.
-        model_config: the HF config of the model (transformers config or
-            ``config.json`` dict): the vLLM destination layout follows from it.
+        destination: the workers' layout rules, a ``DestinationBuilder``
+            built by an adapter, e.g.
+            ``m2nkit.adapters.vllm.vllm_destination(hf_config, "vllm:tp=2")``;
+            the same on every rank.
         master_address, master_port: where trainer rank 0 hosts the
             rendezvous store; the same on every rank.
         group_backend: ``torch.distributed`` backend of the group, ``"gloo"`` or ``"nccl"``.
-        timeout_s: bound on every wait (rendezvous, agreement, each send,
-            each control-plane call), seconds.
+        timeout_s: seconds, the bound on ``trainer_init`` and on each round
+            (``send_weights``), not on each wait: every wait of one counts
+            down to one deadline. A failed round raises within
+            ``timeout_s + REPORT_GRACE_S`` of its start.
         bucket_bytes: transport bucket size (bytes); peak extra trainer
             memory is about two buckets.
         transport: ``"torch_p2p"`` (default; any backend) or ``"nccl_m2n"``
@@ -63,8 +84,7 @@ class M2NTrainerInitInfo(TrainerInitInfo):
     backend: ClassVar[str] = "m2nkit"
 
     num_trainer_ranks: int = 1
-    inference: str = "vllm:tp=1"
-    model_config: Any = None
+    destination: DestinationBuilder | None = None
     master_address: str = "127.0.0.1"
     master_port: int = 29555
     group_backend: str = "gloo"
@@ -79,8 +99,7 @@ class M2NTrainerInitInfo(TrainerInitInfo):
         if self.num_trainer_ranks <= 0 or self.rank >= self.num_trainer_ranks:
             raise ValueError(f"trainer rank {self.rank} is outside 0..{self.num_trainer_ranks - 1} "
                              f"(num_trainer_ranks={self.num_trainer_ranks})")
-        if self.model_config is None:
-            raise ValueError("M2NTrainerInitInfo needs model_config (the HF config of the model)")
+        check_destination(self.destination, "M2NTrainerInitInfo.destination")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
 
@@ -125,10 +144,15 @@ def _call_in_thread(fn, *args):
     return t, box
 
 
-def _join(thread, box, timeout_s: float, what: str):
-    thread.join(timeout_s)
+def _join(thread, box, until: float, what: str):
+    """Join a ``_call_in_thread`` thread until ``until`` (``time.monotonic``); its result.
+
+    Raises:
+        TransferError: it is still running then, or it raised.
+    """
+    thread.join(max(0.0, until - time.monotonic()))
     if thread.is_alive():
-        raise TransferError(f"{what} did not return within {timeout_s:g} s")
+        raise TransferError(f"{what} did not return by the deadline")
     if "error" in box:
         raise TransferError(f"{what} failed: {box['error']}") from box["error"]
     return box.get("result")
@@ -166,24 +190,32 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
         """Plan, rendezvous with the workers, and agree on the plan.
 
         Rank 0 calls ``client.init_weight_transfer_engine`` with the init
-        payload while joining the group. Raises ``ValueError`` for a plan
-        with problems (on every rank, after the ranks agreed on it),
-        ``PlanMismatchError`` when ranks disagree (on every rank, naming the
-        first differing wire tensor), ``TransferError`` on timeouts.
+        payload while joining the group. One deadline of ``timeout_s``,
+        set on entry, bounds the rendezvous, the agreement and the init
+        RPC; it returns or raises within ``timeout_s + REPORT_GRACE_S``.
+
+        Raises:
+            ValueError: a plan with problems (on every rank, after the
+                ranks agreed on it).
+            PlanMismatchError: ranks disagree or a worker refused (on every
+                rank, naming the first differing wire tensor or the reason).
+            TransferError: the deadline passed (rendezvous, agreement or the
+                init RPC), naming what was waited for.
         """
         info = init_info
+        deadline = Deadline(info.timeout_s)
         if source is None:
             raise ValueError("trainer_init needs a source (an M2NWeightSource)")
         if info.is_sender and client is None:
             raise ValueError("trainer rank 0 needs a client to drive the inference side")
         metas = list(source.metadata)
         manifest = manifest_to_json(metas, info.num_trainer_ranks)
-        plan, digest = plan_from_manifest(manifest, info.model_config, info.inference)
+        plan, digest = plan_from_manifest(manifest, info.destination)
         payload = InitPayload(
             master_address=info.master_address, master_port=info.master_port,
             rank_offset=info.num_trainer_ranks,
             world_size=info.num_trainer_ranks + plan.num_workers,
-            backend=info.group_backend, inference=plan.destination.spec, manifest=manifest,
+            backend=info.group_backend, inference=info.destination.spec, manifest=manifest,
             manifest_digest=digest, plan_digest=plan.digest(), timeout_s=info.timeout_s,
             bucket_bytes=info.bucket_bytes, transport=info.transport,
         )
@@ -192,10 +224,11 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
             rpc = _call_in_thread(client.init_weight_transfer_engine, payload.to_json())
         store = group = None
         try:
+            # The store's own timeout also bounds later store calls: keep a floor.
             store, group = create_group(info.master_address, info.master_port, info.rank,
-                                        payload.world_size, timeout_s=info.timeout_s,
+                                        payload.world_size, timeout_s=max(deadline.left(), 1.0),
                                         backend=info.group_backend)
-            agree_on_plan(group, info.rank, payload.world_size, plan, timeout_s=info.timeout_s)
+            agree_on_plan(group, info.rank, payload.world_size, plan, deadline=deadline)
             transport = None
             if not plan.problems:
                 transport = open_transport(info.transport, store, group, info.rank,
@@ -212,7 +245,7 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
             raise
         try:
             if rpc is not None:
-                _join(*rpc, info.timeout_s, "init_weight_transfer_engine")
+                _join(*rpc, deadline.at + 0.9 * REPORT_GRACE_S, "init_weight_transfer_engine")
         except BaseException:
             _release(group)
             raise
@@ -231,14 +264,23 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
         ``weight_version`` (rank 0) labels the version the workers commit
         (converted with ``str``); default: the round number.
 
+        Timing: one deadline, ``timeout_s`` after the call, bounds every
+        wait of the round; a failed round raises within ``timeout_s +
+        REPORT_GRACE_S`` (2 s) of the call, on every rank whose own code
+        (the source) returns in time. A successful round also returns by
+        then, or raises.
+
         Raises:
             ValueError: called after ``shutdown()``.
             RuntimeError: another ``send_weights`` is running on this engine.
             TransferError: a peer died or stalled, the source broke the
-                manifest order, or the inference side refused to commit
-                (rank 0). The workers' version is then unchanged, this
-                engine has released its group and refuses further rounds:
-                build a fresh engine (``trainer_init``) for the next round.
+                manifest order or came after the deadline, or the inference
+                side refused to commit (rank 0). The message names the root
+                cause first (the ranks that sent no report, else the first
+                failure reported, with its rank). The workers' version is
+                then unchanged, this engine has released its group and
+                refuses further rounds: build a fresh engine
+                (``trainer_init``) for the next round.
         """
         if self._group is None:
             raise ValueError(f"trainer rank {self.init_info.rank}: send_weights after shutdown(); "
@@ -262,46 +304,62 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
             self._busy.release()
 
     def _send_round(self, weight_version) -> RoundStats:
+        deadline = Deadline(self.init_info.timeout_s)
+        # The verdict ends by deadline + 0.8 grace (torch_p2p.finish_round);
+        # the RPC joins get to 0.9 of it, the rest is slack for a loaded machine.
+        hard = deadline.at + 0.9 * REPORT_GRACE_S
         self._round += 1
         version = str(weight_version) if weight_version is not None else str(self._round)
-        t0 = time.perf_counter()
-        rpc = None
-        timeout = self.init_info.timeout_s
-        if self.is_sender:
-            try:
-                self.client.start_weight_update()
-            except Exception as e:  # e.g. the client's WeightSyncError
-                raise TransferError(f"start_weight_update failed: {e}") from e
-            rpc = _call_in_thread(self.client.update_weights,
-                                  {"round": self._round, "version": version})
         rank, world = self.init_info.rank, self.payload.world_size
+        rpc = None
         sent, error = 0, None
         try:
+            if self.is_sender:
+                try:
+                    _join(*_call_in_thread(self.client.start_weight_update), deadline.at,
+                          "start_weight_update")
+                except TransferError as e:
+                    raise TransferError(f"trainer rank 0: {e}") from e
+                rpc = _call_in_thread(self.client.update_weights,
+                                      {"round": self._round, "version": version})
             if self._transport is not None:
-                report = self._transport.send_round(self.plan, rank, self.source.iter_local())
+                report = self._transport.send_round(self.plan, rank, self.source.iter_local(),
+                                                    deadline=deadline)
                 sent = report.m2n_bytes + report.p2p_bytes
             else:
                 sent = send_round(self._group, self.plan, self.schedule, rank,
-                                  self.source.iter_local(), timeout_s=timeout,
+                                  self.source.iter_local(), deadline=deadline,
                                   device=self.init_info.device)
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             error = f"{type(e).__name__}: {e}"
         try:
             # Every rank (trainers and workers) ends the round with one verdict.
-            finish_round(self._group, rank, world, error=error, timeout_s=timeout)
+            # A rank that failed closes its connections once its report is in:
+            # peers blocked on it fail at once instead of at their deadline.
+            finish_round(self._store, rank, world, num_trainer_ranks=self.plan.num_trainer_ranks,
+                         round_id=self._round, error=error, deadline=deadline,
+                         on_reported=self._abort_group if error else None)
         except TransferError as e:
             if rpc is not None:
-                rpc[0].join(min(timeout, 5.0))
+                rpc[0].join(max(0.0, hard - time.monotonic()))
                 if "error" in rpc[1]:
                     raise TransferError(f"{e}; the inference side said: {rpc[1]['error']}") from e
             raise
         if rpc is not None:
-            _join(*rpc, timeout, "update_weights")
-            try:
-                self.client.finish_weight_update(version)
-            except Exception as e:  # e.g. the client's WeightSyncError
-                raise TransferError(f"finish_weight_update failed: {e}") from e
-        return RoundStats(self._round, version, sent, time.perf_counter() - t0)
+            _join(*rpc, hard, "update_weights")
+            commit = _call_in_thread(self.client.finish_weight_update, version)
+            commit[0].join(max(0.0, hard - time.monotonic()))
+            if commit[0].is_alive():
+                raise TransferError(f"trainer rank 0: finish_weight_update (the commit of "
+                                    f"{version!r}) did not return by the deadline; whether the "
+                                    "workers committed is unknown: check their weight_version")
+            _join(*commit, hard, "finish_weight_update")
+        return RoundStats(self._round, version, sent, deadline.elapsed())
+
+    def _abort_group(self) -> None:
+        """Close this rank's group connections (not the store); the engine is broken anyway."""
+        group, self._group = self._group, None
+        _release(group)
 
     def shutdown(self) -> None:
         """Drop the transport, the process group and the store (idempotent)."""

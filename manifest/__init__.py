@@ -1,24 +1,22 @@
-"""The manifest vocabulary: placements, layouts, parameter metadata, sources.
+"""The manifest vocabulary: placements, pieces, layouts, parameter metadata, sources.
 
-Knows no model family and moves no bytes (DESIGN.md, "Folders").
+Knows no model family and no transport, and moves no bytes (DESIGN.md, "Folders").
 """
 
 from .destination import Binding, DestinationLayout, DestinationParam
 from .groups import layerwise_groups, stack_key
-from .layout import (
+from .layout import SourceLayout, chunk_bounds, local_box, rank_boxes
+from .pieces import (
     Box,
-    M2NEncoding,
-    SourceLayout,
-    SourcePieces,
+    Piece,
+    PieceGrid,
+    PieceLayout,
     box_intersect,
+    box_shape,
+    box_slices,
     box_volume,
-    chunk_bounds,
     full_box,
-    local_box,
-    m2n_encoding,
-    rank_boxes,
-    region_is_contiguous,
-    source_pieces,
+    piece_grid,
 )
 from .meta import ParamMeta
 from .placement import Placement, Replicate, Shard

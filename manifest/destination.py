@@ -39,17 +39,27 @@ class DestinationParam:
 
 @dataclass(frozen=True)
 class Binding:
-    """``wire_box`` of wire tensor ``wire_name`` lands in ``param`` of ``worker``.
+    """``box`` of wire tensor ``name`` lands in ``param`` of ``worker``.
 
-    The element at ``wire_box`` start lands at ``offset`` (local coordinates
+    The element at ``box`` start lands at ``offset`` (local coordinates
     of the parameter, one int per dim; same tensor rank as the wire tensor).
     """
 
-    wire_name: str
+    name: str
     worker: int
-    wire_box: Box
+    box: Box
     param: str
     offset: tuple[int, ...]
+
+    @property
+    def region(self) -> Box:
+        """Where ``box`` lands: a box of ``param``'s local tensor (local coordinates)."""
+        return tuple((o, o + hi - lo) for o, (lo, hi) in zip(self.offset, self.box))
+
+    def region_of(self, box: Box) -> Box:
+        """Where a sub-box ``box`` of :attr:`box` lands in ``param`` (local coordinates)."""
+        return tuple((o + lo - w, o + hi - w)
+                     for o, (lo, hi), (w, _) in zip(self.offset, box, self.box))
 
 
 @dataclass(frozen=True)

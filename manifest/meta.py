@@ -11,7 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
+from typing import Sequence
+
 from .layout import SourceLayout
+from .pieces import Piece, PieceLayout
 from .placement import Placement
 
 __all__ = ["ParamMeta"]
@@ -21,12 +24,21 @@ __all__ = ["ParamMeta"]
 class ParamMeta:
     """Name, dtype, global shape and source layout of one wire tensor.
 
-    ``owners=None`` means every trainer rank holds the whole tensor;
-    ``mesh_shape`` defaults to ``(len(owners),)``; one placement per mesh
-    axis; all-``Replicate`` placements normalise to ``None``.
+    The layout is given one of two ways:
+
+    * placements (the seed's way, and the common one): ``owners=None`` means
+      every trainer rank holds the whole tensor; ``mesh_shape`` defaults to
+      ``(len(owners),)``; one placement per mesh axis; all-``Replicate``
+      placements normalise to ``None``. They compile to one piece per owner
+      (``SourceLayout.pieces``).
+    * explicit ``pieces`` (``m2nkit.manifest.Piece``): any set of (rank, box,
+      local start), several per rank, replicas, padding rows in no piece.
+      ``owners`` is then derived (the ranks holding a piece) and
+      ``mesh_shape``/``placements`` stay ``None``.
 
     Raises:
-        ValueError: empty name, negative dims, mesh/placements without
+        ValueError: empty name, negative dims, ``pieces`` together with
+            owners/mesh/placements, a piece outside the shape, mesh/placements without
             owners, repeated or negative owners, a mesh that does not cover
             its owners, a placement count that is not the mesh rank, a
             ``Shard.dim`` outside the tensor.
@@ -41,6 +53,7 @@ class ParamMeta:
     owners: tuple[int, ...] | None = None
     mesh_shape: tuple[int, ...] | None = None
     placements: tuple[Placement, ...] | None = None
+    pieces: tuple[Piece, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -53,6 +66,17 @@ class ParamMeta:
                 raise ValueError(
                     f"parameter '{self.name}': shape {shape} must hold non-negative ints"
                 )
+        object.__setattr__(self, "shape", shape)
+        if self.pieces is not None:
+            if not (self.owners is None and self.mesh_shape is None and self.placements is None):
+                raise ValueError(
+                    f"parameter '{self.name}': give either pieces or owners/mesh_shape/"
+                    "placements, not both")
+            layout = PieceLayout(tuple(self.pieces), where=f"parameter '{self.name}'")
+            layout.check_tensor_rank(shape, self.name)
+            object.__setattr__(self, "pieces", layout.pieces)
+            object.__setattr__(self, "owners", layout.owners)
+            return
         layout = SourceLayout(
             None if self.owners is None else tuple(self.owners),
             None if self.mesh_shape is None else tuple(self.mesh_shape),
@@ -60,16 +84,50 @@ class ParamMeta:
             where=f"parameter '{self.name}'",
         )
         layout.check_tensor_rank(len(shape), self.name)
-        object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "owners", layout.owners)
         object.__setattr__(self, "mesh_shape", layout.mesh_shape)
         object.__setattr__(self, "placements", layout.placements)
 
     @property
-    def layout(self) -> SourceLayout:
-        """The source layout (owners, mesh, placements) as one value."""
+    def layout(self) -> SourceLayout | PieceLayout:
+        """The source layout: placements (``SourceLayout``) or explicit pieces."""
+        if self.pieces is not None:
+            return PieceLayout(self.pieces, where=f"parameter '{self.name}'")
         return SourceLayout(self.owners, self.mesh_shape, self.placements,
                             where=f"parameter '{self.name}'")
+
+    def source_pieces(self, num_trainer_ranks: int) -> tuple[Piece, ...]:
+        """Every piece of this tensor with ``owners=None`` resolved over ``T`` ranks.
+
+        Raises:
+            ValueError: an owner is not below ``num_trainer_ranks``.
+        """
+        if self.pieces is not None:
+            bad = sorted({p.rank for p in self.pieces if p.rank >= num_trainer_ranks})
+            if bad:
+                raise ValueError(
+                    f"parameter '{self.name}': piece ranks {bad} are not trainer ranks; valid "
+                    f"ranks are 0..{num_trainer_ranks - 1}")
+            return self.pieces
+        return self.layout.resolve(num_trainer_ranks).pieces(self.shape)
+
+    def local_shape(self, rank: int) -> tuple[int, ...] | None:
+        """Shape of ``rank``'s local tensor: exact for placements, the least
+        shape holding every piece for explicit pieces; ``None`` if ``rank``
+        holds nothing."""
+        if self.pieces is not None:
+            return self.layout.local_shape(rank)
+        return self.layout.local_shape(self.shape, rank)
+
+    @property
+    def exact_local_shape(self) -> bool:
+        """True when the local tensor must be exactly :meth:`local_shape`
+        (placements); explicit pieces allow a larger tensor (padding rows)."""
+        return self.pieces is None
+
+    def holds(self, rank: int) -> bool:
+        """Whether trainer ``rank`` holds any of this tensor."""
+        return self.owners is None or rank in self.owners
 
     @property
     def nbytes(self) -> int:

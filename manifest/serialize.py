@@ -7,16 +7,18 @@ than a hang or silently shifted names (REFERENCE.md §7). The digest is the
 sha256 of a canonical JSON text, as in vLLM's nccl_m2n init payload
 (``m2n_common.py``: sha256 of the canonical parameter list).
 
-Format (``schema_version`` 1)::
+Format (``schema_version`` 2; version 1, which had no ``pieces``, is still read)::
 
-    {"schema_version": 1,
+    {"schema_version": 2,
      "num_trainer_ranks": T,
      "params": [{"name": str,
                  "dtype": "bfloat16",            # torch dtype name, no "torch."
                  "shape": [int, ...],            # global shape
                  "owners": [int, ...] | null,    # null: every trainer rank
                  "mesh_shape": [int, ...] | null,
-                 "placements": [{"shard": d} | {"replicate": true}, ...] | null},
+                 "placements": [{"shard": d} | {"replicate": true}, ...] | null}
+              | {"name": ..., "dtype": ..., "shape": ...,       # explicit pieces
+                 "pieces": [[rank, [[start, stop], ...], [local_start, ...]], ...]},
                 ...]}
 
 ``params`` is in send order. The canonical text is ``json.dumps`` with
@@ -34,8 +36,8 @@ from typing import Any
 
 import torch
 
-from .layout import SourceLayout
 from .meta import ParamMeta
+from .pieces import Piece
 from .placement import Replicate, Shard
 
 __all__ = [
@@ -48,9 +50,10 @@ __all__ = [
     "dtype_from_name",
 ]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+_READABLE_VERSIONS = (1, 2)
 
-_PARAM_KEYS = {"name", "dtype", "shape", "owners", "mesh_shape", "placements"}
+_PARAM_KEYS = {"name", "dtype", "shape", "owners", "mesh_shape", "placements", "pieces"}
 _REQUIRED_KEYS = {"name", "dtype", "shape"}
 
 
@@ -80,8 +83,7 @@ def _check_num_ranks(num_trainer_ranks: object) -> int:
 
 
 def _check_owners_in_range(meta: ParamMeta, num_trainer_ranks: int) -> None:
-    SourceLayout(meta.owners, meta.mesh_shape, meta.placements,
-                 where=f"parameter '{meta.name}'").resolve(num_trainer_ranks)
+    meta.source_pieces(num_trainer_ranks)
 
 
 def manifest_to_json(metas: Sequence[ParamMeta], num_trainer_ranks: int) -> dict:
@@ -132,6 +134,15 @@ def _int_list(value: Any, what: str, where: str) -> tuple | None:
     return tuple(value)
 
 
+def _piece_from_json(p: Any, where: str) -> Piece:
+    if not (isinstance(p, list) and len(p) == 3 and isinstance(p[1], list)
+            and isinstance(p[2], list)):
+        raise ValueError(f"{where}: piece {p!r} must be [rank, [[start, stop], ...], "
+                         "[local_start, ...]]")
+    return Piece(p[0], tuple(tuple(iv) if isinstance(iv, list) else iv for iv in p[1]),
+                 tuple(p[2]))
+
+
 def _param_from_json(i: int, entry: Any, num_trainer_ranks: int) -> ParamMeta:
     where = f"manifest entry {i}"
     if not isinstance(entry, Mapping):
@@ -150,6 +161,16 @@ def _param_from_json(i: int, entry: Any, num_trainer_ranks: int) -> ParamMeta:
         shape = _int_list(entry["shape"], "shape", where)
         if shape is None:
             raise ValueError(f"{where}: shape must be a list, got null")
+        pieces = entry.get("pieces")
+        if pieces is not None:
+            if not isinstance(pieces, list) or any(k in entry for k in ("owners", "mesh_shape",
+                                                                        "placements")):
+                raise ValueError(f"{where}: pieces must be a list, without owners/mesh_shape/"
+                                 "placements")
+            meta = ParamMeta(entry["name"], dtype, shape, pieces=tuple(
+                _piece_from_json(p, where) for p in pieces))
+            _check_owners_in_range(meta, num_trainer_ranks)
+            return meta
         placements = entry.get("placements")
         if placements is not None:
             if not isinstance(placements, list):
@@ -181,10 +202,10 @@ def manifest_from_json(doc: Mapping) -> tuple[list[ParamMeta], int]:
     if not isinstance(doc, Mapping):
         raise ValueError(f"manifest must be a JSON object, got {type(doc).__name__}")
     version = doc.get("schema_version")
-    if isinstance(version, bool) or version != SCHEMA_VERSION:
+    if isinstance(version, bool) or version not in _READABLE_VERSIONS:
         raise ValueError(
             f"manifest schema_version {version!r} is not supported; this m2nkit reads "
-            f"schema_version {SCHEMA_VERSION}"
+            f"schema_version {' or '.join(map(str, _READABLE_VERSIONS))}"
         )
     try:
         t = _check_num_ranks(doc.get("num_trainer_ranks"))

@@ -34,6 +34,7 @@ from functools import cached_property
 import torch
 
 from .layout import Box, SourceLayout, local_box
+from .pieces import PieceLayout
 from .meta import ParamMeta
 from .placement import Placement, Replicate, Shard
 
@@ -351,13 +352,21 @@ def _check_local_shape(name: str, rank: int, meta: ParamMeta, t: object) -> torc
             f"parameter '{name}' on rank {rank}: the local tensor must be a "
             f"torch.Tensor, got {type(t).__name__}"
         )
-    box = owner_box(meta.layout, meta.shape, rank)
-    expected = _box_shape(box) if box is not None else None
-    if tuple(t.shape) != expected:
+    expected = meta.local_shape(rank)
+    got = tuple(t.shape)
+    if meta.exact_local_shape:
+        if got != expected:
+            box = owner_box(meta.layout, meta.shape, rank)
+            raise ValueError(
+                f"parameter '{name}' on rank {rank}: local tensor has shape "
+                f"{got}, expected {expected} (box {box} of global shape "
+                f"{meta.shape})"
+            )
+    elif expected is None or len(got) != len(expected) or any(
+            g < e for g, e in zip(got, expected)):
         raise ValueError(
-            f"parameter '{name}' on rank {rank}: local tensor has shape "
-            f"{tuple(t.shape)}, expected {expected} (box {box} of global shape "
-            f"{meta.shape})"
+            f"parameter '{name}' on rank {rank}: local tensor has shape {got}; its pieces "
+            f"need at least {expected}"
         )
     if t.dtype != meta.dtype:
         raise ValueError(
@@ -483,40 +492,41 @@ class M2NManifestEntry:
     """One wire tensor with a lazy provider of this rank's local piece.
 
     Attributes:
-        key: the wire name (an HF checkpoint name).
+        name: the wire name (an HF checkpoint name). The seed API calls it
+            ``key``; ``entry.key`` still reads it.
         dtype: the wire dtype (``torch.dtype``).
         global_shape: the full tensor's shape (non-negative ints).
-        source_layout: which trainer ranks hold which box (``SourceLayout``).
-        local_tensor: zero-argument callable returning this rank's piece, of
-            shape ``owner_box(source_layout, global_shape, rank)``; called
+        source_layout: which trainer ranks hold which box: placements
+            (``SourceLayout``) or explicit pieces (``PieceLayout``).
+        local_tensor: zero-argument callable returning this rank's local
+            tensor: of shape ``owner_box(source_layout, global_shape, rank)``
+            under placements; holding every piece of the rank at its
+            ``local_start`` under a ``PieceLayout`` (it may be larger); called
             once per iteration when the engine reaches this entry. It may
             return a view and may do rank-local work (split a fused QKV shard,
             cast to the wire dtype); it must not start a collective that the
             other owners do not also start in the same order.
-        allow_full_fallback: whether a transport that cannot express this
-            layout may gather and send the full tensor instead.
 
     Rules from vLLM ``m2n_source.py`` (``M2NManifestEntry``).
 
     Raises:
-        ValueError: empty ``key``; a negative or non-int dim in
+        ValueError: empty ``name``; a negative or non-int dim in
             ``global_shape``; a ``Shard`` dim outside the shape.
         TypeError: ``dtype`` is not a ``torch.dtype``; ``source_layout`` is
-            not a ``SourceLayout``; ``local_tensor`` is not callable;
-            ``allow_full_fallback`` is not a bool. Every message names the key.
+            not a ``SourceLayout``/``PieceLayout``; ``local_tensor`` is not
+            callable. Every message names the tensor.
     """
 
-    key: str
+    name: str
     dtype: torch.dtype
     global_shape: tuple[int, ...]
-    source_layout: SourceLayout
+    source_layout: SourceLayout | PieceLayout
     local_tensor: Callable[[], torch.Tensor]
-    allow_full_fallback: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.key, str) or not self.key:
-            raise ValueError(f"manifest entry key must be a non-empty string, got {self.key!r}")
-        k = self.key
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"manifest entry name must be a non-empty string, got {self.name!r}")
+        k = self.name
         if not isinstance(self.dtype, torch.dtype):
             raise TypeError(
                 f"manifest entry '{k}': dtype {self.dtype!r} is not a torch.dtype "
@@ -533,9 +543,9 @@ class M2NManifestEntry:
             raise ValueError(
                 f"manifest entry '{k}': global_shape {shape} must hold non-negative ints"
             )
-        if not isinstance(self.source_layout, SourceLayout):
+        if not isinstance(self.source_layout, (SourceLayout, PieceLayout)):
             raise TypeError(
-                f"manifest entry '{k}': source_layout must be a SourceLayout, got "
+                f"manifest entry '{k}': source_layout must be a SourceLayout or PieceLayout, got "
                 f"{type(self.source_layout).__name__}"
             )
         if not callable(self.local_tensor):
@@ -543,19 +553,24 @@ class M2NManifestEntry:
                 f"manifest entry '{k}': local_tensor must be a zero-argument callable "
                 f"returning this rank's piece, got {type(self.local_tensor).__name__}"
             )
-        if not isinstance(self.allow_full_fallback, bool):
-            raise TypeError(
-                f"manifest entry '{k}': allow_full_fallback must be a bool, got "
-                f"{self.allow_full_fallback!r}"
-            )
         object.__setattr__(self, "global_shape", shape)
-        self.source_layout.check_tensor_rank(len(shape), k)
+        if isinstance(self.source_layout, PieceLayout):
+            self.source_layout.check_tensor_rank(shape, k)
+        else:
+            self.source_layout.check_tensor_rank(len(shape), k)
+
+    @property
+    def key(self) -> str:
+        """The wire name under the seed API's spelling (``M2NManifestEntry.key``)."""
+        return self.name
 
     @property
     def metadata(self) -> ParamMeta:
-        """The entry as a ``ParamMeta`` (name = key)."""
+        """The entry as a ``ParamMeta``."""
         lay = self.source_layout
-        return ParamMeta(self.key, self.dtype, self.global_shape,
+        if isinstance(lay, PieceLayout):
+            return ParamMeta(self.name, self.dtype, self.global_shape, pieces=lay.pieces)
+        return ParamMeta(self.name, self.dtype, self.global_shape,
                          lay.owners, lay.mesh_shape, lay.placements)
 
 
@@ -591,9 +606,9 @@ class ManifestM2NWeightSource(M2NWeightSource):
                 raise TypeError(
                     f"manifest entry {i} must be an M2NManifestEntry, got {type(e).__name__}"
                 )
-            if e.key in seen:
-                raise ValueError(f"manifest key '{e.key}' appears more than once (entry {i})")
-            seen.add(e.key)
+            if e.name in seen:
+                raise ValueError(f"manifest entry '{e.name}' appears more than once (entry {i})")
+            seen.add(e.name)
         self._entries = entries
 
     @property
@@ -610,7 +625,7 @@ class ManifestM2NWeightSource(M2NWeightSource):
         for entry, meta in zip(self._entries, self.metadata):
             if meta.owners is not None and rank not in meta.owners:
                 continue
-            yield entry.key, _check_local_shape(entry.key, rank, meta, entry.local_tensor())
+            yield entry.name, _check_local_shape(entry.name, rank, meta, entry.local_tensor())
 
 
 class DTensorModuleSource(M2NWeightSource):

@@ -1,9 +1,18 @@
-"""Shared fixtures.
+"""Shared fixtures, and the rule for ``integration`` tests.
 
 ``tiny_checkpoints`` builds each tiny model (``m2nkit.adapters.tiny``) at
 most once per test session, on first use, with seed 0. Tests that change
 files must copy the directory first (``shutil.copytree``): the directories
 are shared by every test of the session.
+
+A test marked ``integration`` needs a real framework stack (Megatron-Core,
+Megatron-Bridge or vLLM). Where that stack is missing it must fail, not
+skip: a green run that skipped the only test of a real integration proves
+nothing. So a skip of such a test (``pytest.skip``, ``importorskip`` in the
+test or a fixture, a ``skipif`` mark) is reported as a failure here. Import
+the stack inside the test or a fixture, not with a module-level
+``importorskip``, which would skip the whole module before any test exists.
+``pytest -m "not integration"`` leaves these tests out.
 """
 
 from __future__ import annotations
@@ -45,3 +54,18 @@ def tiny_checkpoints(tmp_path_factory):
 
     get.names = tuple(BUILTIN_TINY_MODELS)
     return get
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Report a skipped ``integration`` test as failed (see the module docstring)."""
+    report = yield
+    if (report.skipped and not hasattr(report, "wasxfail")
+            and item.get_closest_marker("integration") is not None):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        reason = str(reason).removeprefix("Skipped: ")
+        report.outcome = "failed"
+        report.longrepr = (f"integration test {item.nodeid} was skipped ({reason}); integration "
+                           "tests fail instead: install the stack it needs, or leave integration "
+                           "tests out with -m 'not integration'")
+    return report

@@ -87,7 +87,7 @@ def _trainer(rank, T, model_dir, trainer, inference, url, port, fault, results, 
                         os.kill(action[1], signal.SIGKILL)
                 return e.local_tensor()
 
-            entries[f_wire] = M2NManifestEntry(e.key, e.dtype, e.global_shape, e.source_layout,
+            entries[f_wire] = M2NManifestEntry(e.name, e.dtype, e.global_shape, e.source_layout,
                                                provider)
         if reorder:
             entries[3], entries[4] = entries[4], entries[3]

@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from m2nkit.engine.transports.nccl_m2n import M2NEncoding, m2n_encoding, region_is_contiguous
 from m2nkit.manifest import (
-    M2NEncoding,
     ParamMeta,
     Replicate,
     Shard,
@@ -21,11 +21,16 @@ from m2nkit.manifest import (
     chunk_bounds,
     full_box,
     local_box,
-    m2n_encoding,
+    piece_grid,
     rank_boxes,
-    region_is_contiguous,
-    source_pieces,
 )
+
+
+def source_pieces(layout, shape):
+    """The cell grid of a placement layout's pieces, holders as ranks."""
+    grid = piece_grid(layout.pieces(shape), tuple(shape))
+    return type(grid)(grid.shape, grid.pieces, grid.intervals, {
+        cell: tuple(grid.pieces[k].rank for k in held) for cell, held in grid.holders.items()})
 
 FAST = settings(max_examples=150, deadline=None)
 
@@ -221,7 +226,7 @@ def test_overlapping_empty_query_yields_nothing():
 
 
 # --------------------------------------------------------------------------
-# nccl_m2n encoding
+# nccl_m2n encoding (the transport's own rules, engine/transports/nccl_m2n.py)
 
 
 def _boxes(layout, shape):

@@ -51,10 +51,10 @@ def _entry(key="w", dtype=torch.float32, shape=(4, 6), layout=None, provider=Non
 def test_entry_metadata_and_defaults():
     e = _entry(shape=[4, 6])
     assert e.global_shape == (4, 6)
-    assert e.allow_full_fallback is True
+    assert e.key == e.name == "w"  # the seed API's spelling still reads
     assert e.metadata == ParamMeta("w", torch.float32, (4, 6), (0, 1), (2,), (Shard(0),))
     with pytest.raises(FrozenInstanceError):
-        e.key = "v"
+        e.name = "v"
 
 
 @pytest.mark.parametrize("kwargs,exc,match", [
@@ -64,8 +64,6 @@ def test_entry_metadata_and_defaults():
     (dict(layout=((0, 1), (2,))), TypeError, "must be a SourceLayout"),
     (dict(layout=ParamMeta("w", torch.float32, (4, 6))), TypeError, "must be a SourceLayout"),
     (dict(provider=torch.zeros(2, 6)), TypeError, "callable"),
-    (dict(allow_full_fallback=1), TypeError, "must be a bool"),
-    (dict(allow_full_fallback=None), TypeError, "must be a bool"),
     (dict(shape=(4, -1)), ValueError, "non-negative"),
     (dict(shape=(4, True)), ValueError, "non-negative"),
     (dict(shape=(6,), layout=SourceLayout((0, 1), placements=(Shard(1),))), ValueError,
@@ -397,7 +395,7 @@ METAS = [
 
 def test_manifest_round_trip():
     doc = manifest_to_json(METAS, 4)
-    assert doc["schema_version"] == SCHEMA_VERSION == 1
+    assert doc["schema_version"] == SCHEMA_VERSION == 2
     assert doc["params"][0]["dtype"] == "bfloat16"
     text = json.dumps(doc)
     metas, t = manifest_from_json(json.loads(text))
@@ -465,7 +463,7 @@ def test_digest_is_stable_across_processes():
     text = ('{"num_trainer_ranks":2,"params":[{"dtype":"bfloat16","mesh_shape":[2],'
             '"name":"a","owners":[0,1],"placements":[{"shard":0}],"shape":[4,2]},'
             '{"dtype":"float32","mesh_shape":null,"name":"b","owners":null,'
-            '"placements":null,"shape":[3]}],"schema_version":1}')
+            '"placements":null,"shape":[3]}],"schema_version":2}')
     assert here == hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -474,7 +472,7 @@ def _doc():
 
 
 @pytest.mark.parametrize("mutate,match", [
-    (lambda d: d.update(schema_version=2), "schema_version 2"),
+    (lambda d: d.update(schema_version=3), "schema_version 3"),
     (lambda d: d.pop("schema_version"), "schema_version None"),
     (lambda d: d.update(num_trainer_ranks=0), "num_trainer_ranks"),
     (lambda d: d.update(params={}), "params must be a list"),

@@ -199,7 +199,7 @@ def test_descriptors_match_the_plan_boxes(trainer, inference):
     T = plan.num_trainer_ranks
     n = 0
     for wi, wp in enumerate(plan.wires):
-        if not wp.m2n.ok:
+        if not wp.verdict("nccl_m2n").ok:
             continue
         c = m2n_descriptors(plan, wi)
         n += 1
@@ -207,7 +207,7 @@ def test_descriptors_match_the_plan_boxes(trainer, inference):
         from m2nkit.manifest.layout import rank_boxes
         assert src == dict(rank_boxes(wp.layout, wp.meta.shape)), wp.name
         dst = _side_boxes(c.dst_mesh, c.dst_placements, c.dst_local_shape, c.shape)
-        assert dst == {T + b.worker: b.wire_box for b in wp.bindings}, wp.name
+        assert dst == {T + b.worker: b.box for b in wp.bindings}, wp.name
         # Disjoint sides inside the communicator [0, T+N).
         assert c.src_ranks.stop <= T <= c.dst_ranks.start and c.dst_ranks.stop <= T + plan.num_workers
     assert n > 0
@@ -232,7 +232,7 @@ def test_non_expressible_tensors_go_to_torch_p2p():
                  "model.layers.0.mlp.experts.gate_up_proj.weight",
                  "model.layers.1.mlp.experts.gate_up_proj.weight"):
         assert carriers[name] == CARRIER_P2P, name
-        assert not plan.wires[_index(plan, name)].m2n.ok
+        assert not plan.wires[_index(plan, name)].verdict("nccl_m2n").ok
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.experts.down_proj.weight",
                  "model.norm.weight"):
         assert carriers[name] == CARRIER_M2N, name
@@ -249,7 +249,7 @@ def test_uneven_fsdp_chunks_go_to_torch_p2p():
     _, plan = _plan("fsdp:3", "vllm:tp=2")
     assert {wire_carrier(w) for w in plan.wires} == {CARRIER_P2P}
     q = plan.wires[_index(plan, "model.layers.0.self_attn.q_proj.weight")]
-    assert q.m2n.reason.startswith("source: dim 0 of size 128 is not split evenly")
+    assert q.verdict("nccl_m2n").reason.startswith("source: dim 0 of size 128 is not split evenly")
     assert [s.carrier for s in plan_segments(plan)] == [CARRIER_P2P]
 
 

@@ -129,8 +129,11 @@ def test_fused_destination_two_wire_tensors_into_one_param():
         assert bitwise_equal(storage[w]["qkv"], expect)
     # k is sharded on columns over 3 ranks (4 = 2+2+0): rank 2 sends nothing of k.
     assert plan.wires[1].table[:, 0].tolist().count(2) == 0
-    assert plan.wires[0].m2n.ok
-    assert not plan.wires[1].m2n.ok  # uneven column split over 3 ranks
+    assert plan.wires[0].verdict("nccl_m2n").ok
+    # 4 columns = 2+2+0 over 3 ranks: the ranks holding a piece (0, 1) form an
+    # even 1x2 source mesh; rank 2 holds nothing and stays out of the reshard.
+    route = plan.wires[1].verdict("nccl_m2n").detail
+    assert (route.src.mesh_dims, route.src.start_rank, route.src.placements) == ((1, 2), 0, (-1, 1))
 
 
 def test_replicas_share_the_send_load():
@@ -212,11 +215,15 @@ def test_m2n_verdicts_follow_the_preconditions():
         meta = ParamMeta("w", dtype, shape, owners=tuple(range(math.prod(src_mesh))),
                          mesh_shape=src_mesh, placements=src_pl)
         dest = placement_destination("w", shape, dtype, dst_mesh, dst_pl)
-        return build_plan([meta], math.prod(src_mesh), dest).wires[0].m2n
+        return build_plan([meta], math.prod(src_mesh), dest).wires[0].verdict("nccl_m2n")
     assert verdict((8, 4), (4,), (Shard(0),), (2,), (Shard(0),)).ok
     assert verdict((8, 4), (2, 2), (Replicate(), Shard(0)), (2,), (Shard(1),)).ok
-    v = verdict((9, 4), (4,), (Shard(0),), (2,), (Shard(0),))
+    v = verdict((10, 4), (4,), (Shard(0),), (2,), (Shard(0),))   # 3+3+3+1 rows
     assert not v.ok and "source" in v.reason and "evenly" in v.reason
+    # 9 rows = 3+3+3+0: the three ranks holding rows form an even source mesh
+    # (rank 3 holds nothing and stays out); 9 rows over 2 workers do not.
+    v = verdict((9, 4), (4,), (Shard(0),), (2,), (Shard(0),))
+    assert not v.ok and v.reason.startswith("destination:") and "evenly" in v.reason
     v = verdict((8, 4), (2, 2), (Shard(0), Shard(1)), (2,), (Shard(0),))
     assert not v.ok and "more than one" in v.reason
     v = verdict((8, 4, 2, 2), (2,), (Shard(0),), (2,), (Shard(0),))
@@ -226,7 +233,7 @@ def test_m2n_verdicts_follow_the_preconditions():
     v = verdict((8,), (2,), (Shard(0),), (2,), (Shard(0),), dtype=torch.bool)
     assert not v.ok and "dtype" in v.reason
     ok = verdict((8,), (2,), (Shard(0),), (1,), (Replicate(),))
-    assert ok.ok and ok.dst.mesh_dims == (1, 1) and ok.dst.placements == (-1, 0)
+    assert ok.ok and ok.detail.dst.mesh_dims == (1, 1) and ok.detail.dst.placements == (-1, 0)
 
 
 def test_m2n_fan_out_is_a_property_of_the_layouts_not_the_replica_choice():
@@ -235,7 +242,7 @@ def test_m2n_fan_out_is_a_property_of_the_layouts_not_the_replica_choice():
     meta = ParamMeta("w", torch.bfloat16, (16,), owners=(0, 1, 2))
     for workers, ok in ((128, False), (64, True)):
         dest = placement_destination("w", (16,), torch.bfloat16, (workers,), (Replicate(),))
-        verdict = build_plan([meta], 3, dest).wires[0].m2n
+        verdict = build_plan([meta], 3, dest).wires[0].verdict("nccl_m2n")
         assert verdict.ok is ok, verdict
         if not ok:
             assert f"one source shard feeds {workers} destination shards" in verdict.reason

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import re
 import socket
 import threading
 import time
@@ -26,8 +27,9 @@ from m2nkit.adapters.hf_checkpoint import (
     full_checkpoint_tensors,
     read_checkpoint,
 )
-from m2nkit.adapters.vllm import reference_load
+from m2nkit.adapters.vllm import reference_load, vllm_destination
 from m2nkit.engine.clients import InProcessClient, WeightSyncError
+from m2nkit.engine.deadline import REPORT_GRACE_S, Deadline
 from m2nkit.engine.local import bitwise_equal
 from m2nkit.engine.receiver import IncompleteRoundError, M2NReceiver, build_vllm_storage
 from m2nkit.engine.session import InitPayload, plan_from_manifest
@@ -45,6 +47,11 @@ from m2nkit.manifest.serialize import manifest_digest, manifest_from_json, manif
 
 CHECKPOINT = Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3-moe"
 TRAINER, INFERENCE, T, N = "fsdp:2", "vllm:tp=2", 2, 2
+
+
+def receivers_for(ck, n: int = N) -> list[M2NReceiver]:
+    dest = vllm_destination(ck.config, INFERENCE)
+    return [M2NReceiver(dest, w) for w in range(n)]
 
 
 def free_port() -> int:
@@ -83,7 +90,8 @@ class Trainers:
                  manifest: dict | None = None, plan_for_rank: dict | None = None):
         self.ck, self.timeout_s, self.bucket_bytes = ck, timeout_s, bucket_bytes
         self.manifest = manifest or manifest_to_json(checkpoint_metas(ck, TRAINER), T)
-        self.plan, self.digest = plan_from_manifest(self.manifest, ck.config, INFERENCE)
+        self.plan, self.digest = plan_from_manifest(self.manifest,
+                                                    vllm_destination(ck.config, INFERENCE))
         self.plans = {r: (plan_for_rank or {}).get(r, self.plan) for r in range(T)}
         self.port = free_port()
         self.groups: dict[int, tuple] = {}
@@ -91,7 +99,7 @@ class Trainers:
     def payload(self) -> dict:
         return InitPayload(
             master_address="127.0.0.1", master_port=self.port, rank_offset=T, world_size=T + N,
-            backend="gloo", inference=INFERENCE, manifest=self.manifest,
+            backend="gloo", inference=self.plan.destination.spec, manifest=self.manifest,
             manifest_digest=self.digest, plan_digest=self.plan.digest(),
             timeout_s=self.timeout_s, bucket_bytes=self.bucket_bytes).to_json()
 
@@ -137,30 +145,36 @@ class Trainers:
         def stream(r):
             for i, (name, t) in enumerate(checkpoint_manifest(self.ck, TRAINER, r).iter_local()):
                 if r == 1 and i == half and fail in ("raises", "stalls", "dies"):
-                    if fail == "stalls":
-                        time.sleep(1.2 * self.timeout_s)
+                    if fail == "stalls":      # silent until every other rank gave up on it
+                        time.sleep(self.timeout_s + REPORT_GRACE_S + 0.5)
                     elif fail == "dies":
                         self.groups[r][1].abort()
                     raise RuntimeError(f"trainer rank 1: source {fail}")
                 yield name, t * scale
 
         def body(r):
-            # As the trainer engine does: send, then one end-of-round verdict on every rank.
-            group = self.groups[r][1]
+            # As the trainer engine does: one deadline for the round; send, on failure
+            # close the group's connections, then one end-of-round verdict on every rank.
+            deadline = Deadline(self.timeout_s)
+            store, group = self.groups[r]
+
+            def verdict(error, on_reported=None):
+                finish_round(store, r, T + N, num_trainer_ranks=T, round_id=k, error=error,
+                             deadline=deadline, on_reported=on_reported)
             try:
-                sent = send_round(group, self.plan, schedule, r, stream(r),
-                                  timeout_s=self.timeout_s)
+                sent = send_round(group, self.plan, schedule, r, stream(r), deadline=deadline)
             except Exception as e:
-                if not (fail == "dies" and r == 1):
-                    with contextlib.suppress(TransferError):
-                        finish_round(group, r, T + N, error=str(e), timeout_s=self.timeout_s)
+                if fail == "dies" and r == 1:
+                    raise                           # aborted its group: no report at all
+                with contextlib.suppress(TransferError):
+                    verdict(str(e), on_reported=group.abort)
                 raise
             if fail == "reports" and r == 1:
                 msg = "trainer rank 1: refused after sending (say, a NaN check)"
                 with contextlib.suppress(TransferError):
-                    finish_round(group, r, T + N, error=msg, timeout_s=self.timeout_s)
+                    verdict(msg)
                 raise RuntimeError(msg)
-            finish_round(group, r, T + N, error=None, timeout_s=self.timeout_s)
+            verdict(None)
             return sent
         out = self._ranks(body, lambda: client.update_weights({"round": k, "version": version}))
         if out["client"][0] == "ok":
@@ -181,7 +195,7 @@ def ok(out: dict) -> None:
 @pytest.fixture
 def session(ck):
     """Two receivers behind an InProcessClient; closes every group after the test."""
-    receivers = [M2NReceiver(ck.config, INFERENCE, w) for w in range(N)]
+    receivers = receivers_for(ck)
     client = InProcessClient(receivers, timeout_s=60)
     trainers: list[Trainers] = []
     yield receivers, client, trainers
@@ -235,7 +249,7 @@ def test_build_vllm_storage_matches_reference_names(ck):
 def committed(ck):
     """Receivers that committed round 1 ("v1"), shared by the refusal tests (which change
     nothing)."""
-    receivers = [M2NReceiver(ck.config, INFERENCE, w) for w in range(N)]
+    receivers = receivers_for(ck)
     client = InProcessClient(receivers, timeout_s=60)
     tr = Trainers(ck)
     ok(tr.join(client))
@@ -266,7 +280,7 @@ UNPARSEABLE = {
 REFUSED = {
     "not a spec": (lambda p: p.update(inference="sglang:tp=2"), ValueError, "'inference'"),
     "other spec": (lambda p: p.update(inference="vllm:tp=2,ep"), ValueError,
-                   "'vllm:tp=2,dp=1,ep' but this worker serves 'vllm:tp=2,dp=1'"),
+                   "'vllm:tp=2,ep' but this worker serves 'vllm:tp=2,dp=1'"),
     "manifest digest": (lambda p: p.update(manifest_digest="0" * 64), ValueError,
                         "'manifest_digest'"),
     "changed manifest": (lambda p: p["manifest"]["params"][0].update(dtype="float32"), ValueError,
@@ -330,8 +344,8 @@ def test_refused_payload_fails_every_rank_before_any_data_moves(ck, committed, c
 @pytest.mark.timeout(60)
 def test_ranks_that_disagree_on_the_plan_refuse_before_any_data_moves(ck, session):
     receivers, client, trainers = session
-    other, _ = plan_from_manifest(manifest_to_json(checkpoint_metas(ck, TRAINER), T), ck.config,
-                                  "vllm:tp=2,ep")
+    other, _ = plan_from_manifest(manifest_to_json(checkpoint_metas(ck, TRAINER), T),
+                                  vllm_destination(ck.config, "vllm:tp=2,ep"))
     tr = Trainers(ck, plan_for_rank={1: other})
     trainers.append(tr)
     out = tr.join(client)
@@ -348,26 +362,46 @@ def test_ranks_that_disagree_on_the_plan_refuse_before_any_data_moves(ck, sessio
         client.start_weight_update()
 
 
+#: What every rank's error must say, per fault of trainer rank 1: the root cause and its rank.
+ROOT_CAUSE = {
+    "raises": "first failure reported: trainer rank 1: source raises",
+    "stalls": "trainer rank 1 sent no report",
+    "dies": "trainer rank 1 sent no report",
+    "reports": "first failure reported: trainer rank 1: refused after sending",
+}
+
+
+def failed_after(e: BaseException) -> float:
+    """The ``failed after X s`` a receiver's round error states."""
+    return float(re.search(r"failed after ([0-9.]+) s", str(e)).group(1))
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("fail", ["raises", "stalls", "dies", "reports"])
 def test_failed_round_commits_nothing_then_reinit_succeeds(ck, session, fail):
     receivers, client, trainers = session
-    tr = Trainers(ck, timeout_s=3.0)
+    # A stall is found by the deadline; every other fault closes connections and is
+    # found at once, so there a long timeout shows the error did not wait for it.
+    tr = Trainers(ck, timeout_s=3.0 if fail == "stalls" else 30.0)
     trainers.append(tr)
     ok(tr.join(client))
     ok(tr.round(client, 1, "v1", 1.0))
 
-    t0 = time.monotonic()
     out = tr.round(client, 2, "v2", 2.0, fail=fail)
-    assert time.monotonic() - t0 < 3 * tr.timeout_s
     err = out["client"][1]
     assert isinstance(err, WeightSyncError) and err.status == 500, out
     assert sorted(err.errors) == [0, 1]
+    # Every rank names the root cause and its rank; trainer rank 0 too.
+    assert out[0][0] == "err" and ROOT_CAUSE[fail] in str(out[0][1]), out[0]
     for w, e in err.errors.items():
         assert isinstance(e, TransferError) and f"worker {w}" in str(e)
+        assert ROOT_CAUSE[fail] in str(e), e
+        # The documented bound: timeout_s + REPORT_GRACE_S after update_weights.
+        assert failed_after(e) <= tr.timeout_s + REPORT_GRACE_S, e
+        if fail != "stalls":        # found through closed connections, not the deadline
+            assert failed_after(e) < REPORT_GRACE_S + 3.0, e
         if fail == "reports":       # every byte arrived, but the verdict says the round failed
             assert not e.missing and "another rank failed" in str(e)
-            assert "refused after sending" in str(e)
         else:
             assert e.missing and "missing" in str(e)
     # finish refuses, naming the missing tensors (or the failure elsewhere); nothing changed.
@@ -397,7 +431,7 @@ def test_failed_round_commits_nothing_then_reinit_succeeds(ck, session, fail):
 
 
 def test_call_order_and_update_info_errors(ck):
-    r = M2NReceiver(ck.config, INFERENCE, 0)
+    r = receivers_for(ck, 1)[0]
     with pytest.raises(ValueError, match="before init_transfer_engine"):
         r.start_weight_update()
     with pytest.raises(ValueError, match="without start_weight_update"):
@@ -407,6 +441,8 @@ def test_call_order_and_update_info_errors(ck):
     with pytest.raises(ValueError, match="M2NReceiver"):
         r.parse_update_info({"round": 1, "colour": "red"})
     with pytest.raises(ValueError, match="worker 2 is not in 0..1"):
-        M2NReceiver(ck.config, INFERENCE, 2)
+        M2NReceiver(vllm_destination(ck.config, INFERENCE), 2)
+    with pytest.raises(ValueError, match="must be a DestinationBuilder"):
+        M2NReceiver(INFERENCE, 0)
     r.shutdown()
     r.shutdown()                               # idempotent

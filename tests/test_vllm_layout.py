@@ -85,8 +85,8 @@ def fill_worker(layout, wire, worker: int):
         for b in bindings:
             if b.worker != worker:
                 continue
-            dst = tuple(slice(o, o + (hi - lo)) for o, (lo, hi) in zip(b.offset, b.wire_box))
-            store[b.param][dst] = wire[wname][_slices(b.wire_box)]
+            dst = tuple(slice(o, o + (hi - lo)) for o, (lo, hi) in zip(b.offset, b.box))
+            store[b.param][dst] = wire[wname][_slices(b.box)]
             count[b.param][dst] += 1
     return store, count
 
@@ -150,7 +150,7 @@ def test_kv_heads_replicated_when_tp_exceeds_them():
     config, _, _, metas = load_model("tiny-qwen3")  # nh 8, nkv 2, hd 16
     layout = destination_layout(config, metas, "vllm:tp=8")
     k = {b.worker: b for b in layout.bindings["model.layers.0.self_attn.k_proj.weight"]}
-    assert [k[w].wire_box[0] for w in range(8)] == [(0, 16)] * 4 + [(16, 32)] * 4
+    assert [k[w].box[0] for w in range(8)] == [(0, 16)] * 4 + [(16, 32)] * 4
     assert {k[w].offset for w in range(8)} == {(16, 0)}  # after one q head
     v = {b.worker: b for b in layout.bindings["model.layers.0.self_attn.v_proj.weight"]}
     assert {v[w].offset for w in range(8)} == {(32, 0)}
@@ -161,7 +161,7 @@ def test_experts_without_and_with_ep():
     name = "model.layers.0.mlp.experts.gate_up_proj.weight"
     tpm = destination_layout(config, metas, "vllm:tp=2,dp=2")  # MoE tp = 4, Im/4 = 8
     w1 = [b for b in tpm.bindings[name] if b.worker == 1]
-    assert [(b.wire_box, b.offset) for b in w1] == [
+    assert [(b.box, b.offset) for b in w1] == [
         (((0, 8), (8, 16), (0, 128)), (0, 0, 0)),
         (((0, 8), (40, 48), (0, 128)), (0, 8, 0)),
     ]
@@ -169,16 +169,16 @@ def test_experts_without_and_with_ep():
     assert p.shape == (8, 16, 128)
     ep = destination_layout(config, metas, "vllm:tp=2,dp=2,ep")
     w3 = [b for b in ep.bindings[name] if b.worker == 3]
-    assert [(b.wire_box, b.offset) for b in w3] == [(((6, 8), (0, 64), (0, 128)), (0, 0, 0))]
+    assert [(b.box, b.offset) for b in w3] == [(((6, 8), (0, 64), (0, 128)), (0, 0, 0))]
     down = [b for b in ep.bindings["model.layers.0.mlp.experts.down_proj.weight"] if b.worker == 3]
-    assert down[0].wire_box == ((6, 8), (0, 128), (0, 32))
+    assert down[0].box == ((6, 8), (0, 128), (0, 32))
     assert ep.aliases["model.layers.1.mlp.experts.gate.weight"] == "model.layers.1.mlp.gate.weight"
 
 
 def test_dense_tensors_are_replicated_across_dp():
     config, _, _, metas = load_model("tiny-llama")
     layout = destination_layout(config, metas, "vllm:tp=2,dp=3")
-    by_worker = {b.worker: (b.wire_box, b.offset, b.param)
+    by_worker = {b.worker: (b.box, b.offset, b.param)
                  for b in layout.bindings["model.layers.1.self_attn.o_proj.weight"]}
     assert sorted(by_worker) == list(range(6))
     for w in range(6):
@@ -228,7 +228,7 @@ def _with_dense_layers(config: dict, ckpt: dict, **changes):
     Dense layers carry ``mlp.gate_proj/up_proj/down_proj`` (what transformers'
     Qwen3MoeDecoderLayer saves for them), sparse ones the router and experts.
     """
-    from m2nkit.adapters.vllm.qwen3_moe import is_moe_layer
+    from m2nkit.adapters.families.qwen3_moe import is_moe_layer
 
     config = {**config, **changes}
     g = torch.Generator().manual_seed(0)
@@ -437,5 +437,5 @@ def test_qwen3_235b_at_64_workers_plans_in_seconds(spec):
     assert layout.num_workers == 64 and not layout.unknown
     # MoE tp (or ep) spans all 64 workers: every (expert, row) lands exactly once.
     w13 = layout.bindings["model.layers.93.mlp.experts.gate_up_proj.weight"]
-    rows = sum((e1 - e0) * (r1 - r0) for (e0, e1), (r0, r1), _ in (b.wire_box for b in w13))
+    rows = sum((e1 - e0) * (r1 - r0) for (e0, e1), (r0, r1), _ in (b.box for b in w13))
     assert rows == 128 * 2 * 1536

@@ -134,8 +134,8 @@ def test_destination_layout_equals_vllm(model, tp, ep):
         for wname, bindings in layout.bindings.items():
             for b in bindings:
                 if b.worker == rank:
-                    src = wire[wname][tuple(slice(a, c) for a, c in b.wire_box)]
-                    dst = tuple(slice(o, o + (c - a)) for o, (a, c) in zip(b.offset, b.wire_box))
+                    src = wire[wname][tuple(slice(a, c) for a, c in b.box)]
+                    dst = tuple(slice(o, o + (c - a)) for o, (a, c) in zip(b.offset, b.box))
                     store[b.param][dst] = src
         for name, t in store.items():
             _same(t, vllm[name], f"{model} tp={tp} ep={ep} rank {rank} {name}")

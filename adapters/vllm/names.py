@@ -1,8 +1,9 @@
 """vLLM parameter names that differ between vLLM versions: one table.
 
-Family tables write version-dependent parts of a vLLM name as placeholders
-(``{experts}``) and aliases as keys of this table; ``destination_layout``
-fills them from the entry of the vLLM version it plans for.
+Family tables (``m2nkit.adapters.families``) write version-dependent parts
+of a vLLM name as placeholders (``{experts}``, ``{router_alias}``);
+``destination_layout`` and ``reference_load`` fill them from the entry of
+the vLLM version they plan for.
 
 vLLM 0.33.0 (checked with its real loaders, ``shared/tools/vllm_oracle``):
 
@@ -10,10 +11,12 @@ vLLM 0.33.0 (checked with its real loaders, ``shared/tools/vllm_oracle``):
   submodule named ``routed_experts`` (``fused_moe/layer.py``,
   ``fused_moe/routed_experts.py``), so experts live at
   ``<moe block>.experts.routed_experts.w13_weight`` / ``w2_weight``.
-* Qwen3-MoE hands its router ``GateLinear`` to ``FusedMoEFactory(gate=...)``
-  (``models/qwen3_moe.py``), which registers it again, so the router shows
-  up twice: ``mlp.gate.weight`` and the alias ``mlp.experts.gate.weight``
-  (same storage). Mixtral's block does not.
+* A MoE block that hands its router ``GateLinear`` to
+  ``FusedMoEFactory(gate=...)`` has it registered again, so the router shows
+  up twice: ``<moe block>.gate.weight`` and the alias
+  ``<moe block>.experts.gate.weight`` (same storage). Which families do so
+  is in their modules (``m2nkit.adapters.families``): they list
+  ``{router_alias}`` among the router's aliases.
 
 Adding a vLLM version is adding an entry here (and a fixture set under
 ``tests/data/oracle`` made with that version).

@@ -4,11 +4,12 @@ NVIDIA's ``nccl.m2n`` (nccl-extensions, ``nccl_m2n/README.md``) moves a
 global tensor between two disjoint groups of GPU ranks of one NCCL
 communicator in a single call, from the source layout straight into the
 destination layout, with no host involvement. This transport issues one such
-call per wire tensor the plan marks ``m2n.ok`` (``M2NVerdict``: contiguous
-rank intervals, at most a 2-D mesh, one sharded axis per side, even
-division, 1-D to 3-D, a contiguous destination region) and sends every
-other wire tensor through ``torch_p2p`` over the same ranks, so any plan
-runs whole; nothing is ever gathered on the trainer.
+call per wire tensor its own rules accept (``can_carry``, the planner's
+``TRANSPORT_RULES`` entry: contiguous rank intervals, at most a 2-D mesh,
+one sharded dim per side, even division, 1-D to 3-D, one piece per rank, a
+contiguous destination region, the fan limits) and sends every other wire
+tensor through ``torch_p2p`` over the same ranks, so any plan runs whole;
+nothing is ever gathered on the trainer.
 
 Ranks follow vLLM's ``m2n_common.py``: trainer ranks ``[0, T)``, workers
 ``[T, T+N)``, one nccl4py communicator over all of them, bootstrapped through
@@ -48,12 +49,21 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from m2nkit.engine.plan import Plan, WirePlan, next_local
+from m2nkit.engine.plan import Plan, SlabTable, Verdict, WirePlan, next_local
 from m2nkit.engine.transports import torch_p2p
 from m2nkit.engine.transports.torch_p2p import BucketSchedule, TransferError
-from m2nkit.manifest.layout import Box, rank_boxes
+from m2nkit.manifest.destination import DestinationParam
+from m2nkit.manifest.pieces import Box, box_slices, full_box
 
 __all__ = [
+    "M2N_DTYPES",
+    "M2N_MAX_FAN_IN",
+    "M2N_MAX_FAN_OUT",
+    "M2NEncoding",
+    "M2NRoute",
+    "m2n_encoding",
+    "region_is_contiguous",
+    "can_carry",
     "INSTALL_HINT",
     "CARRIER_M2N",
     "CARRIER_P2P",
@@ -111,6 +121,185 @@ def import_nccl_m2n() -> tuple[Any, Any]:
 
 
 # --------------------------------------------------------------------------
+# rules: can nccl.m2n carry a wire tensor, and if not, why
+
+#: dtypes nccl.m2n can move (vLLM ``m2n_common.py``, mirrored from nccl_m2n).
+M2N_DTYPES = frozenset({
+    torch.int8, torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2, torch.float16,
+    torch.bfloat16, torch.int32, torch.uint32, torch.float32, torch.int64,
+    torch.uint64, torch.float64,
+})
+#: At most this many source shards may feed one destination shard (vLLM ``m2n_common.py``).
+M2N_MAX_FAN_IN = 16
+#: At most this many destination shards may be fed by one source shard.
+M2N_MAX_FAN_OUT = 64
+
+
+@dataclass(frozen=True)
+class M2NEncoding:
+    """One side of an ``nccl.m2n.reshard`` call.
+
+    ``mesh_dims`` is 2-D ``(outer, inner)``; ``start_rank`` is the first rank
+    of the contiguous interval (relative to the side); ``placements`` holds an
+    m2n code per axis: ``-1`` = replicate, ``k >= 0`` = shards tensor dim k
+    (vLLM ``m2n_common.py``). A fully replicated tensor uses the size-1-axis
+    encoding ``(n, 1)`` with ``(-1, 0)``: m2n cannot express two replicate
+    axes.
+    """
+
+    mesh_dims: tuple[int, int]
+    start_rank: int
+    placements: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class M2NRoute:
+    """The ``Verdict.detail`` of a wire tensor nccl.m2n carries: both sides' encodings."""
+
+    src: M2NEncoding
+    dst: M2NEncoding
+
+
+def m2n_encoding(boxes: Sequence[tuple[int, Box]], shape: Sequence[int]) -> M2NEncoding | str:
+    """Encode ``(rank, box)`` pairs as an m2n mesh, or say why it cannot be.
+
+    Rules (nccl-extensions ``nccl_m2n/README.md`` preconditions): ranks form
+    a contiguous interval; every box is the full tensor except along at most
+    one dim; along that dim the distinct boxes split it evenly into ``k``
+    chunks; the chunk index follows either the inner or the outer axis of a
+    2-D mesh over the ranks (the other axis replicates).
+
+    Returns:
+        An ``M2NEncoding``, or a one-line reason string.
+    """
+    ranks = sorted(r for r, _ in boxes)
+    if not ranks:
+        return "no ranks hold it"
+    box_of = dict(boxes)
+    if len(box_of) != len(boxes):  # before the interval test, which duplicates also fail
+        return "a rank holds two separate boxes"
+    if ranks != list(range(ranks[0], ranks[0] + len(ranks))):
+        return f"ranks {ranks[:8]}{'...' if len(ranks) > 8 else ''} are not a contiguous interval"
+    n = len(ranks)
+    full = full_box(shape)
+    varying = {d for _, b in boxes for d in range(len(shape)) if b[d] != full[d]}
+    if not varying:
+        return M2NEncoding((n, 1), ranks[0], (-1, 0))
+    if len(varying) > 1:
+        return f"sharded along more than one dim {sorted(varying)}"
+    d = varying.pop()
+    chunks = sorted({box_of[r][d] for r in ranks})
+    k = len(chunks)
+    size = shape[d] // k
+    if shape[d] % k or any(iv != (i * size, (i + 1) * size) for i, iv in enumerate(chunks)):
+        lengths = sorted({b - a for a, b in (box_of[r][d] for r in ranks)})
+        empty = sum(1 for r in ranks if box_of[r][d][0] == box_of[r][d][1])
+        return (f"dim {d} of size {shape[d]} is not split evenly over {n} ranks "
+                f"(chunk lengths {lengths}" + (f", {empty} ranks hold nothing)" if empty else ")"))
+    pos = {iv: i for i, iv in enumerate(chunks)}
+    idx = [pos[box_of[r][d]] for r in ranks]
+    if n % k:
+        return f"{n} ranks do not form a mesh with a {k}-way sharded axis"
+    rep = n // k
+    if idx == [i % k for i in range(n)]:
+        return M2NEncoding((rep, k), ranks[0], (-1, d))
+    if idx == [i // rep for i in range(n)]:
+        return M2NEncoding((k, rep), ranks[0], (d, -1))
+    return f"chunk order over ranks {idx[:8]} is not a row-major 2-D mesh"
+
+
+def region_is_contiguous(shape: Sequence[int], box: Box) -> bool:
+    """True when ``box`` of a row-major tensor of ``shape`` is one memory run.
+
+    Leading dims of extent 1 are free; the first dim of larger extent may be
+    a sub-range; every dim after it must be whole.
+    """
+    ext = [b - a for a, b in box]
+    if any(e == 0 for e in ext):
+        return True
+    i = 0
+    while i < len(ext) and ext[i] == 1:
+        i += 1
+    return all(ext[j] == shape[j] for j in range(i + 1, len(ext)))
+
+
+def can_carry(wp: WirePlan, params: Mapping[tuple[int, str], DestinationParam]) -> Verdict:
+    """Can one ``nccl.m2n.reshard`` carry wire tensor ``wp``? A ``Verdict``.
+
+    ``ok`` with an ``M2NRoute`` (both encodings, ranks relative to each
+    side) when every precondition holds; otherwise the first that fails:
+
+    * the worker parameters are in the wire dtype (nccl.m2n cannot cast) and
+      the dtype is one nccl.m2n moves; 1-D to 3-D;
+    * each trainer rank holds one piece, at the start of its local tensor
+      (``nccl_m2n/README.md``: one local buffer per rank, its local shape);
+    * the pieces and the workers' boxes each form an m2n mesh
+      (``m2n_encoding``); each worker takes one region, contiguous in its
+      parameter;
+    * at most ``M2N_MAX_FAN_IN`` source shards per destination shard and
+      ``M2N_MAX_FAN_OUT`` destination shards per source shard, counted per
+      shard (replicas are one shard), so the verdict follows the layouts,
+      not the replica choice (vLLM ``m2n_common.py``).
+
+    ``params`` maps ``(worker, param name)`` to its ``DestinationParam``.
+    The planner calls this for every wire tensor (``TRANSPORT_RULES``).
+    """
+    meta = wp.meta
+    if not wp.bindings:
+        return Verdict(False, "skipped" if wp.skipped else "no destination")
+    cast = {params[(b.worker, b.param)].dtype for b in wp.bindings} - {meta.dtype}
+    if cast:
+        return Verdict(False, f"wire dtype {str(meta.dtype).removeprefix('torch.')} is cast to "
+                              f"vLLM's {str(cast.pop()).removeprefix('torch.')} on arrival "
+                              "(nccl.m2n moves bytes as they are)")
+    if meta.dtype not in M2N_DTYPES:
+        return Verdict(False, f"dtype {meta.dtype} is not an nccl.m2n dtype")
+    if not 1 <= len(meta.shape) <= 3:
+        return Verdict(False, f"{len(meta.shape)}-D tensor (nccl.m2n moves 1-D to 3-D)")
+    per_rank: dict[int, int] = {}
+    for p in wp.pieces:
+        per_rank[p.rank] = per_rank.get(p.rank, 0) + 1
+    split = next(((r, n) for r, n in per_rank.items() if n > 1), None)
+    if split:
+        return Verdict(False, f"source: trainer rank {split[0]} holds {split[1]} separate boxes "
+                              "of it (nccl.m2n takes one buffer per rank)")
+    if any(any(p.local_start) for p in wp.pieces):
+        return Verdict(False, "a trainer rank holds its piece inside a larger local tensor "
+                              "(nccl.m2n takes the local tensor as it is)")
+    src = m2n_encoding([(p.rank, p.box) for p in wp.pieces], meta.shape)
+    if isinstance(src, str):
+        return Verdict(False, f"source: {src}")
+    per_worker: dict[int, list] = {}
+    for b in wp.bindings:
+        per_worker.setdefault(b.worker, []).append(b)
+    for w, bs in per_worker.items():
+        if len(bs) > 1:
+            return Verdict(False, f"worker {w} takes {len(bs)} separate pieces of it "
+                                  f"(fused halves into {bs[0].param})")
+        b = bs[0]
+        if not region_is_contiguous(params[(w, b.param)].shape, b.region):
+            return Verdict(False, f"its region in worker {w}'s {b.param} is not contiguous")
+    dst = m2n_encoding([(w, bs[0].box) for w, bs in per_worker.items()], meta.shape)
+    if isinstance(dst, str):
+        return Verdict(False, f"destination: {dst}")
+    if len(wp.table):
+        shard_of, boxes = [], {}
+        for p in wp.pieces:
+            shard_of.append(boxes.setdefault(p.box, len(boxes)))
+        shards = np.array(shard_of, dtype=np.int64)[wp.table[:, SlabTable.PIECE]]
+        pairs = np.unique(np.stack([shards, wp.table[:, SlabTable.DST]], axis=1), axis=0)
+        fan_in = np.bincount(pairs[:, 1]).max()
+        fan_out = np.bincount(pairs[:, 0]).max()
+        if fan_in > M2N_MAX_FAN_IN:
+            return Verdict(False, f"{fan_in} source shards feed one destination shard "
+                                  f"(nccl.m2n allows {M2N_MAX_FAN_IN})")
+        if fan_out > M2N_MAX_FAN_OUT:
+            return Verdict(False, f"one source shard feeds {fan_out} destination shards "
+                                  f"(nccl.m2n allows {M2N_MAX_FAN_OUT})")
+    return Verdict(True, "", M2NRoute(src, dst))
+
+
+# --------------------------------------------------------------------------
 # routing: which transport carries which wire tensor
 
 
@@ -119,7 +308,7 @@ def wire_carrier(wp: WirePlan) -> str:
     wire tensor moves nothing (skipped), else ``CARRIER_P2P``."""
     if not len(wp.table):
         return CARRIER_NONE
-    return CARRIER_M2N if wp.m2n.ok else CARRIER_P2P
+    return CARRIER_M2N if wp.verdict(CARRIER_M2N).ok else CARRIER_P2P
 
 
 @dataclass(frozen=True)
@@ -170,7 +359,7 @@ def sub_plan(plan: Plan, wires: Sequence[int]) -> Plan:
     link = np.zeros((T, N), dtype=np.int64)
     for w in ws:
         if len(w.table):
-            np.add.at(link, (w.table[:, 0], w.table[:, 1]), w.slab_nbytes())
+            np.add.at(link, (w.table[:, SlabTable.SRC], w.table[:, SlabTable.DST]), w.slab_nbytes())
     nz = np.nonzero(link)
     return dataclasses.replace(
         plan, wires=ws, problems=[], send_bytes=link.sum(axis=1), recv_bytes=link.sum(axis=0),
@@ -290,10 +479,11 @@ def m2n_descriptors(plan: Plan, wire_index: int, *, m2n: Any = None) -> M2NCall:
     if m2n is None:
         m2n, _ = import_nccl_m2n()
     wp = plan.wires[wire_index]
-    if not wp.m2n.ok:
+    verdict = wp.verdict(CARRIER_M2N)
+    if not verdict.ok:
         raise ValueError(f"wire tensor '{wp.name}' cannot go through nccl.m2n: "
-                         f"{wp.m2n.reason or 'not planned'}")
-    src, dst = wp.m2n.src, wp.m2n.dst
+                         f"{verdict.reason or 'not planned'}")
+    src, dst = verdict.detail.src, verdict.detail.dst
     T, N = plan.num_trainer_ranks, plan.num_workers
     shape = tuple(wp.meta.shape)
     for side, enc, limit in (("source", src, T), ("destination", dst, N)):
@@ -314,7 +504,7 @@ def m2n_descriptors(plan: Plan, wire_index: int, *, m2n: Any = None) -> M2NCall:
         dst_local_shape=_local_shape(shape, dst.mesh_dims, dst.placements, wp.name, "destination"),
         codes=(tuple(src.placements), tuple(dst.placements)),
     )
-    held = dict(rank_boxes(wp.layout, shape))
+    held = {p.rank: p.box for p in wp.pieces}
     if set(held) != set(call.src_ranks):
         raise ValueError(f"wire tensor '{wp.name}': owners {sorted(held)[:8]} are not the source "
                          f"mesh ranks {call.src_ranks}")
@@ -322,7 +512,7 @@ def m2n_descriptors(plan: Plan, wire_index: int, *, m2n: Any = None) -> M2NCall:
         if call.src_box(r) != box:
             raise ValueError(f"wire tensor '{wp.name}': trainer rank {r} holds {box} but the m2n "
                              f"source descriptor gives it {call.src_box(r)}")
-    taken = {b.worker: b.wire_box for b in wp.bindings}
+    taken = {b.worker: b.box for b in wp.bindings}
     if {T + w for w in taken} != set(call.dst_ranks):
         raise ValueError(f"wire tensor '{wp.name}': workers {sorted(taken)[:8]} are not the "
                          f"destination mesh ranks {call.dst_ranks} - {T}")
@@ -357,8 +547,7 @@ def destination_view(plan: Plan, wire_index: int, worker: int,
     if b.param not in storage:
         raise TransferError(f"worker {worker}: storage has no parameter '{b.param}' for "
                             f"'{wp.name}'")
-    region = tuple(slice(o, o + hi - lo) for o, (lo, hi) in zip(b.offset, b.wire_box))
-    view = storage[b.param][region]
+    view = storage[b.param][box_slices(b.region)]
     if not view.is_contiguous():
         raise TransferError(f"worker {worker}: the region of '{wp.name}' in '{b.param}' is not "
                             "contiguous in its storage")
@@ -443,6 +632,8 @@ class NcclResharder:
         self._pending: deque = deque()
         self._pending_bytes = 0
         self._aborted = False
+        #: The current round's ``Deadline`` (set by ``NcclM2NTransport``); ``None``: per-wait ``timeout_s``.
+        self.deadline = None
 
     def _stream(self):
         return torch.cuda.current_stream(self.device)
@@ -489,13 +680,15 @@ class NcclResharder:
                                 "communicator was aborted")
 
     def _wait(self, event, what: str) -> None:
+        timeout_s = self.timeout_s if self.deadline is None else self.deadline.left()
+
         def expire():
             self.abort()
             raise TransferError(f"rank {self.rank}: {what} did not complete within "
-                                f"{self.timeout_s:g} s; the nccl_m2n communicator was aborted "
+                                f"{timeout_s:g} s; the nccl_m2n communicator was aborted "
                                 "(every rank must build a new transport)")
 
-        _poll(event.query, self.timeout_s, expire, lambda: self._check_async(what))
+        _poll(event.query, timeout_s, expire, lambda: self._check_async(what))
 
     def drain(self, max_pending_bytes: int = 0) -> list[str]:
         finished = []
@@ -588,7 +781,7 @@ class _Cursor:
         """Exactly this rank's owned wire tensors of one segment, pulled lazily."""
         for wi in wires:
             wp = plan.wires[wi]
-            if self.rank in wp.layout.owners:
+            if wp.meta.holds(self.rank):
                 yield self.take(wp)
 
     def finish(self) -> None:
@@ -711,6 +904,11 @@ class NcclM2NTransport:
         return cache[seg]
 
     def _source_buffer(self, call: M2NCall, wp: WirePlan, local: torch.Tensor) -> torch.Tensor:
+        # can_carry admits one piece per rank at the start of its local
+        # tensor; explicit pieces may sit in a larger tensor (padding rows).
+        mine = wp.rank_pieces(self.rank)
+        if len(mine) == 1:
+            local = local[box_slices(mine[0].local_box)]
         if tuple(local.shape) != call.src_local_shape or local.dtype != call.dtype:
             raise TransferError(f"trainer rank {self.rank}: local '{wp.name}' is "
                                 f"{tuple(local.shape)} {local.dtype}; its box needs "
@@ -719,13 +917,15 @@ class NcclM2NTransport:
 
     # ---- rounds
 
-    def send_round(self, plan: Plan, rank: int,
-                   stream: Iterable[tuple[str, torch.Tensor]]) -> RoundReport:
+    def send_round(self, plan: Plan, rank: int, stream: Iterable[tuple[str, torch.Tensor]], *,
+                   deadline=None) -> RoundReport:
         """Send this trainer rank's part of one round.
 
         ``stream`` is the rank's ``iter_local()``: one ``(name, local
         tensor)`` per owned wire tensor in manifest order; each provider runs
-        once, when its wire tensor's turn comes.
+        once, when its wire tensor's turn comes. ``deadline`` (the round's
+        ``m2nkit.engine.deadline.Deadline``) bounds every wait of the round;
+        without it each wait gets ``timeout_s``.
 
         Raises:
             ValueError: the plan has problems, or ``rank`` is not this
@@ -737,6 +937,8 @@ class NcclM2NTransport:
             raise ValueError(f"send_round for trainer rank {rank} on the transport of rank "
                              f"{self.rank} (trainer ranks are 0..{plan.num_trainer_ranks - 1})")
         t0 = time.perf_counter()
+        if hasattr(self.resharder, "deadline"):
+            self.resharder.deadline = deadline
         segments, calls, report = self._prepare(plan)
         cursor = _Cursor(stream, rank)
         for seg in segments:
@@ -744,11 +946,11 @@ class NcclM2NTransport:
                 sub, schedule = self._p2p(plan, seg)
                 report.p2p_bytes += torch_p2p.send_round(
                     self.group, sub, schedule, rank, cursor.segment(plan, seg.wires),
-                    timeout_s=self.timeout_s, device=self.device)
+                    timeout_s=self.timeout_s, deadline=deadline, device=self.device)
                 continue
             for wi in seg.wires:
                 wp = plan.wires[wi]
-                local = cursor.take(wp)[1] if rank in wp.layout.owners else None
+                local = cursor.take(wp)[1] if wp.meta.holds(rank) else None
                 call = calls.get(wi)
                 if call is None:      # moves nothing; its provider was still called
                     continue
@@ -763,9 +965,12 @@ class NcclM2NTransport:
         report.seconds = time.perf_counter() - t0
         return report
 
-    def recv_round(self, plan: Plan, worker: int,
-                   storage: Mapping[str, torch.Tensor]) -> tuple[set[str], RoundReport]:
+    def recv_round(self, plan: Plan, worker: int, storage: Mapping[str, torch.Tensor], *,
+                   deadline=None) -> tuple[set[str], RoundReport]:
         """Receive this worker's part of one round straight into ``storage``.
+
+        ``deadline`` (the round's) bounds every wait; without it each wait
+        gets ``timeout_s``.
 
         ``storage`` is the worker's vLLM-layout parameters (``{param:
         tensor}`` on this transport's device). nccl.m2n writes each m2n wire
@@ -786,16 +991,19 @@ class NcclM2NTransport:
             raise ValueError(f"recv_round for worker {worker} (rank {T + worker}) on the "
                              f"transport of rank {self.rank}")
         t0 = time.perf_counter()
+        if hasattr(self.resharder, "deadline"):
+            self.resharder.deadline = deadline
         segments, calls, report = self._prepare(plan)
         expected = {w.name for w in plan.wires
-                    if len(w.table) and (w.table[:, 1] == worker).any()}
+                    if w.sends_to(worker)}
         done: set[str] = set()
         try:
             for seg in segments:
                 if seg.carrier == CARRIER_P2P:
                     sub, schedule = self._p2p(plan, seg)
                     names, n = torch_p2p.recv_round(self.group, sub, schedule, worker, storage,
-                                                    timeout_s=self.timeout_s, device=self.device)
+                                                    timeout_s=self.timeout_s, deadline=deadline,
+                                                    device=self.device)
                     done |= names
                     report.p2p_bytes += n
                     continue

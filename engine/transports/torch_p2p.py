@@ -17,33 +17,41 @@ layouts from the plan alone, so no sizes are exchanged. Two buckets are in
 flight at a time (pack the next while the last is on the wire), so a
 trainer's extra memory stays near two buckets, not one model.
 
-Every wait has a timeout; a dead or stalled peer becomes a ``TransferError``
-naming the peer and the bucket, never a hang.
+Every wait of a round counts down to one ``Deadline`` set when the round
+starts (``m2nkit.engine.deadline``), so waits never add up: a dead or stalled
+peer becomes a ``TransferError`` naming the peer and the bucket, never a hang.
+The round then ends with :func:`finish_round`, one verdict for every rank,
+exchanged through the session's store rather than the group, so a silent rank
+is named instead of blocking the others.
 """
 
 from __future__ import annotations
 
 import json
 import hashlib
+import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from m2nkit.engine.plan import Plan, WirePlan, next_local
-from m2nkit.manifest.layout import rank_boxes
+from m2nkit.engine.deadline import REPORT_GRACE_S, Deadline
+from m2nkit.engine.plan import Plan, Slab, SlabTable, WirePlan, next_local
 
 __all__ = [
     "TransferError",
     "PlanMismatchError",
     "create_group",
+    "wait_work",
+    "rank_label",
     "BucketSchedule",
     "agree_on_plan",
     "send_round",
     "recv_round",
+    "finish_round",
 ]
 
 
@@ -89,13 +97,40 @@ def create_group(host: str, port: int, rank: int, world_size: int, *, timeout_s:
     return store, group
 
 
-def _wait(work, timeout_s: float, what: str) -> None:
+def rank_label(rank: int, num_trainer_ranks: int) -> str:
+    """How messages name a rank of the group: ``"trainer rank 1"``, ``"worker 0 (rank 3)"``."""
+    if rank < num_trainer_ranks:
+        return f"trainer rank {rank}"
+    return f"worker {rank - num_trainer_ranks} (rank {rank})"
+
+
+def wait_work(work, deadline: Deadline | float, what: str) -> None:
+    """Wait for a ``torch.distributed`` work object until ``deadline``.
+
+    ``deadline`` is the round's ``Deadline`` (the wait gets only the time
+    left to it), or seconds for a standalone wait. ``what`` names the
+    operation and the peer (``"worker 0 (rank 2): receive of bucket 3 from
+    trainer rank 1"``); every error starts with it.
+
+    Raises:
+        TransferError: the work failed (a peer closed its connection, the
+            group was aborted) or was not complete at the deadline.
+    """
+    if not isinstance(deadline, Deadline):
+        deadline = Deadline(deadline)
+    left = deadline.left()
     try:
-        ok = work.wait(timedelta(seconds=timeout_s))
+        if left <= 0.0 and not work.is_completed():
+            ok = False
+        else:
+            # c10d treats a zero timeout as "wait forever": never pass one.
+            ok = work.wait(timedelta(seconds=max(left, 0.002)))
     except RuntimeError as e:
+        if deadline.expired():
+            raise TransferError(f"{what} did not complete by {deadline.describe()}") from e
         raise TransferError(f"{what} failed: {str(e).splitlines()[0]}") from e
     if ok is False:
-        raise TransferError(f"{what} did not complete within {timeout_s:g} s")
+        raise TransferError(f"{what} did not complete by {deadline.describe()}")
 
 
 def _group_device(group) -> torch.device:
@@ -106,19 +141,19 @@ def _group_device(group) -> torch.device:
     return torch.device("cpu")
 
 
-def _allgather_bytes(group, rank: int, world_size: int, payload: bytes, timeout_s: float,
+def _allgather_bytes(group, rank: int, world_size: int, payload: bytes, deadline: Deadline,
                      what: str) -> list[bytes]:
     dev = _group_device(group)
     n = torch.tensor([len(payload)], dtype=torch.int64, device=dev)
     sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world_size)]
-    _wait(group.allgather([sizes], [n]), timeout_s, f"{what} (sizes)")
+    wait_work(group.allgather([sizes], [n]), deadline, f"{what} (sizes)")
     lengths = [int(s.item()) for s in sizes]
     cap = max(lengths)
     mine = torch.zeros(cap, dtype=torch.uint8)
     if payload:
         mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     outs = [torch.zeros(cap, dtype=torch.uint8, device=dev) for _ in range(world_size)]
-    _wait(group.allgather([outs], [mine.to(dev)]), timeout_s, what)
+    wait_work(group.allgather([outs], [mine.to(dev)]), deadline, what)
     return [bytes(o[:n].cpu().tolist()) for o, n in zip(outs, lengths)]
 
 
@@ -128,14 +163,15 @@ def _wire_fingerprints(plan: Plan) -> list[list[str]]:
     for w in plan.wires:
         h = hashlib.sha256()
         h.update(json.dumps([w.name, str(w.meta.dtype), list(w.meta.shape),
-                             w.layout.to_json(), w.skipped,
-                             [[b.worker, b.param, b.wire_box, b.offset] for b in w.bindings]]).encode())
+                             [pc.to_json() for pc in w.pieces], w.skipped,
+                             [[b.worker, b.param, b.box, b.offset] for b in w.bindings]]).encode())
         h.update(np.ascontiguousarray(w.table, dtype="<i8").tobytes())
         out.append([w.name, h.hexdigest()[:16]])
     return out
 
 
-def agree_on_plan(group, rank: int, world_size: int, plan: Plan | None, *, timeout_s: float,
+def agree_on_plan(group, rank: int, world_size: int, plan: Plan | None, *,
+                  timeout_s: float | None = None, deadline: Deadline | None = None,
                   error: str | None = None) -> None:
     """Check every rank built the same plan before any byte moves.
 
@@ -147,10 +183,14 @@ def agree_on_plan(group, rank: int, world_size: int, plan: Plan | None, *, timeo
     refusal on one side ends the session everywhere instead of leaving the
     others waiting.
 
+    The exchange waits until ``deadline`` (the init's), else ``timeout_s``
+    seconds from the call.
+
     Raises:
         PlanMismatchError: the plans differ, or some rank reported ``error``.
-        TransferError: a peer did not answer within ``timeout_s``.
+        TransferError: a peer did not answer by the deadline.
     """
+    deadline = Deadline.of(deadline, timeout_s)
     if plan is None:
         payload = json.dumps({"error": error or "no plan"}).encode()
     else:
@@ -158,7 +198,7 @@ def agree_on_plan(group, rank: int, world_size: int, plan: Plan | None, *, timeo
                               "trainers": plan.num_trainer_ranks,
                               "workers": plan.num_workers}).encode()
     everyone = [json.loads(p) for p in _allgather_bytes(group, rank, world_size, payload,
-                                                          timeout_s, "plan agreement")]
+                                                          deadline, f"rank {rank}: plan agreement")]
     for other_rank, other in enumerate(everyone):
         if "error" in other:
             raise PlanMismatchError(f"rank {rank}: rank {other_rank} refused the session: "
@@ -208,8 +248,10 @@ class BucketSchedule:
         for i, w in enumerate(plan.wires):
             if len(w.table):
                 nb = w.slab_nbytes()
-                send += np.bincount(w.table[:, 0], weights=nb, minlength=len(send)).astype(np.int64)
-                recv += np.bincount(w.table[:, 1], weights=nb, minlength=len(recv)).astype(np.int64)
+                send += np.bincount(w.table[:, SlabTable.SRC], weights=nb,
+                                    minlength=len(send)).astype(np.int64)
+                recv += np.bincount(w.table[:, SlabTable.DST], weights=nb,
+                                    minlength=len(recv)).astype(np.int64)
             if max(send.max(initial=0), recv.max(initial=0)) >= bucket_bytes:
                 bounds.append(i + 1)
                 send[:] = 0
@@ -225,92 +267,74 @@ class BucketSchedule:
         return range(self.bounds[k], self.bounds[k + 1])
 
 
-def _aligned(n: int) -> int:
-    # Messages need no padding: see ``_link_rows`` for why every slab is aligned.
-    return n
+def _link_slabs(plan: Plan, wires: range, *, src: int | None = None,
+                dst: int | None = None) -> dict[int, list[tuple[int, Slab]]]:
+    """Per peer: the ``(wire index, Slab)`` of one message, in packing order.
 
-
-def _link_rows(plan: Plan, wires: range, col: int, me: int, peer_col: int):
-    """Per peer: the ``(wire index, row)`` slabs of one message, in packing order.
-
-    Slabs are packed by falling element size (8, 4, 2, 1 bytes), then in
-    manifest and plan order. Every slab's bytes are a multiple of its
-    element size, so each slab then starts at an offset its dtype can be
-    viewed at, with no padding: the message is exactly the slab bytes.
+    ``src=rank`` gives a trainer rank's messages keyed by worker;
+    ``dst=worker`` a worker's keyed by trainer rank. Slabs are packed by
+    falling element size (8, 4, 2, 1 bytes), then in manifest and plan order.
+    Every slab's bytes are a multiple of its element size, so each slab then
+    starts at an offset its dtype can be viewed at, with no padding: the
+    message is exactly the slab bytes.
     """
     out: dict[int, list] = {}
     for wi in wires:
-        t = plan.wires[wi].table
-        if not len(t):
-            continue
-        sel = t[t[:, col] == me]
-        for row in sel.tolist():
-            out.setdefault(row[peer_col], []).append((wi, row))
-    for rows in out.values():
-        rows.sort(key=lambda item: -plan.wires[item[0]].itemsize)  # stable
+        for slab in plan.wires[wi].slabs(src=src, dst=dst):
+            out.setdefault(slab.dst if src is not None else slab.src, []).append((wi, slab))
+    for items in out.values():
+        items.sort(key=lambda item: -plan.wires[item[0]].itemsize)  # stable
     return out
 
 
-def _row_region(wp: WirePlan, row):
-    nd = len(wp.meta.shape)
-    return row[3:3 + nd], row[3 + nd:3 + 2 * nd]
-
-
-def _row_nbytes(wp: WirePlan, row) -> int:
-    lo, hi = _row_region(wp, row)
-    n = wp.itemsize
-    for a, b in zip(lo, hi):
-        n *= b - a
-    return n
-
-
 def send_round(group, plan: Plan, schedule: BucketSchedule, rank: int,
-               stream: Iterable[tuple[str, torch.Tensor]], *, timeout_s: float,
-               device: torch.device | str = "cpu") -> int:
+               stream: Iterable[tuple[str, torch.Tensor]], *, timeout_s: float | None = None,
+               deadline: Deadline | None = None, device: torch.device | str = "cpu") -> int:
     """Send this trainer rank's slabs of one round. Returns bytes sent.
 
     ``stream`` is the rank's ``iter_local()``: one ``(name, local tensor)``
     per owned wire tensor in manifest order; each provider runs once.
+    Every send is waited for until ``deadline`` (the round's), else
+    ``timeout_s`` seconds from the call; a provider that returns after the
+    deadline ends the round here too.
 
     Raises:
         TransferError: a stream out of manifest order or of the wrong shape,
-            or a send that failed or timed out (names the worker and bucket).
+            a provider that returned after the deadline, or a send that
+            failed or was not done by the deadline (names the worker and bucket).
     """
+    deadline = Deadline.of(deadline, timeout_s)
     it = iter(stream)
-    owned_boxes = {}
-    for wi, wp in enumerate(plan.wires):
-        if rank in wp.layout.owners:
-            owned_boxes[wi] = dict(rank_boxes(wp.layout, wp.meta.shape))[rank]
     in_flight: list[tuple[object, str]] = []
     sent = 0
     T = plan.num_trainer_ranks
     for k in range(len(schedule)):
         wires = schedule.wires(k)
-        links = _link_rows(plan, wires, 0, rank, 1)
-        buffers = {dst: torch.empty(sum(_aligned(_row_nbytes(plan.wires[wi], r)) for wi, r in rows),
-                                    dtype=torch.uint8, device=device)
-                   for dst, rows in links.items()}
+        links = _link_slabs(plan, wires, src=rank)
+        buffers = {dst: torch.empty(sum(s.nbytes for _, s in items), dtype=torch.uint8,
+                                    device=device)
+                   for dst, items in links.items()}
         cursor = {dst: 0 for dst in links}
         by_wire: dict[int, list] = {}
-        for dst, rows in links.items():
-            for wi, r in rows:
-                by_wire.setdefault(wi, []).append((dst, r))
+        for dst, items in links.items():
+            for wi, slab in items:
+                by_wire.setdefault(wi, []).append((dst, slab))
         for wi in wires:
-            if wi not in owned_boxes:
-                continue
             wp = plan.wires[wi]
-            box = owned_boxes[wi]
-            local = next_local(it, wp, rank, box, error=TransferError)
-            for dst, r in by_wire.get(wi, ()):
-                lo, hi = _row_region(wp, r)
-                piece = local[tuple(slice(a - s, b - s) for a, b, (s, _) in zip(lo, hi, box))]
-                n = piece.numel() * wp.itemsize
+            if not wp.meta.holds(rank):
+                continue
+            local = next_local(it, wp, rank, error=TransferError)
+            if deadline.expired():
+                raise TransferError(f"trainer rank {rank}: the source's local tensor of '{wp.name}' "
+                                    f"came after {deadline.describe()}; the round is over")
+            for dst, slab in by_wire.get(wi, ()):
+                piece = local[slab.src_region]
                 c = cursor[dst]
-                buffers[dst][c:c + n].view(wp.meta.dtype).view(piece.shape).copy_(piece)
-                cursor[dst] = c + _aligned(n)
+                buffers[dst][c:c + slab.nbytes].view(wp.meta.dtype).view(piece.shape).copy_(piece)
+                cursor[dst] = c + slab.nbytes
         # Keep at most one earlier bucket in flight: wait for it now.
         for work, what in in_flight:
-            _wait(work, timeout_s, what)
+            wait_work(work, deadline, what)
         in_flight = []
         for dst, buf in buffers.items():
             what = f"trainer rank {rank}: send of bucket {k} to worker {dst}"
@@ -321,7 +345,7 @@ def send_round(group, plan: Plan, schedule: BucketSchedule, rank: int,
             in_flight.append((work, what))
             sent += buf.numel()
     for work, what in in_flight:
-        _wait(work, timeout_s, what)
+        wait_work(work, deadline, what)
     leftover = next(it, None)
     if leftover is not None:
         raise TransferError(f"trainer rank {rank}: source yielded '{leftover[0]}' after the last "
@@ -330,26 +354,32 @@ def send_round(group, plan: Plan, schedule: BucketSchedule, rank: int,
 
 
 def recv_round(group, plan: Plan, schedule: BucketSchedule, worker: int,
-               storage: Mapping[str, torch.Tensor], *, timeout_s: float,
+               storage: Mapping[str, torch.Tensor], *, timeout_s: float | None = None,
+               deadline: Deadline | None = None,
                device: torch.device | str = "cpu") -> tuple[set[str], int]:
     """Receive this worker's slabs of one round straight into ``storage``.
 
-    Returns ``(names of wire tensors fully received, bytes received)``. On
-    failure raises ``TransferError`` whose ``received`` attribute lists the
-    wire tensors that did arrive whole and ``missing`` the others.
+    Returns ``(names of wire tensors fully received, bytes received)``.
+    Every receive is waited for until ``deadline`` (the round's), else
+    ``timeout_s`` seconds from the call. On failure raises
+    ``TransferError`` (naming the trainer rank and bucket) whose
+    ``received`` attribute lists the wire tensors that did arrive whole and
+    ``missing`` the others; the next bucket's receives stay posted, so the
+    caller aborts the group.
     """
+    deadline = Deadline.of(deadline, timeout_s)
     expected = {plan.wires[wi].name for wi in range(len(plan.wires))
-                if len(plan.wires[wi].table) and (plan.wires[wi].table[:, 1] == worker).any()}
+                if plan.wires[wi].sends_to(worker)}
     done: set[str] = set()
     got = 0
     T = plan.num_trainer_ranks
     me = T + worker
 
     def post(k):
-        links = _link_rows(plan, schedule.wires(k), 1, worker, 0)
+        links = _link_slabs(plan, schedule.wires(k), dst=worker)
         posted = []
         for src, rows in sorted(links.items()):
-            n = sum(_aligned(_row_nbytes(plan.wires[wi], r)) for wi, r in rows)
+            n = sum(slab.nbytes for _, slab in rows)
             buf = torch.empty(n, dtype=torch.uint8, device=device)
             what = f"worker {worker} (rank {me}): receive of bucket {k} from trainer rank {src}"
             try:
@@ -365,18 +395,13 @@ def recv_round(group, plan: Plan, schedule: BucketSchedule, worker: int,
             current = pending
             pending = post(k + 1) if k + 1 < len(schedule) else []
             for src, rows, buf, work, what in current:
-                _wait(work, timeout_s, what)
+                wait_work(work, deadline, what)
                 c = 0
-                for wi, r in rows:
-                    wp = plan.wires[wi]
-                    b = wp.bindings[r[2]]
-                    lo, hi = _row_region(wp, r)
-                    n = _row_nbytes(wp, r)
-                    region = tuple(slice(off + a - w0, off + c2 - w0)
-                                   for off, a, c2, (w0, _) in zip(b.offset, lo, hi, b.wire_box))
-                    dst = storage[b.param][region]
-                    dst.copy_(buf[c:c + n].view(wp.meta.dtype).view(dst.shape))
-                    c += _aligned(n)
+                for wi, slab in rows:
+                    dst = storage[slab.param][slab.dst_region]
+                    n = slab.nbytes
+                    dst.copy_(buf[c:c + n].view(plan.wires[wi].meta.dtype).view(dst.shape))
+                    c += n
                 got += buf.numel()
             for wi in schedule.wires(k):
                 name = plan.wires[wi].name
@@ -389,22 +414,111 @@ def recv_round(group, plan: Plan, schedule: BucketSchedule, worker: int,
     return done, got
 
 
-def finish_round(group, rank: int, world_size: int, *, error: str | None, timeout_s: float) -> None:
+#: Longest quote of one rank's report inside another rank's error (characters).
+_REPORT_CHARS = 400
+
+
+def finish_round(store, rank: int, world_size: int, *, num_trainer_ranks: int, round_id,
+                 error: str | None, deadline: Deadline | None = None,
+                 timeout_s: float | None = None, grace_s: float = REPORT_GRACE_S,
+                 on_reported: Callable[[], None] | None = None) -> None:
     """End a round on every rank with one verdict: all succeeded, or it failed.
 
-    Each rank reports ``error`` (``None`` when its own part succeeded); ranks
-    exchange reports. A rank whose sends finished still learns that a worker
-    lost data, and a stalled or dead rank turns into a timeout or connection
-    error here instead of a silent success elsewhere.
+    Each rank reports ``error`` (``None`` when its own part succeeded) under
+    ``verdict/<round_id>/`` in the session's ``store`` (the ``TCPStore`` of
+    :func:`create_group`, hosted by trainer rank 0), then collects everyone
+    else's. The verdict goes through the store, not the process group, so a
+    stalled rank cannot hold the others hostage: it is simply a rank that
+    sent no report, and every other rank names it. A rank whose own part
+    succeeded still learns that a worker lost data.
+
+    Timing, with ``deadline`` the round's (else ``timeout_s`` from now):
+    reports are collected until ``deadline`` + 0.6 ``grace_s``; once some
+    rank has reported a failure, for at most 0.6 ``grace_s`` more (enough
+    for the ranks that failed because of it to say so). Trainer rank 0 (the
+    store's host) then stays until the ranks that reported have read the
+    verdict, at most until ``deadline`` + 0.8 ``grace_s``. The rest of
+    ``grace_s`` is slack for a loaded machine, so this returns or raises by
+    ``deadline.at + grace_s`` on every rank that reaches it, and within
+    ``grace_s`` of the first reported failure.
+
+    ``round_id`` must be new within the session (the trainer's round
+    number); ``num_trainer_ranks`` names ranks in messages. ``on_reported``
+    runs right after this rank's report is in the store, before waiting:
+    a rank that failed closes its group connections there, so the peers
+    blocked on it fail at once, and its own report is the earlier one.
 
     Raises:
-        TransferError: some rank reported an error (the message names every
-            failing rank), or the exchange itself failed or timed out.
+        TransferError: the round failed. The message names, first, the ranks
+            that sent no report (stalled, dead or cut off: the usual root
+            cause when there are any), then the first failure reported (by
+            report order) with its rank, then up to three more.
     """
-    payload = json.dumps({"error": error}).encode()
-    everyone = [json.loads(p) for p in _allgather_bytes(group, rank, world_size, payload,
-                                                          timeout_s, "end-of-round status")]
-    failed = [(r, e["error"]) for r, e in enumerate(everyone) if e.get("error")]
-    if failed:
-        listed = "; ".join(f"rank {r}: {msg}" for r, msg in failed[:4])
-        raise TransferError(f"rank {rank}: the round failed on {len(failed)} rank(s): {listed}")
+    deadline = Deadline.of(deadline, timeout_s)
+    me = rank_label(rank, num_trainer_ranks)
+    prefix = f"verdict/{round_id}/"
+    collect = 0.6 * grace_s
+    hard = deadline.at + collect            # last moment to collect reports
+    host_until = deadline.at + 0.8 * grace_s
+    reports: dict[int, dict] = {}
+    try:
+        seq = store.add(prefix + "failed", 1) if error else 0
+        store.set(prefix + f"rank{rank}", json.dumps({"error": error, "seq": seq}))
+        store.add(prefix + "reported", 1)
+        if on_reported is not None:
+            on_reported()
+        first_failure_at = None
+        pause = 0.005
+        while True:
+            reported = store.add(prefix + "reported", 0)
+            failed = store.add(prefix + "failed", 0)     # read after: final once all reported
+            now = time.monotonic()
+            if reported >= world_size:
+                break
+            if failed and first_failure_at is None:
+                first_failure_at = now
+            stop = hard if first_failure_at is None else min(hard, first_failure_at + collect)
+            if now >= stop:
+                break
+            time.sleep(min(pause, stop - now))
+            pause = min(pause * 2, 0.05)
+        if reported >= world_size and not failed:
+            return
+        for r in range(world_size):
+            key = prefix + f"rank{r}"
+            if store.check([key]):
+                reports[r] = json.loads(store.get(key))
+        store.add(prefix + "read", 1)
+        if rank == 0:
+            # The store lives in this process: give the ranks that reported
+            # the time (within the bound) to read the verdict before it goes.
+            while store.add(prefix + "read", 0) < len(reports) and time.monotonic() < host_until:
+                time.sleep(0.02)
+    except RuntimeError as e:                 # DistStoreError, DistNetworkError, ...
+        raise TransferError(
+            f"{me}: round {round_id} failed: the session store (hosted by trainer rank 0) "
+            f"stopped answering ({str(e).splitlines()[0]}), so trainer rank 0 is dead or gone; "
+            f"this rank's own part {'failed: ' + error if error else 'succeeded'}") from e
+
+    def quote(r: int, msg: str) -> str:
+        label = rank_label(r, num_trainer_ranks)
+        msg = msg[len(label) + 2:] if msg.startswith(label + ": ") else msg
+        if len(msg) > _REPORT_CHARS:
+            msg = msg[:_REPORT_CHARS] + " ..."
+        return f"{label}: {msg}"
+
+    silent = [r for r in range(world_size) if r not in reports]
+    failures = sorted((doc["seq"], r, doc["error"]) for r, doc in reports.items() if doc["error"])
+    parts = []
+    if silent:
+        who = ", ".join(rank_label(r, num_trainer_ranks) for r in silent)
+        parts.append(f"{who} sent no report {deadline.elapsed():.1f} s into this rank's round "
+                     f"(stalled, dead or cut off; timeout_s={deadline.seconds:g})")
+    if failures:
+        _, r, msg = failures[0]
+        parts.append(f"first failure reported: {quote(r, msg)}")
+        if len(failures) > 1:
+            more = "; ".join(quote(r, msg) for _, r, msg in failures[1:4])
+            parts.append(f"{len(failures) - 1} more rank(s) failed: {more}"
+                         + (" ..." if len(failures) > 4 else ""))
+    raise TransferError(f"{me}: round {round_id} failed: " + "; ".join(parts))

@@ -1,0 +1,49 @@
+"""Model families: everything m2nkit knows about one architecture, in one module.
+
+A family's knowledge used to be spread over the checkpoint reader, the vLLM
+tables, the reference loader and the tiny-model builder; adding a family
+meant editing all four, and a fifth place for trainer names was coming.
+Here each family is one module (``llama.py``, ``qwen2.py``, ``qwen3.py``,
+``qwen3_moe.py``, ``mixtral.py``) holding:
+
+* transformers' names for its tensors, in memory and on disk, and how MoE
+  experts are fused (``HF_NAMES``);
+* the vLLM parameters, each with its shard kind and the wire tensors that
+  feed it (``VLLM_PARAMS``), and the conditions deciding which exist for a
+  config (``CONDITIONS``: biases, dense or MoE layers; tied embeddings);
+* its tiny test models (``TINY_MODELS``);
+* a room for trainer-side (Megatron) names (``MEGATRON_NAMES``), empty until
+  the Megatron adapter fills it;
+* ``FAMILY``, the :class:`~.table.Family` bundling them.
+
+The shard kinds every family uses (replicated, column, row, vocab, merged
+column, QKV, stacked experts) are defined once, in :mod:`.kinds`; the table
+vocabulary is :mod:`.table`; config sizes are :mod:`.sizes`. The registry
+(:mod:`.registry`) maps ``config.architectures[0]`` to the module. Adding a
+family: ``docs/families.md``.
+
+This package imports only the registry, so ``import
+m2nkit.adapters.families`` does not import torch or transformers.
+"""
+
+from .registry import (
+    ARCHITECTURES,
+    UnsupportedArchitecture,
+    architecture_of,
+    check_architecture,
+    family,
+    family_for,
+    supported_architectures,
+    unsupported_architecture,
+)
+
+__all__ = [
+    "ARCHITECTURES",
+    "UnsupportedArchitecture",
+    "architecture_of",
+    "check_architecture",
+    "family",
+    "family_for",
+    "supported_architectures",
+    "unsupported_architecture",
+]

@@ -1,0 +1,509 @@
+"""The shard kinds: how vLLM splits one parameter over its workers, defined once.
+
+vLLM gives each way of sharding a weight its own layer class, and each class
+owns the ``weight_loader`` that copies a checkpoint tensor into a rank's
+slice of the parameter (``ColumnParallelLinear``, ``QKVParallelLinear``,
+``VocabParallelEmbedding``, ``RoutedExperts``, ...). m2nkit does the same:
+one object per kind, shared by every family table, and each object answers
+three questions about its kind, in one place:
+
+* **bindings** (:meth:`Kind.boxes`, :meth:`Kind.local_shape`,
+  :meth:`Kind.zero_boxes`): which box of a wire tensor lands where in the
+  worker's local parameter. ``m2nkit.adapters.vllm.destination_layout``
+  turns these into ``Binding`` records; it never copies data.
+* **divisibility** (:meth:`Kind.violation`): why a parallel size cannot hold
+  a parameter, as a message naming the config value and the rule.
+* **reference load** (:meth:`Kind.load`): the same rule written the way
+  vLLM's ``weight_loader`` is written (narrow the checkpoint tensor to the
+  rank's shard, narrow the parameter to the shard's slot, copy). Used by
+  ``m2nkit.adapters.vllm.reference_load``; tests hold the bindings and the
+  loads against each other and against real vLLM 0.33.0 dumps
+  (``tests/data/oracle``).
+
+Rules restated from vLLM 0.33.0 (``vllm/model_executor/``), per kind in the
+class docstrings; REFERENCE.md §3 has them in one list. Symbols: tp, ``H``,
+``V``, ``nh``, ``nkv``, ``hd``, ``Im``, ``E`` as in REFERENCE.md §3.
+
+Workers are numbered dp-major (``worker = dp_index * tp + tp_rank``). Dense
+kinds only look at the tp rank: every dp replica holds the same. MoE kinds
+look at the worker: without EP the MoE tensor-parallel size is ``dp*tp``
+(``tp_moe``, flattened, moe rank = worker) and every worker holds all ``E``
+experts; with EP (``enable_expert_parallel``) ``tp_moe = 1`` and worker
+``w`` holds experts ``[w*E/ep, (w+1)*E/ep)`` whole, ``ep = dp*tp``
+(``layers/fused_moe/config.py`` ``FusedMoEParallelConfig.make``,
+``flatten_tp_across_dp_and_pcp``; ``layers/fused_moe/expert_map_manager.py``
+``determine_expert_map``, linear placement).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .sizes import Sizes
+
+__all__ = [
+    "VOCAB_PADDING", "padded_vocab", "Geometry", "Kind",
+    "Replicated", "Column", "Row", "Qkv", "Merged", "Vocab", "ExpertsW13", "ExpertsW2",
+    "REPLICATED", "COLUMN", "ROW", "QKV", "MERGED", "VOCAB", "W13", "W2", "KINDS",
+]
+
+#: vLLM pads the vocab of VocabParallelEmbedding/ParallelLMHead to a multiple
+#: of this (``layers/vocab_parallel_embedding.py``, ``DEFAULT_VOCAB_PADDING_SIZE``).
+VOCAB_PADDING = 64
+
+Box = tuple[tuple[int, int], ...]
+#: ``(box of the wire tensor, offset of its first element in the local parameter)``.
+Placed = tuple[Box, tuple[int, ...]]
+
+
+def padded_vocab(V: int) -> int:
+    """``Vp = ceil(V/64)*64`` (vLLM ``pad_vocab_size``)."""
+    return -(-V // VOCAB_PADDING) * VOCAB_PADDING
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What one vLLM worker holds of one model: the partition sizes of REFERENCE.md §3.
+
+    The numbers vLLM's layer constructors compute (``QKVParallelLinear.__init__``,
+    ``VocabParallelEmbedding.__init__``, ``FusedMoEParallelConfig.make``), for
+    worker ``worker`` of ``num_workers = dp*tp``. Built by :meth:`of`; the
+    divisibility rules (:meth:`Kind.violation`) must hold first.
+
+    Attributes:
+        worker, num_workers, tp, tp_rank: ``tp_rank = worker % tp``.
+        ep: expert parallelism in effect (``enable_expert_parallel`` and more
+            than one worker).
+        hd, nkv: head dim, KV heads (global).
+        q_heads: ``nh/tp`` query heads per rank.
+        kv_heads: KV heads per rank (1 when ``tp >= nkv``).
+        kv_replicas: ranks sharing one KV head (``tp/nkv`` when ``tp >= nkv``, else 1).
+        V, vocab_per: vocab and padded rows per rank ``Vp/tp``.
+        H, E, Im: hidden, experts, MoE intermediate (global).
+        moe_tp, moe_rank: MoE tensor-parallel size and this worker's rank in it.
+        e_first, e_local: first expert and number of experts on this worker.
+        im_local: ``Im/moe_tp`` rows of gate (and of up) per expert.
+    """
+
+    worker: int
+    num_workers: int
+    tp: int
+    tp_rank: int
+    ep: bool
+    hd: int
+    nkv: int
+    q_heads: int
+    kv_heads: int
+    kv_replicas: int
+    V: int
+    vocab_per: int
+    H: int
+    E: int
+    Im: int
+    moe_tp: int
+    moe_rank: int
+    e_first: int
+    e_local: int
+    im_local: int
+
+    @classmethod
+    def of(cls, s: Sizes, tp: int, dp: int, ep: bool, worker: int) -> "Geometry":
+        """The geometry of ``worker`` for model sizes ``s`` and vLLM ``tp``/``dp``/``ep``."""
+        W = tp * dp
+        if tp >= s.nkv:
+            kv_heads, kv_rep = 1, tp // max(s.nkv, 1)
+        else:
+            kv_heads, kv_rep = s.nkv // tp, 1
+        use_ep = bool(ep) and W > 1
+        if use_ep:
+            moe_tp, moe_rank, e_local = 1, 0, s.E // W
+            e_first = worker * e_local
+        else:
+            moe_tp, moe_rank, e_local, e_first = W, worker, s.E, 0
+        return cls(
+            worker=worker, num_workers=W, tp=tp, tp_rank=worker % tp, ep=use_ep,
+            hd=s.hd, nkv=s.nkv, q_heads=s.nh // tp, kv_heads=kv_heads, kv_replicas=kv_rep,
+            V=s.V, vocab_per=padded_vocab(s.V) // tp, H=s.H, E=s.E, Im=s.Im,
+            moe_tp=moe_tp, moe_rank=moe_rank, e_first=e_first, e_local=e_local,
+            im_local=s.Im // moe_tp,
+        )
+
+    @property
+    def vocab_rows(self) -> tuple[int, int]:
+        """Token rows ``[lo, hi)`` of this tp rank (vLLM ``_get_indices``)."""
+        r, per = self.tp_rank, self.vocab_per
+        return min(r * per, self.V), min((r + 1) * per, self.V)
+
+
+def _full(shape: tuple[int, ...]) -> Box:
+    return tuple((0, n) for n in shape)
+
+
+class Kind:
+    """One shard kind. Subclasses restate one vLLM layer class.
+
+    Attributes:
+        name: the kind's name in tables and messages (``"column"``).
+        source: the vLLM code the rule restates.
+        by_worker: ``True`` when workers of one tp rank hold different boxes
+            (MoE kinds); ``False`` when only the tp rank matters.
+        rule_order: order of this kind's divisibility message among others
+            (the first broken rule is the one an error leads with).
+    """
+
+    name = ""
+    source = ""
+    by_worker = False
+    rule_order = 99
+
+    def wire_shape(self, dims: tuple[int, ...], part: Any, s: Sizes) -> tuple[int, ...]:
+        """Global shape of the wire tensor feeding ``part``, from the table's resolved dims."""
+        return dims
+
+    def local_shape(self, dims: tuple[int, ...], parts: int, g: Geometry) -> tuple[int, ...]:
+        """Local shape of the parameter on a worker (``parts``: number of feeds)."""
+        raise NotImplementedError
+
+    def rule_key(self, syms: tuple[str, ...]) -> tuple:
+        """Parameters with equal keys break the same rule; it is reported once."""
+        return (self.name, ())
+
+    def violation(self, name: str, syms: tuple[str, ...], s: Sizes, tp: int, dp: int,
+                  ep: bool) -> str | None:
+        """Why ``tp``/``dp``/``ep`` cannot hold parameter ``name`` (``None``: they can)."""
+        return None
+
+    def boxes(self, shape: tuple[int, ...], part: Any, g: Geometry) -> list[Placed]:
+        """``[(box, offset)]``: the boxes of a wire tensor of ``shape`` that land on
+        ``g``'s worker, and where each lands in the local parameter."""
+        raise NotImplementedError
+
+    def zero_boxes(self, local_shape: tuple[int, ...], g: Geometry) -> tuple[Box, ...]:
+        """Local regions no wire tensor fills and that hold zeros."""
+        return ()
+
+    def load(self, param: torch.Tensor, wire: torch.Tensor, part: Any, g: Geometry) -> None:
+        """Copy this worker's share of the full ``wire`` tensor into ``param`` (in place),
+        the way vLLM's ``weight_loader`` does."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<shard kind {self.name}>"
+
+
+class Replicated(Kind):
+    """Every worker holds the whole tensor.
+
+    Norms (``RMSNorm``), MoE routers (``GateLinear``, ``ReplicatedLinear``),
+    Qwen3 ``q_norm``/``k_norm``, and the bias of a row-parallel layer (vLLM
+    ``layers/linear.py`` ``RowParallelLinear``: the bias has no ``input_dim``,
+    so ``weight_loader`` copies it whole to every rank).
+    """
+
+    name = "replicated"
+    source = "vllm layers/layernorm.py RMSNorm, layers/linear.py ReplicatedLinear.weight_loader"
+    rule_order = 7
+
+    def local_shape(self, dims, parts, g):
+        return dims
+
+    def boxes(self, shape, part, g):
+        return [(_full(shape), (0,) * len(shape))]
+
+    def load(self, param, wire, part, g):
+        if param.shape != wire.shape:
+            raise ValueError(f"replicated parameter of shape {tuple(param.shape)} "
+                             f"cannot take a tensor of shape {tuple(wire.shape)}")
+        param.copy_(wire)
+
+
+class _SplitRows(Kind):
+    """Shared divisibility rule of column, merged and row parallel layers."""
+
+    rule_dim = 0
+
+    def rule_key(self, syms):
+        return (self.name, syms)
+
+    def violation(self, name, syms, s, tp, dp, ep):
+        sym = syms[self.rule_dim]
+        if s.resolve((sym,))[0] % tp:
+            return f"{name}: {s.label(sym)} is not divisible by tp={tp}"
+        return None
+
+
+class Column(_SplitRows):
+    """Column parallel: rank ``r`` holds rows ``[r*n/tp, (r+1)*n/tp)`` (bias likewise).
+
+    vLLM ``layers/linear.py`` ``ColumnParallelLinear.weight_loader``
+    (``output_dim`` narrowed at ``tp_rank * shard_size``); ``divide(n, tp)``
+    in its constructor is the divisibility rule.
+    """
+
+    name = "column"
+    source = "vllm layers/linear.py ColumnParallelLinear.weight_loader"
+    rule_order = 2
+
+    def local_shape(self, dims, parts, g):
+        return (dims[0] // g.tp, *dims[1:])
+
+    def boxes(self, shape, part, g):
+        n, r = shape[0] // g.tp, g.tp_rank
+        return [(((r * n, (r + 1) * n), *_full(shape[1:])), (0,) * len(shape))]
+
+    def load(self, param, wire, part, g):
+        size = param.shape[0]
+        param.copy_(wire.narrow(0, g.tp_rank * size, size))
+
+
+class Row(_SplitRows):
+    """Row parallel: rank ``r`` holds columns ``[r*n/tp, (r+1)*n/tp)`` of a 2-D weight.
+
+    vLLM ``layers/linear.py`` ``RowParallelLinear.weight_loader``
+    (``input_dim`` narrowed at ``tp_rank * shard_size``). The bias is not this
+    kind: it is :data:`REPLICATED`.
+    """
+
+    name = "row"
+    source = "vllm layers/linear.py RowParallelLinear.weight_loader"
+    rule_order = 3
+    rule_dim = 1
+
+    def local_shape(self, dims, parts, g):
+        return (dims[0], dims[1] // g.tp)
+
+    def boxes(self, shape, part, g):
+        n, r = shape[1] // g.tp, g.tp_rank
+        return [(((0, shape[0]), (r * n, (r + 1) * n)), (0, 0))]
+
+    def load(self, param, wire, part, g):
+        size = param.shape[1]
+        param.copy_(wire.narrow(1, g.tp_rank * size, size))
+
+
+class Merged(_SplitRows):
+    """Merged column parallel: local ``[part0_r; part1_r; ...]``.
+
+    Part ``p`` (``gate_proj`` = 0, ``up_proj`` = 1) of rank ``r`` is rows
+    ``[r*n/tp, (r+1)*n/tp)`` of its wire tensor and lands at local row
+    ``p*n/tp`` (all parts of m2nkit's tables have the same ``n``). vLLM
+    ``layers/linear.py`` ``MergedColumnParallelLinear.weight_loader``
+    (``shard_offset = sum(output_sizes[:shard_id]) // tp``, ``start_idx =
+    tp_rank * shard_size``).
+    """
+
+    name = "merged"
+    source = "vllm layers/linear.py MergedColumnParallelLinear.weight_loader"
+    rule_order = 1
+
+    def local_shape(self, dims, parts, g):
+        return (parts * dims[0] // g.tp, *dims[1:])
+
+    def boxes(self, shape, part, g):
+        n, r = shape[0] // g.tp, g.tp_rank
+        return [(((r * n, (r + 1) * n), *_full(shape[1:])), (part * n, *(0,) * (len(shape) - 1)))]
+
+    def load(self, param, wire, part, g):
+        size = wire.shape[0] // g.tp
+        param.narrow(0, part * size, size).copy_(wire.narrow(0, g.tp_rank * size, size))
+
+
+class Qkv(Kind):
+    """QKV parallel: local rows ``[q | k | v]`` from three wire tensors (parts ``q``/``k``/``v``).
+
+    q: heads ``[r*nh/tp, (r+1)*nh/tp)``. k and v: when ``tp >= nkv`` one head
+    per rank, head ``r // (tp/nkv)`` (``tp/nkv`` ranks replicate it), else
+    ``nkv/tp`` heads from ``r*nkv/tp``. Biases (Qwen2, Llama with
+    ``attention_bias``) are split the same way. vLLM ``layers/linear.py``
+    ``QKVParallelLinear.__init__`` (``num_heads = nh/tp``,
+    ``num_kv_head_replicas``) and ``.weight_loader`` (k/v rows from KV shard
+    ``tp_rank // num_kv_head_replicas``). The table's dims are those after
+    the head rows (``("H",)`` for a weight, ``()`` for a bias).
+    """
+
+    name = "qkv"
+    source = "vllm layers/linear.py QKVParallelLinear.__init__, .weight_loader"
+    rule_order = 0
+
+    def wire_shape(self, dims, part, s):
+        heads = s.nh if part == "q" else s.nkv
+        return (heads * s.hd, *dims)
+
+    def local_shape(self, dims, parts, g):
+        return ((g.q_heads + 2 * g.kv_heads) * g.hd, *dims)
+
+    def violation(self, name, syms, s, tp, dp, ep):
+        if s.nh % tp:
+            return f"{name}: num_attention_heads={s.nh} is not divisible by tp={tp}"
+        if tp >= s.nkv and tp % s.nkv:
+            return (f"{name}: tp={tp} >= num_key_value_heads={s.nkv} must be a multiple "
+                    f"of it (each rank holds one replicated KV head)")
+        if tp < s.nkv and s.nkv % tp:
+            return f"{name}: num_key_value_heads={s.nkv} is not divisible by tp={tp}"
+        return None
+
+    def _slot(self, part, g) -> tuple[int, int, int]:
+        """``(local row offset, rows, shard index in the wire tensor)`` of ``part``."""
+        q_rows = g.q_heads * g.hd
+        if part == "q":
+            return 0, q_rows, g.tp_rank
+        n = g.kv_heads * g.hd
+        return q_rows + (n if part == "v" else 0), n, g.tp_rank // g.kv_replicas
+
+    def boxes(self, shape, part, g):
+        at, n, shard = self._slot(part, g)
+        rest = len(shape) - 1
+        return [(((shard * n, (shard + 1) * n), *_full(shape[1:])), (at, *(0,) * rest))]
+
+    def load(self, param, wire, part, g):
+        at, n, shard = self._slot(part, g)
+        param.narrow(0, at, n).copy_(wire.narrow(0, shard * n, n))
+
+
+class Vocab(Kind):
+    """Vocab parallel: rank ``r`` holds token rows ``[r*per, min((r+1)*per, V))``.
+
+    ``per = Vp/tp`` with ``Vp = ceil(V/64)*64``; the local rows after the
+    rank's tokens (padding) are zero, written by vLLM. vLLM
+    ``layers/vocab_parallel_embedding.py`` (``pad_vocab_size``,
+    ``_get_indices``, ``VocabParallelEmbedding.weight_loader``: copies the
+    rank's rows and ``fill_(0)``s the rest; ``divide(num_embeddings_padded,
+    tp)``). Embedding and untied ``lm_head`` (``ParallelLMHead``).
+    """
+
+    name = "vocab"
+    source = "vllm layers/vocab_parallel_embedding.py VocabParallelEmbedding.weight_loader"
+    rule_order = 4
+
+    def local_shape(self, dims, parts, g):
+        return (g.vocab_per, *dims[1:])
+
+    def violation(self, name, syms, s, tp, dp, ep):
+        vp = padded_vocab(s.V)
+        if vp % tp:
+            return (f"{name}: vocab_size={s.V} padded to {vp} (a multiple of "
+                    f"{VOCAB_PADDING}) is not divisible by tp={tp}")
+        return None
+
+    def boxes(self, shape, part, g):
+        lo, hi = g.vocab_rows
+        return [(((lo, hi), *_full(shape[1:])), (0,) * len(shape))] if hi > lo else []
+
+    def zero_boxes(self, local_shape, g):
+        lo, hi = g.vocab_rows
+        n = hi - lo
+        return (((n, g.vocab_per), *_full(local_shape[1:])),) if n < g.vocab_per else ()
+
+    def load(self, param, wire, part, g):
+        lo, hi = g.vocab_rows
+        piece = wire.narrow(0, lo, hi - lo)
+        param[: piece.shape[0]].copy_(piece)
+        param[piece.shape[0]:].fill_(0)
+
+
+class _Experts(Kind):
+    """Shared rules of the stacked-expert kinds (one message for w13 and w2).
+
+    Without EP ``Im`` must divide by ``tp_moe = dp*tp`` (vLLM
+    ``fused_moe/config.py``, ``intermediate_size % tp_size``); with EP ``E``
+    must divide by ``ep = dp*tp`` (``expert_map_manager.py``; uneven splits
+    are not supported here).
+    """
+
+    by_worker = True
+    rule_order = 5
+
+    def rule_key(self, syms):
+        return ("experts", ())
+
+    def violation(self, name, syms, s, tp, dp, ep):
+        W = tp * dp
+        if ep and W > 1:
+            if s.E % W:
+                return (f"{name}: {s.label('E')} is not divisible by the expert-parallel "
+                        f"size ep=dp*tp={W}")
+        elif s.Im % W:
+            return (f"{name}: {s.label('Im')} is not divisible by the MoE tensor-parallel "
+                    f"size dp*tp={W}")
+        return None
+
+
+class ExpertsW13(_Experts):
+    """Stacked gate/up experts: wire ``[E, 2*Im, H]`` -> local ``[E_local, 2*Im_local, H]``.
+
+    The wire tensor is ``experts.gate_up_proj.weight``, expert ``e`` = its
+    gate rows then its up rows. Per local expert the parameter holds the gate
+    rows of moe rank ``k`` (``[k*Im_local, (k+1)*Im_local)``), then its up
+    rows. vLLM ``layers/fused_moe/routed_experts.py``
+    ``RoutedExperts.load_weights`` (a stacked ``gate_up_proj`` is chunked
+    into w1/w3) and ``_load_w13`` (w1 into the first half, w3 into the second,
+    ``Im/tp_moe`` rows of moe rank ``k`` each). A worker holding whole
+    experts (``Im_local == Im``) gets one box: gate and up are one run.
+    """
+
+    name = "w13"
+    source = "vllm layers/fused_moe/routed_experts.py RoutedExperts.load_weights, _load_w13"
+
+    def local_shape(self, dims, parts, g):
+        return (g.e_local, 2 * g.im_local, g.H)
+
+    def boxes(self, shape, part, g):
+        e0, e1 = g.e_first, g.e_first + g.e_local
+        n, k, H, Im = g.im_local, g.moe_rank, g.H, g.Im
+        if n == Im:
+            return [(((e0, e1), (0, 2 * n), (0, H)), (0, 0, 0))]
+        return [
+            (((e0, e1), (k * n, (k + 1) * n), (0, H)), (0, 0, 0)),
+            (((e0, e1), (Im + k * n, Im + (k + 1) * n), (0, H)), (0, n, 0)),
+        ]
+
+    def load(self, param, wire, part, g):
+        for i in range(g.e_local):
+            dst = param[i]
+            gate, up = wire[g.e_first + i].chunk(2, dim=0)
+            half = dst.shape[0] // 2
+            per_rank = gate.shape[0] // g.moe_tp
+            dst.narrow(0, 0, half).copy_(gate.narrow(0, g.moe_rank * per_rank, per_rank))
+            dst.narrow(0, half, half).copy_(up.narrow(0, g.moe_rank * per_rank, per_rank))
+
+
+class ExpertsW2(_Experts):
+    """Stacked down experts: wire ``[E, H, Im]`` -> local ``[E_local, H, Im_local]``.
+
+    The wire tensor is ``experts.down_proj.weight``; moe rank ``k`` holds
+    columns ``[k*Im_local, (k+1)*Im_local)`` of each local expert. vLLM
+    ``layers/fused_moe/routed_experts.py`` ``_load_w2`` (shard dim 1).
+    """
+
+    name = "w2"
+    source = "vllm layers/fused_moe/routed_experts.py RoutedExperts._load_w2"
+
+    def local_shape(self, dims, parts, g):
+        return (g.e_local, g.H, g.im_local)
+
+    def boxes(self, shape, part, g):
+        e0, e1 = g.e_first, g.e_first + g.e_local
+        n, k = g.im_local, g.moe_rank
+        return [(((e0, e1), (0, g.H), (k * n, (k + 1) * n)), (0, 0, 0))]
+
+    def load(self, param, wire, part, g):
+        for i in range(g.e_local):
+            w = wire[g.e_first + i]
+            per_rank = w.shape[1] // g.moe_tp
+            param[i].copy_(w.narrow(1, g.moe_rank * per_rank, per_rank))
+
+
+REPLICATED = Replicated()
+COLUMN = Column()
+ROW = Row()
+QKV = Qkv()
+MERGED = Merged()
+VOCAB = Vocab()
+W13 = ExpertsW13()
+W2 = ExpertsW2()
+
+#: Every shard kind, by name.
+KINDS: dict[str, Kind] = {k.name: k for k in (REPLICATED, COLUMN, ROW, QKV, MERGED, VOCAB, W13, W2)}

@@ -1,0 +1,104 @@
+"""Llama (``LlamaForCausalLM``): everything m2nkit knows about the family.
+
+The dense decoder the Qwen families build on: attention ``q/k/v_proj`` fused
+into vLLM's ``qkv_proj``, MLP ``gate_proj/up_proj`` into ``gate_up_proj``
+(vLLM 0.33.0 ``model_executor/models/llama.py``, ``stacked_params_mapping``).
+Biases follow the config: ``attention_bias`` (or ``bias``) gives q/k/v and
+``o_proj`` biases, ``qkv_bias`` overrides the q/k/v one (InternLM3),
+``mlp_bias`` gives ``gate_up_proj``/``down_proj`` biases
+(``LlamaDecoderLayer.__init__``); a row-parallel bias is replicated.
+transformers 5 names every tensor the same in memory and on disk.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .kinds import MERGED, QKV, REPLICATED, ROW, VOCAB
+from .sizes import base_sizes, cfg_get
+from .table import Family, HFNaming, Param, TinyModel, merged_feeds, qkv_feeds
+
+__all__ = ["ARCHITECTURE", "HF_NAMES", "VLLM_PARAMS", "CONDITIONS", "TINY_MODELS",
+           "MEGATRON_NAMES", "FAMILY", "dense_mlp_params", "ATTENTION", "MLP"]
+
+ARCHITECTURE = "LlamaForCausalLM"
+
+#: transformers 5: in-memory names are the on-disk names; no experts.
+HF_NAMES = HFNaming()
+
+#: Name prefixes of one layer's attention and MLP (``{L}``: the layer).
+ATTENTION = "model.layers.{L}.self_attn"
+MLP = "model.layers.{L}.mlp"
+
+
+def dense_mlp_params(mlp: str = MLP, when: str | None = None,
+                     bias_when: str | None = "mlp_bias") -> tuple[Param, ...]:
+    """The dense (SwiGLU) MLP of one layer under ``mlp``; Qwen2/Qwen3/Qwen3-MoE reuse it.
+
+    ``when``: condition for the whole MLP (Qwen3-MoE dense layers);
+    ``bias_when``: condition for the biases, ``None`` for a family without.
+    """
+    out = (
+        Param(f"{mlp}.gate_up_proj.weight", MERGED, ("I", "H"), when=when,
+              feeds=merged_feeds(f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight")),
+        Param(f"{mlp}.down_proj.weight", ROW, ("H", "I"), when=when),
+    )
+    if bias_when is None:
+        return out
+    return (
+        out[0],
+        Param(f"{mlp}.gate_up_proj.bias", MERGED, ("I",), when=bias_when,
+              feeds=merged_feeds(f"{mlp}.gate_proj.bias", f"{mlp}.up_proj.bias")),
+        out[1],
+        Param(f"{mlp}.down_proj.bias", REPLICATED, ("H",), when=bias_when),
+    )
+
+
+A = ATTENTION
+
+#: vLLM parameters in ``named_parameters()`` order (per layer for ``{L}``).
+VLLM_PARAMS: tuple[Param, ...] = (
+    Param("model.embed_tokens.weight", VOCAB, ("V", "H")),
+    Param(f"{A}.qkv_proj.weight", QKV, ("H",), feeds=qkv_feeds(A)),
+    Param(f"{A}.qkv_proj.bias", QKV, (), feeds=qkv_feeds(A, "bias"), when="qkv_bias"),
+    Param(f"{A}.o_proj.weight", ROW, ("H", "nh*hd")),
+    Param(f"{A}.o_proj.bias", REPLICATED, ("H",), when="o_proj_bias"),
+    *dense_mlp_params(),
+    Param("model.layers.{L}.input_layernorm.weight", REPLICATED, ("H",)),
+    Param("model.layers.{L}.post_attention_layernorm.weight", REPLICATED, ("H",)),
+    Param("model.norm.weight", REPLICATED, ("H",)),
+    Param("lm_head.weight", VOCAB, ("V", "H"), tied_to="model.embed_tokens.weight"),
+)
+
+
+def _attention_bias(config: Any) -> bool:
+    return bool(cfg_get(config, "attention_bias", default=False)
+                or cfg_get(config, "bias", default=False))
+
+
+#: ``Param.when`` conditions: ``(config, layer) -> bool``.
+CONDITIONS = {
+    "qkv_bias": lambda c, L: bool(cfg_get(c, "qkv_bias", default=_attention_bias(c))),
+    "o_proj_bias": lambda c, L: _attention_bias(c),
+    "mlp_bias": lambda c, L: bool(cfg_get(c, "mlp_bias", default=False)),
+}
+
+
+def sizes(config: Any):
+    """``Sizes`` of a Llama config (``I`` = ``intermediate_size``)."""
+    return base_sizes(config, I=int(cfg_get(config, "intermediate_size")))
+
+
+#: Tiny test models (``m2nkit.adapters.tiny``).
+TINY_MODELS = {"tiny-llama": TinyModel("llama")}
+
+MEGATRON_NAMES: tuple = ()
+"""Megatron-Core parameter names -> wire tensors (e.g. ``decoder.layers.{L}.
+self_attention.linear_qkv.weight`` -> the q/k/v wire tensors): empty until the
+Megatron adapter fills it."""
+
+FAMILY = Family(
+    ARCHITECTURE, HF_NAMES, VLLM_PARAMS, sizes, CONDITIONS, tiny=TINY_MODELS,
+    megatron_names=MEGATRON_NAMES, vllm_source="vllm/model_executor/models/llama.py",
+    module=__name__,
+)

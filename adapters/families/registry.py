@@ -1,0 +1,112 @@
+"""Architecture -> model family: the one registry.
+
+``config.architectures[0]`` names the family; :data:`ARCHITECTURES` maps it
+to the module of this package that holds everything m2nkit knows about it.
+Adding a family is adding that module and one line here.
+
+The table is plain strings and family modules are imported only when a
+family is asked for, so a tool can check an architecture, and refuse a bad
+one with :func:`unsupported_architecture`, without importing torch or
+transformers (a refusal in well under a second). Every place that refuses
+an architecture uses that one message.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any, Mapping
+
+if TYPE_CHECKING:  # the import would pull in torch
+    from .table import Family
+
+__all__ = [
+    "ARCHITECTURES",
+    "UnsupportedArchitecture",
+    "supported_architectures",
+    "unsupported_architecture",
+    "check_architecture",
+    "architecture_of",
+    "family",
+    "family_for",
+]
+
+#: ``config.architectures[0]`` -> module of ``m2nkit.adapters.families``.
+ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+}
+
+
+class UnsupportedArchitecture(ValueError):
+    """An architecture m2nkit has no family for (the message lists the supported ones)."""
+
+
+def supported_architectures() -> list[str]:
+    """The architectures m2nkit supports, sorted."""
+    return sorted(ARCHITECTURES)
+
+
+def unsupported_architecture(architecture: Any) -> str:
+    """The one message refusing ``architecture``.
+
+    ``architecture 'DeepseekV3ForCausalLM' is not supported; supported:
+    LlamaForCausalLM, MixtralForCausalLM, ...``.
+    """
+    return (f"architecture {architecture!r} is not supported; supported: "
+            f"{', '.join(supported_architectures())}")
+
+
+def check_architecture(architecture: Any) -> str:
+    """``architecture`` if m2nkit supports it.
+
+    Raises:
+        UnsupportedArchitecture: otherwise (:func:`unsupported_architecture`).
+    """
+    if not isinstance(architecture, str) or architecture not in ARCHITECTURES:
+        raise UnsupportedArchitecture(unsupported_architecture(architecture))
+    return architecture
+
+
+def architecture_of(config: Any) -> str:
+    """``config.architectures[0]`` of a config object or ``config.json`` dict, checked.
+
+    Raises:
+        UnsupportedArchitecture: no ``architectures``, or an unsupported one.
+    """
+    archs = config.get("architectures") if isinstance(config, Mapping) else getattr(
+        config, "architectures", None)
+    if not archs:
+        raise UnsupportedArchitecture(
+            "model config has no 'architectures' (a list like [\"Qwen3ForCausalLM\"]); "
+            f"supported: {', '.join(supported_architectures())}")
+    if isinstance(archs, str):
+        archs = [archs]
+    return check_architecture(archs[0])
+
+
+def family(architecture: str) -> "Family":
+    """The family of ``architecture`` (imports its module on first use).
+
+    Raises:
+        UnsupportedArchitecture: an architecture without a family.
+    """
+    check_architecture(architecture)
+    module = importlib.import_module(f"{__package__}.{ARCHITECTURES[architecture]}")
+    fam = module.FAMILY
+    if fam.architecture != architecture:  # a registry typo, not user input
+        raise RuntimeError(f"registry maps {architecture} to {module.__name__}, whose FAMILY "
+                           f"is {fam.architecture}")
+    return fam
+
+
+def family_for(config: Any) -> "Family":
+    """The family of ``config.architectures[0]`` (config object or ``config.json`` dict).
+
+    Raises:
+        UnsupportedArchitecture: no ``architectures``, or one without a family
+            (lists the supported ones).
+    """
+    return family(architecture_of(config))

@@ -1,0 +1,201 @@
+"""The vocabulary of a family module: ``Param``, ``HFNaming``, ``TinyModel``, ``Family``.
+
+A family module is data first: the names transformers gives the family's
+tensors (:class:`HFNaming`), the vLLM parameters with the shard kind of
+each and the wire tensors that feed them (a tuple of :class:`Param`), the
+conditions that decide which parameters a config has, the tiny test models
+(:class:`TinyModel`), and a room for trainer-side names. :class:`Family`
+bundles them; the registry hands it to the adapters (``hf_checkpoint``,
+``tiny``, ``vllm``), which hold no family knowledge of their own. Nothing
+here moves data.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from .kinds import KINDS, Kind
+from .sizes import Sizes
+
+__all__ = [
+    "Feeds", "Param", "qkv_feeds", "merged_feeds",
+    "TRANSFORMERS_FUSED_EXPERTS", "HFNaming", "TinyModel", "Family",
+]
+
+#: Feeds of one parameter: ``(wire name template, part)``; part is ``None``
+#: for a single feed, ``"q"/"k"/"v"`` for qkv, ``0/1`` for merged.
+Feeds = tuple[tuple[str, Any], ...]
+
+
+@dataclass(frozen=True)
+class Param:
+    """One vLLM parameter of a family table.
+
+    Attributes:
+        name: vLLM parameter name; ``{L}`` = layer index, ``{experts}`` = the
+            version-dependent experts path (``m2nkit.adapters.vllm.names``).
+        kind: its shard kind (:mod:`.kinds`: ``COLUMN``, ``QKV``, ...).
+        dims: symbolic global shape of each feeding wire tensor (``"H"``,
+            ``"nh*hd"``, see ``Sizes``). For ``QKV``: only the dims after the
+            head rows (``("H",)`` for a weight, ``()`` for a bias).
+        feeds: the wire tensors filling it; default: the same name, one feed.
+        when: name of a family condition (``Family.conditions``) deciding
+            whether the parameter exists (per layer); ``None``: always.
+        tied_to: for ``lm_head.weight``: the parameter it shares storage with
+            when ``tie_word_embeddings`` is set (then it is not allocated and
+            a wire ``lm_head.weight`` is skipped, like vLLM does).
+        aliases: names of other paths to the same storage; may use
+            placeholders of the vLLM version name table (``{router_alias}``).
+
+    Raises:
+        ValueError: ``kind`` is not a shard kind.
+    """
+
+    name: str
+    kind: Kind
+    dims: tuple[str, ...]
+    feeds: Feeds | None = None
+    when: str | None = None
+    tied_to: str | None = None
+    aliases: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, Kind):
+            raise ValueError(f"table entry {self.name!r}: kind {self.kind!r} is not a shard "
+                             f"kind; valid kinds: {', '.join(KINDS)} (m2nkit.adapters.families.kinds)")
+        if self.feeds is None:
+            object.__setattr__(self, "feeds", ((self.name, None),))
+
+
+def qkv_feeds(prefix: str, suffix: str = "weight") -> Feeds:
+    """``q_proj``/``k_proj``/``v_proj`` under ``prefix`` as parts q, k, v."""
+    return tuple((f"{prefix}.{p}_proj.{suffix}", p) for p in ("q", "k", "v"))
+
+
+def merged_feeds(*names: str) -> Feeds:
+    """Feeds of a merged column parameter, parts ``0, 1, ...`` in order."""
+    return tuple((n, i) for i, n in enumerate(names))
+
+
+#: transformers 5 in-memory fused expert parameters (``conversion_mapping.py``:
+#: ``MergeModulelist(dim=0)`` then ``Concatenate(dim=1)``): in-memory leaf ->
+#: (wire leaf, parts concatenated along the rows of each expert). The wire
+#: tensor is ``<prefix>.<wire leaf>``, ``<prefix>`` the MoE block's on-disk
+#: name; its parts come from the family's per-expert on-disk tensors.
+TRANSFORMERS_FUSED_EXPERTS: Mapping[str, tuple[str, tuple[str, ...]]] = {
+    "experts.gate_up_proj": ("experts.gate_up_proj.weight", ("gate", "up")),
+    "experts.down_proj": ("experts.down_proj.weight", ("down",)),
+}
+
+
+@dataclass(frozen=True)
+class HFNaming:
+    """How transformers 5 names a family's tensors in memory and on disk.
+
+    The in-memory names are those of the model's ``named_parameters()``
+    (built on the meta device by ``hf_checkpoint``); the on-disk names are
+    what ``save_pretrained`` writes. They differ in two ways, both data here
+    (transformers ``conversion_mapping.py`` applies the same rules when it
+    loads):
+
+    Attributes:
+        renames: ``(regex, replacement)`` pairs applied in order to an
+            in-memory name to get its on-disk name.
+        fused_experts: in-memory fused expert leaf -> ``(wire leaf, parts)``
+            (:data:`TRANSFORMERS_FUSED_EXPERTS` for transformers 5 MoE
+            families; empty for dense families).
+        experts_on_disk: part -> on-disk per-expert pattern (``{prefix}``:
+            the MoE block after renames, ``{e}``: the expert) for every part
+            of ``fused_experts``.
+
+    Raises:
+        ValueError: a part of ``fused_experts`` has no on-disk pattern.
+    """
+
+    renames: tuple[tuple[str, str], ...] = ()
+    fused_experts: Mapping[str, tuple[str, tuple[str, ...]]] = field(default_factory=dict)
+    experts_on_disk: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        parts = {p for _, ps in self.fused_experts.values() for p in ps}
+        missing = sorted(parts - set(self.experts_on_disk))
+        if missing:
+            raise ValueError(f"HFNaming: fused expert parts {missing} have no on-disk pattern "
+                             f"in experts_on_disk (has {sorted(self.experts_on_disk)})")
+
+    def disk_name(self, in_memory: str) -> str:
+        """The on-disk name of in-memory parameter ``in_memory`` (not a fused expert)."""
+        for pattern, repl in self.renames:
+            in_memory = re.sub(pattern, repl, in_memory)
+        return in_memory
+
+    def fused_leaf(self, in_memory: str) -> str | None:
+        """The ``fused_experts`` leaf ``in_memory`` ends with, or ``None``."""
+        for leaf in self.fused_experts:
+            if in_memory.endswith("." + leaf):
+                return leaf
+        return None
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    """A tiny test model of a family, built and saved by ``m2nkit.adapters.tiny``.
+
+    Attributes:
+        model_type: transformers ``model_type`` (``AutoConfig.for_model``).
+        config: config keys set on top of the shared tiny sizes
+            (``m2nkit.adapters.tiny.TINY_SIZES``), e.g. ``tie_word_embeddings``.
+        derived: config key -> function of the shrunk config, for keys whose
+            value must follow others (applied unless the caller overrides
+            the key).
+    """
+
+    model_type: str
+    config: Mapping[str, Any] = field(default_factory=dict)
+    derived: Mapping[str, Callable[[Any], Any]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Family:
+    """Everything m2nkit knows about one model family.
+
+    Attributes:
+        architecture: ``config.architectures[0]`` (``"LlamaForCausalLM"``).
+        hf: transformers' in-memory and on-disk names, expert fusing.
+        params: the vLLM table, in vLLM's ``named_parameters()`` order per layer.
+        sizes: config -> ``Sizes`` (may raise ``ValueError`` for a config
+            variant the table does not cover).
+        conditions: ``Param.when`` name -> ``(config, layer) -> bool``
+            (``layer`` is ``None`` for non-layer parameters).
+        checks: extra parallel-size rules: ``(sizes, spec) -> message or
+            None`` (``spec`` has ``tp``, ``dp``, ``ep``; a message names the
+            config value and the rule).
+        tiny: tiny test model name (``"tiny-llama"``) -> ``TinyModel``.
+        megatron_names: trainer-side (Megatron-Core) name rules; empty until
+            the Megatron adapter fills them.
+        vllm_source: the vLLM model file the table restates.
+        module: the module defining the family (for messages).
+
+    Raises:
+        ValueError: a ``Param.when`` names no condition.
+    """
+
+    architecture: str
+    hf: HFNaming
+    params: tuple[Param, ...]
+    sizes: Callable[[Any], Sizes]
+    conditions: Mapping[str, Callable[[Any, int | None], bool]] = field(default_factory=dict)
+    checks: tuple[Callable[[Sizes, Any], str | None], ...] = ()
+    tiny: Mapping[str, TinyModel] = field(default_factory=dict)
+    megatron_names: tuple = ()
+    vllm_source: str = ""
+    module: str = ""
+
+    def __post_init__(self) -> None:
+        for p in self.params:
+            if p.when is not None and p.when not in self.conditions:
+                raise ValueError(
+                    f"{self.architecture}: table entry {p.name!r} uses condition {p.when!r}, "
+                    f"which is not one of {sorted(self.conditions)}")

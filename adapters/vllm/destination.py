@@ -1,0 +1,298 @@
+"""``destination_layout``: a model family + a vLLM spec -> ``DestinationLayout``.
+
+For every worker it declares every vLLM parameter (local shape, dtype,
+zero-filled vocab padding rows) and, per wire tensor, the bindings that say
+which box of the wire tensor lands where in which parameter. It knows no
+model family and no sharding rule of its own: the family module
+(``m2nkit.adapters.families.<family>``) says which parameters exist and
+which wire tensors feed them, the shard kinds
+(``m2nkit.adapters.families.kinds``) say what each worker holds of each.
+It never invents a filler: a parameter no wire tensor feeds stays declared
+and unbound, so the planner's coverage proof reports it.
+
+Cost: one loop over wire tensors x workers with a few tuples each (no
+per-element work); a 235B-parameter MoE model at 64 workers plans in about a
+second.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from m2nkit.manifest import Binding, DestinationLayout, DestinationParam, ParamMeta
+
+from ..families import family_for
+from ..families.kinds import Geometry
+from ..families.sizes import Sizes
+from ..families.table import Family, Param
+from .names import DEFAULT_VLLM_VERSION, vllm_names
+from .spec import InferenceSpec, parse_inference_spec
+
+__all__ = ["destination_layout", "expand", "Expanded", "check_parallel"]
+
+_ROTARY = re.compile(r"(^|\.)rotary_emb\.(inv_freq|cos_cached|sin_cached)$")
+_PER_EXPERT = re.compile(r"^(.*\.experts)\.\d+\.")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+#: Why a tied ``lm_head.weight`` moves nothing.
+_TIED = ("tie_word_embeddings=True: vLLM ties {name} to {canonical} and skips this checkpoint "
+         "tensor (models/utils.py, AutoWeightsLoader aliased params)")
+
+
+# --------------------------------------------------------------------------
+# The divisibility rules
+# --------------------------------------------------------------------------
+
+def _violations(family: Family, s: Sizes, present: dict, tp: int, dp: int, ep: bool) -> list[str]:
+    """Why ``tp``/``dp``/``ep`` cannot hold this model (empty: it can).
+
+    ``present`` maps a kind's ``rule_key`` to ``(parameter name, Param)`` of
+    the first parameter breaking that rule, if any does; each kind states
+    its rule and the vLLM source (``Kind.violation``), the family its own
+    extra ones (``Family.checks``).
+    """
+    out: list[str] = []
+    for name, p in sorted(present.values(), key=lambda np: np[1].kind.rule_order):
+        msg = p.kind.violation(name, p.dims, s, tp, dp, ep)
+        if msg:
+            out.append(msg)
+    spec = InferenceSpec(tp, dp, ep)
+    for check in family.checks:
+        msg = check(s, spec)
+        if msg:
+            out.append(msg)
+    return sorted(set(out), key=out.index)
+
+
+def check_parallel(family: Family, s: Sizes, ex: "Expanded", spec: InferenceSpec) -> None:
+    """Raise if ``spec`` cannot hold the expanded model.
+
+    Raises:
+        ValueError: names the first broken rule (config value and rule), the
+            tp values that would work with the same dp/ep, and the others.
+    """
+    present: dict = {}
+    for name, p in ex.params:
+        present.setdefault(p.kind.rule_key(p.dims), (name, p))
+    bad = _violations(family, s, present, spec.tp, spec.dp, spec.ep)
+    if not bad:
+        return
+    valid = [t for t in range(1, max(s.nh, 1) + 1)
+             if not _violations(family, s, present, t, spec.dp, spec.ep)]
+    where = f"dp={spec.dp}" + (", ep" if spec.ep else "")
+    hint = (f"valid tp with {where}: {valid}" if valid
+            else f"no tp works with {where}; change dp or ep")
+    also = f" (also: {'; '.join(bad[1:])})" if len(bad) > 1 else ""
+    raise ValueError(
+        f"{family.architecture} cannot be laid out as {spec}: {bad[0]}; {hint}{also}")
+
+
+# --------------------------------------------------------------------------
+# Table expansion: concrete parameter names and the wire tensors feeding them
+# --------------------------------------------------------------------------
+
+@dataclass
+class Expanded:
+    """A family table expanded for one config and vLLM version.
+
+    Attributes:
+        params: ``(vLLM name, table entry)`` of every parameter that exists,
+            in vLLM's ``named_parameters()`` order.
+        feeds: wire name -> ``(vLLM name, table entry, part)``.
+        absent: wire name -> why its parameter does not exist for this config.
+        skipped: wire name -> why vLLM skips it (tied ``lm_head.weight``).
+        aliases: vLLM name -> the parameter sharing its storage.
+    """
+
+    params: list[tuple[str, Param]]
+    feeds: dict[str, tuple[str, Param, Any]]
+    absent: dict[str, str]
+    skipped: dict[str, str]
+    aliases: dict[str, str]
+
+
+def _fill(template: str, layer: int | None, names: dict) -> str | None:
+    keys = dict(names, L=layer)
+    if any(v is None and "{" + k + "}" in template for k, v in keys.items()):
+        return None
+    return template.format(**keys)
+
+
+def expand(family: Family, config: Any, s: Sizes, names: dict) -> Expanded:
+    """Expand ``family``'s table for ``config``: one entry per layer and parameter.
+
+    ``names`` is the vLLM version's name entry (``names.vllm_names``) that
+    fills placeholders like ``{experts}``. Non-layer parameters before the
+    first layered one come first, then every layer, then the rest (vLLM's
+    module order).
+    """
+    out = Expanded([], {}, {}, {}, {})
+    layered = [p for p in family.params if "{L}" in p.name]
+    first = next((i for i, p in enumerate(family.params) if "{L}" in p.name), len(family.params))
+    pre = [p for p in family.params[:first] if "{L}" not in p.name]
+    post = [p for p in family.params[first:] if "{L}" not in p.name]
+
+    def add(p: Param, layer: int | None) -> None:
+        name = _fill(p.name, layer, names)
+        exists = p.when is None or family.conditions[p.when](config, layer)
+        if p.tied_to is not None and s.tied:
+            canonical = _fill(p.tied_to, layer, names)
+            out.aliases[name] = canonical
+            for wire, _ in p.feeds:
+                out.skipped[_fill(wire, layer, names)] = _TIED.format(name=name,
+                                                                      canonical=canonical)
+            return
+        if not exists:
+            where = "" if layer is None else f" in layer {layer}"
+            for wire, _ in p.feeds:
+                out.absent[_fill(wire, layer, names)] = (
+                    f"it would feed {name}, which {family.architecture} does not have{where} "
+                    f"(condition '{p.when}' is false for this config)")
+            return
+        out.params.append((name, p))
+        for wire, part in p.feeds:
+            out.feeds[_fill(wire, layer, names)] = (name, p, part)
+        for alias in p.aliases:
+            a = _fill(alias, layer, names)
+            if a is not None:
+                out.aliases[a] = name
+
+    for p in pre:
+        add(p, None)
+    for layer in range(s.layers):
+        for p in layered:
+            add(p, layer)
+    for p in post:
+        add(p, None)
+    return out
+
+
+def is_rotary_cache(name: str) -> bool:
+    """A rotary cache (``rotary_emb.inv_freq`` ...): never a weight; vLLM skips it."""
+    return bool(_ROTARY.search(name))
+
+
+# --------------------------------------------------------------------------
+# The public function
+# --------------------------------------------------------------------------
+
+def _unknown_reason(name: str, family: Family, s: Sizes, version: str) -> str:
+    m = _PER_EXPERT.match(name)
+    if m:
+        return (f"a per-expert tensor: the wire carries each layer's experts stacked as "
+                f"'{m.group(1)}.gate_up_proj.weight' [E, 2*Im, H] and "
+                f"'{m.group(1)}.down_proj.weight' [E, H, Im]; re-fuse them before sending")
+    m = _LAYER.match(name)
+    if m and int(m.group(1)) >= s.layers:
+        return f"layer {m.group(1)} does not exist (num_hidden_layers={s.layers})"
+    return (f"no vLLM {version} parameter of {family.architecture} takes this tensor "
+            f"(not in the family table, {family.module})")
+
+
+def destination_layout(
+    config: Any,
+    wire: Sequence[ParamMeta],
+    spec: InferenceSpec | str,
+    *,
+    vllm_version: str = DEFAULT_VLLM_VERSION,
+) -> DestinationLayout:
+    """What every vLLM worker holds and where each wire tensor lands.
+
+    Args:
+        config: the HF config (a transformers ``PretrainedConfig`` or the
+            ``config.json`` dict); ``architectures[0]`` picks the family.
+        wire: the wire tensors (``ParamMeta``: name, dtype, global shape).
+            Names are HF checkpoint names; MoE experts come stacked per
+            layer (``<block>.experts.gate_up_proj.weight`` ``[E, 2*Im, H]``,
+            ``<block>.experts.down_proj.weight`` ``[E, H, Im]``).
+        spec: ``InferenceSpec`` or ``"vllm:tp=T[,dp=D][,ep]"``.
+        vllm_version: which entry of ``names.VLLM_NAMES`` names the params.
+
+    Returns:
+        ``DestinationLayout`` with ``num_workers = dp*tp`` (dp-major), every
+        worker's parameters (in the config's model dtype, as vLLM allocates
+        them; a wire tensor of another dtype is cast on arrival), bindings
+        per wire tensor, ``skipped`` (tied ``lm_head.weight``, rotary
+        caches), ``aliases`` (tied lm_head, MoE router aliases) and
+        ``unknown`` (wire tensors no rule takes; not an error here).
+        Parameters no wire tensor feeds stay declared and unbound.
+
+    Raises:
+        ValueError: an unsupported architecture
+            (``m2nkit.adapters.families.UnsupportedArchitecture``, lists the
+            supported ones); a bad spec; a parallel size the model cannot be
+            split by (names the config value and lists the valid tp); a wire
+            tensor whose shape disagrees with the config; a repeated wire name.
+    """
+    spec = parse_inference_spec(spec)
+    family = family_for(config)
+    names = vllm_names(vllm_version)
+    s = family.sizes(config)
+    ex = expand(family, config, s, names)
+    check_parallel(family, s, ex, spec)
+    W, tp = spec.num_workers, spec.tp
+    geo = [Geometry.of(s, tp, spec.dp, spec.ep, w) for w in range(W)]
+
+    bindings: dict[str, tuple[Binding, ...]] = {}
+    skipped: dict[str, str] = {}
+    unknown: dict[str, str] = {}
+    seen: set[str] = set()
+    for meta in wire:
+        wname = meta.name
+        if wname in seen:
+            raise ValueError(f"wire tensor '{wname}' is listed twice")
+        seen.add(wname)
+        hit = ex.feeds.get(wname)
+        if hit is None:
+            if wname in ex.skipped:
+                skipped[wname] = ex.skipped[wname]
+            elif is_rotary_cache(wname):
+                skipped[wname] = "rotary cache, not a weight (vLLM AutoWeightsLoader skips it)"
+            elif wname in ex.absent:
+                unknown[wname] = ex.absent[wname]
+            else:
+                unknown[wname] = _unknown_reason(wname, family, s, vllm_version)
+            continue
+        pname, p, part = hit
+        kind = p.kind
+        expect = kind.wire_shape(s.resolve(p.dims), part, s)
+        if tuple(meta.shape) != expect:
+            raise ValueError(
+                f"wire tensor '{wname}' has shape {tuple(meta.shape)}, but the "
+                f"{family.architecture} config implies {expect} for {pname}")
+        if kind.by_worker:
+            placed = [kind.boxes(expect, part, geo[w]) for w in range(W)]
+        else:  # only the tp rank matters: every dp replica holds the same
+            per_rank = [kind.boxes(expect, part, geo[r]) for r in range(tp)]
+            placed = [per_rank[w % tp] for w in range(W)]
+        bindings[wname] = tuple(Binding(wname, w, box, pname, off)
+                                for w in range(W) for box, off in placed[w])
+
+    # vLLM allocates every parameter of these families in the model dtype
+    # (ModelConfig.dtype from the config's ``dtype``/``torch_dtype``) and its
+    # weight loaders cast on copy; a wire tensor in another dtype is cast on
+    # arrival the same way (the plan marks it, nccl.m2n cannot cast).
+    model_dtype = s.dtype
+    if model_dtype is None:
+        common = Counter(m.dtype for m in wire).most_common(1)
+        model_dtype = common[0][0] if common else torch.float32
+    shapes = {name: p.kind.local_shape(s.resolve(p.dims), len(p.feeds), geo[0])
+              for name, p in ex.params}
+    params: list[DestinationParam] = []
+    zeros: dict[tuple[str, int], tuple] = {}
+    for w in range(W):
+        r = w % tp
+        for name, p in ex.params:
+            key = (name, w if p.kind.by_worker else r)
+            if key not in zeros:
+                zeros[key] = p.kind.zero_boxes(shapes[name], geo[w])
+            params.append(DestinationParam(w, name, model_dtype, shapes[name], zeros[key]))
+    return DestinationLayout(
+        spec=str(spec), num_workers=W, params=tuple(params), bindings=bindings,
+        skipped=skipped, aliases=dict(ex.aliases), unknown=unknown,
+    )

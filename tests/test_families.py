@@ -1,0 +1,343 @@
+"""Model families: the registry, the shard kinds, and one home per family.
+
+* Registry: every supported architecture resolves to a module holding every
+  piece of a family; an unsupported one gets the one message everywhere;
+  importing the registry pulls in neither torch nor transformers.
+* Shard kinds: for each kind, on small synthetic shapes and several
+  tp/dp/ep, the boxes the planner binds and the vLLM-style reference load
+  both equal what slicing the full tensor by hand gives (the expected values
+  are written out here from REFERENCE.md §3, not taken from the code under
+  test); the real vLLM 0.33.0 dumps pin both again in test_vllm_oracle.py.
+* A family's names live only in its module: the checkpoint reader, the
+  tiny-model builder and the vLLM drivers mention none.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from m2nkit.adapters.families import (
+    ARCHITECTURES,
+    UnsupportedArchitecture,
+    check_architecture,
+    family,
+    family_for,
+    supported_architectures,
+    unsupported_architecture,
+)
+from m2nkit.adapters.families.kinds import (
+    COLUMN,
+    KINDS,
+    MERGED,
+    QKV,
+    REPLICATED,
+    ROW,
+    VOCAB,
+    W2,
+    W13,
+    Geometry,
+    Kind,
+)
+from m2nkit.adapters.families.sizes import Sizes
+from m2nkit.adapters.families.table import Family, HFNaming, Param, TinyModel
+
+REPO = Path(__file__).resolve().parent.parent
+SUPPORTED = ["LlamaForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+             "Qwen3MoeForCausalLM"]
+ONE_MESSAGE = ("architecture 'DeepseekV3ForCausalLM' is not supported; supported: "
+               "LlamaForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+               "Qwen3MoeForCausalLM")
+
+
+# --------------------------------------------------------------------------
+# registry
+# --------------------------------------------------------------------------
+
+def test_supported_architectures():
+    assert supported_architectures() == SUPPORTED
+    assert sorted(ARCHITECTURES) == SUPPORTED
+
+
+@pytest.mark.parametrize("arch", SUPPORTED)
+def test_every_architecture_resolves_to_a_module_with_every_piece(arch):
+    module = importlib.import_module(f"m2nkit.adapters.families.{ARCHITECTURES[arch]}")
+    assert module.__doc__ and module.__doc__.strip()
+    fam = family(arch)
+    assert isinstance(fam, Family) and fam is module.FAMILY
+    assert fam is family_for({"architectures": [arch]})
+    assert module.ARCHITECTURE == fam.architecture == arch
+    # on-disk and in-memory names, expert fusing
+    assert isinstance(module.HF_NAMES, HFNaming) and fam.hf is module.HF_NAMES
+    moe = any(p.kind in (W13, W2) for p in fam.params)
+    assert bool(fam.hf.fused_experts) == moe == bool(fam.hf.experts_on_disk)
+    # the vLLM table: shard kinds from kinds.py, conditions it names exist
+    assert fam.params is module.VLLM_PARAMS and fam.params
+    assert all(isinstance(p, Param) and p.kind in KINDS.values() for p in fam.params)
+    assert fam.conditions is module.CONDITIONS
+    assert {p.when for p in fam.params if p.when} <= set(fam.conditions)
+    assert any(p.tied_to for p in fam.params), "tied embeddings are a condition of every family"
+    assert fam.vllm_source == f"vllm/model_executor/models/{ARCHITECTURES[arch]}.py"
+    # tiny test models
+    assert fam.tiny is module.TINY_MODELS and fam.tiny
+    assert all(name.startswith("tiny-") and isinstance(t, TinyModel)
+               for name, t in fam.tiny.items())
+    # the room for trainer-side names: present, documented, empty for now
+    assert module.MEGATRON_NAMES == () and fam.megatron_names == ()
+    assert "MEGATRON_NAMES" in Path(module.__file__).read_text()
+
+
+def test_tiny_models_come_from_the_families():
+    from m2nkit.adapters.tiny import BUILTIN_TINY_MODELS
+
+    expected = {}
+    for arch in ARCHITECTURES:
+        for name, tiny in family(arch).tiny.items():
+            expected[name] = (tiny.model_type, {"architectures": [arch], **tiny.config})
+    assert BUILTIN_TINY_MODELS == expected
+    assert list(BUILTIN_TINY_MODELS) == ["tiny-llama", "tiny-qwen2", "tiny-qwen3",
+                                         "tiny-qwen3-tied", "tiny-qwen3-moe", "tiny-mixtral"]
+
+
+def test_unsupported_architecture_one_message_everywhere():
+    from m2nkit.adapters.vllm import destination_layout, reference_load
+
+    assert unsupported_architecture("DeepseekV3ForCausalLM") == ONE_MESSAGE
+    config = {"architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 8}
+    for call in (lambda: check_architecture("DeepseekV3ForCausalLM"),
+                 lambda: family("DeepseekV3ForCausalLM"),
+                 lambda: family_for(config),
+                 lambda: destination_layout(config, [], "vllm:tp=1"),
+                 lambda: reference_load(config, {}, "vllm:tp=1", 0)):
+        with pytest.raises(UnsupportedArchitecture) as e:
+            call()
+        assert str(e.value) == ONE_MESSAGE
+    assert issubclass(UnsupportedArchitecture, ValueError)
+    with pytest.raises(UnsupportedArchitecture, match="no 'architectures'.*LlamaForCausalLM, "):
+        family_for({"hidden_size": 8})
+
+
+def test_registry_imports_without_torch_or_transformers():
+    code = (
+        "import sys\n"
+        "from m2nkit.adapters.families import check_architecture, supported_architectures\n"
+        "from m2nkit.adapters.families.registry import unsupported_architecture\n"
+        "assert check_architecture('Qwen3ForCausalLM') == 'Qwen3ForCausalLM'\n"
+        "print(unsupported_architecture('X'))\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'numpy', 'safetensors') "
+        "if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("architecture 'X' is not supported; supported: LlamaForCausalLM")
+
+
+# --------------------------------------------------------------------------
+# shard kinds: bindings and reference load vs slicing by hand
+# --------------------------------------------------------------------------
+
+#: A small model: 4 query heads of 2 over 2 KV heads, vocab 70 (padded to
+#: 128), 4 experts with Im = 4, H = 8, I = 8.
+S = Sizes(H=8, V=70, nh=4, nkv=2, hd=2, I=8, Im=4, E=4, layers=1, tied=False,
+          dtype=torch.float32,
+          keys={"H": "hidden_size", "V": "vocab_size", "nh": "num_attention_heads",
+                "nkv": "num_key_value_heads", "hd": "head_dim", "I": "intermediate_size",
+                "Im": "moe_intermediate_size", "E": "num_experts"})
+LAYOUTS = [(1, 1, False), (2, 1, False), (4, 1, False), (1, 2, False), (2, 2, False),
+           (2, 1, True), (2, 2, True), (1, 4, True)]
+
+
+def _wire(*shape: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randperm(int(torch.tensor(shape).prod()), generator=g).float().reshape(shape)
+
+
+def _expected(kind: Kind, wires: dict, tp: int, dp: int, ep: bool, worker: int) -> torch.Tensor:
+    """What ``worker`` holds, by slicing the full tensors per REFERENCE.md §3."""
+    r, W = worker % tp, tp * dp
+    if kind is REPLICATED:
+        return wires[None]
+    if kind is COLUMN:
+        n = wires[None].shape[0] // tp
+        return wires[None][r * n:(r + 1) * n]
+    if kind is ROW:
+        n = wires[None].shape[1] // tp
+        return wires[None][:, r * n:(r + 1) * n]
+    if kind is MERGED:
+        n = wires[0].shape[0] // tp
+        return torch.cat([wires[0][r * n:(r + 1) * n], wires[1][r * n:(r + 1) * n]])
+    if kind is QKV:
+        hd, nh, nkv = S.hd, S.nh, S.nkv
+        q = wires["q"][r * (nh // tp) * hd:(r + 1) * (nh // tp) * hd]
+        if tp >= nkv:
+            head = r // (tp // nkv)
+            k, v = (wires[p][head * hd:(head + 1) * hd] for p in "kv")
+        else:
+            per = nkv // tp
+            k, v = (wires[p][r * per * hd:(r + 1) * per * hd] for p in "kv")
+        return torch.cat([q, k, v])
+    if kind is VOCAB:
+        per = 128 // tp                      # 70 padded to 128
+        lo, hi = min(r * per, 70), min((r + 1) * per, 70)
+        return torch.cat([wires[None][lo:hi], torch.zeros(per - (hi - lo), S.H)])
+    w = wires[None]
+    if ep and W > 1:                         # whole experts, contiguous per worker
+        e = S.E // W
+        return w[worker * e:(worker + 1) * e]
+    n = S.Im // W                            # every expert, moe rank = worker
+    if kind is W13:
+        return torch.cat([w[:, worker * n:(worker + 1) * n],
+                          w[:, S.Im + worker * n:S.Im + (worker + 1) * n]], dim=1)
+    return w[:, :, worker * n:(worker + 1) * n]
+
+
+CASES = {
+    "replicated": (REPLICATED, ("H",), {None: (8,)}),
+    "column": (COLUMN, ("I", "H"), {None: (8, 8)}),
+    "row": (ROW, ("H", "I"), {None: (8, 8)}),
+    "merged": (MERGED, ("I", "H"), {0: (8, 8), 1: (8, 8)}),
+    "qkv": (QKV, ("H",), {"q": (8, 8), "k": (4, 8), "v": (4, 8)}),
+    "qkv_bias": (QKV, (), {"q": (8,), "k": (4,), "v": (4,)}),
+    "vocab": (VOCAB, ("V", "H"), {None: (70, 8)}),
+    "w13": (W13, ("E", "2*Im", "H"), {None: (4, 8, 8)}),
+    "w2": (W2, ("E", "H", "Im"), {None: (4, 8, 4)}),
+}
+
+
+@pytest.mark.parametrize("tp,dp,ep", LAYOUTS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_kind_bindings_and_load_equal_slicing_by_hand(case, tp, dp, ep):
+    kind, syms, parts = CASES[case]
+    if kind is QKV and tp > S.nh:
+        pytest.skip("more ranks than heads")
+    assert kind.violation("p", syms, S, tp, dp, ep) is None
+    wires = {part: _wire(*shape, seed=i) for i, (part, shape) in enumerate(parts.items())}
+    for part, t in wires.items():
+        assert kind.wire_shape(S.resolve(syms), part, S) == tuple(t.shape)
+    for worker in range(tp * dp):
+        g = Geometry.of(S, tp, dp, ep, worker)
+        shape = kind.local_shape(S.resolve(syms), len(parts), g)
+        expected = _expected(kind, wires, tp, dp, ep, worker)
+        assert shape == tuple(expected.shape), (case, worker)
+        # bindings: every local element written exactly once, from the right box
+        bound = torch.full(shape, float("nan"))
+        count = torch.zeros(shape, dtype=torch.int32)
+        for part, t in wires.items():
+            for box, offset in kind.boxes(tuple(t.shape), part, g):
+                dst = tuple(slice(o, o + b - a) for o, (a, b) in zip(offset, box))
+                bound[dst] = t[tuple(slice(a, b) for a, b in box)]
+                count[dst] += 1
+        for box in kind.zero_boxes(shape, g):
+            dst = tuple(slice(a, b) for a, b in box)
+            bound[dst] = 0
+            count[dst] += 1
+        assert (count == 1).all(), (case, worker, count)
+        assert torch.equal(bound, expected), (case, worker)
+        # reference load, vLLM style
+        loaded = torch.full(shape, float("nan"))
+        for part, t in wires.items():
+            kind.load(loaded, t, part, g)
+        assert torch.equal(loaded, expected), (case, worker)
+
+
+@pytest.mark.parametrize("kind,syms,sizes,tp,dp,ep,message", [
+    (COLUMN, ("I", "H"), {}, 3, 1, False, "p: intermediate_size=8 is not divisible by tp=3"),
+    (MERGED, ("I", "H"), {}, 16, 1, False, "p: intermediate_size=8 is not divisible by tp=16"),
+    (ROW, ("H", "nh*hd"), {"nh": 3, "hd": 2}, 4, 1, False,
+     "p: num_attention_heads*head_dim=6 is not divisible by tp=4"),
+    (QKV, ("H",), {}, 3, 1, False, "p: num_attention_heads=4 is not divisible by tp=3"),
+    (QKV, ("H",), {"nh": 6, "nkv": 4}, 6, 1, False,
+     "p: tp=6 >= num_key_value_heads=4 must be a multiple of it (each rank holds one "
+     "replicated KV head)"),
+    (QKV, ("H",), {"nh": 8, "nkv": 6}, 4, 1, False,
+     "p: num_key_value_heads=6 is not divisible by tp=4"),
+    (VOCAB, ("V", "H"), {}, 3, 1, False,
+     "p: vocab_size=70 padded to 128 (a multiple of 64) is not divisible by tp=3"),
+    (W13, ("E", "2*Im", "H"), {}, 1, 8, False,
+     "p: moe_intermediate_size=4 is not divisible by the MoE tensor-parallel size dp*tp=8"),
+    (W2, ("E", "H", "Im"), {}, 3, 1, True,
+     "p: num_experts=4 is not divisible by the expert-parallel size ep=dp*tp=3"),
+])
+def test_kind_divisibility_messages(kind, syms, sizes, tp, dp, ep, message):
+    from dataclasses import replace
+
+    assert kind.violation("p", syms, replace(S, **sizes), tp, dp, ep) == message
+    assert REPLICATED.violation("p", ("H",), S, 7, 3, True) is None
+
+
+def test_kinds_cite_their_vllm_source():
+    for kind in KINDS.values():
+        assert kind.source.startswith("vllm "), kind
+        assert "vLLM" in type(kind).__doc__ or "vllm" in type(kind).__doc__, kind
+    assert W13.rule_key(("E", "2*Im", "H")) == W2.rule_key(("E", "H", "Im"))
+
+
+def test_param_rejects_a_kind_that_is_not_a_shard_kind():
+    with pytest.raises(ValueError, match=r"kind 'column' is not a shard kind; valid kinds: "
+                                         r"replicated, column, row"):
+        Param("x.weight", "column", ("H",))
+
+
+def test_family_rejects_an_unknown_condition():
+    p = Param("x.weight", REPLICATED, ("H",), when="nope")
+    with pytest.raises(ValueError, match=r"uses condition 'nope', which is not one of \[\]"):
+        Family("XForCausalLM", HFNaming(), (p,), lambda c: S)
+
+
+def test_hf_naming_needs_a_disk_pattern_per_fused_part():
+    with pytest.raises(ValueError, match=r"parts \['down', 'gate', 'up'\] have no on-disk"):
+        HFNaming(fused_experts={"experts.gate_up_proj": ("experts.gate_up_proj.weight",
+                                                         ("gate", "up")),
+                                "experts.down_proj": ("experts.down_proj.weight", ("down",))})
+
+
+# --------------------------------------------------------------------------
+# one home per family
+# --------------------------------------------------------------------------
+
+#: Names that belong to one family or a few: architecture classes, family
+#: names, on-disk/vLLM tensor name pieces, family-specific config keys.
+FAMILY_NAMES = re.compile(  # (transformers' AutoModelForCausalLM is generic)
+    r"(?<!AutoModel)ForCausalLM|llama|qwen|mixtral|deepseek|block_sparse_moe|q_norm|k_norm|self_attn|"
+    r"gate_proj|qkv_proj|o_proj|embed_tokens|layernorm|\.w[123]\.|mlp_only_layers|"
+    r"decoder_sparse_step|num_local_experts|shared_expert",
+    re.IGNORECASE,
+)
+
+
+def _family_free_files():
+    adapters = REPO / "adapters"
+    return [adapters / "hf_checkpoint.py", *sorted((adapters / "vllm").glob("*.py"))]
+
+
+@pytest.mark.parametrize("path", _family_free_files(), ids=lambda p: p.name)
+def test_no_family_names_outside_the_family_modules(path):
+    hits = [f"{path.name}:{i}: {line.strip()}"
+            for i, line in enumerate(path.read_text().splitlines(), 1)
+            if FAMILY_NAMES.search(line)]
+    assert not hits, "family-specific names belong in adapters/families/<family>.py:\n" + \
+        "\n".join(hits)
+
+
+def test_tiny_builder_holds_no_family_table():
+    text = (REPO / "adapters" / "tiny.py").read_text()
+    # shared size keys (num_local_experts, ...) are config keys, not a family table
+    hits = re.findall(r"(?<!AutoModel)ForCausalLM|\"(?:llama|qwen\w*|mixtral)\"|tiny-\w+", text, re.IGNORECASE)
+    assert not hits, hits
+
+
+def test_the_family_name_clash_is_gone():
+    import m2nkit.adapters.hf_checkpoint as hf
+    import m2nkit.adapters.vllm as vllm
+
+    for module in (hf, vllm):
+        assert not hasattr(module, "FAMILIES"), module
+        assert not hasattr(module, "FamilyNaming"), module
+    assert not hasattr(hf, "FUSED_EXPERTS")
