@@ -34,7 +34,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path

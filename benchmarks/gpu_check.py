@@ -122,7 +122,7 @@ def _simulate(ck, tspec, ispec, plan, calls) -> list[str]:
                for r in range(T)}
     execute_plan(sub_plan(plan, rest), streams, storage)
     for wi, c in calls.items():
-        full = ck.read_full(c.wire)
+        full = ck.read_full(c.name)
         for rank in c.dst_ranks:
             view = destination_view(plan, wi, rank - T, storage[rank - T])
             view.copy_(full[tuple(slice(a, b) for a, b in c.dst_box(rank))])

@@ -366,6 +366,9 @@ def _print_bindings(console, plan):
     for row in binding_rows(plan):
         t.add_row(*row)
     console.print(t)
+    for alias, target in sorted(plan.destination.aliases.items()):
+        console.print(f"vLLM parameter {alias} is the storage of {target} (tied; filled through it)",
+                      markup=False, highlight=False)
 
 
 def _verify(console, ckpt, tspec, ispec, plan):

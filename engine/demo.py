@@ -275,17 +275,17 @@ def run_demo(model: str, trainer: str, inference: str, *, rounds: int = 2, timeo
             def failed(msg):
                 raise RuntimeError(f"trainer rank {msg[1]} failed: {msg[2]}\n{msg[3]}")
 
-            def collect(kind, count):
+            def collect(what, count):
                 return _wait_reports(results, count, time.monotonic() + 6 * timeout_s,
-                                     f"trainer '{kind}' reports", log, failed, procs)
+                                     what, log, failed, procs)
 
-            collect("init", T)
+            collect("the trainers to join", T)
             log(f"{T} trainers joined in {time.monotonic() - t_init:.1f} s; "
                 f"{rounds} round{'s' if rounds > 1 else ''} follow")
             for k in range(1, rounds + 1):
                 for q in gos:
                     q.put(k)
-                reports = collect("round", T)
+                reports = collect(f"the trainers' round {k} reports", T)
                 per_rank = [0] * T
                 secs = 0.0
                 for _, rank, _, (nbytes, seconds) in reports:
@@ -306,6 +306,7 @@ def run_demo(model: str, trainer: str, inference: str, *, rounds: int = 2, timeo
                 result.rounds.append(DemoRound(k, per_rank, secs, ispec.num_workers))
                 log(f"round {k}: {sum(per_rank)} bytes in {secs * 1e3:.1f} ms, "
                     f"all {ispec.num_workers} workers bit-exact at version v{k}")
+            log("rounds done; stopping the trainer and worker processes")
             for p in procs:
                 p.join(timeout_s)
         finally:

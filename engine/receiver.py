@@ -38,6 +38,7 @@ the calls arrive through vLLM's routes
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -457,6 +458,9 @@ class M2NReceiver(WeightTransferEngine):
         except Exception as e:
             mine = e
             self._received = set(getattr(e, "received", ()))
+            # Its frames hold the group and the pending receives; cleared,
+            # _close_group can really close the connections.
+            traceback.clear_frames(e.__traceback__)
         try:
             # A worker that failed closes its connections (pending receives
             # included) once its report is in: trainers blocked on it fail at
@@ -475,21 +479,26 @@ class M2NReceiver(WeightTransferEngine):
         self._broken = f"round {update_info.round} failed"
         self._close_group()
         missing = sorted(self._expected - self._received)
+        # The root cause (from the verdict) first, then this worker's view.
+        why = getattr(verdict, "cause", None) or str(verdict or mine)
         if mine is not None:
-            what = f"{mine}; received {len(self._received)} of {len(self._expected)} wire " \
-                   f"tensors, missing {_few(missing)}"
+            what = f"{why}; here: {mine}; received {len(self._received)} of " \
+                   f"{len(self._expected)} wire tensors, missing {_few(missing)}"
         else:
-            what = f"this worker received all {len(self._expected)} wire tensors, but " \
-                   f"another rank failed"
-        if verdict is not None:
-            what += f". Verdict: {verdict}"
+            what = f"{why}; this worker received all {len(self._expected)} wire tensors, " \
+                   "but another rank failed"
         err = TransferError(f"{self._name()}: round {update_info.round} failed after "
                             f"{deadline.elapsed():.1f} s: {what}")
         err.received, err.missing = sorted(self._received), missing
         raise err from (verdict or mine)
 
     def _close_group(self) -> None:
-        """Abort the group's connections (pending receives included); keep the store."""
+        """Close the group's connections (pending receives included); keep the store.
+
+        gloo closes its sockets when the last reference to the group and to
+        its work objects goes; the caller cleared the failed receive's
+        frames, so dropping ``self._group`` here is the last one.
+        """
         group, self._group = self._group, None
         transport, self._transport = self._transport, None
         if transport is not None:

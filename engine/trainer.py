@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -116,7 +117,13 @@ class RoundStats:
 
 
 def _release(group) -> None:
-    """Abort a stateless group (closes its connections); never raises."""
+    """Abort a stateless group's own work; never raises.
+
+    Its connections close when the last reference to the group and to its
+    pending work objects goes (gloo's ``abort()`` alone leaves the sockets
+    open): callers drop theirs, and clear the frames of a failed round's
+    traceback (``traceback.clear_frames``), which hold its work objects.
+    """
     if group is None:
         return
     for name in ("abort", "shutdown"):
@@ -332,6 +339,9 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
                                   device=self.init_info.device)
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             error = f"{type(e).__name__}: {e}"
+            # Its frames hold the group and the round's pending work objects;
+            # dropped, the group's connections can close (see _abort_group).
+            traceback.clear_frames(e.__traceback__)
         try:
             # Every rank (trainers and workers) ends the round with one verdict.
             # A rank that failed closes its connections once its report is in:
@@ -357,9 +367,15 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
         return RoundStats(self._round, version, sent, deadline.elapsed())
 
     def _abort_group(self) -> None:
-        """Close this rank's group connections (not the store); the engine is broken anyway."""
+        """Close this rank's group connections (not the store); the engine is broken anyway.
+
+        Dropping the last reference to the group closes its sockets, so a
+        peer blocked on this rank fails at once ("connection closed")
+        instead of at its deadline.
+        """
         group, self._group = self._group, None
         _release(group)
+        del group
 
     def shutdown(self) -> None:
         """Drop the transport, the process group and the store (idempotent)."""

@@ -4,4 +4,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev]'
+.venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev,nccl]'

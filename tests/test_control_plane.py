@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -30,8 +31,9 @@ from m2nkit.adapters.hf_checkpoint import (
     full_checkpoint_tensors,
     read_checkpoint,
 )
-from m2nkit.adapters.vllm import reference_load
+from m2nkit.adapters.vllm import reference_load, vllm_destination
 from m2nkit.engine.clients import HTTPClient, WeightSyncError
+from m2nkit.engine.deadline import REPORT_GRACE_S
 from m2nkit.engine.local import bitwise_equal
 from m2nkit.engine.server import InferenceServer
 from m2nkit.engine.session import InitPayload, plan_from_manifest
@@ -84,10 +86,11 @@ class Trainers:
     def __init__(self, ck, timeout_s: float):
         self.ck, self.timeout_s = ck, timeout_s
         manifest = manifest_to_json(checkpoint_metas(ck, TRAINER), T)
-        self.plan, digest = plan_from_manifest(manifest, ck.config, INFERENCE)
+        self.plan, digest = plan_from_manifest(manifest, vllm_destination(ck.config, INFERENCE))
         self.payload = InitPayload(
             master_address="127.0.0.1", master_port=free_port(), rank_offset=T,
-            world_size=T + N, backend="gloo", inference=INFERENCE, manifest=manifest,
+            world_size=T + N, backend="gloo", inference=self.plan.destination.spec,
+            manifest=manifest,
             manifest_digest=digest, plan_digest=self.plan.digest(), timeout_s=timeout_s,
             bucket_bytes=16 << 10).to_json()
         self.groups: dict[int, object] = {}
@@ -139,8 +142,9 @@ def test_http_round_bit_exact(ck, tmp_path):
             port = free_port()
 
             def rank(r):
-                info = M2NTrainerInitInfo(rank=r, num_trainer_ranks=T, inference=inference,
-                                          model_config=ck.config, master_port=port,
+                info = M2NTrainerInitInfo(rank=r, num_trainer_ranks=T,
+                                          destination=vllm_destination(ck.config, inference),
+                                          master_port=port,
                                           timeout_s=10.0, bucket_bytes=16 << 10)
                 engine = M2NTrainerEngine.trainer_init(
                     info, client=client if r == 0 else None,
@@ -214,8 +218,12 @@ def test_killed_worker_is_named_not_a_hang(ck):
         assert kind == "err" and isinstance(err, WeightSyncError) and err.status == 500
         assert f"worker 1 (pid {pids[1]}) died during update_weights" in str(err)
         assert "worker 0" in str(err) and "missing" in str(err)
-        # Bound: worker 0's receive timeout, then the end-of-round verdict's, plus slack.
-        assert took < 2 * tr.timeout_s + 5.0, f"update took {took:.1f} s"
+        # Worker 0 names who never reported (the trainers sent nothing, worker 1 is dead)
+        # and keeps the documented bound: timeout_s + REPORT_GRACE_S after update_weights.
+        assert "trainer rank 0, trainer rank 1, worker 1 (rank 3) sent no report" in str(err)
+        after = re.search(r"worker 0: TransferError: round 1 failed after ([0-9.]+) s", str(err))
+        assert after and float(after.group(1)) <= tr.timeout_s + REPORT_GRACE_S, str(err)
+        assert took < tr.timeout_s + REPORT_GRACE_S + 2.0, f"update took {took:.1f} s"
         with pytest.raises(WeightSyncError, match=r"worker 1 \(pid \d+\) died") as e:
             client.weight_versions()
         assert e.value.status == 500

@@ -10,12 +10,12 @@ make a real multi-rank group. Storage is compared bit-exact with
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import re
 import socket
 import threading
 import time
+import traceback
 from pathlib import Path
 
 import pytest
@@ -135,46 +135,48 @@ class Trainers:
     def round(self, client, k: int, version: str, scale: float, fail: str | None = None) -> dict:
         """One round. ``fail``: halfway through, trainer rank 1's source ``"raises"``,
         or it ``"stalls"`` (stops sending, alive, past the timeout), or it ``"dies"``
-        (aborts its group); or it sends everything and ``"reports"`` an error in
-        the end-of-round verdict."""
+        (its connections close, no report); or it sends everything and ``"reports"``
+        an error in the end-of-round verdict."""
         schedule = BucketSchedule.build(self.plan, self.bucket_bytes)
         client.start_weight_update()
 
         half = len(self.plan.wires) // 2
+
+        def drop_group(r):
+            """Close rank r's connections as a failed engine does: gloo closes on release."""
+            store, group = self.groups[r]
+            self.groups[r] = (store, None)
+            group.abort()
 
         def stream(r):
             for i, (name, t) in enumerate(checkpoint_manifest(self.ck, TRAINER, r).iter_local()):
                 if r == 1 and i == half and fail in ("raises", "stalls", "dies"):
                     if fail == "stalls":      # silent until every other rank gave up on it
                         time.sleep(self.timeout_s + REPORT_GRACE_S + 0.5)
-                    elif fail == "dies":
-                        self.groups[r][1].abort()
+                    elif fail == "dies":      # its connections close, as when a process dies
+                        drop_group(r)
                     raise RuntimeError(f"trainer rank 1: source {fail}")
                 yield name, t * scale
 
         def body(r):
-            # As the trainer engine does: one deadline for the round; send, on failure
-            # close the group's connections, then one end-of-round verdict on every rank.
+            # As the trainer engine does: one deadline for the round; send; then one
+            # end-of-round verdict on every rank, a failed rank closing its connections
+            # once its report is in. The traceback's frames hold the group: cleared.
             deadline = Deadline(self.timeout_s)
-            store, group = self.groups[r]
-
-            def verdict(error, on_reported=None):
-                finish_round(store, r, T + N, num_trainer_ranks=T, round_id=k, error=error,
-                             deadline=deadline, on_reported=on_reported)
+            error, sent = None, 0
             try:
-                sent = send_round(group, self.plan, schedule, r, stream(r), deadline=deadline)
+                sent = send_round(self.groups[r][1], self.plan, schedule, r, stream(r),
+                                  deadline=deadline)
             except Exception as e:
+                traceback.clear_frames(e.__traceback__)
                 if fail == "dies" and r == 1:
-                    raise                           # aborted its group: no report at all
-                with contextlib.suppress(TransferError):
-                    verdict(str(e), on_reported=group.abort)
-                raise
-            if fail == "reports" and r == 1:
-                msg = "trainer rank 1: refused after sending (say, a NaN check)"
-                with contextlib.suppress(TransferError):
-                    verdict(msg)
-                raise RuntimeError(msg)
-            verdict(None)
+                    raise                           # no report at all
+                error = str(e)
+            if error is None and fail == "reports" and r == 1:
+                error = "trainer rank 1: refused after sending (say, a NaN check)"
+            finish_round(self.groups[r][0], r, T + N, num_trainer_ranks=T, round_id=k,
+                         error=error, deadline=deadline,
+                         on_reported=(lambda: drop_group(r)) if error else None)
             return sent
         out = self._ranks(body, lambda: client.update_weights({"round": k, "version": version}))
         if out["client"][0] == "ok":
@@ -183,7 +185,8 @@ class Trainers:
 
     def close(self) -> None:
         for _, group in self.groups.values():
-            group.abort()
+            if group is not None:
+                group.abort()
         self.groups.clear()
 
 

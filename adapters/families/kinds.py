@@ -221,7 +221,12 @@ class Replicated(Kind):
 
 
 class _SplitRows(Kind):
-    """Shared divisibility rule of column, merged and row parallel layers."""
+    """Shared divisibility rule of column, merged and row parallel layers.
+
+    The split dim must divide by tp: vLLM ``layers/linear.py``, ``divide(...,
+    tp_size)`` in the ``ColumnParallelLinear``, ``MergedColumnParallelLinear``
+    and ``RowParallelLinear`` constructors.
+    """
 
     rule_dim = 0
 
@@ -319,9 +324,10 @@ class Qkv(Kind):
     ``nkv/tp`` heads from ``r*nkv/tp``. Biases (Qwen2, Llama with
     ``attention_bias``) are split the same way. vLLM ``layers/linear.py``
     ``QKVParallelLinear.__init__`` (``num_heads = nh/tp``,
-    ``num_kv_head_replicas``) and ``.weight_loader`` (k/v rows from KV shard
-    ``tp_rank // num_kv_head_replicas``). The table's dims are those after
-    the head rows (``("H",)`` for a weight, ``()`` for a bias).
+    ``num_kv_head_replicas``; ``divide(nh, tp)``, and ``tp`` a multiple of
+    ``nkv`` or a divisor of it) and ``.weight_loader`` (k/v rows from KV
+    shard ``tp_rank // num_kv_head_replicas``). The table's dims are those
+    after the head rows (``("H",)`` for a weight, ``()`` for a bias).
     """
 
     name = "qkv"
@@ -439,7 +445,8 @@ class ExpertsW13(_Experts):
     rows of moe rank ``k`` (``[k*Im_local, (k+1)*Im_local)``), then its up
     rows. vLLM ``layers/fused_moe/routed_experts.py``
     ``RoutedExperts.load_weights`` (a stacked ``gate_up_proj`` is chunked
-    into w1/w3) and ``_load_w13`` (w1 into the first half, w3 into the second,
+    into w1/w3), ``RoutedExperts.weight_loader`` (skips experts of other EP
+    ranks) and ``_load_w13`` (w1 into the first half, w3 into the second,
     ``Im/tp_moe`` rows of moe rank ``k`` each). A worker holding whole
     experts (``Im_local == Im``) gets one box: gate and up are one run.
     """

@@ -45,7 +45,9 @@ class Param:
             whether the parameter exists (per layer); ``None``: always.
         tied_to: for ``lm_head.weight``: the parameter it shares storage with
             when ``tie_word_embeddings`` is set (then it is not allocated and
-            a wire ``lm_head.weight`` is skipped, like vLLM does).
+            a wire ``lm_head.weight`` is skipped, like vLLM does:
+            ``ParallelLMHead.tie_weights``; ``models/utils.py``
+            ``AutoWeightsLoader`` skips aliased params).
         aliases: names of other paths to the same storage; may use
             placeholders of the vLLM version name table (``{router_alias}``).
 

@@ -395,7 +395,7 @@ class M2NCall:
     """Everything one ``nccl.m2n.reshard`` of a wire tensor needs but the buffers.
 
     Attributes:
-        wire: the wire tensor's name; ``index``: its position in the plan.
+        name: the wire tensor's name; ``index``: its position in the plan.
         dtype, shape: the wire tensor (global shape).
         src_mesh, dst_mesh: real ``nccl.m2n.Mesh`` objects over absolute
             communicator ranks: trainer side from ``src.start_rank``, worker
@@ -409,7 +409,7 @@ class M2NCall:
         codes: ``(src codes, dst codes)`` as the plan's ``M2NEncoding`` has them.
     """
 
-    wire: str
+    name: str
     index: int
     dtype: torch.dtype
     shape: tuple[int, ...]
@@ -495,7 +495,7 @@ def m2n_descriptors(plan: Plan, wire_index: int, *, m2n: Any = None) -> M2NCall:
         return tuple(m2n.Replicate() if c < 0 else m2n.Shard(c) for c in codes)
 
     call = M2NCall(
-        wire=wp.name, index=wire_index, dtype=wp.meta.dtype, shape=shape,
+        name=wp.name, index=wire_index, dtype=wp.meta.dtype, shape=shape,
         src_mesh=m2n.Mesh(src.mesh_dims, src.start_rank),
         src_placements=placements(src.placements),
         src_local_shape=_local_shape(shape, src.mesh_dims, src.placements, wp.name, "source"),
@@ -642,10 +642,10 @@ class NcclResharder:
         if t is None:
             return
         if t.device != self.device:
-            raise TransferError(f"rank {self.rank}: {side} buffer of '{call.wire}' is on "
+            raise TransferError(f"rank {self.rank}: {side} buffer of '{call.name}' is on "
                                 f"{t.device}; nccl.m2n needs it on {self.device}")
         if not t.is_contiguous():
-            raise TransferError(f"rank {self.rank}: {side} buffer of '{call.wire}' is not contiguous")
+            raise TransferError(f"rank {self.rank}: {side} buffer of '{call.name}' is not contiguous")
 
     def issue(self, call: M2NCall, src: torch.Tensor | None, dst: torch.Tensor | None) -> None:
         if self._aborted:
@@ -663,12 +663,12 @@ class NcclResharder:
                 dst_local_shape=call.dst_local_shape, dst_dtype=call.dtype,
                 handle=self.handle)
         except Exception as e:  # NcclReshardError, NcclInvalid, NCCLError, ValueError...
-            raise TransferError(f"rank {self.rank}: nccl.m2n.reshard of '{call.wire}' failed: "
+            raise TransferError(f"rank {self.rank}: nccl.m2n.reshard of '{call.name}' failed: "
                                 f"{type(e).__name__}: {e}") from e
         event = torch.cuda.Event()
         event.record(stream)
         nbytes = sum(t.numel() * t.element_size() for t in (src, dst) if t is not None)
-        self._pending.append((event, call.wire, (src, dst), nbytes))
+        self._pending.append((event, call.name, (src, dst), nbytes))
         self._pending_bytes += nbytes
 
     def _check_async(self, what: str) -> None:
@@ -1016,7 +1016,7 @@ class NcclM2NTransport:
                     if dst is not None and (tuple(dst.shape) != call.dst_local_shape
                                             or dst.dtype != call.dtype):
                         raise TransferError(
-                            f"worker {worker}: region of '{call.wire}' is {tuple(dst.shape)} "
+                            f"worker {worker}: region of '{call.name}' is {tuple(dst.shape)} "
                             f"{dst.dtype}; nccl.m2n delivers {call.dst_local_shape} {call.dtype}")
                     self.resharder.issue(call, None, dst)
                     report.m2n_bytes += 0 if dst is None else dst.numel() * dst.element_size()

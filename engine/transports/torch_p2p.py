@@ -104,6 +104,14 @@ def rank_label(rank: int, num_trainer_ranks: int) -> str:
     return f"worker {rank - num_trainer_ranks} (rank {rank})"
 
 
+def _reason(e: BaseException) -> str:
+    """The gist of a c10d/gloo error: first line, without the source location or advice."""
+    line = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if line.startswith("[") and "] " in line:
+        line = line.split("] ", 1)[1]                 # "[.../pair.cc:553] Connection closed ..."
+    return line.split(". This is typically", 1)[0]
+
+
 def wait_work(work, deadline: Deadline | float, what: str) -> None:
     """Wait for a ``torch.distributed`` work object until ``deadline``.
 
@@ -128,7 +136,7 @@ def wait_work(work, deadline: Deadline | float, what: str) -> None:
     except RuntimeError as e:
         if deadline.expired():
             raise TransferError(f"{what} did not complete by {deadline.describe()}") from e
-        raise TransferError(f"{what} failed: {str(e).splitlines()[0]}") from e
+        raise TransferError(f"{what} failed: {_reason(e)}") from e
     if ok is False:
         raise TransferError(f"{what} did not complete by {deadline.describe()}")
 
@@ -452,7 +460,8 @@ def finish_round(store, rank: int, world_size: int, *, num_trainer_ranks: int, r
         TransferError: the round failed. The message names, first, the ranks
             that sent no report (stalled, dead or cut off: the usual root
             cause when there are any), then the first failure reported (by
-            report order) with its rank, then up to three more.
+            report order) with its rank, then up to three more; its
+            ``cause`` attribute holds that part alone.
     """
     deadline = Deadline.of(deadline, timeout_s)
     me = rank_label(rank, num_trainer_ranks)
@@ -502,7 +511,9 @@ def finish_round(store, rank: int, world_size: int, *, num_trainer_ranks: int, r
 
     def quote(r: int, msg: str) -> str:
         label = rank_label(r, num_trainer_ranks)
-        msg = msg[len(label) + 2:] if msg.startswith(label + ": ") else msg
+        names = [label + ": ", label.split(" (")[0] + ": "]     # "worker 0 (rank 2)", "worker 0"
+        while any(msg.startswith(n) for n in names):         # said once, in front
+            msg = msg[len(next(n for n in names if msg.startswith(n))):]
         if len(msg) > _REPORT_CHARS:
             msg = msg[:_REPORT_CHARS] + " ..."
         return f"{label}: {msg}"
@@ -521,4 +532,6 @@ def finish_round(store, rank: int, world_size: int, *, num_trainer_ranks: int, r
             more = "; ".join(quote(r, msg) for _, r, msg in failures[1:4])
             parts.append(f"{len(failures) - 1} more rank(s) failed: {more}"
                          + (" ..." if len(failures) > 4 else ""))
-    raise TransferError(f"{me}: round {round_id} failed: " + "; ".join(parts))
+    err = TransferError(f"{me}: round {round_id} failed: " + "; ".join(parts))
+    err.cause = "; ".join(parts)
+    raise err

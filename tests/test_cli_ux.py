@@ -1,0 +1,312 @@
+"""What a new user meets first in ``m2nkit``: refusals, ``--version``, table widths,
+``plan --bindings`` and ``plan --verify --dump``.
+
+Fast refusals are asserted on imports (a fresh interpreter must not have
+imported torch or transformers when it refuses), not on wall time. The
+bindings expectations are computed here from the example's ``config.json``
+(heads, KV heads, head size, experts, vocab), not from m2nkit's layout code;
+the dumped storage is compared with ``reference_load``, the independent
+restatement of vLLM's loaders (itself checked against real vLLM dumps in
+``test_vllm_oracle.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import subprocess
+import sys
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from m2nkit.engine.cli import main
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tiny-qwen3-moe"
+CONFIG = json.loads((EXAMPLE / "config.json").read_text())
+
+#: Runs the CLI in a fresh interpreter and reports what it imported.
+_PROBE = """
+import json, sys
+from m2nkit.engine.cli import main
+rc = main(sys.argv[1:])
+print(json.dumps({"rc": rc, "torch": "torch" in sys.modules,
+                  "transformers": "transformers" in sys.modules}))
+"""
+
+
+def _probe(*args):
+    r = subprocess.run([sys.executable, "-c", _PROBE, *map(str, args)], capture_output=True,
+                       text=True, timeout=120)
+    return json.loads(r.stdout.strip().splitlines()[-1]), r.stderr
+
+
+def _unsupported(tmp_path: Path, arch: str = "DeepseekV3ForCausalLM") -> Path:
+    d = tmp_path / "ck"
+    shutil.copytree(EXAMPLE, d)
+    cfg = dict(CONFIG, architectures=[arch])
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+# --------------------------------------------------------------------------
+# refusals before torch
+
+
+@pytest.mark.parametrize("case,needle", [
+    ("trainer", "megatron:tp=2"),
+    ("inference", "unknown key 'pp'"),
+    ("arch_dir", "architecture 'DeepseekV3ForCausalLM' is not supported; supported: "),
+    ("arch_config_file", "architecture 'GPT2LMHeadModel' is not supported; supported: "),
+    ("dump_without_verify", "--dump writes the storage that --verify fills: add --verify"),
+    ("demo_arch", "architecture 'DeepseekV3ForCausalLM' is not supported; supported: "),
+    ("demo_processes", "needs 42 processes"),
+    ("demo_inference", "must start with 'vllm:'"),
+])
+def test_refusals_come_before_torch_is_imported(tmp_path, case, needle):
+    plan = ["plan", EXAMPLE, "--trainer", "fsdp:2", "--inference", "vllm:tp=2"]
+    args = {
+        "trainer": lambda: ["plan", EXAMPLE, "--trainer", "megatron:tp=2", "--inference", "vllm:tp=2"],
+        "inference": lambda: ["plan", EXAMPLE, "--trainer", "fsdp:2", "--inference", "vllm:tp=2,pp=2"],
+        "arch_dir": lambda: ["plan", _unsupported(tmp_path), "--trainer", "fsdp:2",
+                             "--inference", "vllm:tp=2"],
+        "arch_config_file": lambda: ["plan", _unsupported(tmp_path, "GPT2LMHeadModel") / "config.json",
+                                     "--trainer", "fsdp:2", "--inference", "vllm:tp=2"],
+        "dump_without_verify": lambda: [*plan, "--dump", tmp_path / "dump"],
+        "demo_arch": lambda: ["demo", "--model", _unsupported(tmp_path)],
+        "demo_processes": lambda: ["demo", "--trainer", "fsdp:40", "--inference", "vllm:tp=2"],
+        "demo_inference": lambda: ["demo", "--inference", "sglang:tp=2"],
+    }[case]()
+    report, err = _probe(*args)
+    assert report == {"rc": 2, "torch": False, "transformers": False}, err
+    assert err.startswith("m2nkit: error:") and err.count("\n") == 1, err
+    assert needle in err
+    if case.startswith("arch") or case == "demo_arch":
+        # one format, naming every supported architecture
+        listed = err.strip().split("supported: ")[-1].split(", ")
+        assert "Qwen3MoeForCausalLM" in listed and "LlamaForCausalLM" in listed
+        assert all(re.fullmatch(r"[A-Za-z0-9]+ForCausalLM", a) for a in listed), listed
+    assert not (tmp_path / "dump").exists()
+
+
+def test_a_good_spec_still_plans_in_process(capsys):
+    # The light imports of the refusal path leave the real packages whole.
+    assert main(["plan", str(EXAMPLE), "--trainer", "fsdp:2", "--inference", "vllm:tp=2"]) == 0
+    assert "ratio 1.000" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------
+# --version, COLUMNS
+
+
+def test_version_comes_from_the_package_metadata():
+    r = subprocess.run([sys.executable, "-m", "m2nkit.engine.cli", "--version"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout == f"m2nkit {version('m2nkit')}\n"
+    assert r.stdout == "m2nkit 0.1.0\n"
+
+
+def test_piped_tables_honour_columns(capsys, monkeypatch):
+    args = ["plan", str(EXAMPLE), "--trainer", "fsdp:3", "--inference", "vllm:tp=2", "-v"]
+    monkeypatch.setenv("COLUMNS", "70")
+    assert main(args) == 0
+    narrow = capsys.readouterr().out.splitlines()
+    assert max(map(len, narrow)) <= 70
+    monkeypatch.delenv("COLUMNS")
+    assert main(args) == 0
+    wide = capsys.readouterr().out.splitlines()
+    assert 80 < max(map(len, wide)) <= 200     # not rich's 80 columns when piped
+
+
+# --------------------------------------------------------------------------
+# --bindings
+
+
+def _bindings(capsys, monkeypatch, inference: str) -> list[tuple[str, ...]]:
+    monkeypatch.setenv("COLUMNS", "400")        # one table row per line
+    code = main(["plan", str(EXAMPLE), "--trainer", "fsdp:3", "--inference", inference,
+                 "--bindings"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    table = out[out.index("where each wire tensor lands"):]
+    rows = []
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.split("│")[1:-1]]
+        if len(cells) == 5:
+            rows.append(tuple(cells))
+    return rows
+
+
+def _sizes():
+    """The example's sizes, from its config.json."""
+    H, nh, nkv = CONFIG["hidden_size"], CONFIG["num_attention_heads"], CONFIG["num_key_value_heads"]
+    hd = CONFIG.get("head_dim") or H // nh
+    E = CONFIG.get("num_experts") or CONFIG["num_local_experts"]
+    Im, V = CONFIG["moe_intermediate_size"], CONFIG["vocab_size"]
+    return H, nh, nkv, hd, E, Im, V
+
+
+def _rows_of(rows, wire):
+    return [r[1:] for r in rows if r[0] == wire]
+
+
+def test_bindings_tp2_name_rows_and_group_workers(capsys, monkeypatch):
+    H, nh, nkv, hd, E, Im, V = _sizes()
+    tp = 2
+    q, kv = nh // tp * hd, nkv // tp * hd       # local rows of q and of k (and v) per rank
+    rows = _bindings(capsys, monkeypatch, "vllm:tp=2")
+    L0 = "model.layers.0."
+    qkv = L0 + "self_attn.qkv_proj.weight"
+    assert _rows_of(rows, L0 + "self_attn.q_proj.weight") == [
+        (qkv, f"rows 0:{q}", "workers 0–1", f"rows 0:{q} (worker 0); rows {q}:{2 * q} (worker 1)")]
+    assert _rows_of(rows, L0 + "self_attn.k_proj.weight") == [
+        (qkv, f"rows {q}:{q + kv}", "workers 0–1",
+         f"rows 0:{kv} (worker 0); rows {kv}:{2 * kv} (worker 1)")]
+    assert _rows_of(rows, L0 + "self_attn.v_proj.weight") == [
+        (qkv, f"rows {q + kv}:{q + 2 * kv}", "workers 0–1",
+         f"rows 0:{kv} (worker 0); rows {kv}:{2 * kv} (worker 1)")]
+    # row-parallel: each worker's whole o_proj, from its columns of the wire tensor
+    assert _rows_of(rows, L0 + "self_attn.o_proj.weight") == [
+        (L0 + "self_attn.o_proj.weight", "whole", "workers 0–1",
+         f"cols 0:{nh * hd // 2} (worker 0); cols {nh * hd // 2}:{nh * hd} (worker 1)")]
+    # experts without EP: tensor-parallel inside w13 = [gate rows | up rows] per rank
+    im = Im // tp
+    gate_up = _rows_of(rows, L0 + "mlp.experts.gate_up_proj.weight")
+    assert [r[1:] for r in gate_up] == [
+        (f"rows 0:{im}", "workers 0–1", f"rows 0:{im} (worker 0); rows {im}:{Im} (worker 1)"),
+        (f"rows {im}:{Im}", "workers 0–1",
+         f"rows {Im}:{Im + im} (worker 0); rows {Im + im}:{2 * Im} (worker 1)")]
+    assert all(r[0].startswith(L0 + "mlp.experts.") and r[0].endswith(".w13_weight") for r in gate_up)
+    down = _rows_of(rows, L0 + "mlp.experts.down_proj.weight")
+    assert [r[1:] for r in down] == [
+        ("whole", "workers 0–1", f"cols 0:{im} (worker 0); cols {im}:{Im} (worker 1)")]
+    assert down[0][0].endswith(".w2_weight")
+    # vocab padded to a multiple of 64, split evenly; the last rank holds fewer real rows
+    per = math.ceil(V / 64) * 64 // tp
+    assert _rows_of(rows, "model.embed_tokens.weight") == [
+        ("model.embed_tokens.weight", "whole", "worker 0", f"rows 0:{per}"),
+        ("model.embed_tokens.weight", f"rows 0:{V - per}", "worker 1", f"rows {per}:{V}")]
+    assert _rows_of(rows, "model.norm.weight") == [("model.norm.weight", "whole", "workers 0–1", "whole")]
+
+
+def test_bindings_tp4_replicates_kv_heads(capsys, monkeypatch):
+    H, nh, nkv, hd, E, Im, V = _sizes()
+    tp = 4
+    assert tp > nkv                              # each KV head serves tp/nkv ranks
+    q = nh // tp * hd
+    reps = tp // nkv
+    rows = _bindings(capsys, monkeypatch, "vllm:tp=4")
+    takes = "; ".join(f"rows {h * hd}:{(h + 1) * hd} (workers {h * reps}–{(h + 1) * reps - 1})"
+                      for h in range(nkv))
+    assert _rows_of(rows, "model.layers.1.self_attn.k_proj.weight") == [
+        ("model.layers.1.self_attn.qkv_proj.weight", f"rows {q}:{q + hd}", "workers 0–3", takes)]
+
+
+def test_bindings_ep_names_experts_and_dp_replicas(capsys, monkeypatch):
+    H, nh, nkv, hd, E, Im, V = _sizes()
+    rows = _bindings(capsys, monkeypatch, "vllm:tp=2,dp=2,ep")
+    n = 4                                        # ep = dp * tp workers, E / n experts each
+    gate_up = _rows_of(rows, "model.layers.0.mlp.experts.gate_up_proj.weight")
+    assert len(gate_up) == 1 and gate_up[0][0].endswith(".w13_weight")
+    assert gate_up[0][1:] == ("whole", "workers 0–3", "; ".join(
+        f"experts {w * E // n}:{(w + 1) * E // n} (worker {w})" for w in range(n)))
+    # dense layers: tp within each dp replica, so workers 0 and 2 take the same rows
+    q, kv = nh // 2 * hd, nkv // 2 * hd
+    assert _rows_of(rows, "model.layers.0.self_attn.k_proj.weight") == [
+        ("model.layers.0.self_attn.qkv_proj.weight", f"rows {q}:{q + kv}", "workers 0–3",
+         f"rows 0:{kv} (workers 0, 2); rows {kv}:{2 * kv} (workers 1, 3)")]
+
+
+def test_bindings_name_the_tied_head(tiny_checkpoints, capsys, monkeypatch):
+    # tie_word_embeddings: vLLM's lm_head.weight is embed_tokens' storage; the
+    # checkpoint has no lm_head tensor, so the table says where it comes from.
+    monkeypatch.setenv("COLUMNS", "400")
+    assert main(["plan", str(tiny_checkpoints("tiny-qwen3-tied")), "--trainer", "fsdp:2",
+                 "--inference", "vllm:tp=2", "--bindings"]) == 0
+    out = capsys.readouterr().out
+    assert ("vLLM parameter lm_head.weight is the storage of model.embed_tokens.weight "
+            "(tied; filled through it)") in out
+
+
+# --------------------------------------------------------------------------
+# --verify --dump
+
+
+def _metadata(path: Path) -> dict:
+    with safe_open(str(path), "pt") as f:
+        return f.metadata()
+
+
+def _load(path: Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(path), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+@pytest.mark.parametrize("model,trainer,inference", [
+    ("example", "fsdp:3", "vllm:tp=2,ep"),
+    ("example", "hsdp:2,2", "vllm:tp=2,dp=2"),
+    ("tiny-qwen3-tied", "fsdp:2", "vllm:tp=2"),
+])
+def test_dump_writes_each_workers_storage_as_vllm_holds_it(tiny_checkpoints, tmp_path, capsys,
+                                                          model, trainer, inference):
+    from m2nkit.adapters.hf_checkpoint import full_checkpoint_tensors, read_checkpoint
+    from m2nkit.adapters.vllm import parse_inference_spec, reference_load
+
+    ckpt_dir = EXAMPLE if model == "example" else tiny_checkpoints(model)
+    out = tmp_path / "dump" / "here"                 # created, parents too
+    code = main(["plan", str(ckpt_dir), "--trainer", trainer, "--inference", inference,
+                 "--verify", "--dump", str(out), "--json", str(tmp_path / "plan.json")])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    spec = parse_inference_spec(inference)
+    n = spec.tp * spec.dp
+    assert sorted(p.name for p in out.iterdir()) == sorted(f"worker{w}.safetensors" for w in range(n))
+    ckpt = read_checkpoint(ckpt_dir)
+    full = full_checkpoint_tensors(ckpt)
+    plan_json = json.loads((tmp_path / "plan.json").read_text())["plan"]
+    for w in range(n):
+        path = out / f"worker{w}.safetensors"
+        meta = _metadata(path)
+        assert meta["worker"] == str(w)
+        assert meta["tp_rank"] == str(w % spec.tp) and meta["dp_rank"] == str(w // spec.tp)
+        assert meta["ep_rank"] == (str(w) if spec.ep else "none")
+        assert meta["inference"] == str(spec) and meta["architecture"] == ckpt.architecture
+        assert Path(meta["model"]) == Path(ckpt_dir).resolve()
+        assert meta["plan_digest"] and meta["manifest_digest"] == plan_json["manifest_digest"]
+        aliases = json.loads(meta["aliases"])
+        got = _load(path)
+        ref = reference_load(ckpt.config, full, spec, w)
+        # every vLLM parameter once; an alias is saved under the name it shares storage with
+        assert set(got) == set(ref) - set(aliases)
+        assert all(target in got for target in aliases.values())
+        for name, want in ref.items():
+            t = got[aliases.get(name, name)]
+            assert t.dtype == want.dtype and t.shape == want.shape, name
+            assert torch.equal(t.view(torch.uint8) if t.numel() else t,
+                               want.contiguous().view(torch.uint8) if want.numel() else want), name
+    if model == "tiny-qwen3-tied":
+        assert json.loads(_metadata(out / "worker0.safetensors")["aliases"]) == {
+            "lm_head.weight": "model.embed_tokens.weight"}
+
+
+def test_dump_to_an_unwritable_place_fails_before_any_work(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    code = main(["plan", str(EXAMPLE), "--trainer", "fsdp:2", "--inference", "vllm:tp=2",
+                 "--verify", "--dump", str(blocker / "sub")])
+    out = capsys.readouterr()
+    assert code == 2 and out.out == ""
+    assert out.err.startswith("m2nkit: error: --dump ") and out.err.count("\n") == 1
+
+
+def test_dump_dir_created_for_a_run_that_fails_is_removed(tmp_path, capsys):
+    out = tmp_path / "dump"
+    code = main(["plan", str(EXAMPLE), "--trainer", "fsdp:2", "--inference", "vllm:tp=3",
+                 "--verify", "--dump", str(out)])
+    assert code == 2 and "tp=3" in capsys.readouterr().err
+    assert not out.exists()
