@@ -1,11 +1,18 @@
 """The trainer engine against real receiver processes over the HTTP control plane.
 
-Everything here is real: trainer processes (spawned), the inference server's
-worker processes, gloo over 127.0.0.1, vLLM's weight-transfer routes. Faults
-are injected from inside the trainer's own source (a provider that stalls,
-dies or kills a worker when the engine reaches a given wire tensor), so
+Everything here is real: trainer processes, the inference server's worker
+processes, gloo over 127.0.0.1, vLLM's weight-transfer routes. Faults are
+injected from inside the trainer's own source (a provider that stalls, dies
+or kills a worker when the engine reaches a given wire tensor), so
 "mid-round" is exact, not a race. Expected bytes come from
 ``reference_load`` of the shifted checkpoint, never from the planner.
+
+Processes fork from a ``forkserver`` that has torch, transformers and m2nkit
+loaded, so each starts in milliseconds instead of importing torch again;
+``m2nkit demo`` itself (which spawns) is run once, end to end. Timing
+assertions check the documented bound (``timeout_s + REPORT_GRACE_S`` of a
+rank's round start, measured inside that rank), never how idle the machine
+is; one test holds it while CPU-burning processes compete.
 """
 
 from __future__ import annotations
@@ -13,7 +20,10 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import re
 import signal
+import subprocess
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -21,49 +31,69 @@ from pathlib import Path
 import pytest
 import torch
 
+from m2nkit.engine.deadline import REPORT_GRACE_S
+
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tiny-qwen3-moe"
-TIMEOUT = 8.0  # seconds: every wait in these sessions
+TIMEOUT = 4.0  # seconds: the bound on each init and each round of these sessions
+CTX = mp.get_context("forkserver")
+PRELOAD = ["torch", "transformers", "safetensors.torch", "m2nkit.engine.trainer",
+           "m2nkit.engine.receiver", "m2nkit.engine.server", "m2nkit.engine.clients",
+           "m2nkit.engine.demo", "m2nkit.adapters.hf_checkpoint", "m2nkit.adapters.trainer_spec",
+           "m2nkit.adapters.vllm", "m2nkit.manifest"]
+
+
+def _ready() -> None:
+    pass
+
+
+@pytest.fixture(scope="module", autouse=True)
+def forkserver():
+    """Start the forkserver (with the heavy imports) once, before any test's clock runs."""
+    CTX.set_forkserver_preload(PRELOAD)   # no effect if another module started it first
+    p = CTX.Process(target=_ready)
+    p.start()
+    p.join(120)
+    assert p.exitcode == 0, "the forkserver did not start"
+
+
+def start_server(model_dir, inference: str):
+    from m2nkit.engine.server import InferenceServer
+
+    srv = InferenceServer(model_dir, inference, timeout_s=10 * TIMEOUT, start_method="forkserver")
+    srv.start()
+    return srv
+
+
+@pytest.fixture
+def server():
+    srv = start_server(EXAMPLE, "vllm:tp=2")
+    try:
+        yield srv
+    finally:
+        srv.stop()
 
 
 # --------------------------------------------------------------------------
-# demo matrix: dense and MoE, fsdp (uneven) and hsdp, tp 1/2/4, dp 2, ep
+# trainer processes
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("model,trainer,inference", [
-    ("tiny-llama", "fsdp:3", "vllm:tp=4"),          # tp > 2 KV heads: replicated k/v rows
-    ("tiny-qwen3-tied", "fsdp:3", "vllm:tp=1"),     # tied embeddings, uneven fsdp
-    ("tiny-qwen3-moe", "hsdp:2,2", "vllm:tp=2,dp=2"),  # replicas balanced, dp replicas
-    ("tiny-mixtral", "fsdp:3", "vllm:tp=2,ep"),     # experts by ep, uneven fsdp
-])
-def test_demo_rounds_are_bit_exact_over_http(tmp_path, model, trainer, inference):
-    from m2nkit.engine.demo import run_demo
+def _trainer(rank, T, model_dir, trainer, inference, url, port, fault, results, rounds, go,
+             timeout_s, reorder=False, extra=False):
+    """A trainer process; ``fault`` = (round, wire index, action) or None.
 
-    result = run_demo(model, trainer, inference, rounds=2, timeout_s=30, bucket_bytes=64 << 10,
-                      workdir=str(tmp_path), baseline=False, log=lambda *a: None)
-    # run_demo raises if any worker's bytes or version are wrong; check the
-    # accounting too: every round sends exactly the minimum.
-    assert [r.index for r in result.rounds] == [1, 2]
-    for r in result.rounds:
-        assert sum(r.bytes_per_rank) == result.nbytes_min
-        assert r.verified_workers == (4 if "dp=2" in inference or "tp=4" in inference else
-                                      1 if "tp=1" in inference else 2)
-
-
-# --------------------------------------------------------------------------
-# fault injection
-
-
-def _trainer(rank, T, model_dir, trainer, inference, url, port, fault, results, rounds=1,
-             reorder=False, extra=False):
-    """A trainer process; ``fault`` = (round, wire index, action) or None."""
+    Reports ``("ok", rank, {round, bytes, seconds})`` per round, ``("error",
+    rank, {message, seconds})`` when ``send_weights`` (or init) raised, with
+    the seconds measured around that call, here, in the rank itself.
+    """
     from m2nkit.engine.server import exit_with_parent
 
     exit_with_parent()
     torch.set_num_threads(1)
+    t0 = time.monotonic()
     try:
         from m2nkit.adapters.hf_checkpoint import read_checkpoint
         from m2nkit.adapters.trainer_spec import parse_trainer_spec
+        from m2nkit.adapters.vllm import vllm_destination
         from m2nkit.engine.clients import HTTPClient
         from m2nkit.engine.demo import shifted_source
         from m2nkit.engine.trainer import M2NTrainerEngine, M2NTrainerInitInfo
@@ -93,60 +123,76 @@ def _trainer(rank, T, model_dir, trainer, inference, url, port, fault, results, 
             entries[3], entries[4] = entries[4], entries[3]
         if extra:
             from m2nkit.manifest.layout import SourceLayout
+
             entries.append(M2NManifestEntry("model.extra.weight", torch.bfloat16, (4,),
-                                            SourceLayout(), lambda: torch.zeros(4, dtype=torch.bfloat16)))
+                                            SourceLayout(),
+                                            lambda: torch.zeros(4, dtype=torch.bfloat16)))
         source = ManifestM2NWeightSource(entries, rank=rank)
-        info = M2NTrainerInitInfo(rank=rank, num_trainer_ranks=T, inference=inference,
-                                  model_config=ckpt.config, master_port=port, timeout_s=TIMEOUT,
-                                  bucket_bytes=16 << 10)
-        client = HTTPClient(url, timeout_s=6 * TIMEOUT) if rank == 0 else None
+        info = M2NTrainerInitInfo(rank=rank, num_trainer_ranks=T,
+                                  destination=vllm_destination(ckpt.config, inference),
+                                  master_port=port, timeout_s=timeout_s, bucket_bytes=16 << 10)
+        client = HTTPClient(url, timeout_s=10 * timeout_s) if rank == 0 else None
+        t0 = time.monotonic()
         engine = M2NTrainerEngine.trainer_init(info, client=client, source=source)
         for k in range(1, rounds + 1):
+            if k > 1 and go is not None and go.get(timeout=30 * timeout_s) != k:
+                raise RuntimeError("test driver out of step")
             state["round"] = k
+            t0 = time.monotonic()
             try:
-                engine.send_weights(f"v{k}")
+                stats = engine.send_weights(f"v{k}")
             except Exception as e:
+                seconds = time.monotonic() - t0
                 # A failed engine refuses further rounds at once (no RPC, no wait).
-                t0 = time.monotonic()
+                t1 = time.monotonic()
                 try:
                     engine.send_weights("again")
                 except Exception as again:  # noqa: BLE001
-                    results.put(("retry", rank, (f"{type(again).__name__}: {again}",
-                                                 time.monotonic() - t0)))
-                raise e
-            results.put(("ok", rank, k))
+                    results.put(("retry", rank, {"message": f"{type(again).__name__}: {again}",
+                                                 "seconds": time.monotonic() - t1}))
+                results.put(("error", rank, {"message": f"{type(e).__name__}: {e}",
+                                             "seconds": seconds, "round": k}))
+                return
+            results.put(("ok", rank, {"round": k, "bytes": stats.bytes_sent,
+                                      "seconds": time.monotonic() - t0}))
         engine.shutdown()
         try:
             engine.send_weights("after-shutdown")
         except ValueError as e:
-            results.put(("after_shutdown", rank, str(e)))
-        results.put(("done", rank, None))
+            results.put(("after_shutdown", rank, {"message": str(e)}))
+        results.put(("done", rank, {}))
     except BaseException as e:  # noqa: BLE001 - the test inspects it
-        results.put(("error", rank, f"{type(e).__name__}: {e}"))
+        results.put(("error", rank, {"message": f"{type(e).__name__}: {e}",
+                                     "seconds": time.monotonic() - t0,
+                                     "trace": traceback.format_exc()}))
 
 
-def _run_trainers(url, T, trainer, inference, faults=None, rounds=1, budget=None, hang=(), **kw):
-    """Spawn T trainers; return ({rank: [messages]}, seconds, exit codes, killed).
+def _run_trainers(url, T, trainer, inference, *, model_dir=EXAMPLE, faults=None, rounds=1,
+                  budget=60.0, hang=(), check=None, timeout_s=TIMEOUT, **kw):
+    """Run T trainer processes; return ({rank: [(kind, payload)]}, seconds, exit codes, killed).
 
-    Waits until every rank not in ``hang`` has finished (reported done or an
-    error, or exited), then kills whatever is left. Never hangs past ``budget``.
+    ``check(k)``, when given, runs after every rank finished round ``k`` and
+    before any starts round ``k + 1``. Waits until every rank not in
+    ``hang`` has finished (done, error, or exited), then kills whatever is
+    left. Never runs past ``budget`` seconds.
     """
     from m2nkit.engine.demo import free_port
 
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    results = CTX.Queue()
+    gos = [CTX.Queue() for _ in range(T)] if check is not None else [None] * T
     port = free_port()
     procs = []
     for r in range(T):
-        args = (r, T, str(EXAMPLE), trainer, inference, url, port, (faults or {}).get(r), results,
-                rounds)
         kwargs = {k: v for k, v in kw.items() if k in ("reorder", "extra") and r in kw.get("ranks", ())}
-        procs.append(ctx.Process(target=_trainer, args=args, kwargs=kwargs, daemon=True))
+        procs.append(CTX.Process(target=_trainer, daemon=True, kwargs=kwargs, args=(
+            r, T, str(model_dir), trainer, inference, url, port, (faults or {}).get(r), results,
+            rounds, gos[r], timeout_s)))
     t0 = time.monotonic()
     for p in procs:
         p.start()
-    deadline = t0 + (budget or 60)
+    deadline = t0 + budget
     msgs: dict[int, list] = {r: [] for r in range(T)}
+    checked = 0
 
     def finished(r):
         return any(k in ("done", "error") for k, _ in msgs[r]) or not procs[r].is_alive()
@@ -154,10 +200,18 @@ def _run_trainers(url, T, trainer, inference, faults=None, rounds=1, budget=None
     try:
         while time.monotonic() < deadline and not all(finished(r) for r in range(T) if r not in hang):
             try:
-                kind, rank, payload = results.get(timeout=0.2)
+                kind, rank, payload = results.get(timeout=0.1)
                 msgs[rank].append((kind, payload))
             except queue.Empty:
                 pass
+            if check is not None:
+                done = [{p["round"] for k, p in msgs[r] if k == "ok"} for r in range(T)]
+                k = checked + 1
+                if k < rounds and all(k in d for d in done):
+                    check(k)
+                    checked = k
+                    for g in gos:
+                        g.put(k + 1)
         seconds = time.monotonic() - t0
         for p in procs:
             p.join(max(0.1, min(5.0, deadline - time.monotonic())))
@@ -169,119 +223,203 @@ def _run_trainers(url, T, trainer, inference, faults=None, rounds=1, budget=None
             p.join(5)
     while True:
         try:
-            kind, rank, payload = results.get(timeout=0.2)
+            kind, rank, payload = results.get(timeout=0.1)
         except queue.Empty:
             break
         msgs[rank].append((kind, payload))
     return msgs, seconds, [p.exitcode for p in procs], killed
 
 
-@pytest.fixture
-def server():
-    from m2nkit.engine.server import InferenceServer
-
-    srv = InferenceServer(EXAMPLE, "vllm:tp=2", timeout_s=6 * TIMEOUT)
-    srv.start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
+def _errors(msgs):
+    return {r: [p for k, p in m if k == "error"] for r, m in msgs.items()}
 
 
-def _check_workers(server, tmp_path, round_index):
+def _check_workers(server, tmp_path, round_index, model_dir=EXAMPLE, inference="vllm:tp=2"):
+    """Every worker's live storage equals vLLM's loaders on the round's shifted checkpoint."""
     from m2nkit.adapters.hf_checkpoint import full_checkpoint_tensors, read_checkpoint
     from m2nkit.adapters.vllm import reference_load
     from m2nkit.engine.demo import shift
     from m2nkit.engine.local import bitwise_equal
 
-    ck = read_checkpoint(EXAMPLE)
+    ck = read_checkpoint(model_dir)
     full = {n: shift(t, round_index) for n, t in full_checkpoint_tensors(ck).items()}
     for w in range(server.num_workers):
         got = server.storage(w, tmp_path / f"check{round_index}-{w}")
-        ref = reference_load(ck.config, full, "vllm:tp=2", w)
-        assert set(got) <= set(ref)
-        for name, t in got.items():
-            assert bitwise_equal(t, ref[name]), (w, name)
+        ref = reference_load(ck.config, full, inference, w)
+        # Saved once per storage; aliases (a tied lm_head, the MoE router's second name) not again.
+        assert got and set(got) <= set(ref)
+        bad = [name for name, t in got.items() if not bitwise_equal(t, ref[name])]
+        assert not bad, f"worker {w} differs from reference_load in {bad}"
 
 
-def _errors(msgs):
-    return {r: [p for k, p in m if k == "error"] for r, m in msgs.items()}
+# --------------------------------------------------------------------------
+# the matrix: dense and MoE, fsdp (uneven) and hsdp, tp 1/2/4, dp 2, ep
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("model,trainer,inference", [
+    ("tiny-llama", "fsdp:3", "vllm:tp=4"),          # tp > 2 KV heads: replicated k/v rows
+    ("tiny-qwen3-tied", "fsdp:3", "vllm:tp=1"),     # tied embeddings, uneven fsdp
+    ("tiny-qwen3-moe", "hsdp:2,2", "vllm:tp=2,dp=2"),  # replicas balanced, dp replicas
+    ("tiny-mixtral", "fsdp:3", "vllm:tp=2,ep"),     # experts by ep, uneven fsdp
+])
+def test_rounds_are_bit_exact_over_http(tiny_checkpoints, tmp_path, model, trainer, inference):
+    from m2nkit.adapters.hf_checkpoint import checkpoint_metas, read_checkpoint
+    from m2nkit.adapters.trainer_spec import parse_trainer_spec
+    from m2nkit.adapters.vllm import vllm_destination
+    from m2nkit.engine.session import plan_from_manifest
+    from m2nkit.manifest.serialize import manifest_to_json
+
+    model_dir = tiny_checkpoints(model)
+    tspec = parse_trainer_spec(trainer)
+    ck = read_checkpoint(model_dir)
+    plan, _ = plan_from_manifest(manifest_to_json(checkpoint_metas(ck, tspec), tspec.num_ranks),
+                                 vllm_destination(ck.config, inference))
+    srv = start_server(model_dir, inference)
+    try:
+        # After each round, before the next starts: every worker holds that round's bytes.
+        msgs, _, _, _ = _run_trainers(
+            srv.url, tspec.num_ranks, trainer, inference, model_dir=model_dir, rounds=2,
+            timeout_s=4 * TIMEOUT, budget=90,
+            check=lambda k: _check_workers(srv, tmp_path, k, model_dir, inference))
+        assert not any(_errors(msgs).values()), msgs
+        _check_workers(srv, tmp_path, 2, model_dir, inference)
+        assert srv.weight_versions() == ["v2"] * plan.num_workers
+    finally:
+        srv.stop()
+    # Accounting: every round sends exactly the minimum, each rank its plan bytes.
+    for k in (1, 2):
+        sent = {r: p["bytes"] for r in range(tspec.num_ranks) for kind, p in msgs[r]
+                if kind == "ok" and p["round"] == k}
+        assert sorted(sent) == list(range(tspec.num_ranks))
+        assert sum(sent.values()) == plan.nbytes_min
+
+
+@pytest.mark.timeout(180)
+def test_demo_command_runs_end_to_end(tmp_path):
+    # m2nkit demo itself, as a user runs it (spawned processes, its own checks after
+    # every round, exit 0); the smallest layout that still has uneven fsdp and tp.
+    from m2nkit.engine.demo import run_demo
+
+    result = run_demo("tiny-qwen3", "fsdp:3", "vllm:tp=2", rounds=2, timeout_s=60,
+                      bucket_bytes=64 << 10, workdir=str(tmp_path), baseline=False,
+                      log=lambda *a: None)
+    assert [r.index for r in result.rounds] == [1, 2]
+    assert all(sum(r.bytes_per_rank) == result.nbytes_min for r in result.rounds)
+    assert all(r.verified_workers == 2 for r in result.rounds)
+
+
+# --------------------------------------------------------------------------
+# fault injection: the deadline bound, the root cause, the version kept
+
+
+def _assert_failed_within_bound(msgs, ranks, needle):
+    """Each rank raised, naming ``needle``, within timeout_s + REPORT_GRACE_S of its call."""
+    errors = _errors(msgs)
+    for r in ranks:
+        assert errors[r], msgs[r]
+        e = errors[r][0]
+        assert e["message"].startswith("TransferError"), e
+        assert needle in e["message"], e
+        assert e["seconds"] <= TIMEOUT + REPORT_GRACE_S, e
+        retry = [p for k, p in msgs[r] if k == "retry"]
+        assert retry and "build a fresh engine" in retry[0]["message"], msgs[r]
+        assert retry[0]["seconds"] < 1.0, retry
+
+
+def _burn() -> None:
+    while True:
+        pass
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("action", ["stall", "die"])
-def test_trainer_stall_or_death_mid_round_fails_everyone_and_keeps_the_version(server, tmp_path, action):
-    # Round 1 succeeds; in round 2 trainer rank 1 stalls (or dies) when the
-    # engine reaches wire tensor 10 of 25.
-    msgs, seconds, codes, killed = _run_trainers(server.url, 3, "fsdp:3", "vllm:tp=2",
-                                                 faults={1: (2, 10, action)}, rounds=2,
-                                                 budget=10 * TIMEOUT, hang=(1,))
-    errors = _errors(msgs)
-    assert [("ok", 1) in msgs[r] for r in range(3)] == [True] * 3
-    # Every other trainer ends with a clear error within the bound (no hang).
-    for r in (0, 2):
-        assert errors[r], msgs[r]
-        assert "TransferError" in errors[r][0] or "WeightSyncError" in errors[r][0], errors[r]
+@pytest.mark.parametrize("action", ["stall", "die", "stall under load"])
+def test_trainer_stall_or_death_mid_round_fails_everyone_and_keeps_the_version(
+        server, tmp_path, action):
+    # Round 1 succeeds; in round 2 trainer rank 1 stalls (or dies) when the engine
+    # reaches wire tensor 10 of 25. Under load, CPU-burning processes compete
+    # (load average heading for 8 on this 2-core machine) for the whole run.
+    burners = []
+    if action == "stall under load":
+        burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                   for _ in range(8)]
+    try:
+        msgs, seconds, codes, killed = _run_trainers(
+            server.url, 3, "fsdp:3", "vllm:tp=2", faults={1: (2, 10, action.split()[0])},
+            rounds=2, budget=20 * TIMEOUT, hang=(1,))
+        load = os.getloadavg()
+        if burners:
+            assert all(b.poll() is None for b in burners), "a CPU burner stopped early"
+    finally:
+        for b in burners:
+            b.kill()
+            b.wait(10)
+    assert [any(k == "ok" and p["round"] == 1 for k, p in msgs[r]) for r in range(3)] == [True] * 3
+    # Every other trainer raises within the bound, naming the root cause: rank 1.
+    _assert_failed_within_bound(msgs, (0, 2), "trainer rank 1 sent no report")
     if action == "die":
         assert codes[1] == 17
+        # Its connections closed: found at once, not at the deadline.
+        assert all(_errors(msgs)[r][0]["seconds"] < TIMEOUT for r in (0, 2)), (msgs, load)
     else:
         assert killed == [1]  # only the staller was still there to kill
-    # Errors arrive within the bound: a wait times out after TIMEOUT, the
-    # end-of-round verdict after at most another TIMEOUT.
-    assert seconds < 4 * TIMEOUT
-    for r in (0, 2):
-        retry = [p for k, p in msgs[r] if k == "retry"]
-        assert retry and "build a fresh engine" in retry[0][0] and retry[0][1] < 1.0, msgs[r]
     # The workers refused to commit round 2: still at v1 with v1's bytes.
     assert server.weight_versions() == ["v1", "v1"]
     _check_workers(server, tmp_path, 1)
-    # A fresh engine (new trainer processes, new group) runs the next round.
-    msgs, _, codes, _ = _run_trainers(server.url, 3, "fsdp:3", "vllm:tp=2", rounds=2,
-                                      budget=10 * TIMEOUT)
+    if action != "stall":
+        return
+    # A fresh engine (new trainer processes, new group) runs the next rounds.
+    msgs, _, codes, _ = _run_trainers(server.url, 3, "fsdp:3", "vllm:tp=2", rounds=2)
     assert not any(_errors(msgs).values()), msgs
     for r in range(3):
-        assert any(k == "after_shutdown" and "after shutdown()" in p for k, p in msgs[r]), msgs[r]
+        assert any(k == "after_shutdown" and "after shutdown()" in p["message"]
+                   for k, p in msgs[r]), msgs[r]
     assert server.weight_versions() == ["v2", "v2"]
     _check_workers(server, tmp_path, 2)
 
 
-@pytest.mark.timeout(300)
-def test_worker_killed_mid_round_fails_every_trainer_within_the_timeout(tmp_path):
-    from m2nkit.engine.server import InferenceServer
-
-    with InferenceServer(EXAMPLE, "vllm:tp=2", timeout_s=6 * TIMEOUT) as srv:
+@pytest.mark.timeout(120)
+def test_worker_killed_mid_round_fails_every_trainer_at_once(tmp_path):
+    srv = start_server(EXAMPLE, "vllm:tp=2")
+    try:
         victim = srv.worker_pids[1]
         msgs, seconds, codes, killed = _run_trainers(srv.url, 2, "fsdp:2", "vllm:tp=2",
-                                                     faults={0: (1, 12, ("kill", victim))},
-                                                     budget=10 * TIMEOUT)
-        errors = _errors(msgs)
-        assert all(errors[r] for r in range(2)), msgs
-        assert not killed and seconds < 4 * TIMEOUT
+                                                     faults={0: (1, 12, ("kill", victim))})
+        # Its connections closed: every trainer names it, long before the deadline.
+        _assert_failed_within_bound(msgs, (0, 1), "worker 1 (rank 3) sent no report")
+        assert all(_errors(msgs)[r][0]["seconds"] < TIMEOUT for r in (0, 1)), msgs
+        assert not killed
         # The surviving worker did not commit the broken round.
         with pytest.raises(Exception, match="worker 1"):
             srv.weight_versions()
+    finally:
+        srv.stop()
     # A fresh server and fresh engines run the next round.
-    with InferenceServer(EXAMPLE, "vllm:tp=2", timeout_s=6 * TIMEOUT) as srv:
-        msgs, _, _, _ = _run_trainers(srv.url, 2, "fsdp:2", "vllm:tp=2", budget=10 * TIMEOUT)
+    srv = start_server(EXAMPLE, "vllm:tp=2")
+    try:
+        msgs, _, _, _ = _run_trainers(srv.url, 2, "fsdp:2", "vllm:tp=2")
         assert not any(_errors(msgs).values()), msgs
         assert srv.weight_versions() == ["v1", "v1"]
         _check_workers(srv, tmp_path, 1)
+    finally:
+        srv.stop()
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind,needle", [
     ("reorder", "wire tensor #3"),
     ("extra", "model.extra.weight"),
 ])
 def test_one_rank_with_a_different_manifest_is_refused_everywhere(server, kind, needle):
     msgs, seconds, codes, killed = _run_trainers(server.url, 3, "fsdp:3", "vllm:tp=2",
-                                                 budget=10 * TIMEOUT, ranks=(1,), **{kind: True})
+                                                 ranks=(1,), **{kind: True})
     errors = _errors(msgs)
     for r in range(3):
         assert errors[r], msgs[r]
-        assert needle in errors[r][0], errors[r]
-        assert "PlanMismatchError" in errors[r][0], errors[r]
-    assert seconds < 4 * TIMEOUT
+        assert needle in errors[r][0]["message"], errors[r]
+        assert "PlanMismatchError" in errors[r][0]["message"], errors[r]
+        # Refused in the agreement, before the deadline.
+        assert errors[r][0]["seconds"] < TIMEOUT, errors[r]
     # The workers refused too, and nothing moved.
     assert server.weight_versions() == [None, None]
 
@@ -295,16 +433,29 @@ def test_nccl_m2n_transport_is_refused_clearly_without_cuda():
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
+    dest = _FakeDestination()
     with pytest.raises(ValueError, match="'nccl_m2n' needs CUDA GPUs.*torch_p2p"):
-        M2NTrainerInitInfo(rank=0, num_trainer_ranks=1, model_config={}, transport="nccl_m2n")
+        M2NTrainerInitInfo(rank=0, num_trainer_ranks=1, destination=dest, transport="nccl_m2n")
     with pytest.raises(ValueError, match=r"transport 'ucx' is not one of \['torch_p2p', 'nccl_m2n'\]"):
-        M2NTrainerInitInfo(rank=0, num_trainer_ranks=1, model_config={}, transport="ucx")
+        M2NTrainerInitInfo(rank=0, num_trainer_ranks=1, destination=dest, transport="ucx")
+    with pytest.raises(ValueError, match="destination is missing"):
+        M2NTrainerInitInfo(rank=0, num_trainer_ranks=1)
     base = dict(master_address="127.0.0.1", master_port=29500, rank_offset=1, world_size=2,
                 backend="gloo", inference="vllm:tp=1", manifest={}, manifest_digest="x",
                 plan_digest="y", timeout_s=5.0, bucket_bytes=1024)
     assert InitPayload.from_json(base).transport == "torch_p2p"
     with pytest.raises(ValueError, match="init payload transport 'nccl_m2n' needs CUDA"):
         InitPayload.from_json({**base, "transport": "nccl_m2n"})
+
+
+class _FakeDestination:
+    """Just the DestinationBuilder surface, for checks that never build a plan."""
+
+    spec = "vllm:tp=1,dp=1"
+    num_workers = 1
+
+    def __call__(self, metas):
+        raise AssertionError("not called in this test")
 
 
 def test_demo_refuses_more_processes_than_one_machine_runs(capsys):
