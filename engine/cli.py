@@ -38,6 +38,7 @@ from pathlib import Path
 __all__ = ["main"]
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
 
 def _fmt_bytes(n: float) -> str:
@@ -288,7 +289,7 @@ def _print_tensors(console, plan):
 _DIM_NAMES = {1: ("rows",), 2: ("rows", "cols"), 3: ("experts", "rows", "cols")}
 
 
-def describe_box(box, shape) -> str:
+def _describe_box(box, shape) -> str:
     """``box`` of a tensor of ``shape`` in words: ``"rows 64:80"``, ``"experts 0:4"``.
 
     Dims the box covers whole are left out; a box covering the whole tensor
@@ -299,7 +300,7 @@ def describe_box(box, shape) -> str:
     return ", ".join(parts) or "whole"
 
 
-def describe_workers(workers) -> str:
+def _describe_workers(workers) -> str:
     """``"worker 3"``, ``"workers 0–3"``, ``"workers 0–1, 4–5"`` (sorted, runs joined)."""
     ws = sorted(set(workers))
     runs: list[list[int]] = []
@@ -312,7 +313,7 @@ def describe_workers(workers) -> str:
     return f"worker{'s' if len(ws) > 1 else ''} {text}"
 
 
-def binding_rows(plan) -> list[tuple[str, str, str, str, str]]:
+def _binding_rows(plan) -> list[tuple[str, str, str, str, str]]:
     """One row per (wire tensor, vLLM parameter, region): where each wire tensor lands.
 
     Returns ``(wire tensor, vLLM parameter, region of the parameter, workers,
@@ -321,7 +322,7 @@ def binding_rows(plan) -> list[tuple[str, str, str, str, str]]:
     parts of the wire tensor (tensor-parallel shards), the last column says
     which worker takes which. Regions and parts are in local coordinates of
     the parameter and global coordinates of the wire tensor
-    (:func:`describe_box`). Skipped wire tensors, and those no vLLM
+    (:func:`_describe_box`). Skipped wire tensors, and those no vLLM
     parameter takes, get one row saying why.
     """
     dest = plan.destination
@@ -347,12 +348,12 @@ def binding_rows(plan) -> list[tuple[str, str, str, str, str]]:
             for b in group:
                 by_box.setdefault(b.box, []).append(b.worker)
             if len(by_box) == 1:
-                takes = describe_box(next(iter(by_box)), shape)
+                takes = _describe_box(next(iter(by_box)), shape)
             else:
-                takes = "; ".join(f"{describe_box(box, shape)} ({describe_workers(ws)})"
+                takes = "; ".join(f"{_describe_box(box, shape)} ({_describe_workers(ws)})"
                                   for box, ws in sorted(by_box.items(), key=lambda kv: min(kv[1])))
-            rows.append((name, param, describe_box(region, pshape),
-                         describe_workers(b.worker for b in group), takes))
+            rows.append((name, param, _describe_box(region, pshape),
+                         _describe_workers(b.worker for b in group), takes))
     return rows
 
 
@@ -363,7 +364,7 @@ def _print_bindings(console, plan):
               title_justify="left")
     for col in ("wire tensor", "vLLM parameter", "region", "workers", "takes"):
         t.add_column(col, overflow="fold")
-    for row in binding_rows(plan):
+    for row in _binding_rows(plan):
         t.add_row(*row)
     console.print(t)
     for alias, target in sorted(plan.destination.aliases.items()):
@@ -590,7 +591,7 @@ def _demo_here(args) -> int:
     except KeyboardInterrupt:
         if not args.driver:
             print("m2nkit: demo interrupted; its processes are stopped", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     except RuntimeError as e:
         # A failed transfer or check (not a usage error): say what broke, exit 1.
         print(f"m2nkit: demo failed: {str(e).splitlines()[0]}", file=sys.stderr)
@@ -821,6 +822,9 @@ def main(argv: list[str] | None = None) -> int:
     except (UserError, ValueError, OSError) as e:
         print(f"m2nkit: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:                       # Ctrl-C in plan: one process, nothing to stop
+        print("m2nkit: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

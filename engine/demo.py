@@ -61,6 +61,11 @@ def _child_setup() -> None:
     torch.set_num_threads(1)
 
 
+def _count(n: int, noun: str) -> str:
+    """``"1 worker"``, ``"2 workers"``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def _wait_reports(results, count: int, deadline: float, what: str, log, on_error,
                   procs=()) -> list:
     """``count`` reports from ``results`` before ``deadline`` (monotonic seconds).
@@ -255,15 +260,16 @@ def run_demo(model: str, trainer: str, inference: str, *, rounds: int = 2, timeo
         server = InferenceServer(model_dir, str(ispec), timeout_s=4 * timeout_s)
         procs = []
         try:
-            log(f"starting {ispec.num_workers} inference worker processes (each loads torch; "
+            log(f"starting {ispec.num_workers} inference worker "
+                f"process{'' if ispec.num_workers == 1 else 'es'} (each loads torch; "
                 "seconds on a busy machine)")
             url = server.start()
             log(f"inference server at {url}, worker pids {server.worker_pids}")
             results = ctx.Queue()
             gos = [ctx.Queue() for _ in range(T)]
             port = free_port()
-            log(f"starting {T} trainer processes: each reads its own shard, then all join "
-                "the transfer group")
+            log(f"starting {T} trainer process{'' if T == 1 else 'es'}: each reads its own "
+                "shard, then all join the transfer group")
             t_init = time.monotonic()
             for r in range(T):
                 p = ctx.Process(target=_trainer_main, name=f"m2nkit-trainer-{r}", daemon=True,
@@ -280,8 +286,8 @@ def run_demo(model: str, trainer: str, inference: str, *, rounds: int = 2, timeo
                                      what, log, failed, procs)
 
             collect("the trainers to join", T)
-            log(f"{T} trainers joined in {time.monotonic() - t_init:.1f} s; "
-                f"{rounds} round{'s' if rounds > 1 else ''} follow")
+            log(f"{_count(T, 'trainer')} joined in {time.monotonic() - t_init:.1f} s; "
+                f"{_count(rounds, 'round')} follow{'s' if rounds == 1 else ''}")
             for k in range(1, rounds + 1):
                 for q in gos:
                     q.put(k)

@@ -289,13 +289,13 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
                 refuses further rounds: build a fresh engine
                 (``trainer_init``) for the next round.
         """
-        if self._group is None:
-            raise ValueError(f"trainer rank {self.init_info.rank}: send_weights after shutdown(); "
-                             "build a fresh engine with trainer_init")
         if self._broken:
             raise TransferError(f"trainer rank {self.init_info.rank}: this engine's group broke in "
                                 f"an earlier round ({self._broken}); build a fresh engine with "
                                 "trainer_init")
+        if self._group is None:
+            raise ValueError(f"trainer rank {self.init_info.rank}: send_weights after shutdown(); "
+                             "build a fresh engine with trainer_init")
         if not self._busy.acquire(blocking=False):
             raise RuntimeError(f"trainer rank {self.init_info.rank}: send_weights is already "
                                "running on this engine; rounds cannot overlap")

@@ -123,7 +123,7 @@ def test_demo_reports_progress_and_announces_the_baseline(tmp_path):
     assert rc == 0, out + err
     assert "Traceback" not in out + err and err == ""
     phases = ["loading torch and transformers", "building the tiny checkpoint tiny-llama",
-              "starting 1 inference worker processes", "starting 2 trainer processes",
+              "starting 1 inference worker process ", "starting 2 trainer processes",
               "2 trainers joined", "round 1:", "rounds done",
               "baseline: gather-then-broadcast on the same data and ranks",
               "(--no-baseline skips it)", "baseline: done in",

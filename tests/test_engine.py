@@ -323,7 +323,8 @@ def _assert_failed_within_bound(msgs, ranks, needle):
         assert needle in e["message"], e
         assert e["seconds"] <= TIMEOUT + REPORT_GRACE_S, e
         retry = [p for k, p in msgs[r] if k == "retry"]
-        assert retry and "build a fresh engine" in retry[0]["message"], msgs[r]
+        assert retry and "broke in an earlier round" in retry[0]["message"], msgs[r]
+        assert "build a fresh engine" in retry[0]["message"], msgs[r]
         assert retry[0]["seconds"] < 1.0, retry
 
 
