@@ -96,10 +96,11 @@ def _import_light(name: str):
     or ``m2nkit.manifest/__init__``, which import torch (2-10 s), so a typo
     in a spec would take seconds to refuse. While ``name`` imports, those
     packages are stood in for by bare package objects (their ``__path__``
-    only); the real packages import as usual later, find the submodules
-    already loaded, and :func:`_bind_light_modules` attaches them. Once those
-    ``__init__`` files stop importing torch, this becomes a plain import.
-    Where torch is already imported it is one now.
+    only); the real packages import as usual later and find the submodules
+    already loaded (:func:`_bind_light_modules` attaches them). Where torch
+    is already imported, or ``name`` needs more of a package than its
+    submodules, this is a plain import. Once those ``__init__`` files stop
+    importing torch, it can become one everywhere.
     """
     if "torch" in sys.modules:
         return importlib.import_module(name)
@@ -113,21 +114,30 @@ def _import_light(name: str):
         stand_ins[package] = sys.modules[package] = importlib.util.module_from_spec(spec)
     try:
         return importlib.import_module(name)
+    except ImportError:                             # it wanted a name from a package itself
+        pass
     finally:
         for package, module in stand_ins.items():
             if sys.modules.get(package) is module:
                 del sys.modules[package]
+    return importlib.import_module(name)
 
 
 def _bind_light_modules() -> None:
-    """Attach submodules that :func:`_import_light` loaded to their real packages."""
+    """Import the real packages :func:`_import_light` stood in for and attach their submodules.
+
+    Called where the heavy work starts (torch is about to load anyway), so
+    that ``m2nkit.manifest.layout`` is an attribute of ``m2nkit.manifest`` as
+    after any ordinary import.
+    """
     for package in _TORCH_PACKAGES:
-        parent = sys.modules.get(package)
-        if parent is None:
+        loaded = {name.rpartition(".")[2]: module for name, module in list(sys.modules.items())
+                  if name.rpartition(".")[0] == package}
+        if not loaded:
             continue
-        for name, module in list(sys.modules.items()):
-            head, _, child = name.rpartition(".")
-            if head == package and not hasattr(parent, child):
+        parent = importlib.import_module(package)
+        for child, module in loaded.items():
+            if not hasattr(parent, child):
                 setattr(parent, child, module)
 
 
@@ -194,13 +204,13 @@ def _precheck(args) -> None:
 
 
 def _build(args):
+    _bind_light_modules()
     from m2nkit.adapters.hf_checkpoint import checkpoint_metas, read_checkpoint
     from m2nkit.adapters.trainer_spec import parse_trainer_spec
     from m2nkit.adapters.vllm import destination_layout, parse_inference_spec
     from m2nkit.engine.plan import build_plan
     from m2nkit.manifest.serialize import manifest_digest
 
-    _bind_light_modules()
     tspec = parse_trainer_spec(args.trainer)
     ispec = parse_inference_spec(args.inference)
     t0 = time.perf_counter()
@@ -603,9 +613,9 @@ def _run_demo(args, log):
     from m2nkit.engine.demo import run_demo
 
     log("loading torch and transformers")
+    _bind_light_modules()
     from transformers.utils import logging as hf_logging
 
-    _bind_light_modules()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     return run_demo(args.model, args.trainer, args.inference, rounds=args.rounds,

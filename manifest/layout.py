@@ -113,8 +113,9 @@ class SourceLayout:
         object.__setattr__(self, "mesh_shape", mesh)
         object.__setattr__(self, "placements", placements)
 
-    def check_tensor_rank(self, ndim: int, name: str) -> None:
-        """Raise ``ValueError`` if a ``Shard.dim`` is outside a rank-``ndim`` tensor."""
+    def check_shape(self, shape: Sequence[int], name: str) -> None:
+        """Raise ``ValueError`` if a ``Shard.dim`` is outside a tensor of ``shape``."""
+        ndim = len(shape)
         for p in self.placements or ():
             if isinstance(p, Shard) and p.dim >= ndim:
                 raise ValueError(

@@ -73,7 +73,7 @@ class ParamMeta:
                     f"parameter '{self.name}': give either pieces or owners/mesh_shape/"
                     "placements, not both")
             layout = PieceLayout(tuple(self.pieces), where=f"parameter '{self.name}'")
-            layout.check_tensor_rank(shape, self.name)
+            layout.check_shape(shape, self.name)
             object.__setattr__(self, "pieces", layout.pieces)
             object.__setattr__(self, "owners", layout.owners)
             return
@@ -83,7 +83,7 @@ class ParamMeta:
             None if self.placements is None else tuple(self.placements),
             where=f"parameter '{self.name}'",
         )
-        layout.check_tensor_rank(len(shape), self.name)
+        layout.check_shape(shape, self.name)
         object.__setattr__(self, "owners", layout.owners)
         object.__setattr__(self, "mesh_shape", layout.mesh_shape)
         object.__setattr__(self, "placements", layout.placements)

@@ -204,7 +204,7 @@ class PieceLayout:
     def owners(self) -> tuple[int, ...]:
         return tuple(sorted({p.rank for p in self.pieces}))
 
-    def check_tensor_rank(self, shape: Sequence[int], name: str) -> None:
+    def check_shape(self, shape: Sequence[int], name: str) -> None:
         """Raise ``ValueError`` if a piece does not fit a tensor of ``shape``."""
         shape = tuple(shape)
         for p in self.pieces:

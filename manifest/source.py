@@ -554,10 +554,7 @@ class M2NManifestEntry:
                 f"returning this rank's piece, got {type(self.local_tensor).__name__}"
             )
         object.__setattr__(self, "global_shape", shape)
-        if isinstance(self.source_layout, PieceLayout):
-            self.source_layout.check_tensor_rank(shape, k)
-        else:
-            self.source_layout.check_tensor_rank(len(shape), k)
+        self.source_layout.check_shape(shape, k)
 
     @property
     def key(self) -> str:

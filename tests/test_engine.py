@@ -39,7 +39,10 @@ CTX = mp.get_context("forkserver")
 PRELOAD = ["torch", "transformers", "safetensors.torch", "m2nkit.engine.trainer",
            "m2nkit.engine.receiver", "m2nkit.engine.server", "m2nkit.engine.clients",
            "m2nkit.engine.demo", "m2nkit.adapters.hf_checkpoint", "m2nkit.adapters.trainer_spec",
-           "m2nkit.adapters.vllm", "m2nkit.manifest"]
+           "m2nkit.adapters.vllm", "m2nkit.manifest"] + [
+    # read_checkpoint builds the model on the meta device: its transformers classes.
+    f"transformers.models.{m}.modeling_{m}" for m in ("llama", "qwen2", "qwen3", "qwen3_moe",
+                                                        "mixtral")]
 
 
 def _ready() -> None:
@@ -213,8 +216,8 @@ def _run_trainers(url, T, trainer, inference, *, model_dir=EXAMPLE, faults=None,
                     for g in gos:
                         g.put(k + 1)
         seconds = time.monotonic() - t0
-        for p in procs:
-            p.join(max(0.1, min(5.0, deadline - time.monotonic())))
+        for r, p in enumerate(procs):
+            p.join(0.1 if r in hang else max(0.1, min(5.0, deadline - time.monotonic())))
     finally:
         killed = [r for r, p in enumerate(procs) if p.is_alive()]
         for p in procs:
