@@ -27,6 +27,7 @@ import importlib
 import json
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
@@ -376,25 +377,38 @@ class _Grid:
             self.holders[cell][: len(held)] = held
 
 
-def _intersect(grid: _Grid, box: Box):
-    """Grid cells a box touches: ``(holder pieces [n, rep], starts [n, nd], stops [n, nd])``."""
-    los, his, idx = [], [], []
-    for d, (lo, hi) in enumerate(box):
-        i0 = int(np.searchsorted(grid.stops[d], lo, side="right"))
-        i1 = int(np.searchsorted(grid.starts[d], hi, side="left"))
-        if i1 <= i0:
-            return None
-        r = np.arange(i0, i1)
-        idx.append(r)
-        los.append(np.maximum(grid.starts[d][r], lo))
-        his.append(np.minimum(grid.stops[d][r], hi))
-    mesh_idx = np.meshgrid(*idx, indexing="ij")
-    mesh_lo = np.meshgrid(*los, indexing="ij")
-    mesh_hi = np.meshgrid(*his, indexing="ij")
-    holders = grid.holders[tuple(m.reshape(-1) for m in mesh_idx)]
-    starts = np.stack([m.reshape(-1) for m in mesh_lo], axis=1)
-    stops = np.stack([m.reshape(-1) for m in mesh_hi], axis=1)
-    return holders, starts, stops
+@lru_cache(maxsize=1024)
+def _grid(pieces: tuple[Piece, ...], shape: tuple[int, ...]) -> _Grid:
+    return _Grid(pieces, shape)
+
+
+def _intersect_all(grid: _Grid, bindings: Sequence[Binding], nd: int):
+    """Every (binding, grid cell) overlap, vectorised over bindings.
+
+    Returns ``(binding index [n], holder pieces [n, rep], starts [n, nd],
+    stops [n, nd])``, grouped by binding in order, cells row-major within a
+    binding (the slab order of the table).
+    """
+    B = len(bindings)
+    if nd == 0:
+        return (np.arange(B, dtype=np.int64), np.repeat(grid.holders.reshape(1, -1), B, axis=0),
+                np.zeros((B, 0), np.int64), np.zeros((B, 0), np.int64))
+    lo = np.array([[a for a, _ in b.box] for b in bindings], dtype=np.int64).reshape(B, nd)
+    hi = np.array([[c for _, c in b.box] for b in bindings], dtype=np.int64).reshape(B, nd)
+    rows = np.arange(B, dtype=np.int64)
+    cells: list[np.ndarray] = []
+    for d in range(nd):
+        i0 = np.searchsorted(grid.stops[d], lo[rows, d], side="right")
+        i1 = np.searchsorted(grid.starts[d], hi[rows, d], side="left")
+        n = np.maximum(i1 - i0, 0)
+        total = int(n.sum())
+        within = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)
+        cells = [np.repeat(c, n) for c in cells] + [np.repeat(i0, n) + within]
+        rows = np.repeat(rows, n)
+    holders = grid.holders[tuple(cells)]
+    starts = np.stack([np.maximum(grid.starts[d][cells[d]], lo[rows, d]) for d in range(nd)], 1)
+    stops = np.stack([np.minimum(grid.stops[d][cells[d]], hi[rows, d]) for d in range(nd)], 1)
+    return rows, holders, starts, stops
 
 
 def _regions_disjoint_and_fill(shape: tuple[int, ...], regions: list[Box]) -> str:
@@ -428,9 +442,13 @@ def _transport_rules(names: Sequence[str]) -> dict[str, Callable]:
 
 def _choose_sources(holders: np.ndarray, vol: np.ndarray, piece_rank: np.ndarray,
                     load: np.ndarray) -> np.ndarray:
-    """One holder piece per slab; among replicas, the rank that has sent least so far."""
-    if holders.shape[1] == 1:
-        return holders[:, 0]
+    """One holder piece per slab; among replicas, the rank that has sent least so far.
+
+    Greedy in slab order, ``load`` being the bytes each rank sends for the
+    wire tensors planned before this one.
+    """
+    if holders.shape[1] == 1 or not len(holders):
+        return holders[:, 0].copy()
     sent = load.tolist()
     rank_of = piece_rank.tolist()
     out = []
@@ -507,39 +525,32 @@ def build_plan(
             if (b.worker, b.param) not in params:  # a destination adapter bug, not user input
                 raise RuntimeError(f"binding of '{meta.name}' names unknown parameter "
                                    f"'{b.param}' on worker {b.worker}")
-        grid = _Grid(pieces, meta.shape)
+        grid = _grid(pieces, meta.shape)
         piece_rank = np.array([p.rank for p in pieces], dtype=np.int64)
-        chunks = []
-        for bi, b in enumerate(bindings):
-            hit = _intersect(grid, b.box) if nd else (
-                grid.holders.reshape(1, -1), np.zeros((1, 0), np.int64), np.zeros((1, 0), np.int64))
-            if hit is None:
-                if box_volume(b.box):
-                    problems.append(Problem(meta.name, f"box {b.box} is held by no trainer rank"))
-                continue
-            holders, starts, stops = hit
-            keep = holders[:, 0] >= 0
-            if not keep.all():
-                problems.append(Problem(meta.name, f"part of box {b.box} is held by no "
-                                                   "trainer rank"))
-                holders, starts, stops = holders[keep], starts[keep], stops[keep]
-            n = len(holders)
-            vol = ((stops - starts).prod(axis=1) if nd else np.ones(n, dtype=np.int64)) \
-                * meta.dtype.itemsize
-            piece = _choose_sources(holders, vol, piece_rank, send)
-            src = piece_rank[piece] if n else np.zeros(0, dtype=np.int64)
-            np.add.at(send, src, vol)
-            recv[b.worker] += int(vol.sum())
-            np.add.at(link[:, b.worker], src, vol)
-            rows = np.empty((n, SlabTable.width(nd)), dtype=np.int64)
-            rows[:, SlabTable.SRC] = src
-            rows[:, SlabTable.DST] = b.worker
-            rows[:, SlabTable.BINDING] = bi
-            rows[:, SlabTable.PIECE] = piece
-            rows[:, SlabTable.LO:SlabTable.LO + nd] = starts
-            rows[:, SlabTable.LO + nd:] = stops
-            chunks.append(rows)
-        table = np.concatenate(chunks) if chunks else empty
+        binding, holders, starts, stops = _intersect_all(grid, bindings, nd)
+        held = holders[:, 0] >= 0
+        if not held.all():
+            for bi in np.unique(binding[~held]).tolist():
+                problems.append(Problem(meta.name, f"part of box {bindings[bi].box} is held by "
+                                                   "no trainer rank"))
+            binding, holders, starts, stops = (binding[held], holders[held], starts[held],
+                                               stops[held])
+        n = len(holders)
+        vol = ((stops - starts).prod(axis=1) if nd else np.ones(n, dtype=np.int64)) \
+            * meta.dtype.itemsize
+        piece = _choose_sources(holders, vol, piece_rank, send)
+        src = piece_rank[piece]
+        dst = np.array([b.worker for b in bindings], dtype=np.int64)[binding]
+        send += np.bincount(src, weights=vol, minlength=len(send)).astype(np.int64)
+        recv += np.bincount(dst, weights=vol, minlength=len(recv)).astype(np.int64)
+        np.add.at(link, (src, dst), vol)
+        table = np.empty((n, SlabTable.width(nd)), dtype=np.int64)
+        table[:, SlabTable.SRC] = src
+        table[:, SlabTable.DST] = dst
+        table[:, SlabTable.BINDING] = binding
+        table[:, SlabTable.PIECE] = piece
+        table[:, SlabTable.LO:SlabTable.LO + nd] = starts
+        table[:, SlabTable.LO + nd:] = stops
         wp = WirePlan(meta, pieces, bindings, table, num_trainer_ranks=num_trainer_ranks)
         if wp.nbytes_moved != wp.nbytes_min and not any(p.subject == meta.name for p in problems):
             problems.append(Problem(meta.name, f"slabs carry {wp.nbytes_moved} bytes but the "

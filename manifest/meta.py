@@ -13,7 +13,7 @@ import torch
 
 from typing import Sequence
 
-from .layout import SourceLayout
+from .layout import SourceLayout, _pieces_cached
 from .pieces import Piece, PieceLayout
 from .placement import Placement
 
@@ -109,7 +109,12 @@ class ParamMeta:
                     f"parameter '{self.name}': piece ranks {bad} are not trainer ranks; valid "
                     f"ranks are 0..{num_trainer_ranks - 1}")
             return self.pieces
-        return self.layout.resolve(num_trainer_ranks).pieces(self.shape)
+        if self.owners is None:
+            return _pieces_cached(self.shape, tuple(range(num_trainer_ranks)), (num_trainer_ranks,),
+                                  None)
+        if max(self.owners) >= num_trainer_ranks:
+            self.layout.resolve(num_trainer_ranks)  # raises, naming the owners
+        return _pieces_cached(self.shape, self.owners, self.mesh_shape, self.placements)
 
     def local_shape(self, rank: int) -> tuple[int, ...] | None:
         """Shape of ``rank``'s local tensor: exact for placements, the least

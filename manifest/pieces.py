@@ -136,6 +136,11 @@ class Piece:
             raise ValueError(f"{where}: local_start {start} must be >= 0")
         object.__setattr__(self, "box", tuple(box))
         object.__setattr__(self, "local_start", start)
+        # Planner caches key on tuples of thousands of pieces: hash once.
+        object.__setattr__(self, "_hash", hash((rank, self.box, start)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @property
     def local_box(self) -> Box:

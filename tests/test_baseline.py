@@ -1,6 +1,6 @@
 """The gather-then-broadcast baseline and the raw floor, run for real.
 
-Four spawned processes (trainer ranks 0-1 holding ``fsdp:2`` shards of
+Four processes (forked from the tests' forkserver; trainer ranks 0-1 holding ``fsdp:2`` shards of
 examples/tiny-qwen3-moe, workers 2-3 holding ``vllm:tp=2`` storage) join
 one stateless gloo group over 127.0.0.1, the trainers a second one for the
 all-gather; then each process runs m2nkit's ``torch_p2p`` round, the
@@ -12,7 +12,6 @@ vLLM's loaders), so the children import torch and m2nkit only.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import queue
 import socket
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from _procs import CTX, ensure_forkserver
 from m2nkit.engine.baseline import (create_trainer_group, gather_then_broadcast_round,
                                     raw_floor_buffers, raw_floor_round)
 
@@ -95,12 +95,13 @@ def _rank_main(rank: int, ports: tuple[int, int], plan, local, out) -> None:
 @pytest.fixture(scope="module")
 def setup():
     from m2nkit.adapters.hf_checkpoint import checkpoint_manifest, checkpoint_metas, read_checkpoint
+    from m2nkit.adapters.vllm import vllm_destination
     from m2nkit.engine.session import plan_from_manifest
     from m2nkit.manifest.serialize import manifest_to_json
 
     ck = read_checkpoint(CHECKPOINT)
     manifest = manifest_to_json(checkpoint_metas(ck, TRAINER), T)
-    plan, _ = plan_from_manifest(manifest, ck.config, INFERENCE)
+    plan, _ = plan_from_manifest(manifest, vllm_destination(ck.config, INFERENCE))
     assert not plan.problems
     locals_ = [[(n, t.clone()) for n, t in checkpoint_manifest(ck, TRAINER, r).iter_local()]
                for r in range(T)]
@@ -111,7 +112,8 @@ def setup():
 def results(setup):
     """Run the four processes once; ``{rank: result}``. Children are always reaped."""
     _, plan, locals_ = setup
-    ctx = mp.get_context("spawn")
+    ensure_forkserver()
+    ctx = CTX
     out = ctx.Queue()
     ports = (_free_port(), _free_port())
     procs = [ctx.Process(target=_rank_main, daemon=True,

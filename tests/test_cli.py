@@ -115,9 +115,15 @@ def test_real_size_config_plans_in_seconds(capsys):
     assert code == 2 and "only a config" in err
 
 
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "m2nkit.engine.cli", *map(str, args)],
-                          capture_output=True, text=True, timeout=120)
+def _cli(capsys, *args):
+    """``main(args)`` in this process: ``(exit code, stdout, stderr)``, argparse exits included."""
+    capsys.readouterr()                # drop what came before (a fixture's progress bars)
+    try:
+        code = main([str(a) for a in args])
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
 def _copy(src: Path, dst: Path) -> Path:
@@ -164,22 +170,35 @@ def _bad_dtype(d: Path):
     (None, False, "vllm:tp=3", "tp=3"),
     (None, False, "vllm:tp=2,bogus=1", "bogus"),
 ])
-def test_bad_input_exits_2_with_one_clear_line(tiny_checkpoints, tmp_path, damage, sharded,
-                                               inference, needle):
+def test_bad_input_exits_2_with_one_clear_line(tiny_checkpoints, tmp_path, capsys, damage,
+                                               sharded, inference, needle):
+    # In process: an uncaught exception would fail the test as surely as a traceback.
     d = _copy(tiny_checkpoints("tiny-qwen3", sharded=sharded), tmp_path / "ck")
     if damage:
         damage(d)
-    r = _cli("plan", d, "--trainer", "fsdp:2", "--inference", inference)
+    code, out, err = _cli(capsys, "plan", d, "--trainer", "fsdp:2", "--inference", inference)
+    assert code == 2, out + err
+    assert err.startswith("m2nkit: error:") and needle in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_bad_trainer_spec_and_missing_path(tmp_path, capsys):
+    code, _, err = _cli(capsys, "plan", EXAMPLE, "--trainer", "fsdp:0", "--inference", "vllm:tp=2")
+    assert code == 2 and "fsdp:0" in err
+    code, _, err = _cli(capsys, "plan", tmp_path / "nope", "--trainer", "fsdp:2",
+                        "--inference", "vllm:tp=2")
+    assert code == 2 and "nope" in err
+
+
+def test_entry_point_exits_2_with_one_line_and_no_traceback(tmp_path):
+    # The one subprocess: the real entry point, exit status and stderr as a shell sees them.
+    r = subprocess.run([sys.executable, "-m", "m2nkit.engine.cli", "plan", str(EXAMPLE),
+                        "--trainer", "fsdp:2", "--inference", "vllm:tp=3"],
+                       capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stdout + r.stderr
     assert "Traceback" not in r.stderr
-    assert r.stderr.startswith("m2nkit: error:") and needle in r.stderr
-
-
-def test_bad_trainer_spec_and_missing_path(tmp_path):
-    r = _cli("plan", EXAMPLE, "--trainer", "fsdp:0", "--inference", "vllm:tp=2")
-    assert r.returncode == 2 and "Traceback" not in r.stderr and "fsdp:0" in r.stderr
-    r = _cli("plan", tmp_path / "nope", "--trainer", "fsdp:2", "--inference", "vllm:tp=2")
-    assert r.returncode == 2 and "Traceback" not in r.stderr and "nope" in r.stderr
+    assert r.stderr.startswith("m2nkit: error:") and "tp=3" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 @pytest.mark.parametrize("which", ["router", "all", "q_proj"])

@@ -17,10 +17,8 @@ is; one test holds it while CPU-burning processes compete.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import queue
-import re
 import signal
 import subprocess
 import sys
@@ -31,32 +29,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from _procs import CTX, ensure_forkserver
 from m2nkit.engine.deadline import REPORT_GRACE_S
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tiny-qwen3-moe"
 TIMEOUT = 4.0  # seconds: the bound on each init and each round of these sessions
-CTX = mp.get_context("forkserver")
-PRELOAD = ["torch", "transformers", "safetensors.torch", "m2nkit.engine.trainer",
-           "m2nkit.engine.receiver", "m2nkit.engine.server", "m2nkit.engine.clients",
-           "m2nkit.engine.demo", "m2nkit.adapters.hf_checkpoint", "m2nkit.adapters.trainer_spec",
-           "m2nkit.adapters.vllm", "m2nkit.manifest"] + [
-    # read_checkpoint builds the model on the meta device: its transformers classes.
-    f"transformers.models.{m}.modeling_{m}" for m in ("llama", "qwen2", "qwen3", "qwen3_moe",
-                                                        "mixtral")]
-
-
-def _ready() -> None:
-    pass
 
 
 @pytest.fixture(scope="module", autouse=True)
 def forkserver():
     """Start the forkserver (with the heavy imports) once, before any test's clock runs."""
-    CTX.set_forkserver_preload(PRELOAD)   # no effect if another module started it first
-    p = CTX.Process(target=_ready)
-    p.start()
-    p.join(120)
-    assert p.exitcode == 0, "the forkserver did not start"
+    ensure_forkserver()
 
 
 def start_server(model_dir, inference: str):
@@ -300,16 +283,17 @@ def test_rounds_are_bit_exact_over_http(tiny_checkpoints, tmp_path, model, train
 
 @pytest.mark.timeout(180)
 def test_demo_command_runs_end_to_end(tmp_path):
-    # m2nkit demo itself, as a user runs it (spawned processes, its own checks after
-    # every round, exit 0); the smallest layout that still has uneven fsdp and tp.
+    # m2nkit demo itself, as a user runs it (spawned processes, its own bit-exact
+    # checks after every round); the smallest layout, as the matrix above covers
+    # the layouts.
     from m2nkit.engine.demo import run_demo
 
-    result = run_demo("tiny-qwen3", "fsdp:3", "vllm:tp=2", rounds=2, timeout_s=60,
+    result = run_demo("tiny-qwen3", "fsdp:2", "vllm:tp=1", rounds=2, timeout_s=60,
                       bucket_bytes=64 << 10, workdir=str(tmp_path), baseline=False,
                       log=lambda *a: None)
     assert [r.index for r in result.rounds] == [1, 2]
     assert all(sum(r.bytes_per_rank) == result.nbytes_min for r in result.rounds)
-    assert all(r.verified_workers == 2 for r in result.rounds)
+    assert all(r.verified_workers == 1 for r in result.rounds)
 
 
 # --------------------------------------------------------------------------
@@ -351,7 +335,9 @@ def test_trainer_stall_or_death_mid_round_fails_everyone_and_keeps_the_version(
         msgs, seconds, codes, killed = _run_trainers(
             server.url, 3, "fsdp:3", "vllm:tp=2", faults={1: (2, 10, action.split()[0])},
             rounds=2, budget=20 * TIMEOUT, hang=(1,))
-        load = os.getloadavg()
+        load = Path("/proc/loadavg").read_text().split()[:4]   # 1, 5, 15 min; running/total
+        print(f"[{action}] load average {load[:3]}, runnable/total {load[3]}; raised after",
+              {r: round(p["seconds"], 2) for r, ps in _errors(msgs).items() for p in ps[:1]})
         if burners:
             assert all(b.poll() is None for b in burners), "a CPU burner stopped early"
     finally:

@@ -1,10 +1,18 @@
-"""The vLLM parallel spec: ``vllm:tp=T[,dp=D][,ep]``.
+"""The vLLM spec: ``vllm:tp=T[,dp=D][,ep][,placement=P][,all2all=B][,dtype=X]``.
 
 One string names the inference side's layout on the command line and in a
 ``DestinationLayout``. Workers are numbered dp-major, ``worker = dp_index * tp
 + tp_rank``, which is vLLM 0.33.0's order in the m2n communicator
 (``weight_transfer/m2n_common.py``: worker rank ``T + dp_index * (TP*PP) +
 tp_rank``; m2nkit plans with ``PP = 1``).
+
+Besides the parallel sizes it carries the vLLM engine arguments that change
+what a worker holds: ``expert_placement_strategy`` and ``all2all_backend``
+(``vllm/config/parallel.py`` ``ParallelConfig``; together they decide where
+experts go) and ``--dtype`` (``vllm/config/model.py``; the dtype vLLM
+allocates parameters in). The values are checked here, without torch, so a
+typo is refused at once; what they mean for a model is decided in
+``m2nkit.adapters.vllm.placement`` and ``m2nkit.adapters.vllm.dtype``.
 """
 
 from __future__ import annotations
@@ -12,10 +20,29 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["InferenceSpec", "parse_inference_spec", "SPEC_SYNTAX"]
+__all__ = ["InferenceSpec", "parse_inference_spec", "SPEC_SYNTAX", "PLACEMENTS",
+           "ALL2ALL_BACKENDS", "DTYPES"]
 
 #: What a valid spec looks like (quoted in every parse error).
-SPEC_SYNTAX = "vllm:tp=T[,dp=D][,ep] (T, D positive ints; e.g. 'vllm:tp=4', 'vllm:tp=2,dp=4,ep')"
+SPEC_SYNTAX = ("vllm:tp=T[,dp=D][,ep][,placement=linear|round_robin][,all2all=BACKEND]"
+               "[,dtype=auto|bfloat16|float16|float32] (T, D positive ints; e.g. 'vllm:tp=4', "
+               "'vllm:tp=2,dp=4,ep', 'vllm:tp=2,ep,placement=round_robin', 'vllm:tp=2,dtype=float16')")
+
+#: vLLM 0.33.0 ``ExpertPlacementStrategy`` (``vllm/config/parallel.py``).
+PLACEMENTS = ("linear", "round_robin")
+
+#: vLLM 0.33.0 ``All2AllBackend`` (``vllm/config/parallel.py``); the default first.
+ALL2ALL_BACKENDS = (
+    "allgather_reducescatter", "naive", "pplx", "deepep_high_throughput", "deepep_low_latency",
+    "deepep_v2", "mori_high_throughput", "mori_low_latency", "moonep", "nixl_ep",
+    "flashinfer_all2allv", "flashinfer_nvlink_two_sided", "flashinfer_nvlink_one_sided",
+    "passthrough",
+)
+
+#: vLLM 0.33.0 ``--dtype`` values -> the canonical name m2nkit keeps
+#: (``vllm/config/model.py`` ``_STR_DTYPE_TO_TORCH_DTYPE``, plus ``auto``).
+DTYPES = {"auto": "auto", "bfloat16": "bfloat16", "float16": "float16", "half": "float16",
+          "float32": "float32", "float": "float32"}
 
 _INT = re.compile(r"^[0-9]+$")
 #: Largest inference world m2nkit plans for (a guard against typos like dp=100000).
@@ -30,27 +57,50 @@ def _check_size(name: str, value: object) -> int:
     return value
 
 
+def _check_choice(name: str, value: object, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"vLLM spec: {name}={value!r} is not one of {', '.join(choices)}")
+
+
 @dataclass(frozen=True)
 class InferenceSpec:
-    """vLLM parallel sizes: ``tp`` (tensor), ``dp`` (data replicas), ``ep``.
+    """vLLM parallel sizes and the engine arguments that shape what a worker holds.
 
-    ``ep`` is vLLM's ``enable_expert_parallel``: MoE experts are split whole
-    over all ``dp * tp`` workers instead of tensor-sharded over them
-    (vLLM ``fused_moe/config.py``, ``FusedMoEParallelConfig.make``).
+    Attributes:
+        tp: ``tensor_parallel_size``.
+        dp: ``data_parallel_size`` (replicas; MoE layers span all of them).
+        ep: ``enable_expert_parallel``: MoE experts are split whole over all
+            ``dp * tp`` workers instead of tensor-sharded over them (vLLM
+            ``fused_moe/config.py``, ``FusedMoEParallelConfig.make``).
+        placement: ``expert_placement_strategy`` as asked for (``linear`` or
+            ``round_robin``); vLLM may fall back to linear, see
+            ``m2nkit.adapters.vllm.placement``.
+        all2all: ``all2all_backend`` (only its effect on placement matters
+            here).
+        dtype: ``--dtype``: ``auto`` (vLLM decides from the config, see
+            ``m2nkit.adapters.vllm.dtype``), ``bfloat16``, ``float16`` or
+            ``float32``.
 
     Raises:
-        ValueError: ``tp`` or ``dp`` is not a positive int.
+        ValueError: ``tp`` or ``dp`` is not a positive int, or another field
+            is not one of its valid values (the message lists them).
     """
 
     tp: int
     dp: int = 1
     ep: bool = False
+    placement: str = "linear"
+    all2all: str = ALL2ALL_BACKENDS[0]
+    dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _check_size("tp", self.tp)
         _check_size("dp", self.dp)
         if not isinstance(self.ep, bool):
             raise ValueError(f"vLLM spec: ep={self.ep!r} must be True or False")
+        _check_choice("placement", self.placement, PLACEMENTS)
+        _check_choice("all2all", self.all2all, ALL2ALL_BACKENDS)
+        _check_choice("dtype", self.dtype, tuple(dict.fromkeys(DTYPES.values())))
 
     @property
     def num_workers(self) -> int:
@@ -68,14 +118,24 @@ class InferenceSpec:
         return worker // self.tp
 
     def __str__(self) -> str:
-        return f"vllm:tp={self.tp},dp={self.dp}" + (",ep" if self.ep else "")
+        """Canonical text; options at their defaults are left out."""
+        out = f"vllm:tp={self.tp},dp={self.dp}" + (",ep" if self.ep else "")
+        for key, default in (("placement", "linear"), ("all2all", ALL2ALL_BACKENDS[0]),
+                             ("dtype", "auto")):
+            value = getattr(self, key)
+            if value != default:
+                out += f",{key}={value}"
+        return out
 
 
 def parse_inference_spec(text: str) -> InferenceSpec:
-    """Parse ``"vllm:tp=T[,dp=D][,ep]"`` into an ``InferenceSpec``.
+    """Parse ``"vllm:tp=T[,dp=D][,ep][,placement=P][,all2all=B][,dtype=X]"``.
 
     Keys may come in any order; ``tp`` is required, ``dp`` defaults to 1,
-    ``ep`` (or ``ep=1``/``ep=0``/``ep=true``/``ep=false``) defaults to off.
+    ``ep`` (or ``ep=1``/``ep=0``/``ep=true``/``ep=false``) defaults to off,
+    ``placement`` to ``linear``, ``all2all`` to ``allgather_reducescatter``
+    and ``dtype`` to ``auto`` (``half``/``float`` are read as vLLM reads
+    them, ``float16``/``float32``). Values are case-insensitive.
 
     Raises:
         ValueError: not a string, a prefix other than ``vllm:``, a missing
@@ -119,10 +179,18 @@ def parse_inference_spec(text: str) -> InferenceSpec:
                     f"vLLM spec {text!r}: '{part}' must be 'ep', 'ep=1' or 'ep=0'"
                 )
             values[key] = flag in ("1", "true")
+        elif key in _CHOICES:
+            choices, names = _CHOICES[key]
+            if not eq or value.lower() not in choices:
+                raise ValueError(
+                    f"vLLM spec {text!r}: '{part}' must be {key}= one of {', '.join(names)}"
+                )
+            values[key] = choices[value.lower()]
         else:
             raise ValueError(
-                f"vLLM spec {text!r}: unknown key '{key}'; valid keys are tp, dp, ep "
-                f"(pipeline parallelism is not supported); expected {SPEC_SYNTAX}"
+                f"vLLM spec {text!r}: unknown key '{key}'; valid keys are tp, dp, ep, "
+                f"placement, all2all, dtype (pipeline parallelism is not supported); "
+                f"expected {SPEC_SYNTAX}"
             )
     if "tp" not in values:
         raise ValueError(f"vLLM spec {text!r} has no tp=...; expected {SPEC_SYNTAX}")
@@ -130,4 +198,12 @@ def parse_inference_spec(text: str) -> InferenceSpec:
     if workers > MAX_WORKERS:
         raise ValueError(f"vLLM spec {text!r}: tp*dp = {workers} workers is more than m2nkit "
                          f"plans for ({MAX_WORKERS})")
-    return InferenceSpec(tp=values["tp"], dp=values.get("dp", 1), ep=values.get("ep", False))
+    return InferenceSpec(**values)
+
+
+#: Keys with a fixed set of values: key -> (accepted text -> value, names to list).
+_CHOICES = {
+    "placement": ({p: p for p in PLACEMENTS}, PLACEMENTS),
+    "all2all": ({b: b for b in ALL2ALL_BACKENDS}, ALL2ALL_BACKENDS),
+    "dtype": (DTYPES, tuple(DTYPES)),
+}

@@ -37,6 +37,7 @@ segments keep ``torch_p2p``'s own timeouts. See docs/nccl_m2n.md.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import math
 import time
@@ -223,6 +224,26 @@ def region_is_contiguous(shape: Sequence[int], box: Box) -> bool:
     return all(ext[j] == shape[j] for j in range(i + 1, len(ext)))
 
 
+@functools.lru_cache(maxsize=4096)
+def _source_side(pieces: tuple, shape: tuple[int, ...]) -> tuple[M2NEncoding | str, np.ndarray]:
+    """The source encoding of ``pieces`` (or why not, prefixed ``source:``) and each
+    piece's shard index (replicas of one box share it). Cached: layouts repeat."""
+    per_rank: dict[int, int] = {}
+    for p in pieces:
+        per_rank[p.rank] = per_rank.get(p.rank, 0) + 1
+    boxes: dict = {}
+    shard_of = np.array([boxes.setdefault(p.box, len(boxes)) for p in pieces], dtype=np.int64)
+    split = next(((r, n) for r, n in per_rank.items() if n > 1), None)
+    if split:
+        return (f"source: trainer rank {split[0]} holds {split[1]} separate boxes of it "
+                "(nccl.m2n takes one buffer per rank)"), shard_of
+    if any(any(p.local_start) for p in pieces):
+        return ("source: a trainer rank holds its piece inside a larger local tensor "
+                "(nccl.m2n takes the local tensor as it is)"), shard_of
+    src = m2n_encoding([(p.rank, p.box) for p in pieces], shape)
+    return (f"source: {src}" if isinstance(src, str) else src), shard_of
+
+
 def can_carry(wp: WirePlan, params: Mapping[tuple[int, str], DestinationParam]) -> Verdict:
     """Can one ``nccl.m2n.reshard`` carry wire tensor ``wp``? A ``Verdict``.
 
@@ -256,19 +277,9 @@ def can_carry(wp: WirePlan, params: Mapping[tuple[int, str], DestinationParam]) 
         return Verdict(False, f"dtype {meta.dtype} is not an nccl.m2n dtype")
     if not 1 <= len(meta.shape) <= 3:
         return Verdict(False, f"{len(meta.shape)}-D tensor (nccl.m2n moves 1-D to 3-D)")
-    per_rank: dict[int, int] = {}
-    for p in wp.pieces:
-        per_rank[p.rank] = per_rank.get(p.rank, 0) + 1
-    split = next(((r, n) for r, n in per_rank.items() if n > 1), None)
-    if split:
-        return Verdict(False, f"source: trainer rank {split[0]} holds {split[1]} separate boxes "
-                              "of it (nccl.m2n takes one buffer per rank)")
-    if any(any(p.local_start) for p in wp.pieces):
-        return Verdict(False, "a trainer rank holds its piece inside a larger local tensor "
-                              "(nccl.m2n takes the local tensor as it is)")
-    src = m2n_encoding([(p.rank, p.box) for p in wp.pieces], meta.shape)
+    src, shard_of = _source_side(wp.pieces, tuple(meta.shape))
     if isinstance(src, str):
-        return Verdict(False, f"source: {src}")
+        return Verdict(False, src)
     per_worker: dict[int, list] = {}
     for b in wp.bindings:
         per_worker.setdefault(b.worker, []).append(b)
@@ -283,13 +294,12 @@ def can_carry(wp: WirePlan, params: Mapping[tuple[int, str], DestinationParam]) 
     if isinstance(dst, str):
         return Verdict(False, f"destination: {dst}")
     if len(wp.table):
-        shard_of, boxes = [], {}
-        for p in wp.pieces:
-            shard_of.append(boxes.setdefault(p.box, len(boxes)))
-        shards = np.array(shard_of, dtype=np.int64)[wp.table[:, SlabTable.PIECE]]
-        pairs = np.unique(np.stack([shards, wp.table[:, SlabTable.DST]], axis=1), axis=0)
-        fan_in = np.bincount(pairs[:, 1]).max()
-        fan_out = np.bincount(pairs[:, 0]).max()
+        shards = shard_of[wp.table[:, SlabTable.PIECE]]
+        linked = np.zeros((int(shard_of.max()) + 1, int(wp.table[:, SlabTable.DST].max()) + 1),
+                          dtype=bool)
+        linked[shards, wp.table[:, SlabTable.DST]] = True
+        fan_in = int(linked.sum(axis=0).max())
+        fan_out = int(linked.sum(axis=1).max())
         if fan_in > M2N_MAX_FAN_IN:
             return Verdict(False, f"{fan_in} source shards feed one destination shard "
                                   f"(nccl.m2n allows {M2N_MAX_FAN_IN})")
