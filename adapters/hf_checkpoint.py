@@ -49,6 +49,7 @@ from .experts import StackedExperts, expert_name, group_expert_tensors, stack_ex
 from .families import (UnsupportedArchitecture, check_architecture, family,
                        supported_architectures)
 from .families.table import HFNaming
+from .module_names import wrapper_hint
 from .trainer_spec import TrainerSpec, parse_trainer_spec
 
 __all__ = [
@@ -506,7 +507,10 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
             one transformers does not know; a tensor whose shape
             contradicts the config; a tensor the config expects but the
             files lack; an extra tensor; a dtype outside
-            :data:`SAFETENSORS_DTYPES`; an incomplete expert set.
+            :data:`SAFETENSORS_DTYPES`; an incomplete expert set. Names
+            carrying a wrapper prefix (``_orig_mod.`` of ``torch.compile``,
+            ``module.`` of DDP, ...; ``m2nkit.adapters.module_names``) are
+            refused with a message that names the prefix.
     """
     path = Path(path)
     root, config_path, kind = _resolve(path)
@@ -537,6 +541,7 @@ def _match(expected: Sequence[_Expected], hf: HFNaming, headers: Mapping[str, _H
     sources: dict[str, str | StackedExperts] = {}
     used: set[str] = set()
     missing: list[str] = []
+    stacked_hint = ""
 
     def where(name: str) -> str:
         return f"tensor '{name}' in {headers[name].file}"
@@ -564,8 +569,16 @@ def _match(expected: Sequence[_Expected], hf: HFNaming, headers: Mapping[str, _H
                     mine = {p: n for p, n in ex.items() if p in parts}
                     if mine:
                         found[e] = mine
+                stacked = [n for n in hf.stacked_on_disk(prefix, leaf) if n in headers]
+                if stacked:
+                    params.append(_stacked_on_disk(stacked, found, wire, exp, parts, headers,
+                                                   arch))
+                    sources[wire] = stacked[0]
+                    used.add(stacked[0])
+                    continue
                 if not found:
                     missing.append(expected_name(0, parts[0]))
+                    stacked_hint = stacked_hint or hf.stacked_on_disk(prefix, leaf)[0]
                     continue
                 try:
                     stack = stack_experts(
@@ -600,18 +613,50 @@ def _match(expected: Sequence[_Expected], hf: HFNaming, headers: Mapping[str, _H
         sources[disk] = disk
         used.add(disk)
 
+    extra = [n for n in headers if n not in used]
+    # A checkpoint saved from a wrapped model (torch.compile's '_orig_mod.', DDP's
+    # 'module.') misses every name and holds them all again under the prefix: say so.
+    hint = wrapper_hint(extra)
+    hint = f"; {hint}" if hint else ""
+    if stacked_hint:
+        hint += (f"; experts may also be stored stacked per layer, e.g. '{stacked_hint}' "
+                 "(the per-expert tensors above or a stacked one, per MoE block)")
     if missing:
         raise CheckpointError(
             f"checkpoint {root} lacks {len(missing)} tensor(s) the config ({arch}) "
-            f"expects: {_few(missing)}"
+            f"expects: {_few(missing)}{hint}"
         )
-    extra = [n for n in headers if n not in used]
     if extra:
         raise CheckpointError(
             f"checkpoint {root} holds {len(extra)} tensor(s) the config ({arch}) does "
-            f"not expect: {_few(extra)} (first in {headers[extra[0]].file})"
+            f"not expect: {_few(extra)} (first in {headers[extra[0]].file}){hint}"
         )
     return params, sources
+
+
+def _stacked_on_disk(stacked: Sequence[str], per_expert: Mapping, wire: str, exp: _Expected,
+                     parts: Sequence[str], headers: Mapping[str, _Header], arch: str) -> ParamMeta:
+    """The wire tensor of an expert tensor stored already stacked (``stacked[0]``).
+
+    Raises:
+        CheckpointError: the block also holds per-expert tensors or a second
+            stacked name, or the shape is not the config's ``[E, rows, cols]``.
+    """
+    name = stacked[0]
+    h = headers[name]
+    if len(stacked) > 1 or per_expert:
+        other = stacked[1] if len(stacked) > 1 else next(iter(next(iter(per_expert.values())).values()))
+        raise CheckpointError(
+            f"tensor '{name}' in {h.file} holds the experts stacked, but the checkpoint also "
+            f"holds '{other}' for the same experts; keep one form per MoE block")
+    if h.shape != exp.shape:
+        E, rows, cols = exp.shape
+        raise CheckpointError(
+            f"tensor '{name}' in {h.file} has shape {list(h.shape)}, but the config ({arch}) "
+            f"expects stacked experts {list(exp.shape)}: [experts, rows, cols] with each "
+            f"expert's {' rows then its '.join(parts)} rows (a transposed [{E}, {cols}, {rows}] "
+            "layout is not read)")
+    return ParamMeta(wire, h.dtype, h.shape)
 
 
 # --------------------------------------------------------------------------

@@ -130,6 +130,8 @@ def parse_trainer_spec(spec: str | TrainerSpec) -> TrainerSpec:
     if m is None:
         raise _bad(spec, "expected KIND:SIZES")
     kind = m.group("kind").lower()
+    if kind not in ("replicated", "fsdp", "hsdp"):
+        raise _bad(spec, f"unknown kind '{kind}'")
     parts = [p.strip() for p in m.group("sizes").split(",")]
     sizes = []
     for p in parts:

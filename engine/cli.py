@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import json
 import math
 import os
@@ -83,64 +82,6 @@ def _console():
 # --------------------------------------------------------------------------
 # checks before the heavy imports
 
-#: Packages whose ``__init__`` imports torch although the spec parsers under
-#: them need none of it.
-_TORCH_PACKAGES = ("m2nkit.manifest", "m2nkit.adapters.vllm")
-
-
-def _import_light(name: str):
-    """Import module ``name`` without running the ``__init__`` of :data:`_TORCH_PACKAGES`.
-
-    Workaround, owned here: importing ``m2nkit.adapters.vllm.spec`` or
-    ``m2nkit.adapters.trainer_spec`` runs ``m2nkit.adapters.vllm/__init__``
-    or ``m2nkit.manifest/__init__``, which import torch (2-10 s), so a typo
-    in a spec would take seconds to refuse. While ``name`` imports, those
-    packages are stood in for by bare package objects (their ``__path__``
-    only); the real packages import as usual later and find the submodules
-    already loaded (:func:`_bind_light_modules` attaches them). Where torch
-    is already imported, or ``name`` needs more of a package than its
-    submodules, this is a plain import. Once those ``__init__`` files stop
-    importing torch, it can become one everywhere.
-    """
-    if "torch" in sys.modules:
-        return importlib.import_module(name)
-    stand_ins = {}
-    for package in _TORCH_PACKAGES:
-        if package in sys.modules:
-            continue
-        spec = importlib.util.find_spec(package)   # imports the parents only (no torch)
-        if spec is None or spec.submodule_search_locations is None:
-            continue
-        stand_ins[package] = sys.modules[package] = importlib.util.module_from_spec(spec)
-    try:
-        return importlib.import_module(name)
-    except ImportError:                             # it wanted a name from a package itself
-        pass
-    finally:
-        for package, module in stand_ins.items():
-            if sys.modules.get(package) is module:
-                del sys.modules[package]
-    return importlib.import_module(name)
-
-
-def _bind_light_modules() -> None:
-    """Import the real packages :func:`_import_light` stood in for and attach their submodules.
-
-    Called where the heavy work starts (torch is about to load anyway), so
-    that ``m2nkit.manifest.layout`` is an attribute of ``m2nkit.manifest`` as
-    after any ordinary import.
-    """
-    for package in _TORCH_PACKAGES:
-        loaded = {name.rpartition(".")[2]: module for name, module in list(sys.modules.items())
-                  if name.rpartition(".")[0] == package}
-        if not loaded:
-            continue
-        parent = importlib.import_module(package)
-        for child, module in loaded.items():
-            if not hasattr(parent, child):
-                setattr(parent, child, module)
-
-
 def _check_architecture(path: str | os.PathLike, what: str) -> None:
     """Refuse a checkpoint whose ``config.json`` names an unsupported architecture.
 
@@ -179,8 +120,8 @@ def _precheck(args) -> None:
         value = getattr(args, flag, 1.0)
         if not (value > 0 and math.isfinite(value)):  # also refuses NaN and inf
             raise UserError(f"--{flag.replace('_', '-')} must be a finite number > 0, got {value}")
-    tspec = _import_light("m2nkit.adapters.trainer_spec").parse_trainer_spec(args.trainer)
-    ispec = _import_light("m2nkit.adapters.vllm.spec").parse_inference_spec(args.inference)
+    tspec = importlib.import_module("m2nkit.adapters.trainer_spec").parse_trainer_spec(args.trainer)
+    ispec = importlib.import_module("m2nkit.adapters.vllm.spec").parse_inference_spec(args.inference)
     if args.command == "plan":
         if args.dump is not None and not args.verify:
             raise UserError("--dump writes the storage that --verify fills: add --verify")
@@ -204,7 +145,6 @@ def _precheck(args) -> None:
 
 
 def _build(args):
-    _bind_light_modules()
     from m2nkit.adapters.hf_checkpoint import checkpoint_metas, read_checkpoint
     from m2nkit.adapters.trainer_spec import parse_trainer_spec
     from m2nkit.adapters.vllm import destination_layout, parse_inference_spec
@@ -606,6 +546,9 @@ def _demo_here(args) -> int:
         # A failed transfer or check (not a usage error): say what broke, exit 1.
         print(f"m2nkit: demo failed: {str(e).splitlines()[0]}", file=sys.stderr)
         return EXIT_PROBLEMS
+    finally:
+        if args.driver:     # done: a late SIGTERM must not interrupt the exit itself
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
     return EXIT_OK
 
 
@@ -613,7 +556,6 @@ def _run_demo(args, log):
     from m2nkit.engine.demo import run_demo
 
     log("loading torch and transformers")
-    _bind_light_modules()
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()

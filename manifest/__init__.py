@@ -3,53 +3,81 @@
 Knows no model family and no transport, and moves no bytes (DESIGN.md, "Folders").
 """
 
-from .destination import Binding, DestinationLayout, DestinationParam
-from .groups import layerwise_groups, stack_key
-from .layout import SourceLayout, chunk_bounds, local_box, rank_boxes
-from .pieces import (
-    Box,
-    Piece,
-    PieceGrid,
-    PieceLayout,
-    box_intersect,
-    box_shape,
-    box_slices,
-    box_volume,
-    full_box,
-    piece_grid,
-)
-from .meta import ParamMeta
-from .placement import Placement, Replicate, Shard
-from .protocol import (
-    TrainerInitInfo,
-    TrainerWeightTransferEngine,
-    VLLMWeightSyncClient,
-    WeightTransferEngine,
-    WeightTransferInitInfo,
-    WeightTransferInitRequest,
-    WeightTransferUpdateInfo,
-    WeightTransferUpdatePayload,
-    WeightTransferUpdateRequest,
-)
-from .serialize import (
-    SCHEMA_VERSION,
-    canonical_json,
-    dtype_from_name,
-    dtype_name,
-    manifest_digest,
-    manifest_from_json,
-    manifest_to_json,
-)
-from .source import (
-    DTensorModuleSource,
-    M2NManifestEntry,
-    M2NWeightSource,
-    ManifestM2NWeightSource,
-    ModuleSource,
-    WeightSource,
-    layout_from_dtensor,
-    materialize_full_tensor,
-    mesh_from_tensor,
-    owner_box,
-    placements_from_tensor,
-)
+# Names load on first use (PEP 562), so light modules of this package
+# (spec parsers, placements) import without torch: the CLI refuses bad input
+# before any heavy import.
+import importlib
+
+_LAZY = {
+    "Binding": (".destination", "Binding"),
+    "DestinationLayout": (".destination", "DestinationLayout"),
+    "DestinationParam": (".destination", "DestinationParam"),
+    "layerwise_groups": (".groups", "layerwise_groups"),
+    "stack_key": (".groups", "stack_key"),
+    "SourceLayout": (".layout", "SourceLayout"),
+    "chunk_bounds": (".layout", "chunk_bounds"),
+    "local_box": (".layout", "local_box"),
+    "rank_boxes": (".layout", "rank_boxes"),
+    "Box": (".pieces", "Box"),
+    "Piece": (".pieces", "Piece"),
+    "PieceGrid": (".pieces", "PieceGrid"),
+    "PieceLayout": (".pieces", "PieceLayout"),
+    "box_intersect": (".pieces", "box_intersect"),
+    "box_shape": (".pieces", "box_shape"),
+    "box_slices": (".pieces", "box_slices"),
+    "box_volume": (".pieces", "box_volume"),
+    "full_box": (".pieces", "full_box"),
+    "piece_grid": (".pieces", "piece_grid"),
+    "REPLICATE": (".m2n_layout", "REPLICATE"),
+    "REPLICATED": (".m2n_layout", "REPLICATED"),
+    "M2NLayout": (".m2n_layout", "M2NLayout"),
+    "M2NMesh": (".m2n_layout", "M2NMesh"),
+    "layout_from_m2n": (".m2n_layout", "layout_from_m2n"),
+    "ParamMeta": (".meta", "ParamMeta"),
+    "Placement": (".placement", "Placement"),
+    "Replicate": (".placement", "Replicate"),
+    "Shard": (".placement", "Shard"),
+    "TrainerInitInfo": (".protocol", "TrainerInitInfo"),
+    "TrainerWeightTransferEngine": (".protocol", "TrainerWeightTransferEngine"),
+    "VLLMWeightSyncClient": (".protocol", "VLLMWeightSyncClient"),
+    "WeightTransferEngine": (".protocol", "WeightTransferEngine"),
+    "WeightTransferInitInfo": (".protocol", "WeightTransferInitInfo"),
+    "WeightTransferInitRequest": (".protocol", "WeightTransferInitRequest"),
+    "WeightTransferUpdateInfo": (".protocol", "WeightTransferUpdateInfo"),
+    "WeightTransferUpdatePayload": (".protocol", "WeightTransferUpdatePayload"),
+    "WeightTransferUpdateRequest": (".protocol", "WeightTransferUpdateRequest"),
+    "SCHEMA_VERSION": (".serialize", "SCHEMA_VERSION"),
+    "canonical_json": (".serialize", "canonical_json"),
+    "dtype_from_name": (".serialize", "dtype_from_name"),
+    "dtype_name": (".serialize", "dtype_name"),
+    "manifest_digest": (".serialize", "manifest_digest"),
+    "manifest_from_json": (".serialize", "manifest_from_json"),
+    "manifest_to_json": (".serialize", "manifest_to_json"),
+    "DTensorModuleSource": (".source", "DTensorModuleSource"),
+    "M2NManifestEntry": (".source", "M2NManifestEntry"),
+    "M2NWeightSource": (".source", "M2NWeightSource"),
+    "ManifestM2NWeightSource": (".source", "ManifestM2NWeightSource"),
+    "ModuleSource": (".source", "ModuleSource"),
+    "WeightSource": (".source", "WeightSource"),
+    "layout_from_dtensor": (".source", "layout_from_dtensor"),
+    "materialize_full_tensor": (".source", "materialize_full_tensor"),
+    "mesh_from_tensor": (".source", "mesh_from_tensor"),
+    "owner_box": (".source", "owner_box"),
+    "placements_from_tensor": (".source", "placements_from_tensor"),
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    try:
+        module, attr = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module, __name__), attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -77,6 +77,10 @@ class DestinationLayout:
         unknown: wire tensor name -> why no inference-side rule takes it (a
             name the family table does not know); such tensors move no
             bytes, and callers decide whether that is an error.
+        notes: sentences on how the layout was decided where the spec
+            alone does not say (the model dtype vLLM picks; a requested
+            expert placement vLLM does not honour). Not part of the digest:
+            the params and bindings are.
     """
 
     spec: str
@@ -86,6 +90,7 @@ class DestinationLayout:
     skipped: dict[str, str] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)
     unknown: dict[str, str] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
 
     def param_index(self) -> dict[tuple[int, str], DestinationParam]:
         """``(worker, name) -> DestinationParam``."""

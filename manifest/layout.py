@@ -39,7 +39,10 @@ __all__ = [
 def _check_rank_list(values: Sequence[int], what: str, where: str) -> tuple[int, ...]:
     out = []
     for v in values:
-        if isinstance(v, bool) or not isinstance(v, int):
+        if isinstance(v, bool):  # a bad value, not a bad type (vLLM base.py ParamMeta)
+            raise ValueError(f"{where}: {what} must be ints, got {v!r} (a bool is not a rank "
+                             "or a size)")
+        if not isinstance(v, int):
             raise TypeError(f"{where}: {what} must be ints, got {v!r}")
         out.append(v)
     return tuple(out)
@@ -57,12 +60,12 @@ class SourceLayout:
     whole tensor. Rules from vLLM ``weight_transfer/base.py`` ``ParamMeta``.
 
     Raises:
-        ValueError: mesh or placements given without owners; repeated or
-            negative owners; a non-positive mesh size; a mesh whose product
-            is not ``len(owners)``; a placement count that is not the mesh
-            rank.
-        TypeError: non-int owners or mesh sizes (bools included), or a
-            placement that is not ``Shard``/``Replicate``.
+        ValueError: mesh or placements given without owners; repeated,
+            negative or bool owners; a non-positive or bool mesh size; a mesh
+            whose product is not ``len(owners)``; a placement count that is
+            not the mesh rank.
+        TypeError: non-int owners or mesh sizes, or a placement that is not
+            ``Shard``/``Replicate``.
     """
 
     owners: tuple[int, ...] | None = None

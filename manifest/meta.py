@@ -39,12 +39,12 @@ class ParamMeta:
     Raises:
         ValueError: empty name, negative dims, ``pieces`` together with
             owners/mesh/placements, a piece outside the shape, mesh/placements without
-            owners, repeated or negative owners, a mesh that does not cover
+            owners, repeated, negative or bool owners (vLLM ``base.py``: a
+            bool is a bad rank), a bool mesh size, a mesh that does not cover
             its owners, a placement count that is not the mesh rank, a
             ``Shard.dim`` outside the tensor.
         TypeError: dtype is not a ``torch.dtype``; non-int owners, mesh
-            sizes or dims (bools included); a placement that is not
-            ``Shard``/``Replicate``.
+            sizes or dims; a placement that is not ``Shard``/``Replicate``.
     """
 
     name: str

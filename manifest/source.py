@@ -35,6 +35,7 @@ import torch
 
 from .layout import Box, SourceLayout, local_box
 from .pieces import PieceLayout
+from .m2n_layout import is_m2n_layout, layout_from_m2n
 from .meta import ParamMeta
 from .placement import Placement, Replicate, Shard
 
@@ -258,13 +259,6 @@ def _mesh_ranks(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(int(r) for r in t.device_mesh.mesh.flatten().tolist())
 
 
-def _require_dtensor(t: object, what: str) -> None:
-    if not _is_dtensor(t):
-        raise TypeError(
-            f"{what} needs a torch.distributed.tensor.DTensor, got {type(t).__name__}"
-        )
-
-
 def mesh_from_tensor(t: torch.Tensor, num_trainer_ranks: int) -> tuple[int, ...]:
     """The mesh shape of DTensor ``t``, checked against nccl_m2n's source model.
 
@@ -272,18 +266,24 @@ def mesh_from_tensor(t: torch.Tensor, num_trainer_ranks: int) -> tuple[int, ...]
     ``n <= num_trainer_ranks``, and the mesh has at most two axes (vLLM
     ``m2n_source.py`` ``mesh_from_tensor``; nccl-extensions
     ``nccl_m2n/README.md``: contiguous rank intervals, 1-D or 2-D meshes).
+    A plain tensor (no device mesh) is held by every trainer rank: its mesh
+    is the ``num_trainer_ranks``-rank 1-D mesh ``(T,)``, as the seed's
+    ``M2NMesh((T, 1), 0)`` (vLLM ``m2n_source.py``).
 
     Returns:
         ``mesh_shape``, e.g. ``(2, 3)``; its owners are ``range(prod(mesh_shape))``.
 
     Raises:
-        TypeError: ``t`` is not a DTensor.
-        ValueError: the mesh has more than two axes, its ranks are not the
-            interval ``[0, n)`` in row-major order, or ``n`` exceeds
-            ``num_trainer_ranks``.
+        TypeError: ``num_trainer_ranks`` is not an int.
+        ValueError: ``num_trainer_ranks`` is below 1; the mesh has more than
+            two axes, its ranks are not the interval ``[0, n)`` in row-major
+            order, or ``n`` exceeds ``num_trainer_ranks``.
     """
-    _require_dtensor(t, "mesh_from_tensor")
     _check_rank(num_trainer_ranks, "mesh_from_tensor num_trainer_ranks")
+    if not _is_dtensor(t):
+        if num_trainer_ranks < 1:
+            raise ValueError("mesh_from_tensor: num_trainer_ranks must be >= 1")
+        return (num_trainer_ranks,)
     mesh_shape = tuple(int(s) for s in t.device_mesh.shape)
     if len(mesh_shape) > 2:
         raise ValueError(
@@ -309,15 +309,17 @@ def placements_from_tensor(t: torch.Tensor) -> tuple[Placement, ...] | None:
     """DTensor ``t``'s placements as m2nkit ``Shard``/``Replicate``, one per mesh axis.
 
     Negative ``Shard`` dims are normalised. All-``Replicate`` returns ``None``
-    (``ParamMeta`` normalises the same way).
+    (``ParamMeta`` normalises the same way), and so does a plain tensor: every
+    rank holds it in full (the seed's ``REPLICATED``, vLLM ``m2n_source.py``).
 
     Raises:
-        TypeError: ``t`` is not a DTensor.
         ValueError: a placement is neither ``Shard`` nor ``Replicate``
-            (``Partial``: reduce it first; ``_StridedShard``: redistribute to
-            plain shards), naming the placement.
+            (``Partial``: reduce it first; ``_StridedShard``: use
+            ``m2nkit.adapters.fsdp2.fsdp2_source``, which sends its pieces),
+            naming the placement.
     """
-    _require_dtensor(t, "placements_from_tensor")
+    if not _is_dtensor(t):
+        return None
     out = []
     for axis, p in enumerate(t.placements):
         mine = _torch_placement(p, t.dim())
@@ -336,8 +338,9 @@ def placements_from_tensor(t: torch.Tensor) -> tuple[Placement, ...] | None:
 def layout_from_dtensor(t: torch.Tensor, num_trainer_ranks: int) -> SourceLayout:
     """The ``SourceLayout`` of DTensor ``t``: owners ``[0, n)``, its mesh and placements.
 
-    m2nkit's form of the seed's ``M2NLayout``; errors as in
-    ``mesh_from_tensor`` and ``placements_from_tensor``.
+    m2nkit's form of the seed's ``M2NLayout``; a plain tensor is replicated
+    over all ``num_trainer_ranks``; errors as in ``mesh_from_tensor`` and
+    ``placements_from_tensor``.
     """
     mesh_shape = mesh_from_tensor(t, num_trainer_ranks)
     placements = placements_from_tensor(t)
@@ -497,7 +500,10 @@ class M2NManifestEntry:
         dtype: the wire dtype (``torch.dtype``).
         global_shape: the full tensor's shape (non-negative ints).
         source_layout: which trainer ranks hold which box: placements
-            (``SourceLayout``) or explicit pieces (``PieceLayout``).
+            (``SourceLayout``) or explicit pieces (``PieceLayout``); the
+            seed's ``M2NLayout(M2NMesh(dims, start_rank), codes)`` is
+            accepted and stored as the equivalent ``SourceLayout``
+            (``m2nkit.manifest.m2n_layout``).
         local_tensor: zero-argument callable returning this rank's local
             tensor: of shape ``owner_box(source_layout, global_shape, rank)``
             under placements; holding every piece of the rank at its
@@ -511,10 +517,11 @@ class M2NManifestEntry:
 
     Raises:
         ValueError: empty ``name``; a negative or non-int dim in
-            ``global_shape``; a ``Shard`` dim outside the shape.
+            ``global_shape``; a ``Shard`` dim outside the shape; an
+            ``M2NLayout`` breaking the seed's rules.
         TypeError: ``dtype`` is not a ``torch.dtype``; ``source_layout`` is
-            not a ``SourceLayout``/``PieceLayout``; ``local_tensor`` is not
-            callable. Every message names the tensor.
+            not a ``SourceLayout``/``PieceLayout``/``M2NLayout``;
+            ``local_tensor`` is not callable. Every message names the tensor.
     """
 
     name: str
@@ -543,10 +550,13 @@ class M2NManifestEntry:
             raise ValueError(
                 f"manifest entry '{k}': global_shape {shape} must hold non-negative ints"
             )
+        if is_m2n_layout(self.source_layout):  # the seed's vocabulary (vLLM m2n_common.py)
+            object.__setattr__(self, "source_layout", layout_from_m2n(
+                self.source_layout, where=f"manifest entry '{k}'"))
         if not isinstance(self.source_layout, (SourceLayout, PieceLayout)):
             raise TypeError(
-                f"manifest entry '{k}': source_layout must be a SourceLayout or PieceLayout, got "
-                f"{type(self.source_layout).__name__}"
+                f"manifest entry '{k}': source_layout must be a SourceLayout, PieceLayout or "
+                f"M2NLayout, got {type(self.source_layout).__name__}"
             )
         if not callable(self.local_tensor):
             raise TypeError(

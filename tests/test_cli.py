@@ -220,7 +220,7 @@ def test_wire_dtype_other_than_vllms_is_cast_on_arrival(tiny_checkpoints, tmp_pa
     assert code == 0, out + err
     assert "verify: all 2 workers" in out
     wires = {w["name"]: w for w in json.loads(out_json.read_text())["plan"]["wires"]}
-    router = wires["model.layers.0.mlp.gate.weight"]["nccl_m2n"]
+    router = wires["model.layers.0.mlp.gate.weight"]["transports"]["nccl_m2n"]
     if which in ("router", "all"):
         assert not router["ok"] and "cast to vLLM's bfloat16" in router["reason"]
     else:

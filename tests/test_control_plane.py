@@ -1,8 +1,9 @@
 """The HTTP control plane: InferenceServer (worker processes) driven by HTTPClient.
 
-Workers are real spawned processes, each with an ``M2NReceiver``; trainer
-ranks are threads of the test process using ``torch_p2p`` directly, joined
-in one gloo group over 127.0.0.1. Routes and bodies are vLLM's
+Workers are real processes, each with an ``M2NReceiver`` (forked from the
+tests' forkserver, ``_procs.py``; ``test_module_entry_serves_until_terminated``
+runs the real entry point); trainer ranks are threads of the test process
+using ``torch_p2p`` directly, joined in one gloo group over 127.0.0.1. Routes and bodies are vLLM's
 (``vllm/entrypoints/serve/dev/rlhf/api_router.py``); a real vLLM server
 is not run here (no GPU, no vLLM install).
 """
@@ -25,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from _procs import ensure_forkserver
 from m2nkit.adapters.hf_checkpoint import (
     checkpoint_manifest,
     checkpoint_metas,
@@ -112,12 +114,13 @@ class Trainers:
 
 @pytest.fixture(scope="module")
 def ck():
+    ensure_forkserver()          # the servers' workers fork from it: milliseconds, not an import
     return read_checkpoint(CHECKPOINT)
 
 
 @pytest.mark.timeout(60)
 def test_http_round_bit_exact(ck, tmp_path):
-    with InferenceServer(CHECKPOINT, INFERENCE, timeout_s=30) as server:
+    with InferenceServer(CHECKPOINT, INFERENCE, timeout_s=30, start_method="forkserver") as server:
         client = HTTPClient(server.url, timeout_s=60)
         assert isinstance(client, VLLMWeightSyncClient)
         assert client.get_world_size() == N
@@ -196,7 +199,7 @@ def _gone(pid: int) -> bool:
 
 @pytest.mark.timeout(60)
 def test_killed_worker_is_named_not_a_hang(ck):
-    server = InferenceServer(CHECKPOINT, INFERENCE, timeout_s=30)
+    server = InferenceServer(CHECKPOINT, INFERENCE, timeout_s=30, start_method="forkserver")
     tr = None
     try:
         client = HTTPClient(server.start(), timeout_s=60)

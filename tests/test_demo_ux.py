@@ -114,20 +114,20 @@ class Demo:
 
 @pytest.mark.timeout(420)
 def test_demo_reports_progress_and_announces_the_baseline(tmp_path):
-    demo = Demo(tmp_path, "--model", "tiny-llama", "--trainer", "fsdp:2",
+    demo = Demo(tmp_path, "--model", "tiny-llama", "--trainer", "fsdp:1",
                 "--inference", "vllm:tp=1", "--rounds", "1", "--timeout", "60")
     # The first line comes before torch is even imported.
-    demo.wait_for("m2nkit demo: tiny-llama, fsdp:2 -> vllm:tp=1, 1 round (Ctrl-C stops it)", 30)
+    demo.wait_for("m2nkit demo: tiny-llama, fsdp:1 -> vllm:tp=1, 1 round (Ctrl-C stops it)", 30)
     rc = demo.finish(400)
     out, err = "".join(demo.out), "".join(demo.err)
     assert rc == 0, out + err
     assert "Traceback" not in out + err and err == ""
     phases = ["loading torch and transformers", "building the tiny checkpoint tiny-llama",
-              "starting 1 inference worker process ", "starting 2 trainer processes",
-              "2 trainers joined", "round 1:", "rounds done",
+              "starting 1 inference worker process ", "starting 1 trainer process:",
+              "1 trainer joined", "1 round follows", "round 1:", "rounds done",
               "baseline: gather-then-broadcast on the same data and ranks",
               "(--no-baseline skips it)", "baseline: done in",
-              "m2nkit demo: tiny-llama, fsdp:2 -> vllm:tp=1,dp=1", "│ gather-then-broadcast "]
+              "m2nkit demo: tiny-llama, fsdp:1 -> vllm:tp=1,dp=1", "│ gather-then-broadcast "]
     positions = [out.find(p) for p in phases]
     assert -1 not in positions, [p for p, i in zip(phases, positions) if i < 0]
     assert positions == sorted(positions), "phases out of order"

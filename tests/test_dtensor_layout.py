@@ -181,11 +181,9 @@ def _check_sources(rank, world, mesh1, mesh2):
         raise AssertionError("a mesh larger than the trainer ranks was accepted")
     except ValueError as e:
         assert f"only {world - 1} trainer ranks" in str(e)
-    try:
-        mesh_from_tensor(full["norm"], world)
-        raise AssertionError("a plain tensor was accepted")
-    except TypeError:
-        pass
+    # a plain tensor: every trainer rank holds it (the seed's replicated mesh)
+    assert mesh_from_tensor(full["norm"], world) == (world,)
+    assert placements_from_tensor(full["norm"]) is None
 
     # DTensorModuleSource: metadata from the DTensors, iter_local = to_local()
     src = DTensorModuleSource(m, world, rank=rank)

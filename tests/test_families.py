@@ -262,14 +262,69 @@ def test_kind_bindings_and_load_equal_slicing_by_hand(case, tp, dp, ep):
      "p: vocab_size=70 padded to 128 (a multiple of 64) is not divisible by tp=3"),
     (W13, ("E", "2*Im", "H"), {}, 1, 8, False,
      "p: moe_intermediate_size=4 is not divisible by the MoE tensor-parallel size dp*tp=8"),
-    (W2, ("E", "H", "Im"), {}, 3, 1, True,
-     "p: num_experts=4 is not divisible by the expert-parallel size ep=dp*tp=3"),
+    # vLLM accepts any expert count with EP (the remainder goes to the first ranks)
+    (W2, ("E", "H", "Im"), {}, 3, 1, True, None),
+    (W13, ("E", "2*Im", "H"), {"E": 3}, 2, 4, True, None),
 ])
 def test_kind_divisibility_messages(kind, syms, sizes, tp, dp, ep, message):
     from dataclasses import replace
 
     assert kind.violation("p", syms, replace(S, **sizes), tp, dp, ep) == message
     assert REPLICATED.violation("p", ("H",), S, 7, 3, True) is None
+
+
+#: (E, ep, placement) -> the experts of each EP rank, written out by hand from
+#: vLLM 0.33.0 ``determine_expert_map`` (E // ep each, one more on the first
+#: E % ep ranks; linear runs, or rank r, r+ep, ...). The oracle dumps pin the
+#: same lists again (test_vllm_oracle.py).
+EXPERTS_BY_RANK = {
+    (10, 4, "linear"): [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]],
+    (10, 4, "round_robin"): [[0, 4, 8], [1, 5, 9], [2, 6], [3, 7]],
+    (6, 8, "linear"): [[0], [1], [2], [3], [4], [5], [], []],
+    (6, 8, "round_robin"): [[0], [1], [2], [3], [4], [5], [], []],
+    (8, 2, "round_robin"): [[0, 2, 4, 6], [1, 3, 5, 7]],
+    (4, 2, "linear"): [[0, 1], [2, 3]],
+}
+
+
+@pytest.mark.parametrize("E,ep,placement", list(EXPERTS_BY_RANK))
+@pytest.mark.parametrize("kind", [W13, W2], ids=["w13", "w2"])
+def test_expert_parallel_bindings_uneven_and_round_robin(kind, E, ep, placement):
+    from dataclasses import replace
+
+    s = replace(S, E=E)
+    syms = ("E", "2*Im", "H") if kind is W13 else ("E", "H", "Im")
+    wire = _wire(*s.resolve(syms))
+    assert kind.violation("p", syms, s, ep, 1, True) is None
+    for worker, ids in enumerate(EXPERTS_BY_RANK[E, ep, placement]):
+        g = Geometry.of(s, ep, 1, True, worker, placement)
+        assert list(g.experts) == ids
+        expected = wire[ids]                          # whole experts, in local order
+        shape = kind.local_shape(s.resolve(syms), 1, g)
+        assert shape == tuple(expected.shape)
+        bound = torch.full(shape, float("nan"))
+        count = torch.zeros(shape, dtype=torch.int32)
+        for box, offset in kind.boxes(tuple(wire.shape), None, g):
+            dst = tuple(slice(o, o + b - a) for o, (a, b) in zip(offset, box))
+            bound[dst] = wire[tuple(slice(a, b) for a, b in box)]
+            count[dst] += 1
+        assert (count == 1).all() and torch.equal(bound, expected), (worker, ids)
+        loaded = torch.full(shape, float("nan"))
+        kind.load(loaded, wire, None, g)
+        assert torch.equal(loaded, expected), (worker, ids)
+        # one box per run of consecutive experts: 1 for linear, 1 per expert for round robin
+        runs = 0 if not ids else (1 if placement == "linear" or len(ids) == 1 else len(ids))
+        assert len(kind.boxes(tuple(wire.shape), None, g)) == runs
+
+
+def test_geometry_e_first_refuses_round_robin():
+    from dataclasses import replace
+
+    g = Geometry.of(replace(S, E=8), 2, 1, True, 1, "round_robin")
+    assert g.e_local == 4 and g.expert_runs == ((1, 2, 0), (3, 4, 1), (5, 6, 2), (7, 8, 3))
+    with pytest.raises(ValueError, match=r"worker 1 holds experts \[1, 3, 5, 7\] \(round-robin"):
+        g.e_first
+    assert Geometry.of(replace(S, E=10), 4, 1, True, 2).e_first == 6
 
 
 def test_kinds_cite_their_vllm_source():

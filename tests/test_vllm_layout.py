@@ -106,11 +106,7 @@ def _cases():
 @pytest.mark.parametrize("model,tp,dp,ep", list(_cases()))
 def test_layout_equals_reference(model, tp, dp, ep):
     config, ckpt, wire, metas = load_model(model)
-    spec = InferenceSpec(tp, dp, ep)
-    if ep and tp * dp > 8:  # 8 experts over 16 EP ranks
-        with pytest.raises(ValueError, match=r"num_(local_)?experts=8 .*ep=dp\*tp=16"):
-            destination_layout(config, metas, spec)
-        return
+    spec = InferenceSpec(tp, dp, ep)  # ep with tp*dp = 16: 8 workers hold no expert, as in vLLM
     layout = destination_layout(config, metas, spec)
     assert layout.num_workers == tp * dp and layout.spec == str(spec)
     assert not layout.unknown
@@ -326,13 +322,53 @@ def test_moe_intermediate_not_divisible_by_flattened_tp():
         destination_layout(config, metas, "vllm:tp=2,dp=32")
 
 
-def test_ep_with_experts_not_divisible():
-    config = _tiny_dict("tiny-qwen3-moe", num_local_experts=6)
-    with pytest.raises(ValueError, match=r"num_experts=6 is not divisible by the expert-parallel size ep=dp\*tp=4.*valid tp with dp=1, ep: \[1, 2\]"):
-        destination_layout(config, [], "vllm:tp=4,ep")
-    config = _tiny_dict("tiny-mixtral", num_local_experts=6)
-    with pytest.raises(ValueError, match=r"num_local_experts=6 is not divisible"):
-        destination_layout(config, [], "vllm:tp=4,ep")
+def _experts_per_worker(layout, wire_name):
+    """Global experts each worker's bindings of stacked ``wire_name`` take, in local order."""
+    out = {w: [] for w in range(layout.num_workers)}
+    for b in sorted(layout.bindings[wire_name], key=lambda b: (b.worker, b.offset)):
+        out[b.worker] += list(range(*b.box[0]))
+    return out
+
+
+@pytest.mark.parametrize("model", MOE)
+def test_ep_with_experts_not_divisible(model):
+    """vLLM 0.33 accepts any E with EP: E // ep each, the remainder on the first ranks
+    (pinned to real vLLM in test_vllm_oracle.py)."""
+    config = _tiny_dict(model, num_local_experts=6)
+    metas = [ParamMeta(n, torch.bfloat16, s) for n, s in _expert_wires(config)]
+    layout = destination_layout(config, metas, "vllm:tp=4,ep")
+    assert _experts_per_worker(layout, metas[0].name) == {0: [0, 1], 1: [2, 3], 2: [4], 3: [5]}
+    shapes = {p.worker: p.shape for p in layout.params if p.name.endswith("w13_weight")
+              and ".layers.0." in p.name}
+    assert [s[0] for _, s in sorted(shapes.items())] == [2, 2, 1, 1]
+    layout = destination_layout(config, metas, "vllm:tp=2,dp=4,ep")   # 6 experts, 8 workers
+    assert _experts_per_worker(layout, metas[0].name) == {
+        0: [0], 1: [1], 2: [2], 3: [3], 4: [4], 5: [5], 6: [], 7: []}
+
+
+def _expert_wires(config):
+    """``(name, shape)`` of layer 0's stacked expert wire tensors of a tiny MoE config dict."""
+    E, H = config["num_local_experts"], config["hidden_size"]
+    Im = config.get("moe_intermediate_size") if "moe_intermediate_size" in config \
+        else config["intermediate_size"]
+    block = "mlp" if "moe_intermediate_size" in config else "block_sparse_moe"
+    prefix = f"model.layers.0.{block}.experts"
+    return [(f"{prefix}.gate_up_proj.weight", (E, 2 * Im, H)),
+            (f"{prefix}.down_proj.weight", (E, H, Im))]
+
+
+def test_round_robin_placement_falls_back_for_models_without_expert_groups():
+    """vLLM honours round robin only with num_expert_group > 1 (expert_map_manager.py);
+    these families pass none, so the experts stay linear and the layout says why."""
+    config = _tiny_dict("tiny-qwen3-moe", num_local_experts=8)
+    metas = [ParamMeta(n, torch.bfloat16, s) for n, s in _expert_wires(config)]
+    layout = destination_layout(config, metas, "vllm:tp=2,ep,placement=round_robin")
+    assert _experts_per_worker(layout, metas[0].name) == {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]}
+    assert any("round_robin placement falls back to linear" in n and "num_expert_group" in n
+               for n in layout.notes), layout.notes
+    assert layout.spec == "vllm:tp=2,dp=1,ep,placement=round_robin"
+    layout = destination_layout(config, metas, "vllm:tp=2,placement=round_robin")
+    assert any("no expert parallelism" in n for n in layout.notes), layout.notes
 
 
 def test_qwen3_moe_tp_above_experts():

@@ -28,11 +28,16 @@ Workers are numbered dp-major (``worker = dp_index * tp + tp_rank``). Dense
 kinds only look at the tp rank: every dp replica holds the same. MoE kinds
 look at the worker: without EP the MoE tensor-parallel size is ``dp*tp``
 (``tp_moe``, flattened, moe rank = worker) and every worker holds all ``E``
-experts; with EP (``enable_expert_parallel``) ``tp_moe = 1`` and worker
-``w`` holds experts ``[w*E/ep, (w+1)*E/ep)`` whole, ``ep = dp*tp``
-(``layers/fused_moe/config.py`` ``FusedMoEParallelConfig.make``,
-``flatten_tp_across_dp_and_pcp``; ``layers/fused_moe/expert_map_manager.py``
-``determine_expert_map``, linear placement).
+experts; with EP (``enable_expert_parallel``) ``tp_moe = 1``, ``ep = dp*tp``
+and worker ``w`` holds whole experts (``layers/fused_moe/config.py``
+``FusedMoEParallelConfig.make``, ``flatten_tp_across_dp_and_pcp``). Which
+experts (``layers/fused_moe/expert_map_manager.py`` ``determine_expert_map``):
+``E // ep`` each, one more on the first ``E % ep`` workers (``E`` need not
+divide by ``ep``); linear placement gives each worker a contiguous run in
+worker order (10 experts over ep=4: 0-2, 3-5, 6-7, 8-9), round robin gives
+worker ``w`` experts ``w, w+ep, w+2*ep, ...``. Whether vLLM really uses
+round robin is decided by ``m2nkit.adapters.vllm.placement``; :class:`Geometry`
+takes the placement in effect.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ import torch
 from .sizes import Sizes
 
 __all__ = [
-    "VOCAB_PADDING", "padded_vocab", "Geometry", "Kind",
+    "VOCAB_PADDING", "padded_vocab", "expert_ids", "Geometry", "Kind",
     "Replicated", "Column", "Row", "Qkv", "Merged", "Vocab", "ExpertsW13", "ExpertsW2",
     "REPLICATED", "COLUMN", "ROW", "QKV", "MERGED", "VOCAB", "W13", "W2", "KINDS",
 ]
@@ -84,7 +89,10 @@ class Geometry:
         V, vocab_per: vocab and padded rows per rank ``Vp/tp``.
         H, E, Im: hidden, experts, MoE intermediate (global).
         moe_tp, moe_rank: MoE tensor-parallel size and this worker's rank in it.
-        e_first, e_local: first expert and number of experts on this worker.
+        experts: global ids of this worker's experts, in local order (a
+            ``range``: step 1 for linear placement, ``ep`` for round robin;
+            empty when ``ep > E`` leaves a worker none). ``e_local``,
+            ``e_first`` and ``expert_runs`` are derived from it.
         im_local: ``Im/moe_tp`` rows of gate (and of up) per expert.
     """
 
@@ -105,13 +113,17 @@ class Geometry:
     Im: int
     moe_tp: int
     moe_rank: int
-    e_first: int
-    e_local: int
+    experts: range
     im_local: int
 
     @classmethod
-    def of(cls, s: Sizes, tp: int, dp: int, ep: bool, worker: int) -> "Geometry":
-        """The geometry of ``worker`` for model sizes ``s`` and vLLM ``tp``/``dp``/``ep``."""
+    def of(cls, s: Sizes, tp: int, dp: int, ep: bool, worker: int,
+           placement: str = "linear") -> "Geometry":
+        """The geometry of ``worker`` for model sizes ``s`` and vLLM ``tp``/``dp``/``ep``.
+
+        ``placement`` is the expert placement in effect (``"linear"`` or
+        ``"round_robin"``; only read with EP).
+        """
         W = tp * dp
         if tp >= s.nkv:
             kv_heads, kv_rep = 1, tp // max(s.nkv, 1)
@@ -119,23 +131,74 @@ class Geometry:
             kv_heads, kv_rep = s.nkv // tp, 1
         use_ep = bool(ep) and W > 1
         if use_ep:
-            moe_tp, moe_rank, e_local = 1, 0, s.E // W
-            e_first = worker * e_local
+            moe_tp, moe_rank = 1, 0
+            experts = expert_ids(s.E, W, worker, placement)
         else:
-            moe_tp, moe_rank, e_local, e_first = W, worker, s.E, 0
+            moe_tp, moe_rank, experts = W, worker, range(s.E)
         return cls(
             worker=worker, num_workers=W, tp=tp, tp_rank=worker % tp, ep=use_ep,
             hd=s.hd, nkv=s.nkv, q_heads=s.nh // tp, kv_heads=kv_heads, kv_replicas=kv_rep,
             V=s.V, vocab_per=padded_vocab(s.V) // tp, H=s.H, E=s.E, Im=s.Im,
-            moe_tp=moe_tp, moe_rank=moe_rank, e_first=e_first, e_local=e_local,
-            im_local=s.Im // moe_tp,
+            moe_tp=moe_tp, moe_rank=moe_rank, experts=experts, im_local=s.Im // moe_tp,
         )
+
+    @property
+    def e_local(self) -> int:
+        """Number of experts on this worker."""
+        return len(self.experts)
+
+    @property
+    def e_first(self) -> int:
+        """First expert of this worker's one contiguous run (linear placement).
+
+        Raises:
+            ValueError: the experts are not one contiguous run (round robin):
+                use :attr:`expert_runs`.
+        """
+        if self.experts.step != 1 and len(self.experts) > 1:
+            raise ValueError(f"worker {self.worker} holds experts {list(self.experts)} "
+                             "(round-robin placement), not one run: use Geometry.expert_runs")
+        return self.experts.start
+
+    @property
+    def expert_runs(self) -> tuple[tuple[int, int, int], ...]:
+        """``(first, stop, local index of first)`` per run of consecutive experts.
+
+        One run under linear placement, one per expert under round robin,
+        none for a worker without experts.
+        """
+        ids = self.experts
+        if not ids:
+            return ()
+        if ids.step == 1:
+            return ((ids.start, ids.stop, 0),)
+        return tuple((e, e + 1, i) for i, e in enumerate(ids))
 
     @property
     def vocab_rows(self) -> tuple[int, int]:
         """Token rows ``[lo, hi)`` of this tp rank (vLLM ``_get_indices``)."""
         r, per = self.tp_rank, self.vocab_per
         return min(r * per, self.V), min((r + 1) * per, self.V)
+
+
+def expert_ids(E: int, ep: int, rank: int, placement: str = "linear") -> range:
+    """The global experts EP rank ``rank`` of ``ep`` holds, in local order.
+
+    ``E // ep`` experts each, one more on ranks ``< E % ep``. Linear: a
+    contiguous run starting at ``rank * (E // ep) + min(rank, E % ep)``;
+    round robin: ``rank, rank + ep, ...``. vLLM 0.33.0
+    ``layers/fused_moe/expert_map_manager.py`` ``determine_expert_map``.
+
+    Raises:
+        ValueError: an unknown placement.
+    """
+    base, extra = divmod(E, ep)
+    if placement == "round_robin":
+        return range(rank, E, ep)
+    if placement != "linear":
+        raise ValueError(f"expert placement {placement!r} is not 'linear' or 'round_robin'")
+    first = rank * base + min(rank, extra)
+    return range(first, first + base + (rank < extra))
 
 
 def _full(shape: tuple[int, ...]) -> Box:
@@ -414,9 +477,9 @@ class _Experts(Kind):
     """Shared rules of the stacked-expert kinds (one message for w13 and w2).
 
     Without EP ``Im`` must divide by ``tp_moe = dp*tp`` (vLLM
-    ``fused_moe/config.py``, ``intermediate_size % tp_size``); with EP ``E``
-    must divide by ``ep = dp*tp`` (``expert_map_manager.py``; uneven splits
-    are not supported here).
+    ``fused_moe/config.py``, ``intermediate_size % tp_size``). With EP any
+    ``E`` is accepted, as vLLM accepts it (``expert_map_manager.py``
+    ``determine_expert_map`` puts the remainder on the first ranks).
     """
 
     by_worker = True
@@ -428,10 +491,8 @@ class _Experts(Kind):
     def violation(self, name, syms, s, tp, dp, ep):
         W = tp * dp
         if ep and W > 1:
-            if s.E % W:
-                return (f"{name}: {s.label('E')} is not divisible by the expert-parallel "
-                        f"size ep=dp*tp={W}")
-        elif s.Im % W:
+            return None
+        if s.Im % W:
             return (f"{name}: {s.label('Im')} is not divisible by the MoE tensor-parallel "
                     f"size dp*tp={W}")
         return None
@@ -448,7 +509,9 @@ class ExpertsW13(_Experts):
     into w1/w3), ``RoutedExperts.weight_loader`` (skips experts of other EP
     ranks) and ``_load_w13`` (w1 into the first half, w3 into the second,
     ``Im/tp_moe`` rows of moe rank ``k`` each). A worker holding whole
-    experts (``Im_local == Im``) gets one box: gate and up are one run.
+    experts (``Im_local == Im``) gets one box per run of consecutive experts
+    (:attr:`Geometry.expert_runs`: one under linear placement, one per
+    expert under round robin): gate and up are one run of rows.
     """
 
     name = "w13"
@@ -458,19 +521,20 @@ class ExpertsW13(_Experts):
         return (g.e_local, 2 * g.im_local, g.H)
 
     def boxes(self, shape, part, g):
-        e0, e1 = g.e_first, g.e_first + g.e_local
         n, k, H, Im = g.im_local, g.moe_rank, g.H, g.Im
-        if n == Im:
-            return [(((e0, e1), (0, 2 * n), (0, H)), (0, 0, 0))]
-        return [
-            (((e0, e1), (k * n, (k + 1) * n), (0, H)), (0, 0, 0)),
-            (((e0, e1), (Im + k * n, Im + (k + 1) * n), (0, H)), (0, n, 0)),
-        ]
+        out = []
+        for e0, e1, at in g.expert_runs:
+            if n == Im:
+                out.append((((e0, e1), (0, 2 * n), (0, H)), (at, 0, 0)))
+            else:
+                out += [(((e0, e1), (k * n, (k + 1) * n), (0, H)), (at, 0, 0)),
+                        (((e0, e1), (Im + k * n, Im + (k + 1) * n), (0, H)), (at, n, 0))]
+        return out
 
     def load(self, param, wire, part, g):
-        for i in range(g.e_local):
+        for i, e in enumerate(g.experts):
             dst = param[i]
-            gate, up = wire[g.e_first + i].chunk(2, dim=0)
+            gate, up = wire[e].chunk(2, dim=0)
             half = dst.shape[0] // 2
             per_rank = gate.shape[0] // g.moe_tp
             dst.narrow(0, 0, half).copy_(gate.narrow(0, g.moe_rank * per_rank, per_rank))
@@ -492,13 +556,13 @@ class ExpertsW2(_Experts):
         return (g.e_local, g.H, g.im_local)
 
     def boxes(self, shape, part, g):
-        e0, e1 = g.e_first, g.e_first + g.e_local
         n, k = g.im_local, g.moe_rank
-        return [(((e0, e1), (0, g.H), (k * n, (k + 1) * n)), (0, 0, 0))]
+        return [(((e0, e1), (0, g.H), (k * n, (k + 1) * n)), (at, 0, 0))
+                for e0, e1, at in g.expert_runs]
 
     def load(self, param, wire, part, g):
-        for i in range(g.e_local):
-            w = wire[g.e_first + i]
+        for i, e in enumerate(g.experts):
+            w = wire[e]
             per_rank = w.shape[1] // g.moe_tp
             param[i].copy_(w.narrow(1, g.moe_rank * per_rank, per_rank))
 

@@ -140,6 +140,26 @@ class HFNaming:
                 return leaf
         return None
 
+    def stacked_on_disk(self, prefix: str, leaf: str) -> tuple[str, str]:
+        """Names under which a checkpoint may hold fused ``leaf`` of MoE block ``prefix`` already stacked.
+
+        ``<prefix>.<leaf>`` (transformers' in-memory name, e.g.
+        ``model.layers.0.mlp.experts.gate_up_proj``, what RL frameworks
+        saving the fused parameters write; vLLM's ``RoutedExperts.load_weights``
+        takes it too) and the wire name ``<prefix>.<wire leaf>``
+        (``...experts.gate_up_proj.weight``). ``prefix`` is the block's
+        on-disk name (after ``renames``).
+        """
+        return f"{prefix}.{leaf}", f"{prefix}.{self.fused_experts[leaf][0]}"
+
+    def stacked_wire_name(self, disk_name: str) -> str | None:
+        """The wire name of a tensor stored already stacked (see :meth:`stacked_on_disk`), or ``None``."""
+        for leaf, (wire_leaf, _) in self.fused_experts.items():
+            for candidate in (leaf, wire_leaf):
+                if disk_name.endswith("." + candidate):
+                    return disk_name[: -len(candidate)] + wire_leaf
+        return None
+
 
 @dataclass(frozen=True)
 class TinyModel:
@@ -179,6 +199,11 @@ class Family:
             the Megatron adapter fills them.
         vllm_source: the vLLM model file the table restates.
         module: the module defining the family (for messages).
+        num_expert_group: config -> the ``num_expert_group`` the family's
+            vLLM MoE layer passes to ``FusedMoEFactory`` (DeepSeek-V3: the
+            config's ``n_group``); ``None`` (the default): it passes none.
+            vLLM honours round-robin expert placement only with more than
+            one group (``m2nkit.adapters.vllm.placement``).
 
     Raises:
         ValueError: a ``Param.when`` names no condition.
@@ -194,6 +219,7 @@ class Family:
     megatron_names: tuple = ()
     vllm_source: str = ""
     module: str = ""
+    num_expert_group: Callable[[Any], int | None] | None = None
 
     def __post_init__(self) -> None:
         for p in self.params:

@@ -31,24 +31,37 @@ for every tiny model at tp 1/2/4/8 (and EP for MoE); the dumps ship in
 ``tests/data/oracle`` so CI without vLLM still compares against them.
 """
 
-from ..families import family_for, supported_architectures
-from ..families.kinds import VOCAB_PADDING
-from .builder import VLLMDestination, vllm_destination
-from .destination import destination_layout
-from .names import DEFAULT_VLLM_VERSION, VLLM_NAMES
-from .reference import reference_load
-from .spec import InferenceSpec, parse_inference_spec
+# Names load on first use (PEP 562), so light modules of this package
+# (spec parsers, placements) import without torch: the CLI refuses bad input
+# before any heavy import.
+import importlib
 
-__all__ = [
-    "InferenceSpec",
-    "parse_inference_spec",
-    "destination_layout",
-    "vllm_destination",
-    "VLLMDestination",
-    "reference_load",
-    "supported_architectures",
-    "family_for",
-    "VLLM_NAMES",
-    "DEFAULT_VLLM_VERSION",
-    "VOCAB_PADDING",
-]
+_LAZY = {
+    "family_for": ("..families", "family_for"),
+    "supported_architectures": ("..families", "supported_architectures"),
+    "VOCAB_PADDING": ("..families.kinds", "VOCAB_PADDING"),
+    "VLLMDestination": (".builder", "VLLMDestination"),
+    "vllm_destination": (".builder", "vllm_destination"),
+    "destination_layout": (".destination", "destination_layout"),
+    "DEFAULT_VLLM_VERSION": (".names", "DEFAULT_VLLM_VERSION"),
+    "VLLM_NAMES": (".names", "VLLM_NAMES"),
+    "reference_load": (".reference", "reference_load"),
+    "InferenceSpec": (".spec", "InferenceSpec"),
+    "parse_inference_spec": (".spec", "parse_inference_spec"),
+}
+
+__all__ = ['InferenceSpec', 'parse_inference_spec', 'destination_layout', 'vllm_destination', 'VLLMDestination', 'reference_load', 'supported_architectures', 'family_for', 'VLLM_NAMES', 'DEFAULT_VLLM_VERSION', 'VOCAB_PADDING']
+
+
+def __getattr__(name: str):
+    try:
+        module, attr = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module, __name__), attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

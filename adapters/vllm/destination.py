@@ -18,7 +18,6 @@ second.
 from __future__ import annotations
 
 import re
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -30,10 +29,12 @@ from ..families import family_for
 from ..families.kinds import Geometry
 from ..families.sizes import Sizes
 from ..families.table import Family, Param
+from .dtype import model_dtype
 from .names import DEFAULT_VLLM_VERSION, vllm_names
+from .placement import expert_placement
 from .spec import InferenceSpec, parse_inference_spec
 
-__all__ = ["destination_layout", "expand", "Expanded", "check_parallel"]
+__all__ = ["destination_layout", "expand", "Expanded", "check_parallel", "check_unquantized"]
 
 _ROTARY = re.compile(r"(^|\.)rotary_emb\.(inv_freq|cos_cached|sin_cached)$")
 _PER_EXPERT = re.compile(r"^(.*\.experts)\.\d+\.")
@@ -172,6 +173,34 @@ def expand(family: Family, config: Any, s: Sizes, names: dict) -> Expanded:
     return out
 
 
+def _quantization_config(config: Any) -> Any:
+    if isinstance(config, dict):
+        return config.get("quantization_config")
+    return getattr(config, "quantization_config", None)
+
+
+def check_unquantized(family: Family, config: Any, name: str, dtype: torch.dtype) -> None:
+    """Refuse an integer or fp8 wire tensor for a model with no ``quantization_config``.
+
+    vLLM allocates such a model's parameters in the model dtype and its
+    loaders cast on copy (``param.data.copy_(loaded_weight)``), so an int8
+    ``down_proj`` would load as its integer values, silently: a quantized
+    checkpoint missing its ``quantization_config``, or a wrong tensor.
+
+    Raises:
+        ValueError: names the tensor, its dtype and the rule.
+    """
+    if dtype.is_floating_point and dtype.itemsize > 1:
+        return
+    if _quantization_config(config):
+        return
+    raise ValueError(
+        f"wire tensor '{name}' is {str(dtype).removeprefix('torch.')}, but the "
+        f"{family.architecture} config has no quantization_config: vLLM would cast it to the "
+        "model dtype as plain numbers. Integer and fp8 weights need the checkpoint's "
+        "quantization_config; otherwise send bfloat16, float16 or float32")
+
+
 def is_rotary_cache(name: str) -> bool:
     """A rotary cache (``rotary_emb.inv_freq`` ...): never a weight; vLLM skips it."""
     return bool(_ROTARY.search(name))
@@ -210,24 +239,32 @@ def destination_layout(
             Names are HF checkpoint names; MoE experts come stacked per
             layer (``<block>.experts.gate_up_proj.weight`` ``[E, 2*Im, H]``,
             ``<block>.experts.down_proj.weight`` ``[E, H, Im]``).
-        spec: ``InferenceSpec`` or ``"vllm:tp=T[,dp=D][,ep]"``.
+        spec: ``InferenceSpec`` or ``"vllm:tp=T[,dp=D][,ep][,placement=P][,dtype=X]"``.
         vllm_version: which entry of ``names.VLLM_NAMES`` names the params.
 
     Returns:
         ``DestinationLayout`` with ``num_workers = dp*tp`` (dp-major), every
-        worker's parameters (in the config's model dtype, as vLLM allocates
-        them; a wire tensor of another dtype is cast on arrival), bindings
-        per wire tensor, ``skipped`` (tied ``lm_head.weight``, rotary
-        caches), ``aliases`` (tied lm_head, MoE router aliases) and
-        ``unknown`` (wire tensors no rule takes; not an error here).
-        Parameters no wire tensor feeds stay declared and unbound.
+        worker's parameters (in vLLM's model dtype, ``m2nkit.adapters.vllm.dtype``:
+        the spec's ``dtype``, or vLLM's ``auto`` rule from the config and,
+        when it names none, the wire dtypes; a wire tensor of another dtype
+        is cast on arrival), bindings per wire tensor (experts placed as
+        vLLM places them, ``m2nkit.adapters.vllm.placement``), ``skipped``
+        (tied ``lm_head.weight``, rotary caches), ``aliases`` (tied
+        lm_head, MoE router aliases), ``unknown`` (wire tensors no rule
+        takes; not an error here) and ``notes`` (how the dtype and the
+        expert placement were decided when that is not plain from the
+        spec and config, e.g. a round-robin request vLLM turns into
+        linear). Parameters no wire tensor feeds stay declared and unbound.
 
     Raises:
         ValueError: an unsupported architecture
             (``m2nkit.adapters.families.UnsupportedArchitecture``, lists the
             supported ones); a bad spec; a parallel size the model cannot be
             split by (names the config value and lists the valid tp); a wire
-            tensor whose shape disagrees with the config; a repeated wire name.
+            tensor whose shape disagrees with the config; a repeated wire name;
+            an integer or fp8 wire tensor in a model without
+            ``quantization_config``; a dtype vLLM refuses or cannot decide
+            (``m2nkit.adapters.vllm.dtype.model_dtype``).
     """
     spec = parse_inference_spec(spec)
     family = family_for(config)
@@ -236,7 +273,8 @@ def destination_layout(
     ex = expand(family, config, s, names)
     check_parallel(family, s, ex, spec)
     W, tp = spec.num_workers, spec.tp
-    geo = [Geometry.of(s, tp, spec.dp, spec.ep, w) for w in range(W)]
+    placement = expert_placement(family, config, spec)
+    geo = [Geometry.of(s, tp, spec.dp, spec.ep, w, placement.strategy) for w in range(W)]
 
     bindings: dict[str, tuple[Binding, ...]] = {}
     skipped: dict[str, str] = {}
@@ -260,6 +298,7 @@ def destination_layout(
             continue
         pname, p, part = hit
         kind = p.kind
+        check_unquantized(family, config, wname, meta.dtype)
         expect = kind.wire_shape(s.resolve(p.dims), part, s)
         if tuple(meta.shape) != expect:
             raise ValueError(
@@ -274,25 +313,27 @@ def destination_layout(
                                 for w in range(W) for box, off in placed[w])
 
     # vLLM allocates every parameter of these families in the model dtype
-    # (ModelConfig.dtype from the config's ``dtype``/``torch_dtype``) and its
-    # weight loaders cast on copy; a wire tensor in another dtype is cast on
-    # arrival the same way (the plan marks it, nccl.m2n cannot cast).
-    model_dtype = s.dtype
-    if model_dtype is None:
-        common = Counter(m.dtype for m in wire).most_common(1)
-        model_dtype = common[0][0] if common else torch.float32
+    # and its weight loaders cast on copy; a wire tensor in another dtype is
+    # cast on arrival the same way (the plan marks it, nccl.m2n cannot cast).
+    decided = model_dtype(config, spec.dtype, (m.dtype for m in wire))
+    param_dtype = decided.dtype
     shapes = {name: p.kind.local_shape(s.resolve(p.dims), len(p.feeds), geo[0])
               for name, p in ex.params}
     params: list[DestinationParam] = []
-    zeros: dict[tuple[str, int], tuple] = {}
+    local: dict[tuple[str, int], tuple] = {}   # -> (local shape, zero boxes)
     for w in range(W):
         r = w % tp
         for name, p in ex.params:
             key = (name, w if p.kind.by_worker else r)
-            if key not in zeros:
-                zeros[key] = p.kind.zero_boxes(shapes[name], geo[w])
-            params.append(DestinationParam(w, name, model_dtype, shapes[name], zeros[key]))
+            if key not in local:
+                # MoE kinds: uneven EP gives workers different expert counts
+                shape = (p.kind.local_shape(s.resolve(p.dims), len(p.feeds), geo[w])
+                         if p.kind.by_worker else shapes[name])
+                local[key] = shape, p.kind.zero_boxes(shape, geo[w])
+            shape, zero = local[key]
+            params.append(DestinationParam(w, name, param_dtype, shape, zero))
+    notes = tuple(n for n in (decided.note, placement.note) if n)
     return DestinationLayout(
         spec=str(spec), num_workers=W, params=tuple(params), bindings=bindings,
-        skipped=skipped, aliases=dict(ex.aliases), unknown=unknown,
+        skipped=skipped, aliases=dict(ex.aliases), unknown=unknown, notes=notes,
     )

@@ -31,22 +31,12 @@ from ..families import family_for
 from ..families.kinds import Geometry
 from ..families.table import Family
 from .destination import check_parallel, expand, is_rotary_cache
+from .dtype import model_dtype
 from .names import DEFAULT_VLLM_VERSION, vllm_names
+from .placement import expert_placement
 from .spec import InferenceSpec, parse_inference_spec
 
 __all__ = ["reference_load"]
-
-
-def _get(config: Any, key: str, default: Any = None) -> Any:
-    value = config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
-    return default if value is None else value
-
-
-def _dtype(config: Any) -> torch.dtype:
-    d = _get(config, "dtype", _get(config, "torch_dtype", "float32"))
-    if isinstance(d, torch.dtype):
-        return d
-    return getattr(torch, str(d).replace("torch.", ""))
 
 
 def _stack_experts(family: Family, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -54,7 +44,10 @@ def _stack_experts(family: Family, tensors: Mapping[str, torch.Tensor]) -> dict[
 
     ``<prefix>.experts.gate_up_proj.weight[e] = cat(gate_e, up_e)``,
     ``<prefix>.experts.down_proj.weight[e] = down_e`` (the family's
-    ``HFNaming`` names the parts on disk).
+    ``HFNaming`` names the parts on disk). Experts stored stacked already
+    (``<prefix>.experts.gate_up_proj``, ``HFNaming.stacked_on_disk``) are
+    renamed to their wire name, as vLLM's ``RoutedExperts.load_weights``
+    takes them whole.
 
     Raises:
         ValueError: a MoE block lacking an expert or a part.
@@ -64,10 +57,12 @@ def _stack_experts(family: Family, tensors: Mapping[str, torch.Tensor]) -> dict[
         return dict(tensors)
     grouped = group_expert_tensors(tensors, hf.experts_on_disk)
     used = {n for per in grouped.values() for ex in per.values() for n in ex.values()}
-    out = {n: t for n, t in tensors.items() if n not in used}
+    out = {hf.stacked_wire_name(n) or n: t for n, t in tensors.items() if n not in used}
     for prefix, per in grouped.items():
         count = max(per) + 1
         for wire_leaf, parts in hf.fused_experts.values():
+            if f"{prefix}.{wire_leaf}" in out:
+                continue                                    # this part came stacked
             rows = []
             for e in range(count):
                 names = [expert_name(hf.experts_on_disk[p], prefix, e) for p in parts]
@@ -96,14 +91,18 @@ def reference_load(
         checkpoint_tensors: FULL tensors under on-disk checkpoint names
             (MoE experts per expert, as the family's ``HFNaming`` names them
             on disk, or already stacked as wire tensors).
-        spec: ``InferenceSpec`` or ``"vllm:tp=T[,dp=D][,ep]"``.
+        spec: ``InferenceSpec`` or ``"vllm:tp=T[,dp=D][,ep][,placement=P][,dtype=X]"``.
         worker: ``dp_index * tp + tp_rank``.
         fill: initial value of every parameter (``nan`` shows what no loader
             wrote, like the oracle's ``--fill nan``).
         vllm_version: which entry of ``names.VLLM_NAMES`` names the params.
 
     Returns:
-        ``{vLLM name: local tensor}`` in the config dtype, including aliases
+        ``{vLLM name: local tensor}`` in vLLM's model dtype (the spec's
+        ``dtype``, or vLLM's ``auto`` rule from the config and the
+        checkpoint tensors' dtypes: ``m2nkit.adapters.vllm.dtype``), experts
+        where vLLM's placement puts them (``m2nkit.adapters.vllm.placement``),
+        including aliases
         (tied ``lm_head.weight``, MoE router aliases) as the same tensor
         object, like ``named_parameters(remove_duplicate=False)``.
 
@@ -120,8 +119,9 @@ def reference_load(
     s = family.sizes(config)
     ex = expand(family, config, s, vllm_names(vllm_version))
     check_parallel(family, s, ex, spec)
-    g = Geometry.of(s, spec.tp, spec.dp, spec.ep, worker)
-    dtype = _dtype(config)
+    placement = expert_placement(family, config, spec).strategy
+    g = Geometry.of(s, spec.tp, spec.dp, spec.ep, worker, placement)
+    dtype = model_dtype(config, spec.dtype, (t.dtype for t in checkpoint_tensors.values())).dtype
     params = {
         name: torch.full(p.kind.local_shape(s.resolve(p.dims), len(p.feeds), g), fill,
                          dtype=dtype)

@@ -183,7 +183,8 @@ def parse_inference_spec(text: str) -> InferenceSpec:
             choices, names = _CHOICES[key]
             if not eq or value.lower() not in choices:
                 raise ValueError(
-                    f"vLLM spec {text!r}: '{part}' must be {key}= one of {', '.join(names)}"
+                    f"vLLM spec {text!r}: '{part}' is not valid; {key} must be one of "
+                    f"{', '.join(names)}"
                 )
             values[key] = choices[value.lower()]
         else:

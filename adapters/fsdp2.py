@@ -1,0 +1,726 @@
+"""A live FSDP2 (``fully_shard``) model as an M2N source: every rank sends its own shard.
+
+RL trainers built on FSDP2 (verl, OpenRLHF, TRL, prime-rl, torchtitan) push
+weights to vLLM either with ``full_tensor()`` per parameter (an all-gather of
+every tensor on every rank) or a full state dict gathered to rank 0. That is
+exactly the cost m2nkit removes, so :func:`fsdp2_source` never gathers: its
+metadata is read off each parameter's ``DTensor`` spec (global shape, device
+mesh, placements; no collective, identical on every rank), and its
+``iter_local`` hands over each rank's ``to_local()`` shard, cast to the wire
+dtype, one tensor at a time. It refuses what it cannot send shard to shard
+(``Partial`` placements, a parameter that is not a ``DTensor`` on a sharded
+model, a name no vLLM parameter takes) on every rank, before any traffic.
+
+Names. In-memory names become wire names (Hugging Face checkpoint names)
+through the model's family (``m2nkit.adapters.families``: renames, fused
+experts, per-expert names), after the wrapper prefixes of
+``torch.compile``, activation checkpointing, FSDP1, DDP and PEFT are
+stripped (``m2nkit.adapters.module_names``). This module holds no family
+knowledge.
+
+Which rows a rank holds. FSDP2 shards the tensor it is given (a plain
+parameter, or the local tensor of a TP/EP ``DTensor``) on its shard dim with
+``torch.chunk`` and pads the *storage* to ``ceil(n/k)`` rows per rank, but
+the ``DTensor``'s local tensor is the unpadded ``narrow`` (torch
+``distributed/fsdp/_fully_shard/_fsdp_param.py``,
+``FSDPParam._init_sharded_param``, ``_chunk_with_empty`` in
+``_fsdp_common.py``): rank ``i`` of ``k`` holds rows
+``[i*c, min((i+1)*c, n))``, ``c = ceil(n/k)``, ranks past the end hold
+``(0, ...)``. On top of tensor parallelism FSDP2 shards each TP rank's local
+rows, i.e. right to left, and marks the data-parallel axis
+``_StridedShard(dim, split_factor=<TP shards of that dim>)``
+(``FSDPParam._init_sharding_spec_tp``). :func:`dtensor_box` applies that
+order: the axes after a ``_StridedShard`` that shard the same dim split
+first, then the strided axis splits each of their chunks. Every rank holds
+one box. ``_StridedShard``'s own split (``placement_types.py``,
+``_StridedShard._split_tensor``: ``split_factor`` chunks, each cut in
+``mesh size`` chunks, a rank taking one of each) describes the same rows
+when every split is even, and other rows when it is not (7 rows over
+``tp=2`` then ``dp=3``: FSDP2 gives dp rank 2 / tp rank 0 no row and dp
+rank 2 / tp rank 1 row 6; the strided split says the opposite); the tests
+hold the rule against real ``to_local()`` data, uneven shapes included.
+
+Parameters on a sub-mesh (norms of an FSDP+TP model live on the
+data-parallel sub-mesh of each TP rank) are replicated over the other axes
+of the root mesh (``DeviceMesh._get_root_mesh``), so every rank declares the
+same owners for them. Pipeline parallelism (stages holding different layers)
+is not supported.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+from m2nkit.manifest import (
+    M2NManifestEntry,
+    ManifestM2NWeightSource,
+    Piece,
+    PieceLayout,
+    Replicate,
+    Shard,
+    SourceLayout,
+    chunk_bounds,
+)
+from m2nkit.manifest.pieces import Box, box_volume
+
+from .experts import expert_pattern_regex
+from .families import family_for
+from .families.table import Family
+from .module_names import strip_wrappers
+
+__all__ = ["FSDP2SourceError", "FSDP2Source", "fsdp2_source", "dtensor_box", "wire_dtype_rule"]
+
+
+class FSDP2SourceError(ValueError):
+    """A model :func:`fsdp2_source` cannot send shard to shard (raised on every rank)."""
+
+
+# --------------------------------------------------------------------------
+# layout: which box each rank holds
+
+
+def _placement_kind(p: object) -> tuple[str, int, int]:
+    """``(kind, dim, split_factor)`` of a torch placement; kind in shard/strided/replicate/other."""
+    from torch.distributed.tensor import Replicate as TReplicate
+    from torch.distributed.tensor import Shard as TShard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if isinstance(p, _StridedShard):  # not a Shard subclass in torch 2.13; test it first anyway
+        return "strided", int(p.dim), int(p.split_factor)
+    if isinstance(p, TShard):
+        return "shard", int(p.dim), 1
+    if isinstance(p, TReplicate):
+        return "replicate", -1, 1
+    return "other", -1, 1
+
+
+def _split_order(axes: list[tuple[int, str, int]]) -> list[int]:
+    """Order in which mesh axes split one tensor dim (``axes``: ``(axis, kind, sf)`` in mesh order).
+
+    Plain ``Shard`` axes split left to right (outer axis first, DTensor's
+    rule); a ``_StridedShard`` axis splits after every later axis on the
+    same dim (FSDP2's right-to-left sharding over TP/EP).
+    """
+    if not axes:
+        return []
+    rest = _split_order(axes[1:])
+    first = axes[0][0]
+    return rest + [first] if axes[0][1] == "strided" else [first] + rest
+
+
+def dtensor_box(shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[object],
+                coord: Sequence[int], *, name: str = "tensor") -> Box:
+    """The box of a ``DTensor``'s global ``shape`` that the rank at mesh ``coord`` holds.
+
+    ``placements`` are torch placements (``Shard``, ``Replicate``,
+    ``_StridedShard``), one per mesh axis. Each dim is split with
+    ``torch.chunk`` bounds (:func:`m2nkit.manifest.chunk_bounds`), by the
+    axes that shard it, in :func:`_split_order`: plain shards outer axis
+    first (torch ``distributed/tensor/_utils.py``,
+    ``compute_local_shape_and_global_offset``), a ``_StridedShard`` after the
+    later axes on its dim (FSDP2 shards a TP/EP local tensor: torch
+    ``fsdp/_fully_shard/_fsdp_param.py``, ``_init_sharding_spec_tp``).
+
+    Returns:
+        One ``(start, stop)`` per dim; a rank past the end of a dim holds an
+        empty range.
+
+    Raises:
+        FSDP2SourceError: a ``Partial`` (or unknown) placement; a
+            ``_StridedShard`` whose ``split_factor`` is not the product of the
+            later axes sharding its dim (a layout FSDP2 does not make); naming
+            ``name``.
+    """
+    kinds = _checked_kinds(len(shape), tuple(mesh_shape), placements, name)
+    return _box(tuple(shape), tuple(mesh_shape), kinds, tuple(coord))
+
+
+def _checked_kinds(ndim: int, mesh_shape: tuple[int, ...], placements: Sequence[object],
+                   name: str) -> tuple[tuple[str, int, int], ...]:
+    """``_placement_kind`` of each placement (dims normalised), checked (see ``dtensor_box``)."""
+    kinds = []
+    for axis, p in enumerate(placements):
+        kind, dim, sf = _placement_kind(p)
+        if kind == "other":
+            raise FSDP2SourceError(
+                f"parameter '{name}': placement {p!r} on mesh axis {axis} cannot be sent shard "
+                "to shard (a Partial holds pending sums: reduce it first); supported: Shard, "
+                "Replicate, _StridedShard")
+        kinds.append((kind, dim + ndim if dim < 0 else dim, sf))
+    for axis, (kind, dim, sf) in enumerate(kinds):
+        if kind == "strided":
+            later = math.prod(mesh_shape[a] for a in range(axis + 1, len(kinds))
+                              if kinds[a][0] != "replicate" and kinds[a][1] == dim)
+            if sf != later:
+                raise FSDP2SourceError(
+                    f"parameter '{name}': _StridedShard(dim={dim}, split_factor={sf}) on mesh "
+                    f"axis {axis} of mesh {mesh_shape} with placements {tuple(placements)}: the "
+                    f"later axes shard dim {dim} {later} ways; FSDP2 makes split_factor equal to "
+                    "that (only FSDP2's strided layouts are supported)")
+    return tuple(kinds)
+
+
+@lru_cache(maxsize=1 << 16)
+def _box(shape: tuple[int, ...], mesh_shape: tuple[int, ...],
+         kinds: tuple[tuple[str, int, int], ...], coord: tuple[int, ...]) -> Box:
+    per_dim: dict[int, list[tuple[int, str, int]]] = {}
+    for axis, (kind, dim, sf) in enumerate(kinds):
+        if kind != "replicate":
+            per_dim.setdefault(dim, []).append((axis, kind, sf))
+    bounds = [[0, n] for n in shape]
+    for dim, axes in per_dim.items():
+        for axis in _split_order(axes):
+            lo, hi = bounds[dim]
+            s, e = chunk_bounds(hi - lo, mesh_shape[axis], coord[axis])
+            bounds[dim] = [lo + s, lo + e]
+    return tuple((a, b) for a, b in bounds)
+
+
+def _unravel(flat: int, shape: Sequence[int]) -> tuple[int, ...]:
+    out = []
+    for size in reversed(shape):
+        out.append(flat % size)
+        flat //= size
+    return tuple(reversed(out))
+
+
+@dataclass(frozen=True)
+class _Root:
+    """The trainer's root device mesh: its ranks (row-major) and shape."""
+
+    ranks: tuple[int, ...]
+    shape: tuple[int, ...]
+    names: tuple[str, ...] | None
+
+    @property
+    def coords(self) -> dict[int, tuple[int, ...]]:
+        return {r: _unravel(i, self.shape) for i, r in enumerate(self.ranks)}
+
+
+def _mesh_of(mesh: Any) -> _Root:
+    t = mesh.mesh
+    return _Root(tuple(int(r) for r in t.flatten().tolist()), tuple(int(s) for s in t.shape),
+                 tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None)
+
+
+def _sub_coords(root: _Root, sub: _Root, name: str) -> dict[int, tuple[int, ...]]:
+    """For every root rank, its coordinate in the (sub-)mesh of the same kind as ``sub``.
+
+    ``sub`` is this rank's slice of a sub-mesh: the root ranks with some
+    root axes fixed. Its copies on the other slices hold the same layout, so
+    a root rank's coordinate in its own slice follows from its root
+    coordinate on the axes ``sub`` spans (flattened row-major, then
+    unravelled over ``sub``'s shape).
+
+    Raises:
+        FSDP2SourceError: ``sub`` is not such a slice of ``root``.
+    """
+    if set(sub.ranks) == set(root.ranks):
+        return {r: _unravel(i, sub.shape) for i, r in enumerate(sub.ranks)}
+    coords = root.coords
+    missing = [r for r in sub.ranks if r not in coords]
+    if not missing:
+        mine = [coords[r] for r in sub.ranks]
+        spans = [a for a in range(len(root.shape)) if len({c[a] for c in mine}) > 1]
+        fixed = {a: mine[0][a] for a in range(len(root.shape)) if a not in spans}
+        enum = [r for r, c in coords.items() if all(c[a] == v for a, v in fixed.items())]
+        span_shape = [root.shape[a] for a in spans]
+        if enum == list(sub.ranks) and math.prod(span_shape) == len(sub.ranks):
+            out = {}
+            for r, c in coords.items():
+                flat = 0
+                for a in spans:
+                    flat = flat * root.shape[a] + c[a]
+                out[r] = _unravel(flat, sub.shape)
+            return out
+    raise FSDP2SourceError(
+        f"parameter '{name}': its device mesh (ranks {list(sub.ranks)}) is not a slice of the "
+        f"root mesh (ranks {list(root.ranks)}, shape {root.shape}), so the ranks holding its "
+        "other copies are unknown; pass mesh=<the trainer's world DeviceMesh> to fsdp2_source")
+
+
+@lru_cache(maxsize=256)
+def _sub_coords_cached(root: _Root, sub: _Root) -> tuple[tuple[int, tuple[int, ...]], ...] | None:
+    try:
+        return tuple(_sub_coords(root, sub, "").items())
+    except FSDP2SourceError:
+        return None
+
+
+def _param_boxes(p: Any, root: _Root, name: str) -> dict[int, Box]:
+    """Every root rank's box of DTensor ``p`` (identical on every rank; no collective)."""
+    sub = _mesh_of(p.device_mesh)
+    shape = tuple(int(n) for n in p.shape)
+    coords = _sub_coords_cached(root, sub)
+    if coords is None:
+        _sub_coords(root, sub, name)  # raises, naming the parameter
+    kinds = _checked_kinds(len(shape), sub.shape, p.placements, name)
+    return {r: _box(shape, sub.shape, kinds, c) for r, c in coords}
+
+
+def _layout(boxes: dict[int, Box], shape: tuple[int, ...], root: _Root, p: Any,
+            num_trainer_ranks: int, name: str) -> SourceLayout | PieceLayout:
+    """The layout declaring ``boxes``: placements where they say exactly that, else pieces."""
+    full = tuple((0, n) for n in shape)
+    if all(b == full for b in boxes.values()):
+        if root.ranks == tuple(range(num_trainer_ranks)):
+            return SourceLayout()
+        return SourceLayout(root.ranks, where=f"parameter '{name}'")
+    pieces = tuple(Piece(r, b) for r, b in boxes.items() if box_volume(b) or not shape)
+    candidate = _root_placements(p, root)
+    if candidate is not None:
+        lay = SourceLayout(root.ranks, root.shape, candidate, where=f"parameter '{name}'")
+        if set(lay.pieces(shape)) == set(pieces):
+            return lay
+    return PieceLayout(pieces, where=f"parameter '{name}'")
+
+
+def _root_placements(p: Any, root: _Root) -> tuple | None:
+    """``p``'s placements on the root mesh's axes, when its mesh maps axis to axis (else None)."""
+    kinds = [_placement_kind(x) for x in p.placements]
+    if any(k not in ("shard", "replicate") for k, _, _ in kinds):
+        return None
+    sub = _mesh_of(p.device_mesh)
+    if sub.ranks == root.ranks and sub.shape == root.shape:
+        axes = list(range(len(root.shape)))
+    elif sub.names and root.names and all(n in root.names for n in sub.names):
+        axes = [root.names.index(n) for n in sub.names]
+    else:
+        return None
+    out: list = [Replicate()] * len(root.shape)
+    ndim = p.dim()
+    for a, (kind, dim, _) in zip(axes, kinds):
+        if kind == "shard":
+            out[a] = Shard(dim + ndim if dim < 0 else dim)
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------
+# dtype: what travels on the wire
+
+
+def _fp32_patterns(model: torch.nn.Module) -> list[re.Pattern]:
+    pats: set[str] = set()
+    for m in model.modules():
+        pats.update(getattr(m, "_keep_in_fp32_modules_strict", None) or ())
+    return [re.compile(r"(^|\.)" + re.escape(x).replace(r"\*", r"[^.]*") + r"($|\.)")
+            for x in sorted(pats)]
+
+
+def _policy_dtypes(model: torch.nn.Module) -> dict[int, torch.dtype]:
+    """``id(sharded parameter) -> MixedPrecisionPolicy.param_dtype`` of its FSDP2 group.
+
+    Read from FSDP2's state (torch ``fsdp/_fully_shard/_fsdp_state.py``
+    ``FSDPState._fsdp_param_groups``, ``_fsdp_param.py`` ``FSDPParam.mp_policy``);
+    a parameter without a policy dtype is absent.
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return {}
+    out: dict[int, torch.dtype] = {}
+    for m in model.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        state = m._get_fsdp_state()
+        for group in getattr(state, "_fsdp_param_groups", None) or ():
+            for fp in group.fsdp_params:
+                dt = getattr(fp.mp_policy, "param_dtype", None)
+                if dt is not None:
+                    out[id(fp.sharded_param)] = dt
+    return out
+
+
+def wire_dtype_rule(name: str, param_dtype: torch.dtype, *, policy_dtype: torch.dtype | None,
+                    dtype: torch.dtype | None, keep_fp32: bool) -> torch.dtype:
+    """The wire dtype of one parameter (the rule :func:`fsdp2_source` documents).
+
+    1. ``keep_fp32`` (the model's ``_keep_in_fp32_modules_strict`` names it:
+       the checkpoint format keeps it fp32, e.g. DeepSeek-V3's router and
+       ``e_score_correction_bias``, transformers ``modeling_deepseek_v3.py``):
+       ``float32``;
+    2. a non-floating parameter: its own dtype;
+    3. ``dtype`` when the caller gives one;
+    4. the ``MixedPrecisionPolicy.param_dtype`` of its FSDP2 group: what the
+       trainer computes with (fp32 masters, bf16 forward: bf16 on the wire);
+    5. else the parameter's dtype.
+    """
+    if keep_fp32:
+        return torch.float32
+    if not param_dtype.is_floating_point:
+        return param_dtype
+    return dtype or policy_dtype or param_dtype
+
+
+# --------------------------------------------------------------------------
+# the source
+
+
+class FSDP2Source(ManifestM2NWeightSource):
+    """The :class:`ManifestM2NWeightSource` :func:`fsdp2_source` returns.
+
+    Attributes:
+        config: the model's transformers config (picks the family and the
+            vLLM destination).
+        num_trainer_ranks: ``T``, the trainer ranks ``[0, T)``.
+        module_names: wire name -> the ``named_parameters()`` names it is made
+            of (several for re-fused per-expert tensors).
+    """
+
+    def __init__(self, entries: Sequence[M2NManifestEntry], *, rank: int | None,
+                 num_trainer_ranks: int, config: Any,
+                 module_names: dict[str, tuple[str, ...]]) -> None:
+        super().__init__(entries, rank=rank)
+        self.config = config
+        self.num_trainer_ranks = num_trainer_ranks
+        self.module_names = module_names
+
+
+def _is_dtensor(t: object) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _find_config(model: torch.nn.Module) -> Any:
+    for m in model.modules():  # pre-order: the outermost transformers model first
+        cfg = getattr(m, "config", None)
+        if cfg is not None and getattr(cfg, "architectures", None):
+            return cfg
+    raise FSDP2SourceError(
+        "fsdp2_source: no transformers config found on the model (a module with .config "
+        "naming its architectures); pass config=<the model's PretrainedConfig>")
+
+
+def _known_wire_names(family: Family, config: Any) -> set[str]:
+    """Wire names vLLM takes or skips for this config (the family table, expanded)."""
+    from .vllm.destination import expand
+    from .vllm.names import DEFAULT_VLLM_VERSION, vllm_names
+
+    ex = expand(family, config, family.sizes(config), vllm_names(DEFAULT_VLLM_VERSION))
+    return set(ex.feeds) | set(ex.skipped)
+
+
+_LORA = re.compile(r"(^|\.)(lora_[A-Za-z_]+|lora_magnitude_vector)(\.|$)")
+
+
+@dataclass
+class _Param:
+    """One ``named_parameters()`` entry on its way to the wire."""
+
+    name: str                 # as named_parameters() gives it
+    clean: str                # wrappers stripped
+    module: torch.nn.Module   # owner, for reading the live parameter at send time
+    attr: str
+    param: torch.Tensor
+
+
+def _live(module: torch.nn.Module, attr: str, name: str, sharded: bool) -> torch.Tensor:
+    """The parameter as it is now, its local shard when the model is sharded."""
+    p = getattr(module, attr)
+    if not sharded:
+        return p.detach()
+    if not _is_dtensor(p):
+        raise FSDP2SourceError(
+            f"parameter '{name}' is not sharded right now (FSDP2 holds it gathered inside "
+            "forward/backward, or after forward with reshard_after_forward=False); call "
+            "model.reshard() before sending")
+    local = p.to_local()
+    wait = getattr(local, "wait", None)  # AsyncCollectiveTensor
+    return (wait() if callable(wait) else local).detach()
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def fsdp2_source(
+    model: torch.nn.Module,
+    *,
+    config: Any = None,
+    dtype: torch.dtype | None = None,
+    mesh: Any = None,
+    num_trainer_ranks: int | None = None,
+    rank: int | None = None,
+) -> FSDP2Source:
+    """An ``M2NWeightSource`` for a transformers model sharded with ``fully_shard``.
+
+    Call it on every trainer rank, after ``fully_shard`` (and
+    ``parallelize_module``), with the model as the trainer holds it (wrapped
+    by ``torch.compile``, activation checkpointing, DDP or PEFT is fine).
+
+    Metadata (identical on every rank, no collective): one wire tensor per
+    parameter (tied parameters once, as ``named_parameters()`` lists them),
+    named by the model's family (``m2nkit.adapters.families``), with its
+    global shape and its source layout read off the ``DTensor``
+    (:func:`dtensor_box` for every rank of the root mesh: ``Shard``/``Replicate``
+    placements as a ``SourceLayout``, ``_StridedShard`` and sub-mesh layouts
+    as pieces). transformers 5's fused experts (``mlp.experts.gate_up_proj``
+    ``[E, 2*Im, H]``, ``down_proj`` ``[E, H, Im]``) are the wire layout as
+    they are; per-expert modules (``experts.{e}.gate_proj`` ...) are
+    re-fused rank-locally: each expert's shard is a piece of the stacked wire
+    tensor, and the rank's local tensor stacks its shards.
+
+    Wire dtype (:func:`wire_dtype_rule`): fp32 for what the checkpoint format
+    keeps fp32 (``_keep_in_fp32_modules_strict``); else ``dtype`` if given;
+    else the FSDP2 ``MixedPrecisionPolicy.param_dtype`` (fp32 masters under
+    ``param_dtype=bf16`` travel as bf16, the weights the trainer's forward
+    uses); else the parameter's dtype. The cast happens in the provider, on
+    the local shard only.
+
+    ``iter_local`` (``M2NWeightSource``): this rank's local tensor of each
+    wire tensor it holds, in manifest order, one at a time: ``to_local()``
+    of the live parameter (a view; a cast copy when the dtype changes; a
+    stacked copy of local shards for per-expert modules). It never calls
+    ``full_tensor()``.
+
+    Args:
+        model: the trainer's model on this rank.
+        config: its transformers config; default: the first ``.config``
+            naming ``architectures`` among ``model.modules()``.
+        dtype: wire dtype of floating parameters (see above).
+        mesh: the trainer's root ``DeviceMesh``; default: the root of the
+            parameters' meshes (``DeviceMesh._get_root_mesh``).
+        num_trainer_ranks: ``T``; default: the default process group's world
+            size (else the root mesh's size).
+        rank: this trainer rank; default: the default process group's rank.
+
+    Returns:
+        An :class:`FSDP2Source` (a ``ManifestM2NWeightSource``).
+
+    Raises:
+        FSDP2SourceError (a ``ValueError``), the same on every rank, before
+        any traffic: an unsupported architecture (the registry's message); a
+        name that maps to no wire tensor vLLM takes (names it and the
+        closest known name); LoRA adapter weights (merge them first); a
+        plain-tensor parameter on a sharded model; a ``Partial`` placement;
+        a mesh with ranks outside ``[0, T)``; a sub-mesh not a slice of the
+        root mesh; per-expert modules with a missing expert or part, or
+        sharded differently from each other.
+    """
+    import torch.distributed as dist
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"fsdp2_source needs a torch.nn.Module, got {type(model).__name__}")
+    config = _find_config(model) if config is None else config
+    try:
+        family = family_for(config)
+    except ValueError as e:
+        raise FSDP2SourceError(f"fsdp2_source: {e}") from None
+    hf = family.hf
+
+    params: list[_Param] = []
+    for name, p in model.named_parameters():
+        mod_name, _, attr = name.rpartition(".")
+        params.append(_Param(name, strip_wrappers(name), model.get_submodule(mod_name), attr, p))
+    if not params:
+        raise FSDP2SourceError("fsdp2_source: the model has no parameters")
+    lora = [x.name for x in params if _LORA.search(x.clean)]
+    if lora:
+        raise FSDP2SourceError(
+            f"fsdp2_source: parameter '{lora[0]}' (and {len(lora) - 1} more) is a LoRA adapter "
+            "weight; fsdp2_source sends base weights only: merge the adapter into the base "
+            "weights first (peft merge_and_unload())")
+
+    sharded = [x for x in params if _is_dtensor(x.param)]
+    if sharded and len(sharded) != len(params):
+        plain = next(x for x in params if not _is_dtensor(x.param))
+        raise FSDP2SourceError(
+            f"parameter '{plain.name}' is a plain tensor, but {len(sharded)} of the model's "
+            f"{len(params)} parameters are DTensors (sharded): every parameter must be "
+            "sharded by fully_shard (call fully_shard(model) on the root module too)")
+
+    if mesh is not None:
+        root = _mesh_of(mesh)
+    elif sharded:
+        roots = {}
+        for x in sharded:
+            dm = x.param.device_mesh
+            getter = getattr(dm, "_get_root_mesh", None)
+            r = _mesh_of(getter() if callable(getter) else dm)
+            roots.setdefault((r.ranks, r.shape), r)
+        root = max(roots.values(), key=lambda r: (len(r.ranks), r.ranks))
+    else:
+        root = None
+    if root is not None and root.names and "pp" in root.names:
+        raise FSDP2SourceError(
+            f"fsdp2_source: the root mesh has a pipeline axis 'pp' (axes {root.names}); "
+            "pipeline stages hold different layers, which fsdp2_source does not support")
+    if num_trainer_ranks is None:
+        if dist.is_available() and dist.is_initialized():
+            num_trainer_ranks = dist.get_world_size()
+        else:
+            num_trainer_ranks = len(root.ranks) if root is not None else 1
+    if root is not None:
+        outside = sorted(r for r in root.ranks if not 0 <= r < num_trainer_ranks)
+        if outside:
+            raise FSDP2SourceError(
+                f"fsdp2_source: the device mesh (shape {root.shape}, ranks {list(root.ranks)}) "
+                f"holds ranks {outside} outside the trainer world of {num_trainer_ranks} ranks "
+                f"(0..{num_trainer_ranks - 1}); build the mesh over the trainer ranks, or pass "
+                "num_trainer_ranks=<trainer world size>")
+
+    known = _known_wire_names(family, config)
+    fp32 = _fp32_patterns(model)
+    policy = _policy_dtypes(model)
+
+    def wire_dtype(x: _Param) -> torch.dtype:
+        return wire_dtype_rule(x.clean, x.param.dtype, policy_dtype=policy.get(id(x.param)),
+                               dtype=dtype, keep_fp32=any(r.search(x.clean) for r in fp32))
+
+    def layout_of(x: _Param) -> tuple[dict[int, Box] | None, SourceLayout | PieceLayout]:
+        shape = tuple(int(n) for n in x.param.shape)
+        if root is None:
+            return None, SourceLayout()
+        boxes = _param_boxes(x.param, root, x.name)
+        return boxes, _layout(boxes, shape, root, x.param, num_trainer_ranks, x.name)
+
+    # wire name for each parameter; per-expert parameters grouped by stacked wire tensor
+    expert_rx = [(part, expert_pattern_regex(pat)) for part, pat in hf.experts_on_disk.items()]
+    wire_of_part = {part: (leaf, parts) for leaf, parts in hf.fused_experts.values()
+                    for part in parts}
+    order: list[tuple[str, Any]] = []          # (wire name, _Param | expert group key)
+    groups: dict[str, dict[int, dict[str, _Param]]] = {}
+    group_parts: dict[str, tuple[str, ...]] = {}
+    unknown: list[tuple[str, str]] = []
+    for x in params:
+        leaf = hf.fused_leaf(x.clean)
+        if leaf is not None:
+            wire_leaf, _ = hf.fused_experts[leaf]
+            wire = f"{hf.disk_name(x.clean)[: -len(leaf) - 1]}.{wire_leaf}"
+        else:
+            disk = hf.disk_name(x.clean)
+            hit = next(((part, m) for part, rx in expert_rx if (m := rx.match(disk))), None)
+            if hit is not None and hit[0] in wire_of_part:
+                part, m = hit
+                wire_leaf, parts = wire_of_part[part]
+                wire = f"{m.group('prefix')}.{wire_leaf}"
+                if wire not in groups:
+                    groups[wire], group_parts[wire] = {}, parts
+                    order.append((wire, None))
+                groups[wire].setdefault(int(m.group("e")), {})[part] = x
+                continue
+            wire = disk
+        if wire not in known:
+            unknown.append((x.name, wire))
+            continue
+        order.append((wire, x))
+    for wire in groups:
+        if wire not in known:
+            unknown.append((wire, wire))
+    if unknown:
+        name, wire = unknown[0]
+        close = difflib.get_close_matches(wire, sorted(known), n=1, cutoff=0.0)
+        more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
+        shown = f"'{name}'" + (f" (wire name '{wire}')" if wire != name else "")
+        raise FSDP2SourceError(
+            f"fsdp2_source: parameter {shown}{more} maps to no {family.architecture} tensor "
+            f"vLLM takes; the closest known name is '{close[0] if close else '?'}' "
+            f"({family.module})")
+
+    entries: list[M2NManifestEntry] = []
+    module_names: dict[str, tuple[str, ...]] = {}
+    for wire, x in order:
+        if x is None:
+            entries.append(_expert_entry(wire, groups[wire], group_parts[wire], layout_of,
+                                         wire_dtype, bool(sharded)))
+            module_names[wire] = tuple(p.name for e in sorted(groups[wire])
+                                       for p in groups[wire][e].values())
+            continue
+        _, lay = layout_of(x)
+        wd = wire_dtype(x)
+        entries.append(M2NManifestEntry(
+            wire, wd, tuple(int(n) for n in x.param.shape), lay,
+            _provider(x.module, x.attr, x.name, bool(sharded), wd)))
+        module_names[wire] = (x.name,)
+    return FSDP2Source(entries, rank=rank, num_trainer_ranks=num_trainer_ranks, config=config,
+                       module_names=module_names)
+
+
+def _provider(module: torch.nn.Module, attr: str, name: str, sharded: bool,
+              dtype: torch.dtype) -> Callable[[], torch.Tensor]:
+    def local() -> torch.Tensor:
+        return _cast(_live(module, attr, name, sharded), dtype)
+    return local
+
+
+def _expert_entry(wire: str, experts: dict[int, dict[str, _Param]], parts: tuple[str, ...],
+                  layout_of, wire_dtype, sharded: bool) -> M2NManifestEntry:
+    """The stacked wire tensor ``[E, P*R, C]`` of per-expert ``[R, C]`` parameters, as pieces.
+
+    Expert ``e``'s part ``j`` (``gate``, ``up``; ``down``) is rows
+    ``[j*R, (j+1)*R)`` of ``wire[e]`` (``m2nkit.adapters.experts``). A rank
+    holding box ``(rows [r0, r1), cols [c0, c1))`` of each per-expert tensor
+    holds, per expert and part, the piece ``((e, e+1), (j*R + r0, j*R + r1),
+    (c0, c1))`` at local ``(e, j*(r1 - r0), 0)`` of its local tensor
+    ``[E, P*(r1 - r0), c1 - c0]``.
+
+    Raises:
+        FSDP2SourceError: a missing expert or part; parts of different
+            shapes, dtypes or layouts.
+    """
+    count = max(experts) + 1
+    first = None
+    for e in range(count):
+        for part in parts:
+            x = experts.get(e, {}).get(part)
+            if x is None:
+                raise FSDP2SourceError(
+                    f"fsdp2_source: '{wire}' is re-fused from per-expert parameters, but expert "
+                    f"{e} has no '{part}' part ({count} experts found)")
+            if first is None:
+                first = x
+    shape = tuple(int(n) for n in first.param.shape)
+    if len(shape) != 2:
+        raise FSDP2SourceError(f"fsdp2_source: per-expert parameter '{first.name}' has shape "
+                               f"{shape}; expected a 2-D [rows, cols] weight")
+    boxes0, _ = layout_of(first)
+    dtype = wire_dtype(first)
+    for e in range(count):
+        for part in parts:
+            x = experts[e][part]
+            boxes, _ = layout_of(x)
+            if (tuple(x.param.shape) != shape or wire_dtype(x) != dtype or boxes != boxes0):
+                raise FSDP2SourceError(
+                    f"fsdp2_source: per-expert parameters of '{wire}' differ: '{x.name}' has "
+                    f"shape {tuple(x.param.shape)}, dtype {x.param.dtype} and another layout "
+                    f"than '{first.name}' {shape}; they must be sharded alike to be stacked")
+    R, C = shape
+    P = len(parts)
+    global_shape = (count, P * R, C)
+    if boxes0 is None:  # a plain (unsharded) model: every rank holds the whole stack
+        lay: SourceLayout | PieceLayout = SourceLayout()
+    else:
+        pieces = []
+        for rank, ((r0, r1), (c0, c1)) in boxes0.items():
+            if r1 == r0 or c1 == c0:
+                continue
+            if r1 - r0 == R:  # whole rows: the local stack is one box of the wire tensor
+                pieces.append(Piece(rank, ((0, count), (0, P * R), (c0, c1))))
+                continue
+            for e in range(count):
+                for j in range(P):
+                    pieces.append(Piece(rank, ((e, e + 1), (j * R + r0, j * R + r1), (c0, c1)),
+                                        (e, j * (r1 - r0), 0)))
+        lay = PieceLayout(tuple(pieces), where=f"parameter '{wire}'")
+    members = [[(experts[e][part].module, experts[e][part].attr, experts[e][part].name)
+                for part in parts] for e in range(count)]
+
+    def local() -> torch.Tensor:
+        shards = [[_live(m, a, n, sharded) for m, a, n in row] for row in members]
+        r, c = shards[0][0].shape
+        out = torch.empty((count, P * r, c), dtype=dtype)
+        for e, row in enumerate(shards):
+            for j, t in enumerate(row):
+                out[e, j * r:(j + 1) * r].copy_(t)
+        return out
+
+    return M2NManifestEntry(wire, dtype, global_shape, lay, local)
