@@ -52,7 +52,9 @@ from .sizes import Sizes
 __all__ = [
     "VOCAB_PADDING", "padded_vocab", "expert_ids", "Geometry", "Kind",
     "Replicated", "Column", "Row", "Qkv", "Merged", "Vocab", "ExpertsW13", "ExpertsW2",
-    "REPLICATED", "COLUMN", "ROW", "QKV", "MERGED", "VOCAB", "W13", "W2", "KINDS",
+    "ReplicatedMerged",
+    "REPLICATED", "COLUMN", "ROW", "QKV", "MERGED", "VOCAB", "W13", "W2",
+    "REPLICATED_MERGED", "KINDS",
 ]
 
 #: vLLM pads the vocab of VocabParallelEmbedding/ParallelLMHead to a multiple
@@ -94,6 +96,8 @@ class Geometry:
             empty when ``ep > E`` leaves a worker none). ``e_local``,
             ``e_first`` and ``expert_runs`` are derived from it.
         im_local: ``Im/moe_tp`` rows of gate (and of up) per expert.
+        sizes: the model sizes the geometry was made from (for kinds whose
+            parts are sized by family symbols, :class:`ReplicatedMerged`).
     """
 
     worker: int
@@ -115,6 +119,7 @@ class Geometry:
     moe_rank: int
     experts: range
     im_local: int
+    sizes: Sizes | None = None
 
     @classmethod
     def of(cls, s: Sizes, tp: int, dp: int, ep: bool, worker: int,
@@ -140,6 +145,7 @@ class Geometry:
             hd=s.hd, nkv=s.nkv, q_heads=s.nh // tp, kv_heads=kv_heads, kv_replicas=kv_rep,
             V=s.V, vocab_per=padded_vocab(s.V) // tp, H=s.H, E=s.E, Im=s.Im,
             moe_tp=moe_tp, moe_rank=moe_rank, experts=experts, im_local=s.Im // moe_tp,
+            sizes=s,
         )
 
     @property
@@ -567,6 +573,46 @@ class ExpertsW2(_Experts):
             param[i].copy_(w.narrow(1, g.moe_rank * per_rank, per_rank))
 
 
+class ReplicatedMerged(Kind):
+    """Merged parts of different sizes, not split: every worker holds ``[part0; part1; ...]`` whole.
+
+    DeepSeek-V3's ``fused_qkv_a_proj`` (``q_a_proj`` rows, then
+    ``kv_a_proj_with_mqa`` rows): vLLM ``models/deepseek_v2.py``
+    ``DeepSeekV2FusedQkvAProjLinear``, a ``MergedColumnParallelLinear`` with
+    ``disable_tp=True`` (tp size 1), so ``layers/linear.py``
+    ``MergedColumnParallelLinear.weight_loader`` puts shard ``k`` whole at
+    ``sum(output_sizes[:k])``. Parts differ in size, so a feed's part is the
+    tuple of the row symbols of the parts up to and including it (``("qr",)``,
+    ``("qr", "kva")``): the last symbol sizes the part, the others sum to its
+    row offset. The table's dims are the whole parameter's (``("qkva",
+    "H")``). No divisibility rule (nothing is split).
+    """
+
+    name = "replicated_merged"
+    source = ("vllm layers/linear.py MergedColumnParallelLinear.weight_loader "
+              "(disable_tp=True)")
+    rule_order = 7
+
+    def wire_shape(self, dims, part, s):
+        return (s.resolve((part[-1],))[0], *dims[1:])
+
+    def local_shape(self, dims, parts, g):
+        return dims
+
+    def row_offset(self, part, g: Geometry, block_n: int = 1) -> int:
+        """Local row of ``part``'s first row; in blocks of ``block_n`` rows rounded up
+        (vLLM ``layers/linear.py`` ``adjust_block_scale_shard``) for a block scale."""
+        rows = sum(g.sizes.resolve(tuple(part[:-1])))
+        return -(-rows // block_n)
+
+    def boxes(self, shape, part, g):
+        return [(_full(shape), (self.row_offset(part, g), *(0,) * (len(shape) - 1)))]
+
+    def load(self, param, wire, part, g, block_n: int = 1):
+        at = self.row_offset(part, g, block_n)
+        param.narrow(0, at, wire.shape[0]).copy_(wire)
+
+
 REPLICATED = Replicated()
 COLUMN = Column()
 ROW = Row()
@@ -575,6 +621,8 @@ MERGED = Merged()
 VOCAB = Vocab()
 W13 = ExpertsW13()
 W2 = ExpertsW2()
+REPLICATED_MERGED = ReplicatedMerged()
 
 #: Every shard kind, by name.
-KINDS: dict[str, Kind] = {k.name: k for k in (REPLICATED, COLUMN, ROW, QKV, MERGED, VOCAB, W13, W2)}
+KINDS: dict[str, Kind] = {k.name: k for k in (REPLICATED, COLUMN, ROW, QKV, MERGED, VOCAB, W13, W2,
+                                              REPLICATED_MERGED)}
