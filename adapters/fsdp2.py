@@ -255,40 +255,62 @@ def _sub_coords_cached(root: _Root, sub: _Root) -> tuple[tuple[int, tuple[int, .
         return None
 
 
-def _param_boxes(p: Any, root: _Root, name: str) -> dict[int, Box]:
-    """Every root rank's box of DTensor ``p`` (identical on every rank; no collective)."""
-    sub = _mesh_of(p.device_mesh)
-    shape = tuple(int(n) for n in p.shape)
-    coords = _sub_coords_cached(root, sub)
-    if coords is None:
-        _sub_coords(root, sub, name)  # raises, naming the parameter
-    kinds = _checked_kinds(len(shape), sub.shape, p.placements, name)
-    return {r: _box(shape, sub.shape, kinds, c) for r, c in coords}
+def _weight_layout(x: "_Param", root: _Root, num_trainer_ranks: int
+                  ) -> tuple[dict[int, Box], SourceLayout | PieceLayout]:
+    """Every root rank's box of one weight (in wire dim order), and the layout declaring them.
+
+    Read off the ``DTensor`` spec only: identical on every rank, no
+    collective. A persistent buffer (never sharded by FSDP2) is whole on
+    every root rank.
+
+    Raises:
+        FSDP2SourceError: see :func:`dtensor_box` and :func:`_sub_coords`,
+            naming the parameter.
+    """
+    shape = tuple(int(n) for n in x.param.shape)
+    if x.buffer:
+        return _layout_cached(shape, None, root, None, None, num_trainer_ranks)
+    sub = _mesh_of(x.param.device_mesh)
+    if _sub_coords_cached(root, sub) is None:
+        _sub_coords(root, sub, x.name)  # raises, naming the parameter
+    kinds = _checked_kinds(len(shape), sub.shape, x.param.placements, x.name)
+    return _layout_cached(shape, sub, root, kinds, x.order, num_trainer_ranks)
 
 
-def _layout(boxes: dict[int, Box], shape: tuple[int, ...], root: _Root, p: Any,
-            num_trainer_ranks: int, name: str) -> SourceLayout | PieceLayout:
-    """The layout declaring ``boxes``: placements where they say exactly that, else pieces."""
+@lru_cache(maxsize=4096)
+def _layout_cached(shape: tuple[int, ...], sub: _Root | None, root: _Root,
+                   kinds: tuple | None, order: tuple[int, ...] | None, num_trainer_ranks: int):
+    """``_weight_layout`` for hashable facts: a model's layers repeat, so does this."""
+    if sub is None:
+        boxes = {r: tuple((0, n) for n in shape) for r in root.ranks}
+    else:
+        coords = _sub_coords_cached(root, sub)
+        boxes = {r: _box(shape, sub.shape, kinds, c) for r, c in coords}
+    if order is not None:
+        shape = tuple(shape[d] for d in order)
+        boxes = {r: tuple(b[d] for d in order) for r, b in boxes.items()}
     full = tuple((0, n) for n in shape)
     if all(b == full for b in boxes.values()):
         if root.ranks == tuple(range(num_trainer_ranks)):
-            return SourceLayout()
-        return SourceLayout(root.ranks, where=f"parameter '{name}'")
+            return boxes, SourceLayout()
+        return boxes, SourceLayout(root.ranks)
     pieces = tuple(Piece(r, b) for r, b in boxes.items() if box_volume(b) or not shape)
-    candidate = _root_placements(p, root)
+    candidate = None if sub is None else _root_placements(sub, root, kinds, order)
     if candidate is not None:
-        lay = SourceLayout(root.ranks, root.shape, candidate, where=f"parameter '{name}'")
+        lay = SourceLayout(root.ranks, root.shape, candidate)
         if set(lay.pieces(shape)) == set(pieces):
-            return lay
-    return PieceLayout(pieces, where=f"parameter '{name}'")
+            return boxes, lay
+    return boxes, PieceLayout(pieces)
 
 
-def _root_placements(p: Any, root: _Root) -> tuple | None:
-    """``p``'s placements on the root mesh's axes, when its mesh maps axis to axis (else None)."""
-    kinds = [_placement_kind(x) for x in p.placements]
+def _root_placements(sub: _Root, root: _Root, kinds: tuple,
+                     order: tuple[int, ...] | None) -> tuple | None:
+    """The placements on the root mesh's axes, when ``sub`` maps axis to axis (else None).
+
+    ``order``: the wire tensor is the parameter permuted (``Shard(d)``
+    becomes ``Shard(order.index(d))``)."""
     if any(k not in ("shard", "replicate") for k, _, _ in kinds):
         return None
-    sub = _mesh_of(p.device_mesh)
     if sub.ranks == root.ranks and sub.shape == root.shape:
         axes = list(range(len(root.shape)))
     elif sub.names and root.names and all(n in root.names for n in sub.names):
@@ -296,10 +318,9 @@ def _root_placements(p: Any, root: _Root) -> tuple | None:
     else:
         return None
     out: list = [Replicate()] * len(root.shape)
-    ndim = p.dim()
     for a, (kind, dim, _) in zip(axes, kinds):
         if kind == "shard":
-            out[a] = Shard(dim + ndim if dim < 0 else dim)
+            out[a] = Shard(dim if order is None else order.index(dim))
     return tuple(out)
 
 
@@ -343,10 +364,11 @@ def wire_dtype_rule(name: str, param_dtype: torch.dtype, *, policy_dtype: torch.
                     dtype: torch.dtype | None, keep_fp32: bool) -> torch.dtype:
     """The wire dtype of one parameter (the rule :func:`fsdp2_source` documents).
 
-    1. ``keep_fp32`` (the model's ``_keep_in_fp32_modules_strict`` names it:
-       the checkpoint format keeps it fp32, e.g. DeepSeek-V3's router and
-       ``e_score_correction_bias``, transformers ``modeling_deepseek_v3.py``):
-       ``float32``;
+    1. ``keep_fp32`` (the model class's ``_keep_in_fp32_modules_strict``
+       names it: transformers loads it in fp32 whatever the model dtype,
+       because the checkpoint format keeps it fp32, e.g. MoE routers and
+       ``e_score_correction_bias``; transformers ``modeling_utils.py``,
+       ``_get_dtype_plan``): ``float32``;
     2. a non-floating parameter: its own dtype;
     3. ``dtype`` when the caller gives one;
     4. the ``MixedPrecisionPolicy.param_dtype`` of its FSDP2 group: what the
@@ -414,13 +436,44 @@ _LORA = re.compile(r"(^|\.)(lora_[A-Za-z_]+|lora_magnitude_vector)(\.|$)")
 
 @dataclass
 class _Param:
-    """One ``named_parameters()`` entry on its way to the wire."""
+    """One parameter (or persistent buffer) on its way to the wire."""
 
-    name: str                 # as named_parameters() gives it
+    name: str                 # as named_parameters()/named_buffers() gives it
     clean: str                # wrappers stripped
-    module: torch.nn.Module   # owner, for reading the live parameter at send time
+    module: torch.nn.Module   # owner, for reading the live tensor at send time
     attr: str
     param: torch.Tensor
+    buffer: bool = False      # a persistent buffer: never sharded by FSDP2
+    order: tuple[int, ...] | None = None  # HFNaming.permuted: wire = local.permute(order)
+
+    @property
+    def wire_shape(self) -> tuple[int, ...]:
+        shape = tuple(int(n) for n in self.param.shape)
+        return shape if self.order is None else tuple(shape[d] for d in self.order)
+
+
+def _named_weights(model: torch.nn.Module) -> list[_Param]:
+    """Parameters, then persistent buffers each right after its module's last parameter.
+
+    A checkpoint holds both (``state_dict``); transformers keeps e.g. a
+    router's score-correction bias as a persistent buffer. Same order as
+    ``m2nkit.adapters.hf_checkpoint`` gives the checkpoint's wire tensors.
+    """
+    out = []
+    for name, p in model.named_parameters():
+        mod_name, _, attr = name.rpartition(".")
+        out.append(_Param(name, strip_wrappers(name), model.get_submodule(mod_name), attr, p))
+    for name, b in model.named_buffers():
+        mod_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(mod_name)
+        if attr in module._non_persistent_buffers_set:
+            continue
+        x = _Param(name, strip_wrappers(name), module, attr, b, buffer=True)
+        prefix = mod_name + "."
+        at = max((i + 1 for i, y in enumerate(out) if y.name.startswith(prefix)),
+                 default=len(out))
+        out.insert(at, x)
+    return out
 
 
 def _live(module: torch.nn.Module, attr: str, name: str, sharded: bool) -> torch.Tensor:
@@ -442,6 +495,77 @@ def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
+def _wire_names(params: Sequence[_Param], family: Family, known: set[str]):
+    """Each parameter's wire name, in ``named_parameters()`` order.
+
+    Returns ``(order, groups)``: ``order`` lists ``(wire name, _Param)``, or
+    ``(wire name, None)`` for a stacked tensor re-fused from per-expert
+    parameters (at the place of its first part); ``groups[wire] = ({expert:
+    {part: _Param}}, parts)``. Names follow the family's ``HFNaming``:
+    in-memory fused experts (``fused_leaf``), per-expert names
+    (``experts_on_disk``), renames (``disk_name``).
+
+    Raises:
+        FSDP2SourceError: a name vLLM takes no tensor for (names the first,
+            the count of others and the closest known name).
+    """
+    hf = family.hf
+    permuted = getattr(hf, "permuted", None) or {}
+    refusal = getattr(hf, "refusal", lambda name: None)
+    expert_rx = [(part, expert_pattern_regex(pat)) for part, pat in hf.experts_on_disk.items()]
+    wire_of_part = {part: (leaf, parts) for leaf, parts in hf.fused_experts.values()
+                    for part in parts}
+    order: list[tuple[str, _Param | None]] = []
+    groups: dict[str, tuple[dict[int, dict[str, _Param]], tuple[str, ...]]] = {}
+    unknown: list[tuple[str, str]] = []
+    for x in params:
+        leaf = hf.fused_leaf(x.clean)
+        if leaf is not None:
+            wire_leaf, _ = hf.fused_experts[leaf]
+            wire = f"{hf.disk_name(x.clean)[: -len(leaf) - 1]}.{wire_leaf}"
+        else:
+            disk = hf.disk_name(x.clean)
+            why = refusal(disk)
+            if why:
+                raise FSDP2SourceError(f"fsdp2_source: parameter '{x.name}' cannot be sent: {why}")
+            leaf = next((leaf for leaf in permuted if disk.endswith("." + leaf)), None)
+            if leaf is not None:  # the wire holds it in another dim order
+                wire_leaf, x.order = permuted[leaf][0], tuple(permuted[leaf][1])
+                wire = disk[: -len(leaf)] + wire_leaf
+                if wire not in known:
+                    unknown.append((x.name, wire))
+                else:
+                    order.append((wire, x))
+                continue
+            hit = next(((part, m) for part, rx in expert_rx if (m := rx.match(disk))), None)
+            if hit is not None and hit[0] in wire_of_part:
+                part, m = hit
+                wire_leaf, parts = wire_of_part[part]
+                wire = f"{m.group('prefix')}.{wire_leaf}"
+                if wire not in groups:
+                    groups[wire] = ({}, parts)
+                    order.append((wire, None))
+                groups[wire][0].setdefault(int(m.group("e")), {})[part] = x
+                continue
+            wire = disk
+        if wire not in known:
+            if not x.buffer:  # a persistent buffer no vLLM parameter takes is not a weight
+                unknown.append((x.name, wire))
+            continue
+        order.append((wire, x))
+    unknown += [(wire, wire) for wire in groups if wire not in known]
+    if unknown:
+        name, wire = unknown[0]
+        close = difflib.get_close_matches(wire, sorted(known), n=1, cutoff=0.0)
+        more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
+        shown = f"'{name}'" + (f" (wire name '{wire}')" if wire != name else "")
+        raise FSDP2SourceError(
+            f"fsdp2_source: parameter {shown}{more} maps to no {family.architecture} tensor "
+            f"vLLM takes; the closest known name is '{close[0] if close else '?'}' "
+            f"({family.module})")
+    return order, groups
+
+
 def fsdp2_source(
     model: torch.nn.Module,
     *,
@@ -458,16 +582,20 @@ def fsdp2_source(
     by ``torch.compile``, activation checkpointing, DDP or PEFT is fine).
 
     Metadata (identical on every rank, no collective): one wire tensor per
-    parameter (tied parameters once, as ``named_parameters()`` lists them),
-    named by the model's family (``m2nkit.adapters.families``), with its
+    parameter (tied parameters once, as ``named_parameters()`` lists them)
+    and per persistent buffer vLLM takes (a router's score-correction bias;
+    FSDP2 leaves buffers whole on every rank), named by the model's family
+    (``m2nkit.adapters.families``), with its
     global shape and its source layout read off the ``DTensor``
     (:func:`dtensor_box` for every rank of the root mesh: ``Shard``/``Replicate``
     placements as a ``SourceLayout``, ``_StridedShard`` and sub-mesh layouts
     as pieces). transformers 5's fused experts (``mlp.experts.gate_up_proj``
     ``[E, 2*Im, H]``, ``down_proj`` ``[E, H, Im]``) are the wire layout as
-    they are; per-expert modules (``experts.{e}.gate_proj`` ...) are
+    they are; per-expert modules (``experts.{e}.<part>`` of the family) are
     re-fused rank-locally: each expert's shard is a piece of the stacked wire
-    tensor, and the rank's local tensor stacks its shards.
+    tensor, and the rank's local tensor stacks its shards. A tensor the
+    family sends in another dim order (``HFNaming.permuted``) travels as
+    ``to_local().permute(order)`` (a view) with its boxes permuted alike.
 
     Wire dtype (:func:`wire_dtype_rule`): fp32 for what the checkpoint format
     keeps fp32 (``_keep_in_fp32_modules_strict``); else ``dtype`` if given;
@@ -500,7 +628,8 @@ def fsdp2_source(
         FSDP2SourceError (a ``ValueError``), the same on every rank, before
         any traffic: an unsupported architecture (the registry's message); a
         name that maps to no wire tensor vLLM takes (names it and the
-        closest known name); LoRA adapter weights (merge them first); a
+        closest known name); a tensor the family refuses
+        (``HFNaming.refused``); LoRA adapter weights (merge them first); a
         plain-tensor parameter on a sharded model; a ``Partial`` placement;
         a mesh with ranks outside ``[0, T)``; a sub-mesh not a slice of the
         root mesh; per-expert modules with a missing expert or part, or
@@ -515,12 +644,7 @@ def fsdp2_source(
         family = family_for(config)
     except ValueError as e:
         raise FSDP2SourceError(f"fsdp2_source: {e}") from None
-    hf = family.hf
-
-    params: list[_Param] = []
-    for name, p in model.named_parameters():
-        mod_name, _, attr = name.rpartition(".")
-        params.append(_Param(name, strip_wrappers(name), model.get_submodule(mod_name), attr, p))
+    params = _named_weights(model)
     if not params:
         raise FSDP2SourceError("fsdp2_source: the model has no parameters")
     lora = [x.name for x in params if _LORA.search(x.clean)]
@@ -531,12 +655,12 @@ def fsdp2_source(
             "weights first (peft merge_and_unload())")
 
     sharded = [x for x in params if _is_dtensor(x.param)]
-    if sharded and len(sharded) != len(params):
-        plain = next(x for x in params if not _is_dtensor(x.param))
+    plain = [x for x in params if not x.buffer and not _is_dtensor(x.param)]
+    if sharded and plain:
         raise FSDP2SourceError(
-            f"parameter '{plain.name}' is a plain tensor, but {len(sharded)} of the model's "
-            f"{len(params)} parameters are DTensors (sharded): every parameter must be "
-            "sharded by fully_shard (call fully_shard(model) on the root module too)")
+            f"parameter '{plain[0].name}' is a plain tensor, but {len(sharded)} of the model's "
+            f"{len(sharded) + len(plain)} parameters are DTensors (sharded): every parameter "
+            "must be sharded by fully_shard (call fully_shard(model) on the root module too)")
 
     if mesh is not None:
         root = _mesh_of(mesh)
@@ -568,7 +692,6 @@ def fsdp2_source(
                 f"(0..{num_trainer_ranks - 1}); build the mesh over the trainer ranks, or pass "
                 "num_trainer_ranks=<trainer world size>")
 
-    known = _known_wire_names(family, config)
     fp32 = _fp32_patterns(model)
     policy = _policy_dtypes(model)
 
@@ -577,78 +700,37 @@ def fsdp2_source(
                                dtype=dtype, keep_fp32=any(r.search(x.clean) for r in fp32))
 
     def layout_of(x: _Param) -> tuple[dict[int, Box] | None, SourceLayout | PieceLayout]:
-        shape = tuple(int(n) for n in x.param.shape)
-        if root is None:
+        if root is None:  # a plain model: every rank holds every weight
             return None, SourceLayout()
-        boxes = _param_boxes(x.param, root, x.name)
-        return boxes, _layout(boxes, shape, root, x.param, num_trainer_ranks, x.name)
+        return _weight_layout(x, root, num_trainer_ranks)
 
-    # wire name for each parameter; per-expert parameters grouped by stacked wire tensor
-    expert_rx = [(part, expert_pattern_regex(pat)) for part, pat in hf.experts_on_disk.items()]
-    wire_of_part = {part: (leaf, parts) for leaf, parts in hf.fused_experts.values()
-                    for part in parts}
-    order: list[tuple[str, Any]] = []          # (wire name, _Param | expert group key)
-    groups: dict[str, dict[int, dict[str, _Param]]] = {}
-    group_parts: dict[str, tuple[str, ...]] = {}
-    unknown: list[tuple[str, str]] = []
-    for x in params:
-        leaf = hf.fused_leaf(x.clean)
-        if leaf is not None:
-            wire_leaf, _ = hf.fused_experts[leaf]
-            wire = f"{hf.disk_name(x.clean)[: -len(leaf) - 1]}.{wire_leaf}"
-        else:
-            disk = hf.disk_name(x.clean)
-            hit = next(((part, m) for part, rx in expert_rx if (m := rx.match(disk))), None)
-            if hit is not None and hit[0] in wire_of_part:
-                part, m = hit
-                wire_leaf, parts = wire_of_part[part]
-                wire = f"{m.group('prefix')}.{wire_leaf}"
-                if wire not in groups:
-                    groups[wire], group_parts[wire] = {}, parts
-                    order.append((wire, None))
-                groups[wire].setdefault(int(m.group("e")), {})[part] = x
-                continue
-            wire = disk
-        if wire not in known:
-            unknown.append((x.name, wire))
-            continue
-        order.append((wire, x))
-    for wire in groups:
-        if wire not in known:
-            unknown.append((wire, wire))
-    if unknown:
-        name, wire = unknown[0]
-        close = difflib.get_close_matches(wire, sorted(known), n=1, cutoff=0.0)
-        more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
-        shown = f"'{name}'" + (f" (wire name '{wire}')" if wire != name else "")
-        raise FSDP2SourceError(
-            f"fsdp2_source: parameter {shown}{more} maps to no {family.architecture} tensor "
-            f"vLLM takes; the closest known name is '{close[0] if close else '?'}' "
-            f"({family.module})")
+    order, groups = _wire_names(params, family, _known_wire_names(family, config))
 
     entries: list[M2NManifestEntry] = []
     module_names: dict[str, tuple[str, ...]] = {}
     for wire, x in order:
         if x is None:
-            entries.append(_expert_entry(wire, groups[wire], group_parts[wire], layout_of,
-                                         wire_dtype, bool(sharded)))
-            module_names[wire] = tuple(p.name for e in sorted(groups[wire])
-                                       for p in groups[wire][e].values())
+            experts, parts = groups[wire]
+            entries.append(_expert_entry(wire, experts, parts, layout_of, wire_dtype,
+                                         bool(sharded)))
+            module_names[wire] = tuple(p.name for e in sorted(experts)
+                                       for p in experts[e].values())
             continue
         _, lay = layout_of(x)
         wd = wire_dtype(x)
-        entries.append(M2NManifestEntry(
-            wire, wd, tuple(int(n) for n in x.param.shape), lay,
-            _provider(x.module, x.attr, x.name, bool(sharded), wd)))
+        entries.append(M2NManifestEntry(wire, wd, x.wire_shape, lay, _provider(x, bool(sharded), wd)))
         module_names[wire] = (x.name,)
     return FSDP2Source(entries, rank=rank, num_trainer_ranks=num_trainer_ranks, config=config,
                        module_names=module_names)
 
 
-def _provider(module: torch.nn.Module, attr: str, name: str, sharded: bool,
-              dtype: torch.dtype) -> Callable[[], torch.Tensor]:
+def _provider(x: _Param, sharded: bool, dtype: torch.dtype) -> Callable[[], torch.Tensor]:
+    module, attr, name, order = x.module, x.attr, x.name, x.order
+    sharded = sharded and not x.buffer
+
     def local() -> torch.Tensor:
-        return _cast(_live(module, attr, name, sharded), dtype)
+        t = _live(module, attr, name, sharded)
+        return _cast(t if order is None else t.permute(order), dtype)  # a view until cast
     return local
 
 

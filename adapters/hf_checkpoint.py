@@ -48,6 +48,7 @@ from m2nkit.manifest.meta import ParamMeta
 from .experts import StackedExperts, expert_name, group_expert_tensors, stack_experts
 from .families import (UnsupportedArchitecture, check_architecture, family,
                        supported_architectures)
+from .families.quant import FP8, QuantizedWires, scale_name
 from .families.table import HFNaming
 from .module_names import wrapper_hint
 from .trainer_spec import TrainerSpec, parse_trainer_spec
@@ -103,6 +104,26 @@ class _Header:
     dtype: torch.dtype
 
 
+@dataclass(frozen=True)
+class _Permuted:
+    """A wire tensor that is on-disk tensor ``disk`` with its dims permuted.
+
+    Wire dim ``i`` is on-disk dim ``order[i]`` (``wire = disk.permute(order)``,
+    ``HFNaming.permuted``). A box of the wire tensor is read as the permuted
+    box of the on-disk tensor, then permuted: only the box is read.
+    """
+
+    disk: str
+    order: tuple[int, ...]
+
+    def disk_box(self, box: Box) -> tuple[slice, ...]:
+        """The slices of the on-disk tensor holding wire ``box``."""
+        index: list[slice] = [slice(0, 0)] * len(self.order)
+        for i, d in enumerate(self.order):
+            index[d] = slice(*box[i])
+        return tuple(index)
+
+
 class Checkpoint:
     """A checkpoint's wire tensors: metadata up front, data by box on demand.
 
@@ -124,7 +145,7 @@ class Checkpoint:
     """
 
     def __init__(self, *, path: Path, root: Path, config: Any, architecture: str,
-                 params: Sequence[ParamMeta], sources: Mapping[str, str | StackedExperts],
+                 params: Sequence[ParamMeta], sources: Mapping[str, str | StackedExperts | _Permuted],
                  headers: Mapping[str, _Header], handles: dict[Path, Any]) -> None:
         self.path = path
         self.root = root
@@ -167,11 +188,14 @@ class Checkpoint:
     def disk_names(self, name: str) -> tuple[str, ...]:
         """The on-disk tensors wire tensor ``name`` is read from.
 
-        One name for a plain tensor; for stacked experts every per-expert
-        tensor, expert-major, gate before up.
+        One name for a plain tensor (also one stored in another dim order);
+        for stacked experts every per-expert tensor, expert-major, gate
+        before up.
         """
         self.meta(name)
         src = self._sources[name]
+        if isinstance(src, _Permuted):
+            return (src.disk,)
         return src.source_names() if isinstance(src, StackedExperts) else (src,)
 
     def file_of(self, disk_name: str) -> Path:
@@ -196,8 +220,10 @@ class Checkpoint:
         Plain tensors: ``get_slice(name)[a0:b0, a1:b1, ...]``. Stacked
         experts: for each expert in the box, only the rows of gate and/or up
         (or down) inside the box, columns inside the box
-        (:meth:`StackedExperts.slices`). An empty box returns an empty
-        tensor of the box's extents.
+        (:meth:`StackedExperts.slices`). A tensor stored in another dim
+        order (``HFNaming.permuted``): the permuted box, read and permuted
+        back (a copy of the box only). An empty box returns an empty tensor
+        of the box's extents.
 
         Args:
             name: a wire name.
@@ -232,6 +258,8 @@ class Checkpoint:
         src = self._sources[name]
         if isinstance(src, StackedExperts):
             return src.read_box(box, self._read_slice)
+        if isinstance(src, _Permuted):
+            return self._read_slice(src.disk, src.disk_box(box)).permute(src.order).contiguous()
         return self._read_slice(src, tuple(slice(a, b) for a, b in box))
 
     def read_full(self, name: str) -> torch.Tensor:
@@ -359,12 +387,15 @@ def _load_config(config_path: Path):
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    if model_type is not None and model_type not in CONFIG_MAPPING:
+    alias = _config_class(archs, model_type)
+    if model_type is not None and model_type not in CONFIG_MAPPING and alias is None:
         raise CheckpointError(
             f"{config_path}: model_type {model_type!r} is not built into transformers (it would "
             f"need the model's own Python code, which m2nkit never runs); m2nkit supports "
             f"{_supported()}")
     try:
+        if alias is not None:  # the family reads this model_type with a known config class
+            return CONFIG_MAPPING[alias].from_pretrained(str(config_path), local_files_only=True)
         return AutoConfig.from_pretrained(str(config_path), local_files_only=True,
                                           trust_remote_code=False)
     except Exception as e:
@@ -374,6 +405,18 @@ def _load_config(config_path: Path):
             f"transformers cannot read {config_path}"
             + (f" (model_type {model_type!r})" if model_type else "")
             + f": {first}; m2nkit supports {_supported()}") from e
+
+
+def _config_class(archs: Any, model_type: Any) -> str | None:
+    """The transformers ``model_type`` whose config class reads ``model_type``, when the
+    family of ``archs[0]`` says so (``HFNaming.config_classes``) and transformers lacks it."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if (not isinstance(archs, list) or not archs or not isinstance(archs[0], str)
+            or not isinstance(model_type, str) or model_type in CONFIG_MAPPING):
+        return None
+    alias = family(archs[0]).hf.config_classes.get(model_type)
+    return alias if alias in CONFIG_MAPPING else None
 
 
 def _peek(config_path: Path) -> dict:
@@ -445,6 +488,15 @@ def _expected_params(config, arch: str, config_path: Path) -> list[_Expected]:
     for name, p in model.named_parameters(remove_duplicate=False):
         out.append(_Expected(name, tuple(p.shape), p.dtype, id(p) in seen))
         seen.add(id(p))
+    # Persistent buffers are saved too (DeepSeek-V3's router e_score_correction_bias):
+    # each goes right after the last parameter of its module, or at the end.
+    names = {e.name for e in out}
+    for name, b in model.state_dict(keep_vars=True).items():
+        if name in names:
+            continue
+        module = name.rsplit(".", 1)[0] + "."
+        at = max((i + 1 for i, e in enumerate(out) if e.name.startswith(module)), default=len(out))
+        out.insert(at, _Expected(name, tuple(b.shape), b.dtype, False))
     return out
 
 
@@ -526,19 +578,29 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
         headers = _sharded_headers(root, handles)
     else:
         headers = {}
-    params, sources = _match(expected, hf, headers, kind == "config", root, arch)
+    fam = family(arch)
+    params, sources = _match(expected, hf, headers, kind == "config", root, arch,
+                             quant=QuantizedWires(fam, config),
+                             skip=(lambda n: fam.skip(config, n)) if fam.skip else None)
     return Checkpoint(path=path, root=root, config=config, architecture=arch,
                       params=params, sources=sources, headers=headers, handles=handles)
 
 
 def _match(expected: Sequence[_Expected], hf: HFNaming, headers: Mapping[str, _Header],
-           config_only: bool, root: Path, arch: str):
-    """Pair every expected parameter with on-disk tensors; check shapes and leftovers."""
+           config_only: bool, root: Path, arch: str, *, quant: Any = None, skip: Any = None):
+    """Pair every expected parameter with on-disk tensors; check shapes and leftovers.
+
+    ``quant`` (``QuantizedWires``): fp8 block-quantized weights get their
+    ``weight_scale_inv`` wire tensor (:func:`_add_scales`). ``skip``: on-disk
+    tensors the model does not have that vLLM skips on purpose (name ->
+    reason or ``None``) are kept as wire tensors at the end, for the plan to
+    list as skipped.
+    """
     grouped = group_expert_tensors(headers, hf.experts_on_disk) if hf.experts_on_disk else {}
     shapes = {n: h.shape for n, h in headers.items()}
     dtypes = {n: h.dtype for n, h in headers.items()}
     params: list[ParamMeta] = []
-    sources: dict[str, str | StackedExperts] = {}
+    sources: dict[str, str | StackedExperts | _Permuted] = {}
     used: set[str] = set()
     missing: list[str] = []
     stacked_hint = ""
@@ -546,7 +608,29 @@ def _match(expected: Sequence[_Expected], hf: HFNaming, headers: Mapping[str, _H
     def where(name: str) -> str:
         return f"tensor '{name}' in {headers[name].file}"
 
+    for name in headers:
+        refusal = hf.refusal(name)
+        if refusal:
+            raise CheckpointError(f"{where(name)}: {refusal}")
+
     for exp in expected:
+        permuted = hf.permuted_leaf(exp.name)
+        if permuted is not None:
+            disk = hf.disk_name(exp.name)
+            wire_leaf, order = hf.permuted[permuted]
+            wire = disk[: -len(permuted)] + wire_leaf
+            shape = tuple(exp.shape[d] for d in order)
+            h = headers.get(disk)
+            if not config_only and h is None:
+                missing.append(disk)
+                continue
+            if h is not None and h.shape != exp.shape:
+                raise CheckpointError(f"{where(disk)} has shape {list(h.shape)}, but the config "
+                                      f"({arch}) expects {list(exp.shape)}")
+            params.append(ParamMeta(wire, exp.dtype if h is None else h.dtype, shape))
+            sources[wire] = _Permuted(disk, tuple(order))
+            used.add(disk)
+            continue
         leaf = hf.fused_leaf(exp.name)
         if leaf is not None:
             wire_leaf, parts = hf.fused_experts[leaf]
@@ -613,7 +697,14 @@ def _match(expected: Sequence[_Expected], hf: HFNaming, headers: Mapping[str, _H
         sources[disk] = disk
         used.add(disk)
 
+    if quant:
+        params = _add_scales(params, sources, quant, headers, config_only, used, missing, arch)
     extra = [n for n in headers if n not in used]
+    if skip is not None:
+        for n in [n for n in extra if skip(n)]:
+            params.append(ParamMeta(n, headers[n].dtype, headers[n].shape))
+            sources[n] = n
+        extra = [n for n in extra if n not in sources]
     # A checkpoint saved from a wrapped model (torch.compile's '_orig_mod.', DDP's
     # 'module.') misses every name and holds them all again under the prefix: say so.
     hint = wrapper_hint(extra)
@@ -632,6 +723,67 @@ def _match(expected: Sequence[_Expected], hf: HFNaming, headers: Mapping[str, _H
             f"not expect: {_few(extra)} (first in {headers[extra[0]].file}){hint}"
         )
     return params, sources
+
+
+def _add_scales(params: list[ParamMeta], sources: dict, quant: Any, headers: Mapping[str, _Header],
+                config_only: bool, used: set[str], missing: list[str], arch: str) -> list[ParamMeta]:
+    """Every fp8 block-quantized weight followed by its ``weight_scale_inv`` wire tensor.
+
+    A plain weight ``X.weight`` takes ``X.weight_scale_inv`` from the files;
+    stacked experts take each expert's per-part scales, stacked the same way
+    (``<block>.experts.gate_up_proj.weight_scale_inv [E, 2*ceil(Im/n), ceil(H/k)]``).
+    Config-only: the weight becomes float8 e4m3 and its scale float32 of
+    the block shape (``m2nkit.adapters.families.quant``). A scale the files
+    lack goes to ``missing``.
+
+    Raises:
+        CheckpointError: a scale of the wrong shape.
+    """
+    out: list[ParamMeta] = []
+    for p in params:
+        if not quant.matches(p.name):
+            out.append(p)
+            continue
+        src = sources[p.name]
+        parts = len(src.sources[0]) if isinstance(src, StackedExperts) else 1
+        shape = quant.scale_shape(p.shape, parts)
+        wire = scale_name(p.name)
+        if config_only:
+            out += [ParamMeta(p.name, FP8, p.shape), ParamMeta(wire, torch.float32, shape)]
+            sources[wire] = wire
+            continue
+        out.append(p)
+        if isinstance(src, StackedExperts):
+            names = tuple(tuple(scale_name(n) for n in ex) for ex in src.sources)
+            lacking = [n for ex in names for n in ex if n not in headers]
+            if lacking:
+                missing.append(lacking[0])
+                continue
+            first = headers[names[0][0]]
+            found = (len(names), parts * first.shape[0], first.shape[1])
+            if found != shape or any(headers[n].shape != first.shape for ex in names for n in ex):
+                raise CheckpointError(
+                    f"fp8 scales of '{p.name}' ('{names[0][0]}' ...) stack to {list(found)}, but "
+                    f"its weight {list(p.shape)} and weight_block_size {quant.block} need "
+                    f"{list(shape)} (config: {arch})")
+            sources[wire] = StackedExperts(wire, first.dtype, names, (first.shape[0], first.shape[1]))
+            used.update(n for ex in names for n in ex)
+        else:
+            disk = scale_name(src)
+            h = headers.get(disk)
+            if h is None:
+                missing.append(disk)
+                continue
+            if h.shape != shape:
+                raise CheckpointError(
+                    f"tensor '{disk}' in {h.file} has shape {list(h.shape)}, but its weight "
+                    f"{list(p.shape)} and weight_block_size {quant.block} need {list(shape)} "
+                    f"(config: {arch})")
+            sources[wire] = disk
+            used.add(disk)
+            first = h
+        out.append(ParamMeta(wire, first.dtype, shape))
+    return out
 
 
 def _stacked_on_disk(stacked: Sequence[str], per_expert: Mapping, wire: str, exp: _Expected,

@@ -51,8 +51,8 @@ LEADING_WRAPPERS: tuple[tuple[tuple[str, ...], str], ...] = (
 def strip_wrappers(name: str) -> str:
     """``name`` without wrapper segments and leading wrapper prefixes.
 
-    ``module._orig_mod.base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight``
-    -> ``model.layers.0.self_attn.q_proj.weight``. Names without wrappers
+    ``module._orig_mod.base_model.model.model.layers.0.mlp.down_proj.base_layer.weight``
+    -> ``model.layers.0.mlp.down_proj.weight``. Names without wrappers
     come back unchanged.
     """
     segs = [s for s in name.split(".") if s not in WRAPPER_SEGMENTS]

@@ -138,12 +138,49 @@ def save_tiny_checkpoint(config_or_name, out_dir, *, seed: int = 0,
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     with torch.no_grad():
         # Norm weights start at exactly 1.0 and biases at 0: randomise them so
-        # a norm sent to the wrong place is caught by a byte comparison.
+        # a norm sent to the wrong place is caught by a byte comparison
+        # (stacked expert biases, [E, n], included).
         for name, p in model.named_parameters():
-            if p.dim() == 1:
+            if p.dim() == 1 or name.endswith("bias"):
                 p.copy_(torch.randn_like(p))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(out, **kwargs)
+    _quantize_saved(out, config)
     return out
+
+
+def _quantize_saved(out: Path, config) -> None:
+    """Quantize what ``save_pretrained`` wrote as the config's fp8 block quantization says.
+
+    transformers builds and saves the model unquantized (``from_config``
+    ignores ``quantization_config``, and its fp8 quantizer needs a GPU);
+    a real fp8 checkpoint holds each quantized weight in float8 e4m3 with
+    its ``weight_scale_inv``. So the weights the family marks quantized
+    (``m2nkit.adapters.families.quant``) are rewritten that way, file by
+    file; the index (if any) learns the scales. No-op without an fp8 block
+    ``quantization_config``.
+    """
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from .families.quant import QuantizedWires, quantize_fp8_blocks
+
+    archs = getattr(config, "architectures", None) or []
+    if not archs or archs[0] not in ARCHITECTURES:
+        return
+    wires = QuantizedWires(family(archs[0]), config)
+    if not wires:
+        return
+    index_path = out / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text()) if index_path.is_file() else None
+    for file in sorted(out.glob("*.safetensors")):
+        tensors = quantize_fp8_blocks(load_file(str(file)), wires.block, wires.matches_disk)
+        save_file(tensors, str(file), metadata={"format": "pt"})
+        if index is not None:
+            for name in tensors:
+                index["weight_map"][name] = file.name
+    if index is not None:
+        index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")

@@ -193,6 +193,8 @@ def _print_summary(console, args, ckpt, metas, plan, timings):
               _fmt_seconds(plan.estimated_seconds(args.link_gbps)))
     t.add_row("planning time", f"read {_fmt_seconds(timings[0])}, plan {_fmt_seconds(timings[1])}")
     t.add_row("problems", str(len(plan.problems)) if plan.problems else "none")
+    for note in plan.destination.notes:  # how vLLM's dtype and expert placement were decided
+        t.add_row("note", note)
     console.print(t)
 
     reasons = Counter()
@@ -465,7 +467,8 @@ def _plan_and_report(args, console, json_file, dump_dir) -> int:
     if json_file is not None:
         from m2nkit.manifest.serialize import manifest_to_json
 
-        out = {"manifest": manifest_to_json(metas, tspec.num_ranks), "plan": plan.to_json()}
+        out = {"manifest": manifest_to_json(metas, tspec.num_ranks), "plan": plan.to_json(),
+               "notes": list(plan.destination.notes)}
         json.dump(out, json_file)
         json_file.flush()
         console.print(f"wrote {args.json}")
@@ -733,7 +736,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("checkpoint", help="HF checkpoint directory (safetensors) or a config.json")
     plan.add_argument("--trainer", required=True,
                       help="how the trainer holds it: replicated:N, fsdp:N or hsdp:R,S")
-    plan.add_argument("--inference", required=True, help="vllm:tp=T[,dp=D][,ep]")
+    plan.add_argument("--inference", required=True,
+                      help="vllm:tp=T[,dp=D][,ep][,placement=linear|round_robin][,all2all=B]"
+                           "[,dtype=auto|bfloat16|float16|float32]")
     plan.add_argument("--json", metavar="PATH", help="write the manifest and plan as JSON")
     plan.add_argument("--verify", action="store_true",
                       help="execute in-process on the checkpoint's data and check every worker")
@@ -752,7 +757,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="built-in tiny model (tiny-llama, tiny-qwen2, tiny-qwen3, tiny-qwen3-tied, "
                            "tiny-qwen3-moe, tiny-mixtral) or a checkpoint directory (default tiny-qwen3-moe)")
     demo.add_argument("--trainer", default="fsdp:4", help="replicated:N, fsdp:N or hsdp:R,S (default fsdp:4)")
-    demo.add_argument("--inference", default="vllm:tp=2,dp=1", help="vllm:tp=T[,dp=D][,ep] (default vllm:tp=2,dp=1)")
+    demo.add_argument("--inference", default="vllm:tp=2,dp=1", help="vllm:tp=T[,dp=D][,ep][,placement=P][,all2all=B][,dtype=X] "
+                           "(default vllm:tp=2,dp=1)")
     demo.add_argument("--rounds", type=int, default=2, help="update rounds, weights changed each round (default 2)")
     demo.add_argument("--timeout", type=float, default=60.0, help="bound on every wait, seconds (default 60)")
     demo.add_argument("--bucket-mib", type=float, default=4.0, help="transport bucket size in MiB (default 4)")

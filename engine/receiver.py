@@ -560,8 +560,9 @@ class M2NReceiver(WeightTransferEngine):
 
 def _abort(group) -> None:
     # A stateless group is not registered with torch.distributed, so
-    # destroy_process_group does not apply; abort() closes its pairs and
-    # cancels posted receives (the next bucket is always pre-posted).
+    # destroy_process_group does not apply. abort() stops this rank's own
+    # work; gloo closes the sockets (and peers see "connection closed") only
+    # when the last reference to the group and its work objects goes.
     try:
         group.abort()
     except RuntimeError:

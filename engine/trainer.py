@@ -252,7 +252,7 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
             raise
         try:
             if rpc is not None:
-                _join(*rpc, deadline.at + 0.9 * REPORT_GRACE_S, "init_weight_transfer_engine")
+                _join(*rpc, deadline.at + 0.75 * REPORT_GRACE_S, "init_weight_transfer_engine")
         except BaseException:
             _release(group)
             raise
@@ -312,9 +312,9 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
 
     def _send_round(self, weight_version) -> RoundStats:
         deadline = Deadline(self.init_info.timeout_s)
-        # The verdict ends by deadline + 0.8 grace (torch_p2p.finish_round);
-        # the RPC joins get to 0.9 of it, the rest is slack for a loaded machine.
-        hard = deadline.at + 0.9 * REPORT_GRACE_S
+        # The verdict ends by deadline + 0.65 grace (torch_p2p.finish_round);
+        # the RPC joins get to 0.75 of it, the rest is slack for a loaded machine.
+        hard = deadline.at + 0.75 * REPORT_GRACE_S
         self._round += 1
         version = str(weight_version) if weight_version is not None else str(self._round)
         rank, world = self.init_info.rank, self.payload.world_size

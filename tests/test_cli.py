@@ -191,13 +191,14 @@ def test_bad_trainer_spec_and_missing_path(tmp_path, capsys):
 
 
 def test_entry_point_exits_2_with_one_line_and_no_traceback(tmp_path):
-    # The one subprocess: the real entry point, exit status and stderr as a shell sees them.
+    # The one subprocess: the real entry point, exit status and stderr as a shell sees
+    # them (a spec refused before torch loads, so it costs an interpreter start only).
     r = subprocess.run([sys.executable, "-m", "m2nkit.engine.cli", "plan", str(EXAMPLE),
-                        "--trainer", "fsdp:2", "--inference", "vllm:tp=3"],
+                        "--trainer", "fsdp:2", "--inference", "vllm:tp=2,bogus=1"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stdout + r.stderr
     assert "Traceback" not in r.stderr
-    assert r.stderr.startswith("m2nkit: error:") and "tp=3" in r.stderr
+    assert r.stderr.startswith("m2nkit: error:") and "bogus" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
@@ -254,3 +255,83 @@ def test_failed_run_leaves_no_json_behind(tmp_path, capsys):
 def test_absurd_sizes_are_refused(capsys, trainer, inference, needle):
     code, _, err = run_plan(capsys, EXAMPLE, "--trainer", trainer, "--inference", inference)
     assert code == 2 and needle in err
+
+
+# --------------------------------------------------------------------------
+# checkpoints as they exist in the field (issue 11); the vLLM behaviour each
+# test relies on is pinned to real vLLM 0.33.0 dumps in test_vllm_oracle.py
+
+ORACLE = Path(__file__).resolve().parent / "data" / "oracle"
+
+
+def _one_line(out: str) -> str:
+    return " ".join(out.split())  # rich wraps long table cells
+
+
+@pytest.mark.parametrize("inference,dtype", [("vllm:tp=2", "bfloat16"),
+                                             ("vllm:tp=2,dtype=float16", "float16")])
+def test_config_without_dtype_plans_and_verifies(tmp_path, capsys, inference, dtype):
+    """No dtype in config.json: planner and reference both follow vLLM's dtype=auto."""
+    d = _copy(ORACLE / "tiny-qwen3-nodtype" / "checkpoint", tmp_path / "ck")
+    code, out, err = run_plan(capsys, d, "--trainer", "fsdp:2", "--inference", inference,
+                              "--verify", "--dump", tmp_path / "dump")
+    assert code == 0, out + err
+    assert "verify: all 2 workers" in out
+    assert "note" in out and f"parameters are {dtype}" in _one_line(out)
+    stored = load_file(tmp_path / "dump" / "worker0.safetensors")
+    assert {t.dtype for t in stored.values()} == {getattr(torch, dtype)}
+
+
+def test_integer_weight_without_quantization_config_is_refused(tiny_checkpoints, tmp_path,
+                                                                capsys):
+    d = _copy(tiny_checkpoints("tiny-qwen3"), tmp_path / "ck")
+    name = "model.layers.1.mlp.down_proj.weight"
+    t = load_file(d / "model.safetensors")
+    t[name] = t[name].to(torch.int8)
+    save_file(t, d / "model.safetensors", metadata={"format": "pt"})
+    code, out, err = run_plan(capsys, d, "--trainer", "fsdp:2", "--inference", "vllm:tp=2",
+                              "--verify")
+    assert code == 2, out + err
+    assert f"wire tensor '{name}' is int8" in err and "no quantization_config" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("inference", ["vllm:tp=2", "vllm:tp=4,ep", "vllm:tp=2,dp=2"])
+def test_experts_stacked_on_disk_plan_and_verify(tmp_path, capsys, inference):
+    d = ORACLE / "tiny-qwen3-moe-stacked" / "checkpoint"
+    out_json = tmp_path / "p.json"
+    code, out, err = run_plan(capsys, d, "--trainer", "fsdp:3", "--inference", inference,
+                              "--verify", "--json", out_json)
+    assert code == 0, out + err
+    assert "verify: all" in out and "ratio 1.000" in out
+    names = [w["name"] for w in json.loads(out_json.read_text())["plan"]["wires"]]
+    assert "model.layers.1.mlp.experts.down_proj.weight" in names
+
+
+def test_round_robin_request_says_it_falls_back(capsys, tmp_path):
+    out_json = tmp_path / "p.json"
+    code, out, err = run_plan(capsys, EXAMPLE, "--trainer", "fsdp:2", "--inference",
+                              "vllm:tp=2,ep,placement=round_robin", "--verify",
+                              "--json", out_json)
+    assert code == 0, out + err
+    assert "round_robin placement falls back" in _one_line(out)
+    notes = json.loads(out_json.read_text())["notes"]
+    assert len(notes) == 1 and "passes no num_expert_group" in notes[0]
+
+
+def test_uneven_expert_parallel_plans_and_verifies(tmp_path, capsys):
+    code, out, err = run_plan(capsys, ORACLE / "tiny-qwen3-moe-e10" / "checkpoint",
+                              "--trainer", "fsdp:3", "--inference", "vllm:tp=2,dp=2,ep",
+                              "--verify")
+    assert code == 0, out + err
+    assert "verify: all 4 workers" in out
+
+
+@pytest.mark.parametrize("inference,needle", [
+    ("vllm:tp=2,placement=rr", "placement must be one of linear, round_robin"),
+    ("vllm:tp=2,dtype=int8", "dtype must be one of auto, bfloat16, float16"),
+    ("vllm:tp=2,all2all=mpi", "all2all must be one of allgather_reducescatter"),
+])
+def test_bad_inference_options_are_refused(capsys, inference, needle):
+    code, out, err = run_plan(capsys, EXAMPLE, "--trainer", "fsdp:2", "--inference", inference)
+    assert code == 2 and needle in err and out == ""

@@ -34,6 +34,8 @@ from m2nkit.adapters.families import (
 )
 from m2nkit.adapters.families.kinds import (
     COLUMN,
+    EXPERT_BIAS_ONCE,
+    EXPERT_ROWS,
     KINDS,
     MERGED,
     QKV,
@@ -49,9 +51,13 @@ from m2nkit.adapters.families.sizes import Sizes
 from m2nkit.adapters.families.table import Family, HFNaming, Param, TinyModel
 
 REPO = Path(__file__).resolve().parent.parent
-SUPPORTED = ["LlamaForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+#: Families whose vLLM model has no tied lm_head parameter (see their modules).
+NEVER_TIED = ("GptOssForCausalLM", "Gemma2ForCausalLM")
+SUPPORTED = ["Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM",
+             "LlamaForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
              "Qwen3MoeForCausalLM"]
 ONE_MESSAGE = ("architecture 'DeepseekV3ForCausalLM' is not supported; supported: "
+               "Gemma2ForCausalLM, Gemma3ForCausalLM, GptOssForCausalLM, "
                "LlamaForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
                "Qwen3MoeForCausalLM")
 
@@ -75,14 +81,18 @@ def test_every_architecture_resolves_to_a_module_with_every_piece(arch):
     assert module.ARCHITECTURE == fam.architecture == arch
     # on-disk and in-memory names, expert fusing
     assert isinstance(module.HF_NAMES, HFNaming) and fam.hf is module.HF_NAMES
-    moe = any(p.kind in (W13, W2) for p in fam.params)
-    assert bool(fam.hf.fused_experts) == moe == bool(fam.hf.experts_on_disk)
+    moe = any(p.kind in (W13, W2, EXPERT_ROWS, EXPERT_BIAS_ONCE) for p in fam.params)
+    assert bool(fam.hf.fused_experts) == bool(fam.hf.experts_on_disk)
+    # experts re-fused from per-expert tensors, or stored stacked in another dim order (GPT-OSS)
+    assert moe == bool(fam.hf.fused_experts or fam.hf.permuted)
     # the vLLM table: shard kinds from kinds.py, conditions it names exist
     assert fam.params is module.VLLM_PARAMS and fam.params
     assert all(isinstance(p, Param) and p.kind in KINDS.values() for p in fam.params)
     assert fam.conditions is module.CONDITIONS
     assert {p.when for p in fam.params if p.when} <= set(fam.conditions)
-    assert any(p.tied_to for p in fam.params), "tied embeddings are a condition of every family"
+    # tied embeddings are a condition of every family, except where vLLM never ties
+    # (GPT-OSS) or has no lm_head at all (Gemma 2: logits from embed_tokens)
+    assert any(p.tied_to for p in fam.params) == (arch not in NEVER_TIED)
     assert fam.vllm_source == f"vllm/model_executor/models/{ARCHITECTURES[arch]}.py"
     # tiny test models
     assert fam.tiny is module.TINY_MODELS and fam.tiny
@@ -102,7 +112,8 @@ def test_tiny_models_come_from_the_families():
             expected[name] = (tiny.model_type, {"architectures": [arch], **tiny.config})
     assert BUILTIN_TINY_MODELS == expected
     assert list(BUILTIN_TINY_MODELS) == ["tiny-llama", "tiny-qwen2", "tiny-qwen3",
-                                         "tiny-qwen3-tied", "tiny-qwen3-moe", "tiny-mixtral"]
+                                         "tiny-qwen3-tied", "tiny-qwen3-moe", "tiny-mixtral",
+                                         "tiny-gpt-oss", "tiny-gemma2", "tiny-gemma3"]
 
 
 def test_unsupported_architecture_one_message_everywhere():
@@ -136,7 +147,8 @@ def test_registry_imports_without_torch_or_transformers():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("architecture 'X' is not supported; supported: LlamaForCausalLM")
+    assert r.stdout.startswith("architecture 'X' is not supported; supported: ")
+    assert r.stdout.strip().endswith(", ".join(SUPPORTED))
 
 
 # --------------------------------------------------------------------------
@@ -192,6 +204,10 @@ def _expected(kind: Kind, wires: dict, tp: int, dp: int, ep: bool, worker: int) 
         e = S.E // W
         return w[worker * e:(worker + 1) * e]
     n = S.Im // W                            # every expert, moe rank = worker
+    if kind is EXPERT_ROWS:                  # gate/up rows interleaved: one run per moe rank
+        return w[:, 2 * worker * n:2 * (worker + 1) * n]
+    if kind is EXPERT_BIAS_ONCE:             # added once: worker 0 holds it, the others zeros
+        return w if worker == 0 else torch.zeros_like(w)
     if kind is W13:
         return torch.cat([w[:, worker * n:(worker + 1) * n],
                           w[:, S.Im + worker * n:S.Im + (worker + 1) * n]], dim=1)
@@ -208,6 +224,9 @@ CASES = {
     "vocab": (VOCAB, ("V", "H"), {None: (70, 8)}),
     "w13": (W13, ("E", "2*Im", "H"), {None: (4, 8, 8)}),
     "w2": (W2, ("E", "H", "Im"), {None: (4, 8, 4)}),
+    "expert_rows": (EXPERT_ROWS, ("E", "2*Im", "H"), {None: (4, 8, 8)}),
+    "expert_rows_bias": (EXPERT_ROWS, ("E", "2*Im"), {None: (4, 8)}),
+    "expert_bias_once": (EXPERT_BIAS_ONCE, ("E", "H"), {None: (4, 8)}),
 }
 
 
@@ -369,7 +388,8 @@ FAMILY_NAMES = re.compile(  # (transformers' AutoModelForCausalLM is generic)
 
 def _family_free_files():
     adapters = REPO / "adapters"
-    return [adapters / "hf_checkpoint.py", *sorted((adapters / "vllm").glob("*.py"))]
+    return [adapters / "hf_checkpoint.py", adapters / "fsdp2.py", adapters / "module_names.py",
+            *sorted((adapters / "vllm").glob("*.py"))]
 
 
 @pytest.mark.parametrize("path", _family_free_files(), ids=lambda p: p.name)

@@ -35,7 +35,7 @@ MODELS = REPO / "examples" / "configs"  # real public configs, shipped
 EXAMPLE = REPO / "examples" / "tiny-qwen3-moe"
 
 ALL = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-tied", "tiny-qwen3-moe",
-       "tiny-mixtral"]
+       "tiny-mixtral", "tiny-gemma2", "tiny-gemma3"]  # tiny-gpt-oss: tests/test_gpt_oss.py
 MOE = ["tiny-qwen3-moe", "tiny-mixtral"]
 
 
@@ -669,3 +669,92 @@ def test_read_box_rejects_bad_requests(tiny_checkpoints):
             ckpt.read_box(name, box)
     with pytest.raises(CheckpointError, match="has no wire tensor 'model.layers.0.mlp.experts.0"):
         ckpt.read_box("model.layers.0.mlp.experts.0.down_proj.weight", ((0, 1), (0, 1)))
+
+
+# --------------------------------------------------------------------------
+# experts stored stacked on disk (as RL frameworks write transformers' fused
+# parameters); vLLM loads them like per-expert ones (test_vllm_oracle.py)
+
+
+def _stack_on_disk(t: dict, suffix: str = "", layers=None) -> None:
+    """Replace per-expert tensors by stacked ones named ``<block>.experts.gate_up_proj``
+    (+ ``suffix``): gate rows then up rows per expert (Mixtral: w1 then w3)."""
+    per: dict = defaultdict(dict)
+    for name in list(t):
+        m = _EXPERT_RE.match(name)
+        if m and (layers is None or f".layers.{layers}." in name):
+            per[m["prefix"]][(int(m["e"]), _ROLE[m["proj"]])] = t.pop(name)
+    for prefix, parts in per.items():
+        n = 1 + max(e for e, _ in parts)
+        t[f"{prefix}.experts.gate_up_proj{suffix}"] = torch.stack(
+            [torch.cat([parts[e, "gate"], parts[e, "up"]]) for e in range(n)])
+        t[f"{prefix}.experts.down_proj{suffix}"] = torch.stack([parts[e, "down"] for e in range(n)])
+
+
+@pytest.mark.parametrize("suffix", ["", ".weight"], ids=["in-memory-name", "wire-name"])
+@pytest.mark.parametrize("model", MOE)
+def test_experts_stacked_on_disk_are_the_wire_tensors(tiny_checkpoints, tmp_path, model, suffix):
+    d = copy_ckpt(tiny_checkpoints(model), tmp_path)
+    per_expert = read_checkpoint(d)
+    ref = reference_wire(disk_tensors(d))
+    rewrite(d / "model.safetensors", lambda t: _stack_on_disk(t, suffix))
+    ckpt = read_checkpoint(d)
+    assert ckpt.params == per_expert.params                    # same names, shapes, order
+    block = "mlp" if model == "tiny-qwen3-moe" else "block_sparse_moe"
+    wire = f"model.layers.1.{block}.experts.gate_up_proj.weight"
+    assert ckpt.disk_names(wire) == (f"model.layers.1.{block}.experts.gate_up_proj{suffix}",)
+    for name, want in ref.items():
+        assert torch.equal(ckpt.read_full(name), want), name
+    box = ((2, 5), (7, 40), (3, 100))
+    assert torch.equal(ckpt.read_box(wire, box), ref[wire][sl(box)])
+    assert read_checkpoint(d / "config.json").params == ckpt.params
+
+
+def test_experts_stacked_in_one_layer_per_expert_in_the_other(tiny_checkpoints, tmp_path):
+    d = copy_ckpt(tiny_checkpoints("tiny-qwen3-moe"), tmp_path)
+    ref = reference_wire(disk_tensors(d))
+    rewrite(d / "model.safetensors", lambda t: _stack_on_disk(t, layers=0))
+    ckpt = read_checkpoint(d)
+    assert ckpt.disk_names("model.layers.0.mlp.experts.down_proj.weight") == (
+        "model.layers.0.mlp.experts.down_proj",)
+    assert len(ckpt.disk_names("model.layers.1.mlp.experts.down_proj.weight")) == 8
+    assert all(torch.equal(ckpt.read_full(n), t) for n, t in ref.items())
+
+
+def test_error_experts_both_stacked_and_per_expert(tiny_checkpoints, tmp_path):
+    d = copy_ckpt(tiny_checkpoints("tiny-qwen3-moe"), tmp_path)
+
+    def both(t):
+        keep = dict(t)
+        _stack_on_disk(t, layers=1)
+        t.update({n: v for n, v in keep.items() if ".layers.1.mlp.experts.3." in n})
+
+    rewrite(d / "model.safetensors", both)
+    _raises(d, "tensor 'model.layers.1.mlp.experts.gate_up_proj'", "holds the experts stacked",
+            "also holds 'model.layers.1.mlp.experts.3.gate_proj.weight'", "one form per MoE block")
+
+
+def test_error_experts_stacked_transposed(tiny_checkpoints, tmp_path):
+    d = copy_ckpt(tiny_checkpoints("tiny-qwen3-moe"), tmp_path)
+
+    def transposed(t):
+        _stack_on_disk(t)
+        name = "model.layers.0.mlp.experts.gate_up_proj"
+        t[name] = t[name].transpose(1, 2).contiguous()
+
+    rewrite(d / "model.safetensors", transposed)
+    _raises(d, "tensor 'model.layers.0.mlp.experts.gate_up_proj'", "has shape [8, 128, 64]",
+            "expects stacked experts [8, 64, 128]", "gate rows then its up rows")
+
+
+def test_error_missing_experts_mentions_the_stacked_form(tiny_checkpoints, tmp_path):
+    d = copy_ckpt(tiny_checkpoints("tiny-qwen3-moe"), tmp_path)
+
+    def drop(t):
+        for n in [n for n in t if n.startswith("model.layers.1.mlp.experts.")]:
+            del t[n]
+
+    rewrite(d / "model.safetensors", drop)
+    _raises(d, "'model.layers.1.mlp.experts.0.gate_proj.weight'",
+            "experts may also be stored stacked per layer, e.g. "
+            "'model.layers.1.mlp.experts.gate_up_proj'")

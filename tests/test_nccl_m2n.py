@@ -505,12 +505,12 @@ def _gloo_rank(rank, world, trainer, inference, port, out_dir):
 
 @pytest.mark.parametrize("trainer,inference", [("fsdp:2", "vllm:tp=2"), ("hsdp:2,1", "vllm:tp=1,dp=2")])
 def test_full_round_over_gloo(tmp_path, trainer, inference):
-    import multiprocessing as mp
-
     T = parse_trainer_spec(trainer).num_ranks
     N = parse_inference_spec(inference).num_workers
     world, port = T + N, _free_port()
-    ctx = mp.get_context("spawn")
+    from _procs import CTX as ctx, ensure_forkserver
+
+    ensure_forkserver()           # children fork with torch loaded: no import per process
     procs = [ctx.Process(target=_gloo_rank, args=(r, world, trainer, inference, port, str(tmp_path)))
              for r in range(world)]
     for p in procs:

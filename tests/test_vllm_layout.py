@@ -30,9 +30,16 @@ from m2nkit.adapters.vllm import (
 from m2nkit.manifest import ParamMeta
 
 DATA = Path(__file__).parent / "data" / "oracle"
-DENSE = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-tied"]
+DENSE = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-tied", "tiny-gemma2", "tiny-gemma3"]
 MOE = ["tiny-qwen3-moe", "tiny-mixtral"]
+#: tiny-gpt-oss (nkv = 4, E = 4, I = 128): vLLM's GPT-OSS takes tp <= nkv and an EP size
+#: dividing E (families/gpt_oss.py), so its layouts are listed: (tp, dp, ep).
+GPT_OSS_LAYOUTS = [(1, 1, False), (2, 1, False), (4, 1, False), (1, 2, False), (2, 2, False),
+                   (4, 2, False), (2, 1, True), (4, 1, True), (1, 2, True), (2, 2, True),
+                   (1, 4, True)]
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
+#: GPT-OSS's stacked experts, stored [E, in, out]; the wire carries them [E, out, in].
+_STACKED_IN_OUT = re.compile(r"^(.*\.experts\.(?:gate_up_proj|down_proj))$")
 
 
 def stack_experts(ckpt: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -64,6 +71,9 @@ def load_model(model: str):
     config = json.loads((ckpt_dir / "config.json").read_text())
     ckpt = load_file(str(ckpt_dir / "model.safetensors"))
     wire = stack_experts(ckpt)
+    if config["architectures"][0] == "GptOssForCausalLM":
+        wire = {(n + ".weight" if _STACKED_IN_OUT.match(n) else n):
+                (t.transpose(1, 2) if _STACKED_IN_OUT.match(n) else t) for n, t in wire.items()}
     metas = [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in wire.items()]
     return config, ckpt, wire, metas
 
@@ -101,6 +111,9 @@ def _cases():
             for dp in (1, 2):
                 for ep in ((False, True) if model in MOE else (False,)):
                     yield pytest.param(model, tp, dp, ep, id=f"{model}-tp{tp}-dp{dp}{'-ep' if ep else ''}")
+    for tp, dp, ep in GPT_OSS_LAYOUTS:
+        yield pytest.param("tiny-gpt-oss", tp, dp, ep,
+                           id=f"tiny-gpt-oss-tp{tp}-dp{dp}{'-ep' if ep else ''}")
 
 
 @pytest.mark.parametrize("model,tp,dp,ep", list(_cases()))
@@ -119,7 +132,7 @@ def test_layout_equals_reference(model, tp, dp, ep):
         for name, t in store.items():
             assert t.shape == ref[name].shape, name
             c = count[name]
-            assert int(c.min()) == 1 and int(c.max()) == 1, (
+            assert c.numel() == 0 or int(c.min()) == 1 and int(c.max()) == 1, (
                 f"{name} on worker {worker}: {(c == 0).sum()} elements unwritten, "
                 f"{(c > 1).sum()} written twice")
             assert torch.equal(bits(t), bits(ref[name])), f"{name} differs on worker {worker}"
@@ -410,6 +423,11 @@ def test_wire_shape_mismatch_raises_and_params_keep_the_model_dtype():
     ("vllm:tp=2,pp=2", r"unknown key 'pp'; valid keys are tp, dp, ep"),
     ("vllm:tp=2,ep=maybe", "must be 'ep', 'ep=1' or 'ep=0'"),
     ("vllm:tp=2,,dp=2", "empty item"),
+    ("vllm:tp=2,placement=striped", "placement must be one of linear, round_robin"),
+    ("vllm:tp=2,placement", "placement must be one of"),
+    ("vllm:tp=2,dtype=fp8", "dtype must be one of auto, bfloat16, float16, half, float32, float"),
+    ("vllm:tp=2,all2all=nccl", "all2all must be one of allgather_reducescatter, naive"),
+    ("vllm:tp=2,dtype=auto,dtype=half", "gives 'dtype' twice"),
 ])
 def test_bad_spec_strings(text, match):
     with pytest.raises(ValueError, match=match):
@@ -424,6 +442,77 @@ def test_spec_parsing_and_worker_numbering():
     assert s.num_workers == 8 and s.worker(1, 3) == 7 and (s.dp_index(7), s.tp_rank(7)) == (1, 3)
     with pytest.raises(ValueError, match="tp=0"):
         InferenceSpec(0)
+    # vLLM engine options: canonical text round-trips; defaults are left out of it
+    s = parse_inference_spec("vllm:tp=2,ep,PLACEMENT=Round_Robin,dtype=half,dp=2,"
+                             "all2all=deepep_low_latency")
+    assert (s.placement, s.dtype, s.all2all) == ("round_robin", "float16", "deepep_low_latency")
+    assert str(s) == ("vllm:tp=2,dp=2,ep,placement=round_robin,all2all=deepep_low_latency,"
+                      "dtype=float16")
+    assert parse_inference_spec(str(s)) == s
+    assert str(parse_inference_spec("vllm:tp=2,placement=linear,dtype=auto")) == "vllm:tp=2,dp=1"
+    assert parse_inference_spec("vllm:tp=1,dtype=float").dtype == "float32"
+    with pytest.raises(ValueError, match=r"placement='striped' is not one of linear, round_robin"):
+        InferenceSpec(2, placement="striped")
+    with pytest.raises(ValueError, match=r"dtype='half' is not one of auto, bfloat16"):
+        InferenceSpec(2, dtype="half")              # the dataclass takes canonical names
+
+
+# -- dtype as vLLM decides it (vllm/config/model.py _resolve_auto_dtype; the
+#    oracle dumps pin the common cases in test_vllm_oracle.py) -----------------
+
+@pytest.mark.parametrize("config_dtype,file_dtypes,spec_dtype,expected", [
+    ("bfloat16", [torch.float32], "auto", torch.bfloat16),    # the config's dtype wins
+    ("float16", [torch.bfloat16], "auto", torch.float16),
+    ("float32", [torch.float32], "auto", torch.bfloat16),     # fp32 -> preferred bf16
+    (None, [torch.bfloat16], "auto", torch.bfloat16),         # no config dtype: the files
+    (None, [torch.float16], "auto", torch.float16),
+    (None, [torch.float32], "auto", torch.bfloat16),
+    (None, [torch.bfloat16, torch.float32], "auto", torch.bfloat16),  # common: fp32 -> bf16
+    (None, [torch.float16, torch.float32], "auto", torch.bfloat16),
+    (None, [torch.bfloat16, torch.int8], "auto", torch.bfloat16),     # int8 casts into bf16
+    (None, [torch.int8], "auto", torch.bfloat16),              # not supported -> preferred
+    (None, [], "auto", torch.bfloat16),                        # nothing to read: fp32 -> bf16
+    ("bfloat16", [torch.bfloat16], "float16", torch.float16),  # --dtype overrides
+    ("bfloat16", [torch.bfloat16], "float32", torch.float32),
+    (None, [torch.float16, torch.bfloat16], "bfloat16", torch.bfloat16),
+])
+def test_model_dtype_follows_vllm_auto(config_dtype, file_dtypes, spec_dtype, expected):
+    from m2nkit.adapters.vllm.dtype import model_dtype
+
+    config = {"model_type": "qwen3", **({"dtype": config_dtype} if config_dtype else {})}
+    got = model_dtype(config, spec_dtype, file_dtypes)
+    assert got.dtype == expected
+    assert (got.note is None) == (spec_dtype == "auto" and config_dtype is not None
+                                  and getattr(torch, config_dtype) == expected)
+
+
+def test_model_dtype_reads_torch_dtype_and_text_config_and_refuses_what_vllm_does():
+    from m2nkit.adapters.vllm.dtype import model_dtype
+
+    assert model_dtype({"torch_dtype": "float16"}).dtype == torch.float16
+    assert model_dtype({"text_config": {"dtype": "float16"}}).dtype == torch.float16
+    # float16 is not supported for gemma2: auto falls back, an explicit float16 is refused
+    assert model_dtype({"model_type": "gemma2", "dtype": "float16"}).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=r"dtype=float16: vLLM refuses float16 for model_type "
+                                         r"'gemma2'"):
+        model_dtype({"model_type": "gemma2"}, "float16")
+    # fp16 and bf16 tensors, no config dtype: vLLM's choice depends on set order
+    with pytest.raises(ValueError, match=r"names no dtype .* bfloat16, float16.*e\.g\. "
+                                         r"dtype=bfloat16"):
+        model_dtype({}, "auto", [torch.float16, torch.bfloat16])
+
+
+def test_integer_or_fp8_wire_tensor_needs_a_quantization_config():
+    config, _, _, metas = load_model("tiny-qwen3")
+    name = "model.layers.0.mlp.down_proj.weight"
+    for dtype in (torch.int8, torch.uint8, torch.int32, torch.float8_e4m3fn):
+        bad = [m if m.name != name else ParamMeta(name, dtype, m.shape) for m in metas]
+        short = str(dtype).removeprefix("torch.")
+        with pytest.raises(ValueError, match=rf"wire tensor '{name}' is {short}, but the "
+                                             r"Qwen3ForCausalLM config has no quantization_config"):
+            destination_layout(config, bad, "vllm:tp=2")
+        quantized = {**config, "quantization_config": {"quant_method": "fp8"}}
+        destination_layout(quantized, bad, "vllm:tp=2")       # this rule leaves it to the family
 
 
 # -- scale --------------------------------------------------------------------

@@ -52,6 +52,7 @@ from .sizes import Sizes
 __all__ = [
     "VOCAB_PADDING", "padded_vocab", "expert_ids", "Geometry", "Kind",
     "Replicated", "Column", "Row", "Qkv", "Merged", "Vocab", "ExpertsW13", "ExpertsW2",
+    "ExpertsRows", "ExpertsBiasOnce", "EXPERT_ROWS", "EXPERT_BIAS_ONCE",
     "ReplicatedMerged",
     "REPLICATED", "COLUMN", "ROW", "QKV", "MERGED", "VOCAB", "W13", "W2",
     "REPLICATED_MERGED", "KINDS",
@@ -613,6 +614,77 @@ class ReplicatedMerged(Kind):
         param.narrow(0, at, wire.shape[0]).copy_(wire)
 
 
+class ExpertsRows(_Experts):
+    """Stacked experts split by rows: wire ``[E, R, *rest]`` -> local ``[E_local, R/tp_moe, *rest]``.
+
+    Moe rank ``k`` holds the contiguous rows ``[k*R/tp_moe, (k+1)*R/tp_moe)``
+    of each of its experts (with EP: whole experts, one box per run of
+    :attr:`Geometry.expert_runs`). GPT-OSS's fused gate/up (``R = 2*Im``,
+    weight ``[E, 2*Im, H]`` and bias ``[E, 2*Im]``), whose rows interleave
+    gate and up (row ``2i`` is gate ``i``, row ``2i+1`` up ``i``) in the
+    checkpoint and in vLLM alike, so a rank's gate and up rows are one run.
+    vLLM 0.33.0 ``models/gpt_oss.py`` ``GptOssModel._load_weights_other``:
+    ``w13_weight = weight[:, :, 2*tp_rank_start:2*tp_rank_end]`` then
+    ``permute(0, 2, 1)`` (the transposition is the wire form's:
+    ``m2nkit.adapters.families.gpt_oss``), ``w13_bias = weight[:,
+    2*tp_rank_start:2*tp_rank_end]``, with EP ``weight[ep_rank_start:
+    ep_rank_end]``; ``tp_rank`` flattened over dp*tp
+    (``FusedMoEParallelConfig.flatten_tp_across_dp_and_pcp``).
+    """
+
+    name = "expert_rows"
+    source = "vllm models/gpt_oss.py GptOssModel._load_weights_other (w13_weight, w13_bias)"
+
+    def local_shape(self, dims, parts, g):
+        return (g.e_local, dims[1] // g.moe_tp, *dims[2:])
+
+    def boxes(self, shape, part, g):
+        n, k, rest = shape[1] // g.moe_tp, g.moe_rank, _full(shape[2:])
+        return [(((e0, e1), (k * n, (k + 1) * n), *rest), (at, 0, *(0,) * len(rest)))
+                for e0, e1, at in g.expert_runs]
+
+    def load(self, param, wire, part, g):
+        n = param.shape[1]
+        for i, e in enumerate(g.experts):
+            param[i].copy_(wire[e].narrow(0, g.moe_rank * n, n))
+
+
+class ExpertsBiasOnce(_Experts):
+    """Stacked output bias of row-parallel experts: wire ``[E, H]`` -> local ``[E_local, H]``.
+
+    Without EP the experts' down projection is split over the moe ranks by
+    its input dim and the partial outputs are summed, so vLLM adds the bias
+    on one rank only: moe rank 0 (worker 0, the tp rank being flattened over
+    dp*tp) holds every expert's bias, every other worker holds zeros. With
+    EP each worker holds its experts' rows whole. vLLM 0.33.0
+    ``models/gpt_oss.py`` ``GptOssModel._load_weights_other`` (``w2_bias``:
+    ``weight.zero_()`` when ``tp_rank != 0``, "only load on rank 0 to avoid
+    duplication"; with EP ``weight[ep_rank_start:ep_rank_end]``).
+    """
+
+    name = "expert_bias_once"
+    source = "vllm models/gpt_oss.py GptOssModel._load_weights_other (w2_bias)"
+
+    def local_shape(self, dims, parts, g):
+        return (g.e_local, *dims[1:])
+
+    def boxes(self, shape, part, g):
+        if g.moe_rank:
+            return []
+        rest = _full(shape[1:])
+        return [(((e0, e1), *rest), (at, *(0,) * len(rest))) for e0, e1, at in g.expert_runs]
+
+    def zero_boxes(self, local_shape, g):
+        return (_full(local_shape),) if g.moe_rank else ()
+
+    def load(self, param, wire, part, g):
+        if g.moe_rank:
+            param.zero_()
+            return
+        for i, e in enumerate(g.experts):
+            param[i].copy_(wire[e])
+
+
 REPLICATED = Replicated()
 COLUMN = Column()
 ROW = Row()
@@ -621,8 +693,11 @@ MERGED = Merged()
 VOCAB = Vocab()
 W13 = ExpertsW13()
 W2 = ExpertsW2()
+EXPERT_ROWS = ExpertsRows()
+EXPERT_BIAS_ONCE = ExpertsBiasOnce()
 REPLICATED_MERGED = ReplicatedMerged()
 
 #: Every shard kind, by name.
 KINDS: dict[str, Kind] = {k.name: k for k in (REPLICATED, COLUMN, ROW, QKV, MERGED, VOCAB, W13, W2,
-                                              REPLICATED_MERGED)}
+                                              REPLICATED_MERGED,
+                                              EXPERT_ROWS, EXPERT_BIAS_ONCE)}

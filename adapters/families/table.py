@@ -50,6 +50,13 @@ class Param:
             ``AutoWeightsLoader`` skips aliased params).
         aliases: names of other paths to the same storage; may use
             placeholders of the vLLM version name table (``{router_alias}``).
+        dtype: the dtype vLLM allocates it in when that is not the model
+            dtype (DeepSeek-V3's ``e_score_correction_bias``: float32);
+            ``None``: the model dtype.
+        quantized: vLLM builds the layer with the model's ``quant_config``
+            (a linear layer or routed experts); with an fp8 block
+            ``quantization_config`` it becomes float8 and gains a
+            ``weight_scale_inv`` (``m2nkit.adapters.families.quant``).
 
     Raises:
         ValueError: ``kind`` is not a shard kind.
@@ -62,6 +69,8 @@ class Param:
     when: str | None = None
     tied_to: str | None = None
     aliases: tuple[str, ...] = ()
+    dtype: Any = None
+    quantized: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, Kind):
@@ -111,14 +120,31 @@ class HFNaming:
         experts_on_disk: part -> on-disk per-expert pattern (``{prefix}``:
             the MoE block after renames, ``{e}``: the expert) for every part
             of ``fused_experts``.
+        permuted: on-disk leaf -> ``(wire leaf, order)`` for a tensor that
+            is stored in another dim order than the wire's: the wire tensor
+            ``<prefix>.<wire leaf>`` is the on-disk ``<prefix>.<leaf>``
+            with its dims permuted, ``disk.permute(order)`` (GPT-OSS's
+            stacked experts, stored ``[E, in, out]``, travel ``[E, out,
+            in]``). A trainer rank's piece is its own box permuted the same
+            way, a local view or copy; nothing is gathered.
+        refused: ``(regex, reason)``: on-disk tensors the family cannot
+            carry (``re.search`` on the name), and why; a checkpoint holding
+            one is refused naming it.
+        config_classes: ``model_type`` a ``config.json`` may carry that
+            transformers has no class for -> the ``model_type`` whose config
+            class reads it (Kimi-K2's ``kimi_k2`` -> ``deepseek_v3``).
 
     Raises:
-        ValueError: a part of ``fused_experts`` has no on-disk pattern.
+        ValueError: a part of ``fused_experts`` has no on-disk pattern; an
+            ``order`` of ``permuted`` that is not a permutation.
     """
 
     renames: tuple[tuple[str, str], ...] = ()
     fused_experts: Mapping[str, tuple[str, tuple[str, ...]]] = field(default_factory=dict)
     experts_on_disk: Mapping[str, str] = field(default_factory=dict)
+    permuted: Mapping[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+    refused: tuple[tuple[str, str], ...] = ()
+    config_classes: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         parts = {p for _, ps in self.fused_experts.values() for p in ps}
@@ -126,12 +152,30 @@ class HFNaming:
         if missing:
             raise ValueError(f"HFNaming: fused expert parts {missing} have no on-disk pattern "
                              f"in experts_on_disk (has {sorted(self.experts_on_disk)})")
+        for leaf, (_, order) in self.permuted.items():
+            if sorted(order) != list(range(len(order))):
+                raise ValueError(f"HFNaming: permuted {leaf!r} has order {order}, which is not "
+                                 f"a permutation of 0..{len(order) - 1}")
 
     def disk_name(self, in_memory: str) -> str:
         """The on-disk name of in-memory parameter ``in_memory`` (not a fused expert)."""
         for pattern, repl in self.renames:
             in_memory = re.sub(pattern, repl, in_memory)
         return in_memory
+
+    def permuted_leaf(self, name: str) -> str | None:
+        """The ``permuted`` leaf ``name`` (in memory or on disk) ends with, or ``None``."""
+        for leaf in self.permuted:
+            if name.endswith("." + leaf):
+                return leaf
+        return None
+
+    def refusal(self, disk_name: str) -> str | None:
+        """Why the family refuses on-disk tensor ``disk_name``, or ``None``."""
+        for pattern, reason in self.refused:
+            if re.search(pattern, disk_name):
+                return reason
+        return None
 
     def fused_leaf(self, in_memory: str) -> str | None:
         """The ``fused_experts`` leaf ``in_memory`` ends with, or ``None``."""
@@ -199,11 +243,19 @@ class Family:
             the Megatron adapter fills them.
         vllm_source: the vLLM model file the table restates.
         module: the module defining the family (for messages).
+        skip: ``(config, wire name) -> reason or None``: wire tensors a
+            checkpoint may hold that vLLM's model skips on purpose
+            (DeepSeek-V3's MTP layer); the plan lists them as skipped with
+            the reason. ``None``: none.
         num_expert_group: config -> the ``num_expert_group`` the family's
             vLLM MoE layer passes to ``FusedMoEFactory`` (DeepSeek-V3: the
             config's ``n_group``); ``None`` (the default): it passes none.
             vLLM honours round-robin expert placement only with more than
             one group (``m2nkit.adapters.vllm.placement``).
+        notes: config -> sentences a plan of this config must carry (how the
+            family reads a config variant it plans differently from what
+            the config alone says, e.g. a quantized config planned in
+            bf16); ``None``: none. They end up in ``DestinationLayout.notes``.
 
     Raises:
         ValueError: a ``Param.when`` names no condition.
@@ -219,7 +271,9 @@ class Family:
     megatron_names: tuple = ()
     vllm_source: str = ""
     module: str = ""
+    skip: Callable[[Any, str], str | None] | None = None
     num_expert_group: Callable[[Any], int | None] | None = None
+    notes: Callable[[Any], tuple[str, ...]] | None = None
 
     def __post_init__(self) -> None:
         for p in self.params:

@@ -6,7 +6,10 @@ is data in ``m2nkit.adapters.families`` (one module per family, built from
 the shard kinds of ``families/kinds.py``, each citing the vLLM 0.33.0 code
 it restates). This package holds only what is the same for every family:
 
-* ``spec.py``: the parallel spec ``vllm:tp=T[,dp=D][,ep]``;
+* ``spec.py``: the spec ``vllm:tp=T[,dp=D][,ep][,placement=P][,all2all=B][,dtype=X]``;
+* ``placement.py``: which expert placement vLLM really uses (a round-robin
+  request falls back to linear unless the model has expert groups, ...);
+* ``dtype.py``: the dtype vLLM allocates parameters in (``--dtype``, ``auto``);
 * ``names.py``: vLLM parameter names that change between vLLM versions;
 * ``destination.py``: ``destination_layout``, a family + a spec -> the
   ``DestinationLayout`` the planner intersects with the trainer's layout;
@@ -19,7 +22,8 @@ It never loads vLLM and moves no bytes.
 
 Public API::
 
-    parse_inference_spec("vllm:tp=T[,dp=D][,ep]") -> InferenceSpec(tp, dp, ep)
+    parse_inference_spec("vllm:tp=T[,dp=D][,ep][,...]") -> InferenceSpec(tp, dp, ep, placement,
+                                                                         all2all, dtype)
     destination_layout(config, wire: Sequence[ParamMeta], spec) -> DestinationLayout
     vllm_destination(config, spec) -> VLLMDestination (callable: metas -> DestinationLayout)
     reference_load(config, checkpoint_tensors, spec, worker) -> {vLLM name: local tensor}

@@ -27,6 +27,7 @@ from m2nkit.manifest import Binding, DestinationLayout, DestinationParam, ParamM
 
 from ..families import family_for
 from ..families.kinds import Geometry
+from ..families.quant import quantized_params
 from ..families.sizes import Sizes
 from ..families.table import Family, Param
 from .dtype import model_dtype
@@ -133,10 +134,11 @@ def expand(family: Family, config: Any, s: Sizes, names: dict) -> Expanded:
     module order).
     """
     out = Expanded([], {}, {}, {}, {})
-    layered = [p for p in family.params if "{L}" in p.name]
-    first = next((i for i, p in enumerate(family.params) if "{L}" in p.name), len(family.params))
-    pre = [p for p in family.params[:first] if "{L}" not in p.name]
-    post = [p for p in family.params[first:] if "{L}" not in p.name]
+    table = quantized_params(family, config)  # + fp8 weight_scale_inv where quantized
+    layered = [p for p in table if "{L}" in p.name]
+    first = next((i for i, p in enumerate(table) if "{L}" in p.name), len(table))
+    pre = [p for p in table[:first] if "{L}" not in p.name]
+    post = [p for p in table[first:] if "{L}" not in p.name]
 
     def add(p: Param, layer: int | None) -> None:
         name = _fill(p.name, layer, names)
@@ -291,6 +293,8 @@ def destination_layout(
                 skipped[wname] = ex.skipped[wname]
             elif is_rotary_cache(wname):
                 skipped[wname] = "rotary cache, not a weight (vLLM AutoWeightsLoader skips it)"
+            elif family.skip is not None and family.skip(config, wname):
+                skipped[wname] = family.skip(config, wname)
             elif wname in ex.absent:
                 unknown[wname] = ex.absent[wname]
             else:
@@ -331,8 +335,9 @@ def destination_layout(
                          if p.kind.by_worker else shapes[name])
                 local[key] = shape, p.kind.zero_boxes(shape, geo[w])
             shape, zero = local[key]
-            params.append(DestinationParam(w, name, param_dtype, shape, zero))
-    notes = tuple(n for n in (decided.note, placement.note) if n)
+            params.append(DestinationParam(w, name, p.dtype or param_dtype, shape, zero))
+    family_notes = family.notes(config) if family.notes is not None else ()
+    notes = tuple(n for n in (decided.note, placement.note, *family_notes) if n)
     return DestinationLayout(
         spec=str(spec), num_workers=W, params=tuple(params), bindings=bindings,
         skipped=skipped, aliases=dict(ex.aliases), unknown=unknown, notes=notes,

@@ -29,6 +29,7 @@ import torch
 from ..experts import expert_name, group_expert_tensors
 from ..families import family_for
 from ..families.kinds import Geometry
+from ..families.quant import stack_expert_scales
 from ..families.table import Family
 from .destination import check_parallel, expand, is_rotary_cache
 from .dtype import model_dtype
@@ -47,12 +48,24 @@ def _stack_experts(family: Family, tensors: Mapping[str, torch.Tensor]) -> dict[
     ``HFNaming`` names the parts on disk). Experts stored stacked already
     (``<prefix>.experts.gate_up_proj``, ``HFNaming.stacked_on_disk``) are
     renamed to their wire name, as vLLM's ``RoutedExperts.load_weights``
-    takes them whole.
+    takes them whole. Tensors stored in another dim order than the wire's
+    (``HFNaming.permuted``) are permuted into it, as the vLLM loader of
+    such a family does (GPT-OSS: ``permute(0, 2, 1)``).
 
     Raises:
         ValueError: a MoE block lacking an expert or a part.
     """
     hf = family.hf
+    if hf.permuted:
+        wire_form = {}
+        for n, t in tensors.items():
+            leaf = hf.permuted_leaf(n)
+            if leaf is None:
+                wire_form[n] = t
+            else:
+                wire_leaf, order = hf.permuted[leaf]
+                wire_form[n[: -len(leaf)] + wire_leaf] = t.permute(order)
+        tensors = wire_form
     if not hf.experts_on_disk:
         return dict(tensors)
     grouped = group_expert_tensors(tensors, hf.experts_on_disk)
@@ -124,12 +137,14 @@ def reference_load(
     dtype = model_dtype(config, spec.dtype, (t.dtype for t in checkpoint_tensors.values())).dtype
     params = {
         name: torch.full(p.kind.local_shape(s.resolve(p.dims), len(p.feeds), g), fill,
-                         dtype=dtype)
+                         dtype=p.dtype or dtype)
         for name, p in ex.params
     }
     with torch.no_grad():
-        for name, tensor in _stack_experts(family, checkpoint_tensors).items():
-            if is_rotary_cache(name) or name in ex.skipped:
+        tensors = stack_expert_scales(family.hf, checkpoint_tensors)  # fp8 block scales
+        for name, tensor in _stack_experts(family, tensors).items():
+            if (is_rotary_cache(name) or name in ex.skipped
+                    or (family.skip is not None and family.skip(config, name))):
                 continue                                    # AutoWeightsLoader skips
             hit = ex.feeds.get(name)
             if hit is None:

@@ -441,13 +441,14 @@ def finish_round(store, rank: int, world_size: int, *, num_trainer_ranks: int, r
     succeeded still learns that a worker lost data.
 
     Timing, with ``deadline`` the round's (else ``timeout_s`` from now):
-    reports are collected until ``deadline`` + 0.6 ``grace_s``; once some
-    rank has reported a failure, for at most 0.6 ``grace_s`` more (enough
-    for the ranks that failed because of it to say so). Trainer rank 0 (the
-    store's host) then stays until the ranks that reported have read the
-    verdict, at most until ``deadline`` + 0.8 ``grace_s``. The rest of
-    ``grace_s`` is slack for a loaded machine, so this returns or raises by
-    ``deadline.at + grace_s`` on every rank that reaches it, and within
+    reports are collected until ``deadline`` + half of ``grace_s``; once
+    some rank has reported a failure, for at most half of ``grace_s`` more
+    (enough for the ranks that failed because of it to say so). Trainer
+    rank 0 (the store's host) then stays until the ranks that reported have
+    read the verdict, at most until ``deadline`` + 0.65 ``grace_s``. The
+    rest of ``grace_s`` is slack for a loaded machine (where a few
+    milliseconds of work can take a few hundred), so this returns or raises
+    by ``deadline.at + grace_s`` on every rank that reaches it, and within
     ``grace_s`` of the first reported failure.
 
     ``round_id`` must be new within the session (the trainer's round
@@ -466,16 +467,18 @@ def finish_round(store, rank: int, world_size: int, *, num_trainer_ranks: int, r
     deadline = Deadline.of(deadline, timeout_s)
     me = rank_label(rank, num_trainer_ranks)
     prefix = f"verdict/{round_id}/"
-    collect = 0.6 * grace_s
+    collect = 0.5 * grace_s
     hard = deadline.at + collect            # last moment to collect reports
-    host_until = deadline.at + 0.8 * grace_s
+    host_until = deadline.at + 0.65 * grace_s
     reports: dict[int, dict] = {}
     try:
-        seq = store.add(prefix + "failed", 1) if error else 0
-        store.set(prefix + f"rank{rank}", json.dumps({"error": error, "seq": seq}))
-        store.add(prefix + "reported", 1)
-        if on_reported is not None:
-            on_reported()
+        try:
+            seq = store.add(prefix + "failed", 1) if error else 0
+            store.set(prefix + f"rank{rank}", json.dumps({"error": error, "seq": seq}))
+            store.add(prefix + "reported", 1)
+        finally:
+            if on_reported is not None:
+                on_reported()
         first_failure_at = None
         pause = 0.005
         while True:

@@ -14,6 +14,15 @@ Layouts are chosen to keep the folder under ~25 MB: tp 1, 2, 8 for dense
 models (tp 2 covers one KV head per rank, tp 8 four ranks sharing a KV head;
 tp 4 adds no new rule), all of tp 1/2/4/8 and EP 2/4/8 for Qwen3-MoE, and
 tp 1/2/8 plus EP 2/4/8 for Mixtral.
+
+Besides the built-in tiny models, ``CHECKPOINTS`` builds variants that pin
+vLLM's expert placement and dtype rules: an expert count EP does not divide
+(``-e10``, ``-e6``), experts stored stacked on disk (``-stacked``), configs
+without a dtype or with float32 (``tiny-qwen3-nodtype*``, ``-fp32``), and a
+DeepSeek-V3 with two expert groups (round-robin placement). A layout may add
+options after ``(tp, ep)``: ``"round_robin"`` (``--expert-placement``) or a
+dtype (``--dtype``); without one vLLM's default ``--dtype auto`` is passed.
+The folder is named ``tp<T>[_ep][_<option>...]``.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 DENSE = [(1, False), (2, False), (8, False)]
-LAYOUTS: dict[str, list[tuple[int, bool]]] = {
+LAYOUTS: dict[str, list[tuple]] = {  # (tp, ep, *options)
     "tiny-llama": DENSE,
     "tiny-qwen2": DENSE,
     "tiny-qwen3": DENSE,
@@ -37,11 +46,136 @@ LAYOUTS: dict[str, list[tuple[int, bool]]] = {
     "tiny-qwen3-moe": [(1, False), (2, False), (4, False), (8, False),
                        (2, True), (4, True), (8, True)],
     "tiny-mixtral": [(1, False), (2, False), (8, False), (2, True), (4, True), (8, True)],
+    # tp 1/2/4 (tp 4 shares KV heads and splits I = 128 into 32 rows, the
+    # smallest vLLM's CPU MoE kernel takes with swigluoai), EP 2 and 4
+    "tiny-gpt-oss": [(1, False), (2, False), (4, False), (2, True), (4, True)],
+    "tiny-gemma2": [(1, False), (2, False), (4, False)],
+    "tiny-gemma3": [(1, False), (2, False), (4, False)],
+    # expert placement (checkpoints from CHECKPOINTS below): E=10 over ep 4 is
+    # 3,3,2,2; over ep 8 2,2,1,...; E=6 over ep 8 leaves two ranks without
+    # experts; round robin falls back to linear without expert groups and
+    # is honoured with DeepSeek-V3's n_group=2
+    "tiny-qwen3-moe-e10": [(4, True), (8, True), (4, True, "round_robin")],
+    "tiny-mixtral-e6": [(8, True)],
+    "tiny-deepseek-v3-groups": [(4, True), (4, True, "round_robin")],
+    "tiny-qwen3-moe-stacked": [(2, False), (4, True)],
+    # dtype="auto" and --dtype (tp 1: the dtype does not depend on the layout)
+    "tiny-qwen3-nodtype": [(1, False), (1, False, "float16")],
+    "tiny-qwen3-nodtype-fp32": [(1, False)],
+    "tiny-qwen3-nodtype-fp16": [(1, False)],
+    "tiny-qwen3-fp32": [(1, False)],
+    # MLA + MoE (layer 0 dense, layer 1 MoE), bf16 and fp8 blocks [32, 16]
+    # (through oracle_fp8.py), tp 1/2/4 and EP 2/4; q_lora_rank null at tp 1/2
+    "tiny-deepseek-v3": [(1, False), (2, False), (4, False), (2, True), (4, True)],
+    "tiny-deepseek-v3-fp8": [(1, False), (2, False), (4, False), (2, True), (4, True)],
+    "tiny-deepseek-v3-no-q-lora": [(1, False), (2, False)],
+}
+
+PLACEMENTS = ("round_robin",)
+
+
+def _tiny(name: str, **changes):
+    """A built-in tiny model with config changes."""
+    def build(d: Path) -> None:
+        from m2nkit.adapters.tiny import save_tiny_checkpoint, tiny_config
+
+        save_tiny_checkpoint(tiny_config(name, **changes), d, seed=0)
+    return build
+
+
+def _stacked(name: str):
+    """A built-in tiny MoE model with its experts stacked on disk, under transformers'
+    in-memory names (``<block>.experts.gate_up_proj`` [E, 2*Im, H], gate rows then
+    up rows per expert; ``<block>.experts.down_proj`` [E, H, Im])."""
+    def build(d: Path) -> None:
+        import re
+
+        import torch
+        from safetensors.torch import load_file, save_file
+
+        from m2nkit.adapters.tiny import save_tiny_checkpoint
+
+        save_tiny_checkpoint(name, d, seed=0)
+        tensors = load_file(d / "model.safetensors")
+        per: dict = {}
+        out = {}
+        for n, t in tensors.items():
+            m = re.match(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$", n)
+            if m:
+                per.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = t
+            else:
+                out[n] = t
+        for prefix, parts in per.items():
+            count = 1 + max(e for e, _ in parts)
+            out[f"{prefix}.gate_up_proj"] = torch.stack(
+                [torch.cat([parts[e, "gate_proj"], parts[e, "up_proj"]]) for e in range(count)])
+            out[f"{prefix}.down_proj"] = torch.stack([parts[e, "down_proj"] for e in range(count)])
+        save_file(out, d / "model.safetensors", metadata={"format": "pt"})
+    return build
+
+
+def _dtype_variant(name: str, config_dtype: str | None, tensor_dtype: str):
+    """A built-in tiny model whose config.json names ``config_dtype`` (None: no dtype key)
+    and whose tensors are stored as ``tensor_dtype``."""
+    def build(d: Path) -> None:
+        import json
+
+        import torch
+        from safetensors.torch import load_file, save_file
+
+        from m2nkit.adapters.tiny import save_tiny_checkpoint
+
+        save_tiny_checkpoint(name, d, seed=0)
+        config = json.loads((d / "config.json").read_text())
+        config.pop("dtype", None)
+        config.pop("torch_dtype", None)
+        if config_dtype:
+            config["dtype"] = config_dtype
+        (d / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        dtype = getattr(torch, tensor_dtype)
+        tensors = {n: t.to(dtype) for n, t in load_file(d / "model.safetensors").items()}
+        save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    return build
+
+
+def _deepseek_v3_groups(d: Path) -> None:
+    """A tiny DeepSeek-V3 with n_group=2 (grouped routing: vLLM honours round robin)
+    and 10 experts (uneven over ep 4). Its family need not be in m2nkit."""
+    from transformers import AutoConfig
+
+    from m2nkit.adapters.tiny import save_tiny_checkpoint, shrink_config
+
+    config = shrink_config(
+        AutoConfig.for_model("deepseek_v3", architectures=["DeepseekV3ForCausalLM"]), derived={},
+        n_routed_experts=10, n_group=2, topk_group=1, num_experts_per_tok=2,
+        first_k_dense_replace=0, n_shared_experts=1, q_lora_rank=32, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, topk_method="noaux_tc")
+    save_tiny_checkpoint(config, d, seed=0)
+
+
+#: Checkpoints that are not a built-in tiny model: name -> builder(directory).
+CHECKPOINTS = {
+    "tiny-qwen3-moe-e10": _tiny("tiny-qwen3-moe", num_local_experts=10),
+    "tiny-mixtral-e6": _tiny("tiny-mixtral", num_local_experts=6),
+    "tiny-deepseek-v3-groups": _deepseek_v3_groups,
+    "tiny-qwen3-moe-stacked": _stacked("tiny-qwen3-moe"),
+    "tiny-qwen3-nodtype": _dtype_variant("tiny-qwen3", None, "bfloat16"),
+    "tiny-qwen3-nodtype-fp32": _dtype_variant("tiny-qwen3", None, "float32"),
+    "tiny-qwen3-nodtype-fp16": _dtype_variant("tiny-qwen3", None, "float16"),
+    "tiny-qwen3-fp32": _dtype_variant("tiny-qwen3", "float32", "float32"),
 }
 
 
-def layout_dir(tp: int, ep: bool) -> str:
-    return f"tp{tp}" + ("_ep" if ep else "")
+def layout_dir(tp: int, ep: bool, *options: str) -> str:
+    return f"tp{tp}" + ("_ep" if ep else "") + "".join(f"_{o}" for o in options)
+
+
+def option_flags(options) -> list[str]:
+    """oracle.py flags for a layout's options (vLLM's default ``--dtype auto`` if none is given)."""
+    flags = []
+    for o in options:
+        flags += ["--expert-placement", o] if o in PLACEMENTS else ["--dtype", o]
+    return flags if "--dtype" in flags else flags + ["--dtype", "auto"]
 
 
 def main(argv=None) -> int:
@@ -50,27 +184,40 @@ def main(argv=None) -> int:
     ap.add_argument("--oracle", default="/work/shared/tools/vllm_oracle/oracle.py")
     ap.add_argument("--out", default=str(HERE))
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--extra-path", default="/tmp/oracle/extra",
+                    help="PYTHONPATH entry holding compressed-tensors + loguru, for fp8 "
+                         "checkpoints (run through oracle_fp8.py, see there)")
+    ap.add_argument("--models", nargs="+", choices=sorted(LAYOUTS), default=list(LAYOUTS),
+                    help="regenerate only these tiny models (default: all)")
     args = ap.parse_args(argv)
 
     from m2nkit.adapters.tiny import save_tiny_checkpoint
 
     out = Path(args.out)
     runs = []
-    for model, layouts in LAYOUTS.items():
+    for model in args.models:
+        layouts = LAYOUTS[model]
         ckpt = out / model / "checkpoint"
         with tempfile.TemporaryDirectory() as tmp:
-            save_tiny_checkpoint(model, tmp, seed=0)
+            if model in CHECKPOINTS:
+                CHECKPOINTS[model](Path(tmp))
+            else:
+                save_tiny_checkpoint(model, tmp, seed=0)
             if ckpt.exists():
                 shutil.rmtree(ckpt)
             ckpt.mkdir(parents=True)
             for name in ("config.json", "model.safetensors"):
                 shutil.copy(Path(tmp) / name, ckpt / name)
-        for tp, ep in layouts:
-            dest = out / model / layout_dir(tp, ep)
+        for tp, ep, *options in layouts:
+            dest = out / model / layout_dir(tp, ep, *options)
             if dest.exists():
                 shutil.rmtree(dest)
-            cmd = [args.oracle_python, args.oracle, str(ckpt), "--tp", str(tp),
-                   *(["--ep"] if ep else []), "--all-ranks",
+            fp8 = "quantization_config" in (ckpt / "config.json").read_text()
+            oracle = ([f"PYTHONPATH={args.extra_path}", args.oracle_python,
+                       str(HERE / "oracle_fp8.py"), args.oracle] if fp8
+                      else [args.oracle_python, args.oracle])
+            cmd = ["env", *oracle, str(ckpt), "--tp", str(tp),
+                   *(["--ep"] if ep else []), *option_flags(options), "--all-ranks",
                    "--out", str(dest / "rank{rank}.safetensors"), "--quiet"]
             runs.append(cmd)
 
