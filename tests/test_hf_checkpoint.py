@@ -21,6 +21,7 @@ from safetensors import safe_open as real_safe_open
 from safetensors.torch import load_file, save_file
 
 from m2nkit.adapters import hf_checkpoint
+from m2nkit.adapters.families import ARCHITECTURES
 from m2nkit.adapters.hf_checkpoint import (
     CheckpointError,
     checkpoint_manifest,
@@ -501,8 +502,8 @@ def test_error_unknown_architecture_lists_supported_families(tiny_checkpoints, t
     msg = _raises(d, d / "config.json")
     # the registry's one message, after the file it comes from
     assert msg == (f"{d / 'config.json'}: architecture '{arch}' is not supported; supported: "
-                   "LlamaForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
-                   "Qwen3MoeForCausalLM")
+                   + ", ".join(sorted(ARCHITECTURES)))
+    assert "GptOssForCausalLM, LlamaForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM" in msg
 
 
 def test_error_unknown_model_type(tiny_checkpoints, tmp_path):
