@@ -5,7 +5,9 @@ tensors (DESIGN.md, "Wire tensor"): the on-disk names, except that MoE
 experts stored one tensor per expert are re-fused into the stacked
 ``<prefix>.experts.gate_up_proj.weight [E, 2*Im, H]`` and
 ``<prefix>.experts.down_proj.weight [E, H, Im]`` that vLLM's routed-experts
-contract takes.
+contract takes, and that a tensor a family stores in another dim order than
+the wire's (``HFNaming.permuted``) travels permuted, read box by box from the
+permuted box on disk.
 
 Planning reads **headers only**: names, dtypes and shapes come from the
 safetensors headers (``safe_open(...).keys()``, ``get_slice(name).get_shape()``)
@@ -145,7 +147,8 @@ class Checkpoint:
     """
 
     def __init__(self, *, path: Path, root: Path, config: Any, architecture: str,
-                 params: Sequence[ParamMeta], sources: Mapping[str, str | StackedExperts | _Permuted],
+                 params: Sequence[ParamMeta],
+                 sources: Mapping[str, str | StackedExperts | _Permuted],
                  headers: Mapping[str, _Header], handles: dict[Path, Any]) -> None:
         self.path = path
         self.root = root
@@ -395,7 +398,15 @@ def _load_config(config_path: Path):
             f"{_supported()}")
     try:
         if alias is not None:  # the family reads this model_type with a known config class
-            return CONFIG_MAPPING[alias].from_pretrained(str(config_path), local_files_only=True)
+            from transformers.utils import logging as hf_logging
+
+            level = hf_logging.get_verbosity()
+            hf_logging.set_verbosity_error()  # not "kimi_k2 used as deepseek_v3": the family says so
+            try:
+                return CONFIG_MAPPING[alias].from_pretrained(str(config_path),
+                                                             local_files_only=True)
+            finally:
+                hf_logging.set_verbosity(level)
         return AutoConfig.from_pretrained(str(config_path), local_files_only=True,
                                           trust_remote_code=False)
     except Exception as e:
@@ -488,7 +499,7 @@ def _expected_params(config, arch: str, config_path: Path) -> list[_Expected]:
     for name, p in model.named_parameters(remove_duplicate=False):
         out.append(_Expected(name, tuple(p.shape), p.dtype, id(p) in seen))
         seen.add(id(p))
-    # Persistent buffers are saved too (DeepSeek-V3's router e_score_correction_bias):
+    # Persistent buffers are saved too (a MoE router's score-correction bias, say):
     # each goes right after the last parameter of its module, or at the end.
     names = {e.name for e in out}
     for name, b in model.state_dict(keep_vars=True).items():
@@ -545,7 +556,9 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
         ``named_parameters()`` order with on-disk names; per-expert tensors
         become one stacked ``...experts.gate_up_proj.weight [E, 2*Im, H]``
         (gate rows then up rows per expert) and ``...experts.down_proj.weight
-        [E, H, Im]`` at the place of transformers' fused parameter. Wire
+        [E, H, Im]`` at the place of transformers' fused parameter; a
+        tensor of the family's ``HFNaming.permuted`` becomes its wire form
+        (``<prefix>.<wire leaf>``, dims permuted). Wire
         dtypes are the on-disk dtypes (config-only: the config's dtype). A
         tied ``lm_head.weight`` is a wire tensor only when the files hold it.
         No tensor data is read.
@@ -559,7 +572,9 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
             one transformers does not know; a tensor whose shape
             contradicts the config; a tensor the config expects but the
             files lack; an extra tensor; a dtype outside
-            :data:`SAFETENSORS_DTYPES`; an incomplete expert set. Names
+            :data:`SAFETENSORS_DTYPES`; an incomplete expert set; a tensor
+            the family refuses (``HFNaming.refused``, e.g. MXFP4 experts),
+            named with the family's reason. Names
             carrying a wrapper prefix (``_orig_mod.`` of ``torch.compile``,
             ``module.`` of DDP, ...; ``m2nkit.adapters.module_names``) are
             refused with a message that names the prefix.

@@ -46,7 +46,7 @@ def _probe(*args):
     return json.loads(r.stdout.strip().splitlines()[-1]), r.stderr
 
 
-def _unsupported(tmp_path: Path, arch: str = "DeepseekV3ForCausalLM") -> Path:
+def _unsupported(tmp_path: Path, arch: str = "PhiForCausalLM") -> Path:
     d = tmp_path / "ck"
     shutil.copytree(EXAMPLE, d)
     cfg = dict(CONFIG, architectures=[arch])
@@ -61,10 +61,10 @@ def _unsupported(tmp_path: Path, arch: str = "DeepseekV3ForCausalLM") -> Path:
 @pytest.mark.parametrize("case,needle", [
     ("trainer", "megatron:tp=2"),
     ("inference", "unknown key 'pp'"),
-    ("arch_dir", "architecture 'DeepseekV3ForCausalLM' is not supported; supported: "),
+    ("arch_dir", "architecture 'PhiForCausalLM' is not supported; supported: "),
     ("arch_config_file", "architecture 'GPT2LMHeadModel' is not supported; supported: "),
     ("dump_without_verify", "--dump writes the storage that --verify fills: add --verify"),
-    ("demo_arch", "architecture 'DeepseekV3ForCausalLM' is not supported; supported: "),
+    ("demo_arch", "architecture 'PhiForCausalLM' is not supported; supported: "),
     ("demo_processes", "needs 42 processes"),
     ("demo_inference", "must start with 'vllm:'"),
 ])

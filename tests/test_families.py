@@ -40,6 +40,7 @@ from m2nkit.adapters.families.kinds import (
     MERGED,
     QKV,
     REPLICATED,
+    REPLICATED_MERGED,
     ROW,
     VOCAB,
     W2,
@@ -53,11 +54,11 @@ from m2nkit.adapters.families.table import Family, HFNaming, Param, TinyModel
 REPO = Path(__file__).resolve().parent.parent
 #: Families whose vLLM model has no tied lm_head parameter (see their modules).
 NEVER_TIED = ("GptOssForCausalLM", "Gemma2ForCausalLM")
-SUPPORTED = ["Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM",
-             "LlamaForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-             "Qwen3MoeForCausalLM"]
-ONE_MESSAGE = ("architecture 'DeepseekV3ForCausalLM' is not supported; supported: "
-               "Gemma2ForCausalLM, Gemma3ForCausalLM, GptOssForCausalLM, "
+SUPPORTED = ["DeepseekV3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+             "GptOssForCausalLM", "LlamaForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
+             "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"]
+ONE_MESSAGE = ("architecture 'PhiForCausalLM' is not supported; supported: "
+               "DeepseekV3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, GptOssForCausalLM, "
                "LlamaForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
                "Qwen3MoeForCausalLM")
 
@@ -93,7 +94,9 @@ def test_every_architecture_resolves_to_a_module_with_every_piece(arch):
     # tied embeddings are a condition of every family, except where vLLM never ties
     # (GPT-OSS) or has no lm_head at all (Gemma 2: logits from embed_tokens)
     assert any(p.tied_to for p in fam.params) == (arch not in NEVER_TIED)
-    assert fam.vllm_source == f"vllm/model_executor/models/{ARCHITECTURES[arch]}.py"
+    # DeepSeek-V3 lives in vLLM's deepseek_v2.py (DeepseekV3ForCausalLM subclasses V2's)
+    vllm_file = {"deepseek_v3": "deepseek_v2"}.get(ARCHITECTURES[arch], ARCHITECTURES[arch])
+    assert fam.vllm_source == f"vllm/model_executor/models/{vllm_file}.py"
     # tiny test models
     assert fam.tiny is module.TINY_MODELS and fam.tiny
     assert all(name.startswith("tiny-") and isinstance(t, TinyModel)
@@ -113,16 +116,18 @@ def test_tiny_models_come_from_the_families():
     assert BUILTIN_TINY_MODELS == expected
     assert list(BUILTIN_TINY_MODELS) == ["tiny-llama", "tiny-qwen2", "tiny-qwen3",
                                          "tiny-qwen3-tied", "tiny-qwen3-moe", "tiny-mixtral",
-                                         "tiny-gpt-oss", "tiny-gemma2", "tiny-gemma3"]
+                                         "tiny-gpt-oss", "tiny-gemma2", "tiny-gemma3",
+                                         "tiny-deepseek-v3", "tiny-deepseek-v3-fp8",
+                                         "tiny-deepseek-v3-no-q-lora"]
 
 
 def test_unsupported_architecture_one_message_everywhere():
     from m2nkit.adapters.vllm import destination_layout, reference_load
 
-    assert unsupported_architecture("DeepseekV3ForCausalLM") == ONE_MESSAGE
-    config = {"architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 8}
-    for call in (lambda: check_architecture("DeepseekV3ForCausalLM"),
-                 lambda: family("DeepseekV3ForCausalLM"),
+    assert unsupported_architecture("PhiForCausalLM") == ONE_MESSAGE
+    config = {"architectures": ["PhiForCausalLM"], "hidden_size": 8}
+    for call in (lambda: check_architecture("PhiForCausalLM"),
+                 lambda: family("PhiForCausalLM"),
                  lambda: family_for(config),
                  lambda: destination_layout(config, [], "vllm:tp=1"),
                  lambda: reference_load(config, {}, "vllm:tp=1", 0)):
@@ -176,6 +181,8 @@ def _expected(kind: Kind, wires: dict, tp: int, dp: int, ep: bool, worker: int) 
     r, W = worker % tp, tp * dp
     if kind is REPLICATED:
         return wires[None]
+    if kind is REPLICATED_MERGED:            # part 0 rows, then part 1 rows, not split
+        return torch.cat(list(wires.values()))
     if kind is COLUMN:
         n = wires[None].shape[0] // tp
         return wires[None][r * n:(r + 1) * n]
@@ -224,6 +231,8 @@ CASES = {
     "vocab": (VOCAB, ("V", "H"), {None: (70, 8)}),
     "w13": (W13, ("E", "2*Im", "H"), {None: (4, 8, 8)}),
     "w2": (W2, ("E", "H", "Im"), {None: (4, 8, 4)}),
+    # parts of 4 and 8 rows (symbols Im, I) over 12 = 3*Im rows, whole on every worker
+    "replicated_merged": (REPLICATED_MERGED, ("3*Im", "H"), {("Im",): (4, 8), ("Im", "I"): (8, 8)}),
     "expert_rows": (EXPERT_ROWS, ("E", "2*Im", "H"), {None: (4, 8, 8)}),
     "expert_rows_bias": (EXPERT_ROWS, ("E", "2*Im"), {None: (4, 8)}),
     "expert_bias_once": (EXPERT_BIAS_ONCE, ("E", "H"), {None: (4, 8)}),

@@ -51,17 +51,19 @@ def test_vllm_keeps_gate_up_interleaved_and_only_transposes():
     gate_up_bias = ck[f"{L0}.mlp.experts.gate_up_proj_bias"]
     down_bias = ck[f"{L0}.mlp.experts.down_proj_bias"]
     E, H, I2 = gate_up.shape
-    assert down_bias.abs().sum() > 0                      # randomised: a zero would prove nothing
+    assert down_bias.abs().sum() > 0        # randomised: a zero would prove nothing
     X = f"{L0}.mlp.experts.routed_experts"
-    for rank in range(2):                                 # tp=2: moe rank r, rows [r*I, (r+1)*I) of 2I
-        got, n = _dump("tp2", rank), I2 // 2
-        assert torch.equal(got[f"{X}.w13_weight"], gate_up[:, :, rank * n:(rank + 1) * n].transpose(1, 2))
-        assert torch.equal(got[f"{X}.w13_bias"], gate_up_bias[:, rank * n:(rank + 1) * n])
-        half = n // 2
-        assert torch.equal(got[f"{X}.w2_weight"], down[:, rank * half:(rank + 1) * half].transpose(1, 2))
+    for rank in range(2):                   # tp=2: moe rank r, columns [r*I, (r+1)*I) of 2I
+        got, n, half = _dump("tp2", rank), I2 // 2, I2 // 4
+        rows = slice(rank * n, (rank + 1) * n)
+        assert torch.equal(got[f"{X}.w13_weight"], gate_up[:, :, rows].transpose(1, 2))
+        assert torch.equal(got[f"{X}.w13_bias"], gate_up_bias[:, rows])
+        cols = slice(rank * half, (rank + 1) * half)
+        assert torch.equal(got[f"{X}.w2_weight"], down[:, cols].transpose(1, 2))
         # the down bias is added once: rank 0 holds it, the others zeros
-        assert torch.equal(got[f"{X}.w2_bias"], down_bias if rank == 0 else torch.zeros_like(down_bias))
-        # sinks split by heads; router replicated; embedding renamed
+        bias = down_bias if rank == 0 else torch.zeros_like(down_bias)
+        assert torch.equal(got[f"{X}.w2_bias"], bias)
+        # sinks split by heads; router replicated
         sinks = ck[f"{L0}.self_attn.sinks"]
         assert torch.equal(got[f"{L0}.attn.sinks"], sinks.chunk(2)[rank])
         assert torch.equal(got[f"{L0}.mlp.router.bias"], ck[f"{L0}.mlp.router.bias"])
@@ -92,7 +94,7 @@ def test_wire_form_is_the_checkpoint_with_experts_transposed(tiny_checkpoints, s
     gu = f"{L0}.mlp.experts.gate_up_proj.weight"
     assert ckpt.meta(gu).shape == (4, 256, 64) and ckpt.disk_names(gu) == (
         f"{L0}.mlp.experts.gate_up_proj",)
-    box = ((1, 3), (40, 200), (5, 60))                    # any box: the permuted box, read, permuted
+    box = ((1, 3), (40, 200), (5, 60))     # any box: the permuted box is read, then permuted
     assert torch.equal(ckpt.read_box(gu, box), want[gu][1:3, 40:200, 5:60])
 
 
@@ -133,7 +135,7 @@ def test_mxfp4_checkpoint_is_refused_naming_the_tensor(tiny_checkpoints, tmp_pat
     d = tmp_path / "mxfp4"
     shutil.copytree(tiny_checkpoints("tiny-gpt-oss"), d)
     tensors = load_file(d / "model.safetensors")
-    for name in [n for n in tensors if STACKED.match(n)]:   # as the published checkpoint stores them
+    for name in [n for n in tensors if STACKED.match(n)]:  # as the published files store them
         E, a, b = tensors.pop(name).shape
         rows, cols = (b, a)                                  # [E, out, in] packed, blocks of 32
         tensors[f"{name}_blocks"] = torch.zeros(E, rows, cols // 32, 16, dtype=torch.uint8)

@@ -489,7 +489,7 @@ def test_error_unreadable_index(tiny_checkpoints, tmp_path):
 
 @pytest.mark.parametrize("arch,model_type", [
     ("FooForCausalLM", "qwen3"),                    # unknown to transformers too
-    ("DeepseekV3ForCausalLM", "deepseek_v3"),       # known to transformers, no family
+    ("PhiForCausalLM", "phi"),                      # known to transformers, no family
     ("GPT2LMHeadModel", "gpt2"),                    # dense, known to transformers, no family
 ])
 def test_error_unknown_architecture_lists_supported_families(tiny_checkpoints, tmp_path, arch,

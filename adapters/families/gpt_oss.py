@@ -151,7 +151,7 @@ def _quant_method(config: Any) -> str | None:
 
 
 def sizes(config: Any):
-    """``Sizes`` of a GPT-OSS config (``Im`` = ``intermediate_size``, ``E`` = ``num_local_experts``).
+    """``Sizes`` of a GPT-OSS config (``Im``: ``intermediate_size``, ``E``: ``num_local_experts``).
 
     Raises:
         ValueError: ``tie_word_embeddings=True`` (vLLM never ties GPT-OSS's

@@ -56,7 +56,7 @@ def supported_architectures() -> list[str]:
 def unsupported_architecture(architecture: Any) -> str:
     """The one message refusing ``architecture``.
 
-    ``architecture 'DeepseekV3ForCausalLM' is not supported; supported:
+    ``architecture 'PhiForCausalLM' is not supported; supported:
     LlamaForCausalLM, MixtralForCausalLM, ...``.
     """
     return (f"architecture {architecture!r} is not supported; supported: "

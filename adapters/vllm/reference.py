@@ -141,7 +141,9 @@ def reference_load(
         for name, p in ex.params
     }
     with torch.no_grad():
-        tensors = stack_expert_scales(family.hf, checkpoint_tensors)  # fp8 block scales
+        tensors = {n: t for n, t in checkpoint_tensors.items()  # the family's skips (MTP)
+                   if family.skip is None or not family.skip(config, n)}
+        tensors = stack_expert_scales(family.hf, tensors)  # fp8 block scales
         for name, tensor in _stack_experts(family, tensors).items():
             if (is_rotary_cache(name) or name in ex.skipped
                     or (family.skip is not None and family.skip(config, name))):

@@ -8,12 +8,15 @@ keep one safetensors dump per rank. Run with the m2nkit venv:
 
     /work/venv/bin/python tests/data/oracle/regenerate.py \
         [--oracle-python /tmp/oracle/venv/bin/python] \
-        [--oracle /work/shared/tools/vllm_oracle/oracle.py] [--out DIR] [--jobs N]
+        [--oracle /work/shared/tools/vllm_oracle/oracle.py] [--out DIR] [--jobs N] \
+        [--models tiny-gpt-oss ...]
 
 Layouts are chosen to keep the folder under ~25 MB: tp 1, 2, 8 for dense
 models (tp 2 covers one KV head per rank, tp 8 four ranks sharing a KV head;
 tp 4 adds no new rule), all of tp 1/2/4/8 and EP 2/4/8 for Qwen3-MoE, and
-tp 1/2/8 plus EP 2/4/8 for Mixtral.
+tp 1/2/8 plus EP 2/4/8 for Mixtral, tp 1/2/4 for Gemma 2/3, tp 1/2/4 plus
+EP 2/4 for GPT-OSS (bf16; the tiny model's gate/up/down biases are random,
+so the rank-0-only ``w2_bias`` is visible).
 
 Besides the built-in tiny models, ``CHECKPOINTS`` builds variants that pin
 vLLM's expert placement and dtype rules: an expert count EP does not divide
@@ -46,8 +49,9 @@ LAYOUTS: dict[str, list[tuple]] = {  # (tp, ep, *options)
     "tiny-qwen3-moe": [(1, False), (2, False), (4, False), (8, False),
                        (2, True), (4, True), (8, True)],
     "tiny-mixtral": [(1, False), (2, False), (8, False), (2, True), (4, True), (8, True)],
-    # tp 1/2/4 (tp 4 shares KV heads and splits I = 128 into 32 rows, the
-    # smallest vLLM's CPU MoE kernel takes with swigluoai), EP 2 and 4
+    # GPT-OSS (4 KV heads: vLLM does not replicate them; I = 128, at tp 4 32
+    # rows per rank, the fewest vLLM's CPU MoE kernel takes with swigluoai):
+    # tp 1/2/4 and EP 2/4. Gemma (2 KV heads): tp 4 shares KV heads.
     "tiny-gpt-oss": [(1, False), (2, False), (4, False), (2, True), (4, True)],
     "tiny-gemma2": [(1, False), (2, False), (4, False)],
     "tiny-gemma3": [(1, False), (2, False), (4, False)],
