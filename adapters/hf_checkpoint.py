@@ -44,8 +44,9 @@ from typing import Any, Mapping, Sequence
 import torch
 from safetensors import safe_open
 
-from m2nkit.manifest.layout import Box, local_box
+from m2nkit.manifest.layout import Box
 from m2nkit.manifest.meta import ParamMeta
+from m2nkit.manifest.pieces import PieceLayout
 
 from .experts import StackedExperts, expert_name, group_expert_tensors, stack_experts
 from .families import (UnsupportedArchitecture, check_architecture, family,
@@ -401,7 +402,7 @@ def _load_config(config_path: Path):
             from transformers.utils import logging as hf_logging
 
             level = hf_logging.get_verbosity()
-            hf_logging.set_verbosity_error()  # not "kimi_k2 used as deepseek_v3": the family says so
+            hf_logging.set_verbosity_error()  # no "model of type X used as Y" warning: intended
             try:
                 return CONFIG_MAPPING[alias].from_pretrained(str(config_path),
                                                              local_files_only=True)
@@ -741,7 +742,8 @@ def _match(expected: Sequence[_Expected], hf: HFNaming, headers: Mapping[str, _H
 
 
 def _add_scales(params: list[ParamMeta], sources: dict, quant: Any, headers: Mapping[str, _Header],
-                config_only: bool, used: set[str], missing: list[str], arch: str) -> list[ParamMeta]:
+                config_only: bool, used: set[str], missing: list[str],
+                arch: str) -> list[ParamMeta]:
     """Every fp8 block-quantized weight followed by its ``weight_scale_inv`` wire tensor.
 
     A plain weight ``X.weight`` takes ``X.weight_scale_inv`` from the files;
@@ -781,7 +783,8 @@ def _add_scales(params: list[ParamMeta], sources: dict, quant: Any, headers: Map
                     f"fp8 scales of '{p.name}' ('{names[0][0]}' ...) stack to {list(found)}, but "
                     f"its weight {list(p.shape)} and weight_block_size {quant.block} need "
                     f"{list(shape)} (config: {arch})")
-            sources[wire] = StackedExperts(wire, first.dtype, names, (first.shape[0], first.shape[1]))
+            sources[wire] = StackedExperts(wire, first.dtype, names,
+                                           (first.shape[0], first.shape[1]))
             used.update(n for ex in names for n in ex)
         else:
             disk = scale_name(src)
@@ -834,16 +837,24 @@ def checkpoint_metas(checkpoint: Checkpoint, trainer_spec: TrainerSpec | str) ->
     """Every wire tensor as a ``ParamMeta`` with the trainer spec's layout.
 
     Identical on every rank (depends on headers, config and spec only).
+    With a ``tp`` axis (``fsdp2:dp_shard=S,tp=T``) the family's TP plan
+    decides each tensor's layout (``TrainerSpec.tp_dims``); FSDP2's strided
+    layouts become explicit pieces.
 
     Raises:
-        ValueError: a malformed trainer spec.
+        ValueError: a malformed trainer spec; ``tp > 1`` for a family without
+            a TP plan.
     """
     spec = parse_trainer_spec(trainer_spec)
+    tp_dim = spec.tp_dims(checkpoint.config)
     out = []
     for p in checkpoint.params:
-        lay = spec.layout_for(p.shape)
-        out.append(ParamMeta(p.name, p.dtype, p.shape, lay.owners, lay.mesh_shape,
-                             lay.placements))
+        lay = spec.layout_for(p.shape, tp_dim=tp_dim(p.name))
+        if isinstance(lay, PieceLayout):
+            out.append(ParamMeta(p.name, p.dtype, p.shape, pieces=lay.pieces))
+        else:
+            out.append(ParamMeta(p.name, p.dtype, p.shape, lay.owners, lay.mesh_shape,
+                                 lay.placements))
     return out
 
 
@@ -862,11 +873,12 @@ def checkpoint_manifest(checkpoint: Checkpoint, trainer_spec: TrainerSpec | str,
     from m2nkit.manifest.source import M2NManifestEntry, ManifestM2NWeightSource
 
     spec = parse_trainer_spec(trainer_spec)
-    coord = spec.coord(rank)
+    spec.coord(rank)  # refuses a rank outside the spec before anything else
+    tp_dim = spec.tp_dims(checkpoint.config)
     entries = []
     for p in checkpoint.params:
-        lay = spec.layout_for(p.shape)
-        box = local_box(p.shape, lay.mesh_shape, lay.placements, coord)
+        lay = spec.layout_for(p.shape, tp_dim=tp_dim(p.name))
+        box = spec.local_box(p.shape, rank, tp_dim=tp_dim(p.name))
         entries.append(M2NManifestEntry(
             p.name, p.dtype, p.shape, lay,
             functools.partial(checkpoint.read_box, p.name, box),

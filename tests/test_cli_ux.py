@@ -60,6 +60,7 @@ def _unsupported(tmp_path: Path, arch: str = "PhiForCausalLM") -> Path:
 
 @pytest.mark.parametrize("case,needle", [
     ("trainer", "megatron:tp=2"),
+    ("trainer_fsdp2", "'fsdp2' axis 'pp' is not supported"),
     ("inference", "unknown key 'pp'"),
     ("arch_dir", "architecture 'PhiForCausalLM' is not supported; supported: "),
     ("arch_config_file", "architecture 'GPT2LMHeadModel' is not supported; supported: "),
@@ -73,6 +74,8 @@ def test_refusals_come_before_torch_is_imported(tmp_path, case, needle):
     args = {
         "trainer": lambda: ["plan", EXAMPLE, "--trainer", "megatron:tp=2", "--inference", "vllm:tp=2"],
         "inference": lambda: ["plan", EXAMPLE, "--trainer", "fsdp:2", "--inference", "vllm:tp=2,pp=2"],
+        "trainer_fsdp2": lambda: ["plan", EXAMPLE, "--trainer", "fsdp2:dp_shard=2,pp=2",
+                                  "--inference", "vllm:tp=2"],
         "arch_dir": lambda: ["plan", _unsupported(tmp_path), "--trainer", "fsdp:2",
                              "--inference", "vllm:tp=2"],
         "arch_config_file": lambda: ["plan", _unsupported(tmp_path, "GPT2LMHeadModel") / "config.json",

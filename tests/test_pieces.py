@@ -367,16 +367,17 @@ def test_torch_p2p_moves_multi_piece_sources_bit_exact_over_gloo():
     strided = [Piece(rep * 2 + r, ((lo, lo + 2), (0, 2)), (at, 0))
                for rep in range(2) for r in range(2)
                for lo, at in ((2 * r, 0), (2 * r + 4, 2))]
-    vocab_full = torch.randn(10, H)
+    vocab_full = torch.randn(10, H).to(torch.bfloat16)  # buckets mix 4- and 2-byte slabs
     vocab = [Piece(2, ((0, 6), (0, H))), Piece(3, ((6, 10), (0, H)))]
-    metas = [ParamMeta("gate_up", torch.float32, (E, 2 * I, H), pieces=tuple(etp)),
-             ParamMeta("strided", torch.float32, (8, 2), pieces=tuple(strided)),
-             ParamMeta("vocab", torch.float32, (10, H), pieces=tuple(vocab))]
+    # the bf16 tensor comes first in the manifest, the 4-byte ones after it
+    metas = [ParamMeta("vocab", torch.bfloat16, (10, H), pieces=tuple(vocab)),
+             ParamMeta("gate_up", torch.float32, (E, 2 * I, H), pieces=tuple(etp)),
+             ParamMeta("strided", torch.float32, (8, 2), pieces=tuple(strided))]
     fulls = {"gate_up": gate_up, "strided": strided_full, "vocab": vocab_full}
     per_worker = {"gate_up": [[((0, 1), (0, 2 * I), (0, H))], [((1, 2), (0, 2 * I), (0, H))]],
                   "strided": [[((0, 8), (0, 2))], [((0, 8), (0, 2))]],
                   "vocab": [[((0, 5), (0, H))], [((5, 10), (0, H))]]}
-    parts = {n: own_param_destination(n, tuple(fulls[n].shape), torch.float32, b)
+    parts = {n: own_param_destination(n, tuple(fulls[n].shape), fulls[n].dtype, b)
              for n, b in per_worker.items()}
     dest = DestinationLayout("test", 2, sum((d.params for d in parts.values()), ()),
                              {n: d.bindings[n] for n, d in parts.items()})
@@ -386,8 +387,8 @@ def test_torch_p2p_moves_multi_piece_sources_bit_exact_over_gloo():
     # nccl_m2n's own rules send these through torch_p2p, saying why
     from m2nkit.engine.transports.nccl_m2n import CARRIER_P2P, wire_carrier
     assert [wire_carrier(w) for w in plan.wires] == [CARRIER_P2P] * 3
-    assert "trainer rank 0 holds 2 separate boxes" in plan.wires[0].verdict("nccl_m2n").reason
-    schedule = BucketSchedule.build(plan, bucket_bytes=64)  # several buckets
+    assert "trainer rank 0 holds 2 separate boxes" in plan.wires[1].verdict("nccl_m2n").reason
+    schedule = BucketSchedule.build(plan, bucket_bytes=1 << 20)  # one bucket, mixed dtypes
     streams = {r: list(s) for r, s in streams_for(metas, fulls, T, pad=1).items()}
     storage = {w: allocate_storage(dest, w) for w in range(N)}
     with socket.socket() as s:

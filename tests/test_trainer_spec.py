@@ -18,6 +18,11 @@ from m2nkit.manifest.placement import Replicate, Shard
     ("hsdp:2,3", "hsdp", (2, 3), (Replicate(), Shard(0))),
     (" HSDP : 4 , 64 ", "hsdp", (4, 64), (Replicate(), Shard(0))),
     ("FSDP:256", "fsdp", (256,), (Shard(0),)),
+    ("fsdp2:dp_shard=4", "fsdp2", (4,), (Shard(0),)),
+    ("fsdp2:dp_replicate=2,dp_shard=3", "fsdp2", (2, 3), (Replicate(), Shard(0))),
+    ("fsdp2:dp_shard=3,tp=2", "fsdp2", (3, 2), (Shard(0), Replicate())),
+    (" FSDP2 : tp=2 , dp_shard=2, dp_replicate=2", "fsdp2", (2, 2, 2),
+     (Replicate(), Shard(0), Replicate())),
 ])
 def test_parse_valid(text, kind, mesh, placements):
     spec = parse_trainer_spec(text)
@@ -43,6 +48,13 @@ def test_parse_valid(text, kind, mesh, placements):
     ("tp:2", "unknown kind 'tp'"),
     ("fsdp:2:3", "expected KIND:SIZES"),
     (4, "expected a string, got int"),
+    ("fsdp2:dp_shard=2,pp=2", "'fsdp2' axis 'pp' is not supported; axes are dp_replicate, "
+                              "dp_shard, tp (torchtitan ParallelDims names)"),
+    ("fsdp2:tp=2", "'fsdp2' needs dp_shard"),
+    ("fsdp2:dp_shard=2,dp_shard=3", "'fsdp2' axis 'dp_shard' is given twice"),
+    ("fsdp2:dp_shard", "'fsdp2' takes AXIS=SIZE pairs, got 'dp_shard'"),
+    ("fsdp2:dp_shard=0", "size '0' is not a positive integer"),
+    ("fsdp2:4", "'fsdp2' takes AXIS=SIZE pairs, got '4'"),
 ])
 def test_parse_invalid_names_the_valid_forms(text, why):
     with pytest.raises(ValueError) as info:
@@ -92,7 +104,8 @@ def _chunk_reference(spec: TrainerSpec, full: torch.Tensor, rank: int) -> torch.
 
 
 @pytest.mark.parametrize("text", ["replicated:2", "fsdp:1", "fsdp:3", "fsdp:5", "fsdp:7",
-                                  "fsdp:16", "hsdp:2,3", "hsdp:3,2", "hsdp:2,5"])
+                                  "fsdp:16", "hsdp:2,3", "hsdp:3,2", "hsdp:2,5",
+                                  "fsdp2:dp_shard=5", "fsdp2:dp_replicate=3,dp_shard=2"])
 @pytest.mark.parametrize("shape", [(1,), (5,), (8, 3), (13, 2), (7, 4, 3)])
 def test_boxes_match_torch_chunk(text, shape):
     spec = parse_trainer_spec(text)
@@ -165,3 +178,115 @@ def test_every_element_held_by_the_right_number_of_ranks():
                 count[tuple(slice(a, b) for a, b in box)] += 1
             assert bool((count == copies).all()), (text, shape)
 
+
+
+def test_parsing_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys; from m2nkit.adapters.trainer_spec import parse_trainer_spec as p; "
+            "p('fsdp2:dp_replicate=2,dp_shard=3,tp=2'); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_tp_plan_names_are_wire_names():
+    """The families' TP plans name in-memory modules; the dry run looks wire names up in
+    them, which holds because each planned module's tensors keep their name on disk."""
+    from transformers import AutoModelForCausalLM
+
+    from m2nkit.adapters.families import ARCHITECTURES, family
+    from m2nkit.adapters.tiny import tiny_config
+
+    planned = 0
+    for arch in ARCHITECTURES:
+        fam = family(arch)
+        if fam.tp_plan is None:
+            continue
+        for name in fam.tiny:
+            cfg = tiny_config(name)
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(cfg)
+            for pname, _ in model.named_parameters():
+                module = pname.rpartition(".")[0]
+                if fam.tp_plan.style(module, cfg) is not None:
+                    assert fam.hf.disk_name(pname) == pname, (arch, pname)
+                    planned += 1
+    assert planned > 0
+
+
+def test_tp_needs_a_family_plan(tiny_checkpoints):
+    from m2nkit.adapters.families import ARCHITECTURES, family
+    from m2nkit.adapters.tiny import tiny_config
+
+    no_plan = [n for a in ARCHITECTURES if family(a).tp_plan is None for n in family(a).tiny]
+    if not no_plan:
+        pytest.skip("every family has a TP plan")
+    spec = parse_trainer_spec("fsdp2:dp_shard=2,tp=2")
+    with pytest.raises(ValueError, match=r"has no tensor-parallel plan .*families with one: "
+                                         r".*LlamaForCausalLM"):
+        spec.tp_dims(tiny_config(no_plan[0]))
+    assert parse_trainer_spec("fsdp2:dp_shard=2").tp_dims(tiny_config(no_plan[0]))("x") is None
+
+
+@pytest.mark.parametrize("text", ["fsdp2:dp_shard=3", "fsdp2:dp_replicate=2,dp_shard=3",
+                                  "fsdp2:dp_shard=3,tp=2", "fsdp2:dp_replicate=2,dp_shard=2,tp=2"])
+def test_fsdp2_specs_match_real_fully_shard_and_tp(text, tmp_path):
+    """What ``m2nkit plan --trainer fsdp2:...`` lays out (``checkpoint_metas`` of the
+    saved checkpoint) is what real FSDP2 (``fully_shard`` per layer and root, after the
+    family's TP plan with ``parallelize_module``) leaves in every rank's ``to_local()``,
+    on shapes that split unevenly (vocab 200 -> 100 per TP rank -> 34/34/32; 32 KV rows
+    -> 16 -> 6/6/4). One process, torch's fake process group, one rank at a time: both
+    FSDP2 and TP (``src_data_rank=None``) cut a rank's shard locally."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed import fake_pg
+    from transformers import AutoModelForCausalLM
+
+    from m2nkit.adapters.hf_checkpoint import checkpoint_metas, read_checkpoint
+    from m2nkit.adapters.tensor_parallel import apply_tp_plan
+    from m2nkit.adapters.tiny import tiny_config
+    from m2nkit.manifest import box_slices
+
+    if dist.is_initialized():
+        pytest.skip("a default process group is already initialised in this process")
+    spec = parse_trainer_spec(text)
+    names = spec.mesh_dim_names
+    dp = tuple(n for n in names if n != "tp")
+    checked = 0
+    for model_name in ("tiny-llama", "tiny-qwen3-moe"):
+        cfg = tiny_config(model_name)
+        torch.manual_seed(0)
+        built = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        built.save_pretrained(tmp_path / model_name)
+        full = {n: p.detach().clone() for n, p in built.named_parameters()}
+        metas = {m.name: m for m in checkpoint_metas(read_checkpoint(tmp_path / model_name), spec)}
+        for rank in range(spec.num_ranks):
+            dist.init_process_group("fake", rank=rank, world_size=spec.num_ranks,
+                                    store=fake_pg.FakeStore())
+            try:
+                model = copy.deepcopy(built)
+                mesh = init_device_mesh("cpu", spec.mesh_shape, mesh_dim_names=names)
+                if spec.tp > 1:
+                    apply_tp_plan(model, mesh["tp"], src_data_rank=None)
+                for layer in model.model.layers:
+                    fully_shard(layer, mesh=mesh[dp])
+                fully_shard(model, mesh=mesh[dp])
+                for name, p in model.named_parameters():
+                    meta = metas[name] if name in metas else metas[name + ".weight"]  # fused experts
+                    mine = [x for x in meta.source_pieces(spec.num_ranks) if x.rank == rank]
+                    local = p.to_local()
+                    if not mine:
+                        assert local.numel() == 0, (text, rank, name)
+                        continue
+                    (piece,) = mine
+                    want = full[name][box_slices(piece.box)]
+                    assert local.shape == want.shape and torch.equal(local, want), (
+                        text, rank, name, piece.box, tuple(local.shape))
+                    checked += 1
+            finally:
+                dist.destroy_process_group()
+    assert checked > 0

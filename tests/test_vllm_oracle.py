@@ -18,6 +18,10 @@ What vLLM showed (and these tests pin):
   ranks past E hold none; round-robin placement is honoured for a model with
   expert groups (DeepSeek-V3 n_group=2) and falls back to linear without;
 * experts stored stacked on disk (``experts.gate_up_proj``) load like per-expert ones;
+* DeepSeek-V3 (MLA + MoE, bf16 and fp8 blocks): ``fused_qkv_a_proj`` replicated,
+  q rows then kv rows; MLA modules aliased under ``self_attn.mla_attn.*``; fp8
+  ``weight_scale_inv`` split like its weight in block units; the router's
+  ``e_score_correction_bias`` float32 (tests/data/oracle/README.md lists the rest);
 * ``--dtype auto`` (vLLM's default): a float32 config dtype becomes bfloat16;
   without a config dtype the checkpoint's tensor dtype decides (bfloat16 and
   float32 give bfloat16, float16 gives float16); ``--dtype float16`` overrides.

@@ -16,10 +16,12 @@ from typing import Any
 
 from .kinds import MERGED, QKV, REPLICATED, ROW, VOCAB
 from .sizes import base_sizes, cfg_get
-from .table import Family, HFNaming, Param, TinyModel, merged_feeds, qkv_feeds
+from .table import (COLWISE, ROWWISE, Family, HFNaming, Param, TinyModel, TPPlan, merged_feeds,
+                    qkv_feeds)
 
 __all__ = ["ARCHITECTURE", "HF_NAMES", "VLLM_PARAMS", "CONDITIONS", "TINY_MODELS",
-           "MEGATRON_NAMES", "FAMILY", "dense_mlp_params", "ATTENTION", "MLP"]
+           "MEGATRON_NAMES", "FAMILY", "dense_mlp_params", "ATTENTION", "MLP",
+           "ATTENTION_TP", "MLP_TP", "EMBEDDINGS_TP", "TP_PLAN"]
 
 ARCHITECTURE = "LlamaForCausalLM"
 
@@ -71,6 +73,19 @@ VLLM_PARAMS: tuple[Param, ...] = (
 )
 
 
+#: Tensor parallelism as trainers apply it (torchtitan ``parallelize_llama``;
+#: transformers ``LlamaConfig.base_model_tp_plan`` lists the same layer
+#: modules): q/k/v column-parallel (heads split), ``o_proj`` row-parallel;
+#: the SwiGLU MLP ``gate``/``up`` column-, ``down`` row-parallel; the
+#: embedding row-parallel (vocab rows) and the LM head column-parallel when
+#: not tied. Norms stay whole on every TP rank. The Qwen families reuse the parts.
+ATTENTION_TP = {f"{A}.q_proj": COLWISE, f"{A}.k_proj": COLWISE, f"{A}.v_proj": COLWISE,
+                f"{A}.o_proj": ROWWISE}
+MLP_TP = {f"{MLP}.gate_proj": COLWISE, f"{MLP}.up_proj": COLWISE, f"{MLP}.down_proj": ROWWISE}
+EMBEDDINGS_TP = {"model.embed_tokens": ROWWISE, "lm_head": COLWISE}
+TP_PLAN = TPPlan({**ATTENTION_TP, **MLP_TP}, untied=EMBEDDINGS_TP)
+
+
 def _attention_bias(config: Any) -> bool:
     return bool(cfg_get(config, "attention_bias", default=False)
                 or cfg_get(config, "bias", default=False))
@@ -100,5 +115,5 @@ Megatron adapter fills it."""
 FAMILY = Family(
     ARCHITECTURE, HF_NAMES, VLLM_PARAMS, sizes, CONDITIONS, tiny=TINY_MODELS,
     megatron_names=MEGATRON_NAMES, vllm_source="vllm/model_executor/models/llama.py",
-    module=__name__,
+    module=__name__, tp_plan=TP_PLAN,
 )

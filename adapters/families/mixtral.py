@@ -20,11 +20,13 @@ from typing import Any
 
 from .kinds import QKV, REPLICATED, ROW, VOCAB, W13, W2
 from .llama import ATTENTION as A
+from .llama import ATTENTION_TP, EMBEDDINGS_TP
 from .sizes import base_sizes, cfg_get
-from .table import TRANSFORMERS_FUSED_EXPERTS, Family, HFNaming, Param, TinyModel, qkv_feeds
+from .table import (TRANSFORMERS_FUSED_EXPERTS, Family, HFNaming, Param, TinyModel, TPPlan,
+                    qkv_feeds)
 
 __all__ = ["ARCHITECTURE", "HF_NAMES", "EXPERTS_ON_DISK", "VLLM_PARAMS", "CONDITIONS",
-           "TINY_MODELS", "MEGATRON_NAMES", "FAMILY"]
+           "TINY_MODELS", "MEGATRON_NAMES", "FAMILY", "TP_PLAN"]
 
 ARCHITECTURE = "MixtralForCausalLM"
 
@@ -44,6 +46,11 @@ HF_NAMES = HFNaming(
 )
 
 B = "model.layers.{L}.block_sparse_moe"
+
+#: Tensor parallelism as trainers apply it: Llama's attention and embeddings
+#: (``MixtralConfig.base_model_tp_plan`` lists the same attention modules);
+#: routers and experts stay whole on every TP rank.
+TP_PLAN = TPPlan(ATTENTION_TP, untied=EMBEDDINGS_TP)
 
 #: vLLM parameters in ``named_parameters()`` order (per layer for ``{L}``).
 VLLM_PARAMS: tuple[Param, ...] = (
@@ -85,5 +92,5 @@ adapter fills it."""
 FAMILY = Family(
     ARCHITECTURE, HF_NAMES, VLLM_PARAMS, sizes, CONDITIONS, tiny=TINY_MODELS,
     megatron_names=MEGATRON_NAMES, vllm_source="vllm/model_executor/models/mixtral.py",
-    module=__name__,
+    module=__name__, tp_plan=TP_PLAN,
 )

@@ -52,7 +52,7 @@ import torch
 
 from .kinds import (Column, ExpertsW2, ExpertsW13, Geometry, Kind, Merged, Replicated,
                     ReplicatedMerged, Row)
-from .sizes import Sizes, cfg_get
+from .sizes import cfg_get
 from .table import Family, Param
 
 __all__ = ["FP8", "SCALE_SUFFIX", "Fp8Block", "fp8_block", "BlockScale", "scale_name",

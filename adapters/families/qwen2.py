@@ -15,7 +15,7 @@ from typing import Any
 
 from .kinds import QKV, REPLICATED, ROW, VOCAB
 from .llama import ATTENTION as A
-from .llama import dense_mlp_params
+from .llama import TP_PLAN, dense_mlp_params
 from .sizes import base_sizes, cfg_get
 from .table import Family, HFNaming, Param, TinyModel, qkv_feeds
 
@@ -65,5 +65,5 @@ adapter fills it."""
 FAMILY = Family(
     ARCHITECTURE, HF_NAMES, VLLM_PARAMS, sizes, CONDITIONS, tiny=TINY_MODELS,
     megatron_names=MEGATRON_NAMES, vllm_source="vllm/model_executor/models/qwen2.py",
-    module=__name__,
+    module=__name__, tp_plan=TP_PLAN,  # Llama's: the same modules
 )

@@ -25,7 +25,7 @@ from typing import Any
 
 from .kinds import REPLICATED, VOCAB, W13, W2
 from .llama import MLP as M
-from .llama import dense_mlp_params
+from .llama import TP_PLAN, dense_mlp_params
 from .qwen3 import CONDITIONS as QWEN3_CONDITIONS
 from .qwen3 import attention_params
 from .sizes import base_sizes, cfg_get
@@ -123,4 +123,5 @@ FAMILY = Family(
     ARCHITECTURE, HF_NAMES, VLLM_PARAMS, sizes, CONDITIONS, (_tp_within_experts,),
     tiny=TINY_MODELS, megatron_names=MEGATRON_NAMES,
     vllm_source="vllm/model_executor/models/qwen3_moe.py", module=__name__,
+    tp_plan=TP_PLAN,  # Llama's (dense layers' MLP); experts and routers stay whole on each TP rank
 )

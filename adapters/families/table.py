@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any, Callable, Mapping
 
 from .kinds import KINDS, Kind
@@ -22,6 +23,7 @@ from .sizes import Sizes
 __all__ = [
     "Feeds", "Param", "qkv_feeds", "merged_feeds",
     "TRANSFORMERS_FUSED_EXPERTS", "HFNaming", "TinyModel", "Family",
+    "COLWISE", "ROWWISE", "TPPlan",
 ]
 
 #: Feeds of one parameter: ``(wire name template, part)``; part is ``None``
@@ -205,6 +207,90 @@ class HFNaming:
         return None
 
 
+#: Tensor-parallel styles of a trainer's TP plan, named as torch
+#: (``ColwiseParallel``, ``RowwiseParallel``), torchtitan and transformers'
+#: ``base_model_tp_plan`` name them.
+COLWISE, ROWWISE = "colwise", "rowwise"
+
+#: Style -> (dim of a linear's weight, dim of its bias, dim of an embedding's
+#: weight) it shards; ``None``: replicated over TP (torch
+#: ``distributed/tensor/parallel/style.py``: ``ColwiseParallel``
+#: ``_partition_linear_fn`` Shard(0) weight and bias, ``_partition_embedding_fn``
+#: Shard(1); ``RowwiseParallel`` Shard(1) weight, Replicate bias, embedding Shard(0)).
+_TP_DIMS = {COLWISE: (0, 0, 1), ROWWISE: (1, None, 0)}
+
+
+@dataclass(frozen=True)
+class TPPlan:
+    """How trainers apply tensor parallelism to a family: module -> style.
+
+    The plan ``parallelize_module`` takes (torchtitan ``parallelize_llama``;
+    transformers' ``base_model_tp_plan`` names the same layer modules), as
+    data: the demo applies it to a live model
+    (``m2nkit.adapters.tensor_parallel``) and ``m2nkit plan --trainer
+    fsdp2:dp_shard=S,tp=T`` derives each wire tensor's layout from it.
+    Modules it does not name (norms, routers, experts) stay whole on every
+    TP rank.
+
+    Attributes:
+        modules: in-memory module name (``{L}``: any layer) -> ``COLWISE`` or
+            ``ROWWISE``. For every family with a plan the names of these
+            modules' tensors are the same in memory and on disk (checked by
+            ``tests/test_trainer_spec.py``), so they name wire tensors too.
+        untied: the same for the embedding and the LM head, applied only when
+            the config does not tie them (tied, they are one parameter,
+            which FSDP shards alone).
+        embeddings: modules of the plan that are ``nn.Embedding``s (a style
+            shards an embedding's weight on the other dim than a linear's).
+
+    Raises:
+        ValueError: a style that is not ``COLWISE``/``ROWWISE``, naming the module.
+    """
+
+    modules: Mapping[str, str]
+    untied: Mapping[str, str] = field(default_factory=dict)
+    embeddings: tuple[str, ...] = ("model.embed_tokens",)
+
+    def __post_init__(self) -> None:
+        for module, style in {**self.modules, **self.untied}.items():
+            if style not in _TP_DIMS:
+                raise ValueError(f"TPPlan: module {module!r} has style {style!r}; valid styles: "
+                                 f"{', '.join(_TP_DIMS)}")
+
+    def styles(self, config: Any) -> dict[str, str]:
+        """Module pattern -> style for ``config`` (``untied`` only when not tied)."""
+        from .sizes import cfg_get
+
+        tied = bool(cfg_get(config, "tie_word_embeddings", default=False))
+        return dict(self.modules) if tied else {**self.modules, **self.untied}
+
+    def style(self, module: str, config: Any) -> str | None:
+        """The style of in-memory module ``module`` for ``config``; ``None``: not in the plan."""
+        for pattern, style in self.styles(config).items():
+            if _module_regex(pattern).fullmatch(module):
+                return style
+        return None
+
+    def shard_dim(self, name: str, config: Any) -> int | None:
+        """The dim TP shards tensor ``name`` (``<module>.weight``/``.bias``) on; ``None``: whole.
+
+        See :data:`_TP_DIMS` for the torch rule per style.
+        """
+        module, _, leaf = name.rpartition(".")
+        style = self.style(module, config)
+        if style is None:
+            return None
+        weight, bias, embedding = _TP_DIMS[style]
+        if module in self.embeddings:
+            return embedding if leaf == "weight" else None
+        return {"weight": weight, "bias": bias}.get(leaf)
+
+
+@lru_cache(maxsize=None)
+def _module_regex(pattern: str) -> re.Pattern:
+    return re.compile(re.escape(pattern).replace(re.escape("{L}"), r"\d+"))
+
+
 @dataclass(frozen=True)
 class TinyModel:
     """A tiny test model of a family, built and saved by ``m2nkit.adapters.tiny``.
@@ -256,6 +342,9 @@ class Family:
             family reads a config variant it plans differently from what
             the config alone says, e.g. a quantized config planned in
             bf16); ``None``: none. They end up in ``DestinationLayout.notes``.
+        tp_plan: how trainers apply tensor parallelism to the family
+            (:class:`TPPlan`); ``None``: no plan (a trainer spec with
+            ``tp > 1`` is refused for the family).
 
     Raises:
         ValueError: a ``Param.when`` names no condition.
@@ -274,6 +363,7 @@ class Family:
     skip: Callable[[Any, str], str | None] | None = None
     num_expert_group: Callable[[Any], int | None] | None = None
     notes: Callable[[Any], tuple[str, ...]] | None = None
+    tp_plan: TPPlan | None = None
 
     def __post_init__(self) -> None:
         for p in self.params:

@@ -322,11 +322,15 @@ def send_round(group, plan: Plan, schedule: BucketSchedule, rank: int,
         buffers = {dst: torch.empty(sum(s.nbytes for _, s in items), dtype=torch.uint8,
                                     device=device)
                    for dst, items in links.items()}
-        cursor = {dst: 0 for dst in links}
+        # Each slab's offset in its message follows the packing order of
+        # ``_link_slabs`` (the receiver unpacks in that order), while local
+        # tensors arrive in manifest order.
         by_wire: dict[int, list] = {}
         for dst, items in links.items():
+            at = 0
             for wi, slab in items:
-                by_wire.setdefault(wi, []).append((dst, slab))
+                by_wire.setdefault(wi, []).append((dst, slab, at))
+                at += slab.nbytes
         for wi in wires:
             wp = plan.wires[wi]
             if not wp.meta.holds(rank):
@@ -335,11 +339,9 @@ def send_round(group, plan: Plan, schedule: BucketSchedule, rank: int,
             if deadline.expired():
                 raise TransferError(f"trainer rank {rank}: the source's local tensor of '{wp.name}' "
                                     f"came after {deadline.describe()}; the round is over")
-            for dst, slab in by_wire.get(wi, ()):
+            for dst, slab, at in by_wire.get(wi, ()):
                 piece = local[slab.src_region]
-                c = cursor[dst]
-                buffers[dst][c:c + slab.nbytes].view(wp.meta.dtype).view(piece.shape).copy_(piece)
-                cursor[dst] = c + slab.nbytes
+                buffers[dst][at:at + slab.nbytes].view(wp.meta.dtype).view(piece.shape).copy_(piece)
         # Keep at most one earlier bucket in flight: wait for it now.
         for work, what in in_flight:
             wait_work(work, deadline, what)
