@@ -10,6 +10,8 @@ mesh, placements; no collective, identical on every rank), and its
 dtype, one tensor at a time. It refuses what it cannot send shard to shard
 (``Partial`` placements, a parameter that is not a ``DTensor`` on a sharded
 model, a name no vLLM parameter takes) on every rank, before any traffic.
+With ``merge_lora=True`` it sends peft LoRA layers merged into their base
+weights, each rank merging its own shard (``m2nkit.adapters.fsdp2_lora``).
 
 Names. In-memory names become wire names (Hugging Face checkpoint names)
 through the model's family (``m2nkit.adapters.families``: renames, fused
@@ -50,6 +52,7 @@ is not supported.
 from __future__ import annotations
 
 import difflib
+import functools
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -399,11 +402,27 @@ class FSDP2Source(ManifestM2NWeightSource):
 
     def __init__(self, entries: Sequence[M2NManifestEntry], *, rank: int | None,
                  num_trainer_ranks: int, config: Any,
-                 module_names: dict[str, tuple[str, ...]]) -> None:
+                 module_names: dict[str, tuple[str, ...]], lora: Any = None) -> None:
         super().__init__(entries, rank=rank)
         self.config = config
         self.num_trainer_ranks = num_trainer_ranks
         self.module_names = module_names
+        self._lora = lora
+
+    def iter_local(self):
+        """``ManifestM2NWeightSource.iter_local``; with ``merge_lora``, first gathers each
+        LoRA ``A`` (and ``B`` where needed) on every rank, in manifest order: call it on
+        every trainer rank each round (the trainer engine does)."""
+        if self._lora is None:
+            return super().iter_local()
+        self._lora.gather()
+        return self._released(super().iter_local())
+
+    def _released(self, stream):
+        try:
+            yield from stream
+        finally:
+            self._lora.release()
 
 
 def _is_dtensor(t: object) -> bool:
@@ -574,6 +593,7 @@ def fsdp2_source(
     mesh: Any = None,
     num_trainer_ranks: int | None = None,
     rank: int | None = None,
+    merge_lora: bool = False,
 ) -> FSDP2Source:
     """An ``M2NWeightSource`` for a transformers model sharded with ``fully_shard``.
 
@@ -620,6 +640,14 @@ def fsdp2_source(
         num_trainer_ranks: ``T``; default: the default process group's world
             size (else the root mesh's size).
         rank: this trainer rank; default: the default process group's rank.
+        merge_lora: send each peft LoRA target module's weight merged,
+            ``W + scaling * B @ A`` per active adapter (peft's
+            ``merge_and_unload`` math), under the base model's names; each
+            rank merges its own box of ``W`` (``A``, and ``B`` where its rows
+            are not ``W``'s, are gathered at the start of every
+            ``iter_local``, on every rank; ``W`` never is). See
+            :mod:`m2nkit.adapters.fsdp2_lora`. Without it, a model with LoRA
+            weights is refused.
 
     Returns:
         An :class:`FSDP2Source` (a ``ManifestM2NWeightSource``).
@@ -629,7 +657,9 @@ def fsdp2_source(
         any traffic: an unsupported architecture (the registry's message); a
         name that maps to no wire tensor vLLM takes (names it and the
         closest known name); a tensor the family refuses
-        (``HFNaming.refused``); LoRA adapter weights (merge them first); a
+        (``HFNaming.refused``); LoRA adapter weights without ``merge_lora``,
+        and with it a LoRA variant (DoRA), a non-linear LoRA layer or a LoRA
+        target module whose weight maps to no wire tensor vLLM takes; a
         plain-tensor parameter on a sharded model; a ``Partial`` placement;
         a mesh with ranks outside ``[0, T)``; a sub-mesh not a slice of the
         root mesh; per-expert modules with a missing expert or part, or
@@ -647,12 +677,24 @@ def fsdp2_source(
     params = _named_weights(model)
     if not params:
         raise FSDP2SourceError("fsdp2_source: the model has no parameters")
-    lora = [x.name for x in params if _LORA.search(x.clean)]
+    lora = [x for x in params if _LORA.search(x.clean)]
     if lora:
-        raise FSDP2SourceError(
-            f"fsdp2_source: parameter '{lora[0]}' (and {len(lora) - 1} more) is a LoRA adapter "
-            "weight; fsdp2_source sends base weights only: merge the adapter into the base "
-            "weights first (peft merge_and_unload())")
+        from .fsdp2_lora import adapter_param_ids
+
+        adapters = adapter_param_ids(model)
+        stray = [x for x in lora if id(x.param) not in adapters]
+        if stray:
+            raise FSDP2SourceError(
+                f"fsdp2_source: parameter '{stray[0].name}' is named like a LoRA adapter weight "
+                "but is not in a LoRA layer m2nkit recognises (peft's LoraLayer: base_layer, "
+                "lora_A, lora_B, scaling)")
+        if not merge_lora:
+            raise FSDP2SourceError(
+                f"fsdp2_source: parameter '{lora[0].name}' (and {len(lora) - 1} more) is a LoRA "
+                "adapter weight; pass merge_lora=True to send W + scaling * B @ A per target "
+                "module, merged on each rank's own shard (or merge the adapter into the base "
+                "weights first: peft merge_and_unload())")
+        params = [x for x in params if id(x.param) not in adapters]
 
     sharded = [x for x in params if _is_dtensor(x.param)]
     plain = [x for x in params if not x.buffer and not _is_dtensor(x.param)]
@@ -704,7 +746,15 @@ def fsdp2_source(
             return None, SourceLayout()
         return _weight_layout(x, root, num_trainer_ranks)
 
-    order, groups = _wire_names(params, family, _known_wire_names(family, config))
+    known = _known_wire_names(family, config)
+    merge = None
+    if merge_lora:  # before the names: a LoRA target vLLM cannot take gets its own message
+        from .fsdp2_lora import plan_lora_merge
+
+        merge = plan_lora_merge(model, params, family, known, lambda x: layout_of(x)[0])
+    if rank is None and dist.is_available() and dist.is_initialized():
+        rank = dist.get_rank()
+    order, groups = _wire_names(params, family, known)
 
     entries: list[M2NManifestEntry] = []
     module_names: dict[str, tuple[str, ...]] = {}
@@ -718,18 +768,27 @@ def fsdp2_source(
             continue
         _, lay = layout_of(x)
         wd = wire_dtype(x)
-        entries.append(M2NManifestEntry(wire, wd, x.wire_shape, lay, _provider(x, bool(sharded), wd)))
+        merged = None
+        if merge is not None and merge.merges(x):
+            merged = functools.partial(merge.merged, x, rank=rank or 0)
+        entries.append(M2NManifestEntry(wire, wd, x.wire_shape, lay,
+                                        _provider(x, bool(sharded), wd, merged)))
         module_names[wire] = (x.name,)
     return FSDP2Source(entries, rank=rank, num_trainer_ranks=num_trainer_ranks, config=config,
-                       module_names=module_names)
+                       module_names=module_names, lora=merge)
 
 
-def _provider(x: _Param, sharded: bool, dtype: torch.dtype) -> Callable[[], torch.Tensor]:
+def _provider(x: _Param, sharded: bool, dtype: torch.dtype,
+              merged: Callable[[torch.Tensor], torch.Tensor] | None = None
+              ) -> Callable[[], torch.Tensor]:
+    """This rank's local tensor of ``x``: ``to_local()``, LoRA merged, permuted, cast."""
     module, attr, name, order = x.module, x.attr, x.name, x.order
     sharded = sharded and not x.buffer
 
     def local() -> torch.Tensor:
         t = _live(module, attr, name, sharded)
+        if merged is not None:
+            t = merged(t)
         return _cast(t if order is None else t.permute(order), dtype)  # a view until cast
     return local
 

@@ -46,7 +46,7 @@ import torch
 from .fsdp2 import FSDP2SourceError, _live, _Param
 from .families.table import Family
 
-__all__ = ["LoraMerge", "plan_lora_merge", "ADAPTER_SUBMODULES"]
+__all__ = ["LoraMerge", "plan_lora_merge", "adapter_param_ids", "ADAPTER_SUBMODULES"]
 
 #: Sub-containers of a peft ``LoraLayer`` that hold adapter weights
 #: (``LoraLayer.adapter_layer_names``).
@@ -127,7 +127,7 @@ class LoraMerge:
                 B = self._part(t, a, "B")
                 B = B[rows] if t.gather[(a, "B")] else B
                 out = (out + _delta(B, A, scaling)).to(local.dtype)
-            elif t.layer.lora_bias.get(a, False):
+            elif "Bb" in _parts(t, a):
                 Bb = self._part(t, a, "Bb")
                 Bb = Bb[rows] if t.gather[(a, "Bb")] else Bb
                 out = (out + Bb * scaling).to(local.dtype)
@@ -141,13 +141,13 @@ class LoraMerge:
 
 
 def _has_lora_bias(t: _Target) -> bool:
-    return any(getattr(t.layer, "lora_bias", {}).get(a, False) for a in t.adapters)
+    return any((getattr(t.layer, "lora_bias", None) or {}).get(a, False) for a in t.adapters)
 
 
 def _parts(t: _Target, a: str) -> dict[str, tuple[torch.nn.Module, str]]:
     """``A``, ``B`` (and ``Bb``, ``B``'s bias, with ``lora_bias``): (owner module, attribute)."""
     out = {"A": (t.layer.lora_A[a], "weight"), "B": (t.layer.lora_B[a], "weight")}
-    if t.layer.lora_bias.get(a, False):
+    if (getattr(t.layer, "lora_bias", None) or {}).get(a, False):
         out["Bb"] = (t.layer.lora_B[a], "bias")
     return out
 
@@ -214,14 +214,14 @@ def plan_lora_merge(model: torch.nn.Module, params: Sequence[_Param], family: Fa
             adapters = tuple(a for a in active if a in m.lora_A)
         base = _base_layer(m)
         where = f"fsdp2_source: LoRA layer '{name}'"
+        variants = getattr(m, "lora_variant", None) or {}
         for a in adapters:
-            variant = a in (getattr(m, "lora_variant", None) or {}) or \
-                getattr(m, "use_dora", {}).get(a, False)
-            if variant:
+            if a in variants or (getattr(m, "use_dora", None) or {}).get(a, False):
+                kind = type(variants[a]).__name__ if a in variants else "DoRA"
                 raise FSDP2SourceError(
-                    f"{where}: adapter '{a}' is a LoRA variant ({type(m.lora_variant[a]).__name__ if a in getattr(m, 'lora_variant', {}) else 'DoRA'}); "
-                    "merge_lora merges plain LoRA (W + scaling * B @ A) only: merge it with "
-                    "peft (merge_and_unload) before sending")
+                    f"{where}: adapter '{a}' is a LoRA variant ({kind}); merge_lora merges "
+                    "plain LoRA (W + scaling * B @ A) only: merge it with peft "
+                    "(merge_and_unload) before sending")
         if adapters and (len(getattr(m, "lora_embedding_A", {}) or {}) or
                          not isinstance(base, torch.nn.Linear)):
             raise FSDP2SourceError(
@@ -248,7 +248,7 @@ def plan_lora_merge(model: torch.nn.Module, params: Sequence[_Param], family: Fa
         if bias is None and _has_lora_bias(t):
             raise FSDP2SourceError(f"{where}: lora_bias=True, but the base layer has no bias "
                                    "(peft refuses to merge it too)")
-        _choose_gathers(t, boxes, by_id)
+        _choose_gathers(t, boxes)
         targets.append(t)
     if not targets:
         return None
@@ -257,12 +257,13 @@ def plan_lora_merge(model: torch.nn.Module, params: Sequence[_Param], family: Fa
     return LoraMerge(targets, boxes)
 
 
-def _choose_gathers(t: _Target, boxes: Callable[[_Param], dict | None],
-                    by_id: dict[int, _Param]) -> None:
+def _choose_gathers(t: _Target, boxes: Callable[[_Param], dict | None]) -> None:
     """Which of ``A``, ``B``, ``B.bias`` to gather: decided from every rank's boxes alike.
 
     ``A`` unless every rank holds it whole; ``B`` (``B.bias``) unless on every
     rank its rows are the base weight's (bias's) rows and it is whole on dim 1.
+    A plain (not ``DTensor``) part of a sharded model counts as gathered: it
+    is whole, and each rank slices its box out of it.
     """
     w_boxes = boxes(t.weight)
     for a in t.adapters:
@@ -273,7 +274,7 @@ def _choose_gathers(t: _Target, boxes: Callable[[_Param], dict | None],
             shape = tuple(int(n) for n in p.shape)
             whole = tuple((0, n) for n in shape)
             if mine is None:
-                t.gather[(a, part)] = False
+                t.gather[(a, part)] = w_boxes is not None
             elif part == "A":
                 t.gather[(a, part)] = any(b != whole for b in mine.values())
             else:

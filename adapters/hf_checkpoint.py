@@ -26,6 +26,14 @@ differently in memory than on disk; each family's module in
 ``HFNaming``), and this module holds none. An architecture without a family
 is refused with the registry's one message.
 
+A config-only checkpoint (a bare ``config.json``, what ``m2nkit plan`` takes
+for a model nobody has downloaded) skips transformers altogether: the family
+table lists the same wire tensors in the same order
+(``m2nkit.adapters.config_wires``), which for Kimi-K2 takes a tenth of a
+second instead of several, most of them importing transformers' modeling
+code. The meta model stays the reference (``via_transformers=True``), and
+the fallback for a config the table does not describe exactly.
+
 Every defect a user can hit (missing or corrupt files, wrong shapes,
 unsupported dtypes, incomplete expert sets) raises :class:`CheckpointError`
 naming the file, the tensor, the value and what was expected.
@@ -542,7 +550,7 @@ def _resolve(path: Path) -> tuple[Path, Path, str]:
     )
 
 
-def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
+def read_checkpoint(path: str | os.PathLike, *, via_transformers: bool = False) -> Checkpoint:
     """Read a checkpoint's wire tensors from its config and safetensors headers.
 
     Args:
@@ -551,6 +559,13 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
             ``config.json``); or a ``config.json`` file, or a directory
             holding only ``config.json``, for a config-only (metadata-only)
             checkpoint.
+        via_transformers: config-only: take the wire tensors from
+            transformers' model built on the meta device even where the
+            family table gives them (``m2nkit.adapters.config_wires``, the
+            default: well under a second, without importing transformers).
+            The same tensors in the same order; the table gives each the
+            dtype published checkpoints store (a router the table keeps in
+            the model dtype where transformers allocates float32).
 
     Returns:
         A :class:`Checkpoint`. Wire order is the meta model's
@@ -560,9 +575,13 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
         [E, H, Im]`` at the place of transformers' fused parameter; a
         tensor of the family's ``HFNaming.permuted`` becomes its wire form
         (``<prefix>.<wire leaf>``, dims permuted). Wire
-        dtypes are the on-disk dtypes (config-only: the config's dtype). A
-        tied ``lm_head.weight`` is a wire tensor only when the files hold it.
-        No tensor data is read.
+        dtypes are the on-disk dtypes (config-only: the config's dtype, a
+        table entry's own where it has one, fp8 weights and float32 scales
+        for an fp8 block config). A tied ``lm_head.weight`` is a wire
+        tensor only when the files hold it. A config-only checkpoint also
+        lists the tensors of layers vLLM skips that a published checkpoint
+        holds (multi-token prediction, ``Family.skipped_layers``), at the
+        end. No tensor data is read.
 
     Raises:
         CheckpointError: path missing; nothing to read; unreadable or
@@ -582,6 +601,10 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
     """
     path = Path(path)
     root, config_path, kind = _resolve(path)
+    if kind == "config" and not via_transformers:
+        fast = _config_only_from_table(path, root, config_path)
+        if fast is not None:
+            return fast
     config = _load_config(config_path)
     arch = _architecture(config, config_path)
     expected = _expected_params(config, arch, config_path)
@@ -595,11 +618,95 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
     else:
         headers = {}
     fam = family(arch)
+    quant = QuantizedWires(fam, config)
     params, sources = _match(expected, hf, headers, kind == "config", root, arch,
-                             quant=QuantizedWires(fam, config),
+                             quant=quant,
                              skip=(lambda n: fam.skip(config, n)) if fam.skip else None)
+    if kind == "config":
+        params += _skipped_layers(fam, config, quant, sources)
     return Checkpoint(path=path, root=root, config=config, architecture=arch,
                       params=params, sources=sources, headers=headers, handles=handles)
+
+
+def _config_only_from_table(path: Path, root: Path, config_path: Path) -> Checkpoint | None:
+    """A config-only checkpoint from the family table, without transformers, or ``None``.
+
+    ``m2nkit.adapters.config_wires`` reads ``config.json`` as the family's
+    transformers config class would and lists the wire tensors the meta model
+    would give, in the same order (``tests/test_config_wires.py``). Dtypes
+    are those the published checkpoints store: the config's model dtype,
+    a parameter's own where the table gives one (``Param.dtype``), fp8
+    weights and float32 scales for an fp8 block config. ``None`` (the
+    caller then builds transformers' model): no ``config.json`` object or
+    architecture this can read, a
+    ``model_type`` the family does not declare, a config whose tensors the
+    table does not describe exactly (``HFNaming.table_differs``), or one the
+    family's ``sizes`` refuses (the layout reports that later, as before).
+
+    Raises:
+        CheckpointError: an unsupported architecture (the registry's message).
+    """
+    from .config_wires import read_config_json, table_wires
+
+    data = _peek(config_path)
+    archs = data.get("architectures")
+    if not (isinstance(archs, list) and archs and isinstance(archs[0], str)):
+        return None
+    _check_supported(archs[0], config_path)
+    fam = family(archs[0])
+    config = read_config_json(data, fam)
+    if config is None or (fam.hf.table_differs is not None and fam.hf.table_differs(config)):
+        return None
+    try:
+        s = fam.sizes(config)
+        wires = table_wires(fam, config, s)
+    except (ValueError, KeyError, TypeError):
+        return None
+    hf = fam.hf
+    params: list[ParamMeta] = []
+    sources: dict[str, str | StackedExperts | _Permuted] = {}
+    for w in wires:
+        params.append(ParamMeta(w.name, w.dtype, w.shape))
+        if w.stacked:
+            prefix = w.name[: w.name.rindex(".experts.")]
+            E, rows, cols = w.shape
+            # expert_name(pattern, prefix, e) for every e, with the prefix filled once
+            split = [hf.experts_on_disk[part].replace("{prefix}", prefix).split("{e}")
+                     for part in w.stacked]
+            sources[w.name] = StackedExperts(w.name, w.dtype, tuple(
+                tuple(str(e).join(parts) for parts in split) for e in range(E)
+            ), (rows // len(split), cols))
+        else:
+            permuted = _permuted_wire(hf, w.name)
+            sources[w.name] = _Permuted(*permuted) if permuted else w.name
+    arch = fam.architecture
+    quant = QuantizedWires(fam, config)
+    if quant:
+        params = _add_scales(params, sources, quant, {}, True, set(), [], arch)
+    params += _skipped_layers(fam, config, quant, sources)
+    return Checkpoint(path=path, root=root, config=config, architecture=arch,
+                      params=params, sources=sources, headers={}, handles={})
+
+
+def _permuted_wire(hf: HFNaming, wire: str) -> tuple[str, tuple[int, ...]] | None:
+    """``(on-disk name, order)`` of a wire tensor that is a permuted on-disk tensor, or ``None``."""
+    for leaf, (wire_leaf, order) in hf.permuted.items():
+        if wire.endswith("." + wire_leaf):
+            return wire[: -len(wire_leaf)] + leaf, tuple(order)
+    return None
+
+
+def _skipped_layers(fam, config, quant, sources: dict) -> list[ParamMeta]:
+    """The tensors of layers vLLM skips (multi-token-prediction layers) that a published
+    checkpoint of ``config`` holds, for a config-only plan to list as skipped
+    (``Family.skipped_layers``; a checkpoint with data lists the ones it holds)."""
+    from .config_wires import skipped_layer_wires
+
+    out = []
+    for w in skipped_layer_wires(fam, config, quant=quant):
+        out.append(ParamMeta(w.name, w.dtype, w.shape))
+        sources[w.name] = w.name
+    return out
 
 
 def _match(expected: Sequence[_Expected], hf: HFNaming, headers: Mapping[str, _Header],

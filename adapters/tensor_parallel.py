@@ -5,7 +5,9 @@ colwise/rowwise, :class:`m2nkit.adapters.families.table.TPPlan`); the dry
 run (``m2nkit plan --trainer fsdp2:dp_shard=S,tp=T``) reads the same data to
 lay the checkpoint out. This module turns it into torch ``ParallelStyle``s
 and calls ``parallelize_module``, so a trainer (the demo, the tests) shards
-a model exactly the way the dry run assumes. It knows no family itself.
+a model exactly the way the dry run assumes; :func:`sum_partial_grads` is
+the one step such a trainer adds after ``backward()`` (the plan's
+``grad_allreduce`` modules). It knows no family itself.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 from .families import family_for
 from .families.table import COLWISE
 
-__all__ = ["apply_tp_plan"]
+__all__ = ["apply_tp_plan", "sum_partial_grads"]
 
 
 def apply_tp_plan(model: torch.nn.Module, tp_mesh: Any, config: Any = None, *,
@@ -73,3 +75,36 @@ def apply_tp_plan(model: torch.nn.Module, tp_mesh: Any, config: Any = None, *,
     parallelize_module(model, tp_mesh, styles, src_data_rank=src_data_rank)
     return {n: type(s).__name__ for n, s in styles.items()}
 
+
+
+def sum_partial_grads(model: torch.nn.Module, tp_mesh: Any, config: Any = None) -> int:
+    """Sum the gradients of the plan's ``grad_allreduce`` modules over TP, in place.
+
+    Call it on every rank after ``backward()`` and before the optimizer
+    step. Those modules (Qwen3's per-head ``q_norm``/``k_norm``) are whole on
+    every TP rank but each rank's forward feeds them only its own heads, so
+    each rank holds a partial gradient; without the sum the TP replicas of
+    the weight drift apart at the first step (and vLLM would get whichever
+    replica the plan reads). Works on plain and FSDP2 (``DTensor``) gradients:
+    the TP ranks at one data-parallel coordinate hold the same box of the
+    weight, so an elementwise all-reduce over the TP group is the sum.
+
+    Returns:
+        The number of gradients summed (0 for a family without such modules).
+    """
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    config = model.config if config is None else config
+    plan = family_for(config).tp_plan
+    if plan is None or not plan.grad_allreduce:
+        return 0
+    group = tp_mesh.get_group()
+    count = 0
+    for name, p in model.named_parameters():  # same order on every rank
+        if p.grad is None or not plan.sums_grads(name.rpartition(".")[0]):
+            continue
+        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        dist.all_reduce(grad, group=group)
+        count += 1
+    return count

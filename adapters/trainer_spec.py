@@ -43,7 +43,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any, Callable, Sequence
 
 from m2nkit.manifest.layout import SourceLayout, local_box
@@ -89,9 +89,10 @@ class TrainerSpec:
         """Trainer ranks in the mesh (product of ``mesh_shape``)."""
         return math.prod(self.mesh_shape)
 
-    @property
+    @cached_property
     def owners(self) -> tuple[int, ...]:
-        """Every trainer rank, in mesh (row-major) order."""
+        """Every trainer rank, in mesh (row-major) order (one tuple per spec: layouts
+        sharing it check its ranks once, ``m2nkit.manifest.layout``)."""
         return tuple(range(self.num_ranks))
 
     @property

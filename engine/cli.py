@@ -25,6 +25,7 @@ failed demo round exits 1; an interrupted demo exits 128 + the signal
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import json
 import math
@@ -145,6 +146,9 @@ def _precheck(args) -> None:
 
 
 def _build(args):
+    """Read, lay out and plan; returns the pieces and ``{phase: seconds}``
+    (imports, read: config/headers and the trainer layout, vLLM layout, plan)."""
+    t0 = time.perf_counter()
     from m2nkit.adapters.hf_checkpoint import checkpoint_metas, read_checkpoint
     from m2nkit.adapters.trainer_spec import parse_trainer_spec
     from m2nkit.adapters.vllm import destination_layout, parse_inference_spec
@@ -153,15 +157,19 @@ def _build(args):
 
     tspec = parse_trainer_spec(args.trainer)
     ispec = parse_inference_spec(args.inference)
-    t0 = time.perf_counter()
+    t1 = time.perf_counter()
     ckpt = read_checkpoint(args.checkpoint)
     metas = checkpoint_metas(ckpt, tspec)
-    t1 = time.perf_counter()
-    dest = destination_layout(ckpt.config, metas, ispec)
-    digest = manifest_digest(metas, tspec.num_ranks)
-    plan = build_plan(metas, tspec.num_ranks, dest, manifest_digest=digest)
     t2 = time.perf_counter()
-    return ckpt, tspec, ispec, metas, plan, (t1 - t0, t2 - t1)
+    dest = destination_layout(ckpt.config, metas, ispec)
+    t3 = time.perf_counter()
+    # The manifest digest is only shown by --json and --dump; hashing every
+    # tensor's owners costs a noticeable part of a config-only plan.
+    digest = manifest_digest(metas, tspec.num_ranks) if args.json or args.dump else ""
+    plan = build_plan(metas, tspec.num_ranks, dest, manifest_digest=digest)
+    t4 = time.perf_counter()
+    timings = {"imports": t1 - t0, "read": t2 - t1, "vLLM layout": t3 - t2, "plan": t4 - t3}
+    return ckpt, tspec, ispec, metas, plan, timings
 
 
 def _print_summary(console, args, ckpt, metas, plan, timings):
@@ -191,7 +199,7 @@ def _print_summary(console, args, ckpt, metas, plan, timings):
                                       f"{m2n_ok} of {len(plan.wires) - n_skipped} tensors")
     t.add_row(f"estimated time @ {args.link_gbps:g} Gbit/s per rank",
               _fmt_seconds(plan.estimated_seconds(args.link_gbps)))
-    t.add_row("planning time", f"read {_fmt_seconds(timings[0])}, plan {_fmt_seconds(timings[1])}")
+    t.add_row("planning time", ", ".join(f"{k} {_fmt_seconds(v)}" for k, v in timings.items()))
     t.add_row("problems", str(len(plan.problems)) if plan.problems else "none")
     for note in plan.destination.notes:  # how vLLM's dtype and expert placement were decided
         t.add_row("note", note)
@@ -434,15 +442,25 @@ def _open_json(path: str | None):
         raise UserError(f"--json {path}: cannot write there ({e.strerror or e})") from None
 
 
+def _quiet_transformers() -> None:
+    """transformers logs errors only, without importing it (about a second) when it is
+    not loaded yet: a config-only plan never needs it (``m2nkit.adapters.config_wires``);
+    the checkpoint reader imports it later, and it reads this variable then."""
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+    else:
+        os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+
+
 def _cmd_plan(args) -> int:
     json_file, dump_dir, dump_dir_created = None, None, False
     written = False
     try:
         json_file = _open_json(args.json)
         dump_dir, dump_dir_created = _open_dump_dir(args.dump)
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
+        _quiet_transformers()
         status = _plan_and_report(args, _console(), json_file, dump_dir)
         written = True
         return status
@@ -456,7 +474,15 @@ def _cmd_plan(args) -> int:
 
 
 def _plan_and_report(args, console, json_file, dump_dir) -> int:
-    ckpt, tspec, ispec, metas, plan, timings = _build(args)
+    # Importing torch and planning a model of a thousand tensors allocate
+    # millions of objects and next to no reference cycles; the cyclic garbage
+    # collector would walk them over and over (about 0.8 s of a 3 s Kimi-K2
+    # plan). It is back on before anything else runs.
+    gc.disable()
+    try:
+        ckpt, tspec, ispec, metas, plan, timings = _build(args)
+    finally:
+        gc.enable()
     if args.verify and not ckpt.has_data:
         raise UserError(f"--verify needs tensor data, but {ckpt.path} has only a config")
     _print_summary(console, args, ckpt, metas, plan, timings)
@@ -735,7 +761,9 @@ def _parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="dry-run: what moves where, and how long it takes")
     plan.add_argument("checkpoint", help="HF checkpoint directory (safetensors) or a config.json")
     plan.add_argument("--trainer", required=True,
-                      help="how the trainer holds it: replicated:N, fsdp:N or hsdp:R,S")
+                      help="how the trainer holds it: replicated:N, fsdp:N, hsdp:R,S, or FSDP2 "
+                           "with torchtitan's axis names: fsdp2:dp_shard=N[,dp_replicate=R][,tp=T] "
+                           "(tp: the family's TP plan)")
     plan.add_argument("--inference", required=True,
                       help="vllm:tp=T[,dp=D][,ep][,placement=linear|round_robin][,all2all=B]"
                            "[,dtype=auto|bfloat16|float16|float32]")
@@ -756,7 +784,10 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", default="tiny-qwen3-moe",
                       help="built-in tiny model (tiny-llama, tiny-qwen2, tiny-qwen3, tiny-qwen3-tied, "
                            "tiny-qwen3-moe, tiny-mixtral) or a checkpoint directory (default tiny-qwen3-moe)")
-    demo.add_argument("--trainer", default="fsdp:4", help="replicated:N, fsdp:N or hsdp:R,S (default fsdp:4)")
+    demo.add_argument("--trainer", default="fsdp:4",
+                      help="replicated:N, fsdp:N, hsdp:R,S (trainers holding checkpoint shards), or "
+                           "fsdp2:dp_shard=N[,dp_replicate=R][,tp=T] (real FSDP2 trainers taking an "
+                           "AdamW step each round) (default fsdp:4)")
     demo.add_argument("--inference", default="vllm:tp=2,dp=1", help="vllm:tp=T[,dp=D][,ep][,placement=P][,all2all=B][,dtype=X] "
                            "(default vllm:tp=2,dp=1)")
     demo.add_argument("--rounds", type=int, default=2, help="update rounds, weights changed each round (default 2)")

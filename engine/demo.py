@@ -10,6 +10,19 @@ caught. After each round every worker's storage is compared bit for bit with
 ``reference_load`` of the round's full tensors, and every worker must have
 committed the round's version.
 
+With an ``fsdp2:`` trainer spec the trainers are real FSDP2 trainers
+instead: each builds the model with transformers from the checkpoint (fp32
+masters, a bf16 ``MixedPrecisionPolicy``), applies the family's TP plan
+where the spec has ``tp`` (``m2nkit.adapters.tensor_parallel``), wraps it
+with ``fully_shard`` (HSDP on a ``dp_replicate`` axis) and sends through
+``fsdp2_source``. Each round they take one real AdamW step on random tokens,
+so the weights change as in RL, then send; the harness then gathers the
+trained parameters (``get_model_state_dict(full_state_dict=True)``, for the
+check only) and trainer rank 0 saves them with ``save_pretrained``; every
+worker is compared with ``reference_load`` of that checkpoint. Before the
+first round the live FSDP2 manifest is held against the dry run of the same
+spec (``checkpoint_metas``): same wire tensors, shapes and pieces.
+
 Importing this module is cheap (no torch): the CLI reads
 ``MAX_DEMO_PROCESSES`` from it before deciding anything is worth loading,
 and every spawned process imports it to find its target. Long phases
@@ -28,6 +41,7 @@ import socket
 import tempfile
 import time
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -132,6 +146,143 @@ def shifted_source(checkpoint, trainer_spec, rank: int, state: dict):
     return ManifestM2NWeightSource([wrap(e) for e in base.entries], rank=rank)
 
 
+def _build_fsdp2_model(model_dir, tspec):
+    """The checkpoint as an FSDP2 trainer holds it: transformers, TP plan, ``fully_shard``.
+
+    fp32 parameters (the optimizer's masters) under ``MixedPrecisionPolicy(
+    param_dtype=bf16)``; every decoder layer and the root sharded over the
+    data-parallel axes (``dp_replicate`` x ``dp_shard``: HSDP when both),
+    after the family's TP plan on the ``tp`` axis. Needs the default process
+    group over the trainer ranks. Returns ``(model, tp mesh or None)``.
+    """
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AutoModelForCausalLM
+
+    from m2nkit.adapters.tensor_parallel import apply_tp_plan
+
+    names = tspec.mesh_dim_names
+    mesh = init_device_mesh("cpu", tspec.mesh_shape, mesh_dim_names=names)
+    model_tp = None
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if tspec.tp > 1:
+        model_tp = mesh["tp"]
+        apply_tp_plan(model, model_tp)
+    dp = mesh[tuple(n for n in names if n != "tp")]
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=dp, mp_policy=policy)
+    fully_shard(model, mesh=dp, mp_policy=policy)
+    return model, model_tp
+
+
+def _train_step(model, optimizer, vocab_size: int, seed: int, tp_mesh=None) -> float:
+    """One AdamW step on random tokens (2 x 16); returns the loss.
+
+    ``seed``: one per data-parallel rank (the TP ranks of one replica see the
+    same tokens); ``tp_mesh``: sum the TP-partial gradients first
+    (``sum_partial_grads``).
+    """
+    import torch
+
+    from m2nkit.adapters.tensor_parallel import sum_partial_grads
+
+    tokens = torch.randint(0, vocab_size, (2, 16), generator=torch.Generator().manual_seed(seed))
+    loss = model(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    if tp_mesh is not None:
+        sum_partial_grads(model, tp_mesh)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(loss.detach())
+
+
+def _save_trained(model, plain, out: Path, rank: int) -> None:
+    """For the check only: gather the full parameters to rank 0 and ``save_pretrained`` them."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                cpu_offload=True))
+    if rank == 0:
+        plain.load_state_dict(full)
+        plain.save_pretrained(out)
+
+
+def _fsdp2_trainer_main(rank, num_ranks, model_dir, trainer, inference, url, port, dist_port,
+                        rounds, timeout_s, bucket_bytes, work, results, go):
+    """One FSDP2 trainer: build and shard the model, then per round one AdamW step and a send."""
+    _child_setup()
+    try:
+        from datetime import timedelta
+
+        import torch
+        import torch.distributed as dist
+        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        from m2nkit.adapters.fsdp2 import fsdp2_source
+        from m2nkit.adapters.trainer_spec import parse_trainer_spec
+        from m2nkit.adapters.vllm import vllm_destination
+        from m2nkit.engine.clients import HTTPClient
+        from m2nkit.engine.trainer import M2NTrainerEngine, M2NTrainerInitInfo
+        from m2nkit.manifest.serialize import manifest_to_json
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+        # transformers' CausalLM returns logits[:, slice] (a view); FSDP2 warns about
+        # in-place ops on it on every step, and the demo does none.
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view")
+        tspec = parse_trainer_spec(trainer)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{dist_port}", rank=rank,
+                                world_size=num_ranks, timeout=timedelta(seconds=timeout_s))
+        t0 = time.perf_counter()
+        model, tp_mesh = _build_fsdp2_model(model_dir, tspec)
+        config = AutoConfig.from_pretrained(model_dir)
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32) if rank == 0 else None
+        source = fsdp2_source(model)
+        info = M2NTrainerInitInfo(rank=rank, num_trainer_ranks=num_ranks,
+                                  destination=vllm_destination(config, inference),
+                                  master_port=port, timeout_s=timeout_s, bucket_bytes=bucket_bytes)
+        client = HTTPClient(url, timeout_s=4 * timeout_s) if rank == 0 else None
+        engine = M2NTrainerEngine.trainer_init(info, client=client, source=source)
+        manifest = manifest_to_json(source.metadata, num_ranks) if rank == 0 else None
+        results.put(("init", rank, time.perf_counter() - t0, manifest))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for k in range(1, rounds + 1):
+            if go.get(timeout=10 * timeout_s) != k:
+                raise RuntimeError("demo driver out of step")
+            loss = _train_step(model, optimizer, config.vocab_size, 1000 * k + rank // tspec.tp,
+                               tp_mesh)
+            stats = engine.send_weights(f"v{k}")
+            _save_trained(model, plain, Path(work) / f"trained-v{k}", rank)
+            results.put(("round", rank, k, (stats.bytes_sent, stats.seconds, loss)))
+        engine.shutdown()
+        dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001 - reported to the driver
+        results.put(("error", rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
+
+
+def _check_live_manifest(doc: dict, metas, T: int, trainer: str) -> None:
+    """The live FSDP2 manifest (trainer rank 0's) against the dry run of the same spec.
+
+    Raises:
+        RuntimeError: a wire tensor differs in name, shape or pieces (names the first).
+    """
+    from m2nkit.manifest.serialize import manifest_from_json
+
+    live, _ = manifest_from_json(doc)
+    if [m.name for m in live] != [m.name for m in metas]:
+        extra = sorted({m.name for m in live} ^ {m.name for m in metas})
+        raise RuntimeError(f"the live FSDP2 manifest names other wire tensors than the dry run "
+                           f"of --trainer {trainer}: {extra[:3]}")
+    for a, b in zip(live, metas):
+        if a.shape != b.shape or set(a.source_pieces(T)) != set(b.source_pieces(T)):
+            raise RuntimeError(f"wire tensor '{a.name}': the live FSDP2 layout differs from the "
+                               f"dry run of --trainer {trainer} (pieces {a.source_pieces(T)[:3]} "
+                               f"vs {b.source_pieces(T)[:3]})")
+
+
 def _trainer_main(rank, num_ranks, model_dir, trainer, inference, url, port, rounds,
                   timeout_s, bucket_bytes, results, go):
     """One trainer process: init, then one ``send_weights`` per round, reporting each."""
@@ -177,6 +328,7 @@ class DemoRound:
     bytes_per_rank: list[int]
     seconds: float
     verified_workers: int
+    loss: float | None = None  # fsdp2 trainers: the mean loss of the round's AdamW step
 
 
 @dataclass
@@ -191,15 +343,19 @@ class DemoResult:
 
 def run_demo(model: str, trainer: str, inference: str, *, rounds: int = 2, timeout_s: float = 60.0,
              bucket_bytes: int = 4 << 20, workdir: str | None = None, baseline: bool = True,
-             log=print) -> DemoResult:
+             log=print, start_method: str = "spawn") -> DemoResult:
     """Run the demo; returns the verified rounds.
 
     Args:
         model: a built-in tiny model name (``m2nkit.adapters.tiny``) or a
             checkpoint directory with safetensors data.
-        trainer, inference: specs as for ``m2nkit plan``.
+        trainer, inference: specs as for ``m2nkit plan``; an ``fsdp2:`` trainer
+            spec runs real FSDP2 trainers that train between rounds (module
+            docstring).
         rounds: update rounds, weights changed each round.
         timeout_s: bound on every wait in the session (seconds).
+        start_method: how the trainer and worker processes start
+            (``multiprocessing``; tests use a preloaded ``"forkserver"``).
 
     Raises:
         ValueError: bad model, specs, or a plan with problems.
@@ -243,6 +399,7 @@ def run_demo(model: str, trainer: str, inference: str, *, rounds: int = 2, timeo
             raise ValueError(f"--model {model_dir} has only a config; the demo needs tensor data")
         tspec = parse_trainer_spec(trainer)
         ispec = parse_inference_spec(inference)
+        live = tspec.kind == "fsdp2"
         metas = checkpoint_metas(ckpt, tspec)
         from m2nkit.adapters.vllm import vllm_destination
 
@@ -256,8 +413,9 @@ def run_demo(model: str, trainer: str, inference: str, *, rounds: int = 2, timeo
         log(f"model {ckpt.architecture} from {model_dir}; {T} trainer ranks ({tspec}) -> "
             f"{ispec.num_workers} workers ({ispec}); {len(plan.wires)} wire tensors, "
             f"{plan.num_slabs} slabs")
-        ctx = mp.get_context("spawn")
-        server = InferenceServer(model_dir, str(ispec), timeout_s=4 * timeout_s)
+        ctx = mp.get_context(start_method)
+        server = InferenceServer(model_dir, str(ispec), timeout_s=4 * timeout_s,
+                                 start_method=start_method)
         procs = []
         try:
             log(f"starting {ispec.num_workers} inference worker "
@@ -268,13 +426,26 @@ def run_demo(model: str, trainer: str, inference: str, *, rounds: int = 2, timeo
             results = ctx.Queue()
             gos = [ctx.Queue() for _ in range(T)]
             port = free_port()
-            log(f"starting {T} trainer process{'' if T == 1 else 'es'}: each reads its own "
-                "shard, then all join the transfer group")
+            if live:
+                log(f"starting {T} trainer process{'' if T == 1 else 'es'}: each builds the model "
+                    "with transformers, "
+                    + ("applies the family's TP plan, " if tspec.tp > 1 else "")
+                    + "shards it with fully_shard, then all join the transfer group")
+            else:
+                log(f"starting {T} trainer process{'' if T == 1 else 'es'}: each reads its own "
+                    "shard, then all join the transfer group")
             t_init = time.monotonic()
+            dist_port = free_port()
             for r in range(T):
-                p = ctx.Process(target=_trainer_main, name=f"m2nkit-trainer-{r}", daemon=True,
-                                args=(r, T, str(model_dir), str(tspec), str(ispec), url, port, rounds,
-                                      timeout_s, bucket_bytes, results, gos[r]))
+                if live:
+                    target, args = _fsdp2_trainer_main, (
+                        r, T, str(model_dir), str(tspec), str(ispec), url, port, dist_port, rounds,
+                        timeout_s, bucket_bytes, str(work), results, gos[r])
+                else:
+                    target, args = _trainer_main, (
+                        r, T, str(model_dir), str(tspec), str(ispec), url, port, rounds,
+                        timeout_s, bucket_bytes, results, gos[r])
+                p = ctx.Process(target=target, name=f"m2nkit-trainer-{r}", daemon=True, args=args)
                 p.start()
                 procs.append(p)
 
@@ -285,7 +456,12 @@ def run_demo(model: str, trainer: str, inference: str, *, rounds: int = 2, timeo
                 return _wait_reports(results, count, time.monotonic() + 6 * timeout_s,
                                      what, log, failed, procs)
 
-            collect("the trainers to join", T)
+            joined = collect("the trainers to join", T)
+            if live:
+                doc = next(m[3] for m in joined if m[1] == 0)
+                _check_live_manifest(doc, metas, T, str(tspec))
+                log(f"the live FSDP2 manifest matches the dry run of {tspec}: "
+                    f"{len(metas)} wire tensors, same pieces on every rank")
             log(f"{_count(T, 'trainer')} joined in {time.monotonic() - t_init:.1f} s; "
                 f"{_count(rounds, 'round')} follow{'s' if rounds == 1 else ''}")
             for k in range(1, rounds + 1):
@@ -294,13 +470,18 @@ def run_demo(model: str, trainer: str, inference: str, *, rounds: int = 2, timeo
                 reports = collect(f"the trainers' round {k} reports", T)
                 per_rank = [0] * T
                 secs = 0.0
-                for _, rank, _, (nbytes, seconds) in reports:
+                losses = []
+                for _, rank, _, (nbytes, seconds, *loss) in reports:
                     per_rank[rank] = nbytes
                     secs = max(secs, seconds)
+                    losses += loss
                 versions = server.weight_versions()
                 if versions != [f"v{k}"] * ispec.num_workers:
                     raise RuntimeError(f"round {k}: worker versions are {versions}, expected v{k}")
-                shifted = {n: shift(t, k) for n, t in full.items()}
+                if live:  # the trainers' parameters after the step, gathered for the check only
+                    shifted = full_checkpoint_tensors(read_checkpoint(work / f"trained-v{k}"))
+                else:
+                    shifted = {n: shift(t, k) for n, t in full.items()}
                 for w in range(ispec.num_workers):
                     got = server.storage(w, work / f"round{k}")
                     ref = reference_load(ckpt.config, shifted, ispec, w)
@@ -309,9 +490,13 @@ def run_demo(model: str, trainer: str, inference: str, *, rounds: int = 2, timeo
                     if bad or missing:
                         raise RuntimeError(f"round {k}: worker {w} differs from vLLM's loaders on "
                                            f"{bad[:5]} (missing {missing[:5]})")
-                result.rounds.append(DemoRound(k, per_rank, secs, ispec.num_workers))
-                log(f"round {k}: {sum(per_rank)} bytes in {secs * 1e3:.1f} ms, "
-                    f"all {ispec.num_workers} workers bit-exact at version v{k}")
+                loss = sum(losses) / len(losses) if losses else None
+                result.rounds.append(DemoRound(k, per_rank, secs, ispec.num_workers, loss))
+                log(f"round {k}: "
+                    + (f"one AdamW step (mean loss {loss:.4f}), then " if live else "")
+                    + f"{sum(per_rank)} bytes in {secs * 1e3:.1f} ms, "
+                    f"all {ispec.num_workers} workers bit-exact at version v{k}"
+                    + (" against the trained parameters" if live else ""))
             log("rounds done; stopping the trainer and worker processes")
             for p in procs:
                 p.join(timeout_s)

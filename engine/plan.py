@@ -160,6 +160,9 @@ class WirePlan:
     skipped: str = ""
     verdicts: dict[str, Verdict] = field(default_factory=dict)
     num_trainer_ranks: int = 0
+    #: bytes moved and held, once known (the planner knows them; else computed once)
+    _moved: int | None = field(default=None, repr=False, compare=False)
+    _min: int | None = field(default=None, repr=False, compare=False)
 
     @property
     def name(self) -> str:
@@ -202,12 +205,17 @@ class WirePlan:
 
     @property
     def nbytes_moved(self) -> int:
-        return int(self.slab_nbytes().sum())
+        """Bytes all slabs carry."""
+        if self._moved is None:
+            self._moved = int(self.slab_nbytes().sum())
+        return self._moved
 
     @property
     def nbytes_min(self) -> int:
         """Bytes the workers hold of this tensor: every element once per binding."""
-        return sum(box_volume(b.box) for b in self.bindings) * self.itemsize
+        if self._min is None:
+            self._min = sum(box_volume(b.box) for b in self.bindings) * self.itemsize
+        return self._min
 
     def slabs(self, *, src: int | None = None, dst: int | None = None) -> Iterator[Slab]:
         """Every slab as a ``Slab`` (optionally only those from ``src`` / to ``dst``)."""
@@ -459,6 +467,97 @@ def _choose_sources(holders: np.ndarray, vol: np.ndarray, piece_rank: np.ndarray
     return np.array(out, dtype=np.int64)
 
 
+class _Structure:
+    """The slabs of every wire tensor with the same pieces, dtype size and bindings.
+
+    Names aside, the layers of a model repeat: every layer's ``q_a_proj``
+    has the same pieces and the same worker boxes, hence the same slab
+    table. The planner intersects once per structure and, where each
+    element has one holder, shares the table (read-only) and the bytes it
+    adds per rank and link. With replicas the holder choice depends on what
+    earlier tensors sent, so :meth:`choose` builds each tensor's table.
+    """
+
+    def __init__(self, grid: _Grid, pieces: tuple[Piece, ...], bindings: Sequence[Binding],
+                 nd: int, itemsize: int, num_trainer_ranks: int, num_workers: int) -> None:
+        binding, holders, starts, stops = _intersect_all(grid, bindings, nd)
+        held = holders[:, 0] >= 0
+        self.unheld: list[int] = []
+        if not held.all():
+            self.unheld = np.unique(binding[~held]).tolist()
+            binding, holders, starts, stops = (binding[held], holders[held], starts[held],
+                                               stops[held])
+        n = len(holders)
+        self.vol = ((stops - starts).prod(axis=1) if nd else np.ones(n, dtype=np.int64)) * itemsize
+        self.moved = int(self.vol.sum())
+        self.min = sum(box_volume(b.box) for b in bindings) * itemsize
+        self.regions: tuple[Box, ...] = tuple(b.region for b in bindings)
+        self.piece_rank = np.array([p.rank for p in pieces], dtype=np.int64)
+        self.dst = np.array([b.worker for b in bindings], dtype=np.int64)[binding]
+        self.binding, self.holders, self.starts, self.stops = binding, holders, starts, stops
+        self.shape_tw = (num_trainer_ranks, num_workers)
+        self.table: np.ndarray | None = None
+        if holders.shape[1] == 1 or not n:
+            piece = holders[:, 0].copy()
+            self.table = self._table(piece)
+            self.table.flags.writeable = False
+            self.send, self.recv, self.link = self._bytes(self.piece_rank[piece])
+            self.holders = self.starts = self.stops = None   # in the table now
+
+    def _table(self, piece: np.ndarray) -> np.ndarray:
+        nd = self.starts.shape[1]
+        table = np.empty((len(piece), SlabTable.width(nd)), dtype=np.int64)
+        table[:, SlabTable.SRC] = self.piece_rank[piece]
+        table[:, SlabTable.DST] = self.dst
+        table[:, SlabTable.BINDING] = self.binding
+        table[:, SlabTable.PIECE] = piece
+        table[:, SlabTable.LO:SlabTable.LO + nd] = self.starts
+        table[:, SlabTable.LO + nd:] = self.stops
+        return table
+
+    def _bytes(self, src: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Bytes sent per rank, received per worker, and per link, by slabs from ``src``."""
+        T, W = self.shape_tw
+        vol = self.vol
+        return (np.bincount(src, weights=vol, minlength=T).astype(np.int64),
+                np.bincount(self.dst, weights=vol, minlength=W).astype(np.int64),
+                np.bincount(src * W + self.dst, weights=vol,
+                            minlength=T * W).astype(np.int64).reshape(T, W))
+
+    def choose(self, send: np.ndarray, recv: np.ndarray, link: np.ndarray) -> np.ndarray:
+        """The table of one tensor with replicas (holders chosen against ``send``);
+        adds its bytes to ``send``, ``recv`` and ``link``."""
+        piece = _choose_sources(self.holders, self.vol, self.piece_rank, send)
+        s, r, l = self._bytes(self.piece_rank[piece])
+        send += s
+        recv += r
+        link += l
+        return self._table(piece)
+
+
+def _judge(rules: dict[str, Callable], wp: WirePlan, params, key: tuple | None,
+           cache: dict[tuple, dict[str, Verdict]]) -> dict[str, Verdict]:
+    """Every transport's verdict on ``wp``; shared with earlier tensors of the same ``key``.
+
+    ``key`` (``None``: not shared) names everything a rule reads: pieces,
+    shape, dtype, the bindings' boxes and offsets, and the shapes and
+    dtypes of the parameters they land in; the slab table follows from
+    them. A verdict whose reason names the tensor or one of its parameters
+    is its own and never shared.
+    """
+    if key is not None:
+        hit = cache.get(key)
+        if hit is not None:
+            return dict(hit)
+    out = {name: rule(wp, params) for name, rule in rules.items()}
+    if key is not None:
+        names = {wp.name, *(b.param for b in wp.bindings)}
+        reasons = [v.reason for v in out.values() if v.reason]
+        if not any(n in r for r in reasons for n in names):
+            cache[key] = out
+    return dict(out)
+
+
 def build_plan(
     metas: Sequence[ParamMeta],
     num_trainer_ranks: int,
@@ -499,6 +598,9 @@ def build_plan(
     problems: list[Problem] = []
     params = destination.param_index()
     wires: list[WirePlan] = []
+    structures: dict[tuple, _Structure] = {}
+    verdicts: dict[tuple, dict[str, Verdict]] = {}
+    regions: dict[int, list[Box]] = {}   # id(worker parameter) -> where bindings land, in order
     send = np.zeros(num_trainer_ranks, dtype=np.int64)
     recv = np.zeros(destination.num_workers, dtype=np.int64)
     link = np.zeros((num_trainer_ranks, destination.num_workers), dtype=np.int64)
@@ -521,52 +623,55 @@ def build_plan(
             problems.append(Problem(meta.name, reason))
             wires.append(WirePlan(meta, pieces, (), empty, num_trainer_ranks=num_trainer_ranks))
             continue
-        for b in bindings:
-            if (b.worker, b.param) not in params:  # a destination adapter bug, not user input
-                raise RuntimeError(f"binding of '{meta.name}' names unknown parameter "
-                                   f"'{b.param}' on worker {b.worker}")
+        sig = tuple((b.worker, b.box, b.offset) for b in bindings)
+        try:
+            targets = [params[(b.worker, b.param)] for b in bindings]
+        except KeyError:  # a destination adapter bug, not user input
+            b = next(b for b in bindings if (b.worker, b.param) not in params)
+            raise RuntimeError(f"binding of '{meta.name}' names unknown parameter "
+                               f"'{b.param}' on worker {b.worker}") from None
+        dest = tuple((t.shape, t.dtype) for t in targets)
         grid = _grid(pieces, meta.shape)
-        piece_rank = np.array([p.rank for p in pieces], dtype=np.int64)
-        binding, holders, starts, stops = _intersect_all(grid, bindings, nd)
-        held = holders[:, 0] >= 0
-        if not held.all():
-            for bi in np.unique(binding[~held]).tolist():
-                problems.append(Problem(meta.name, f"part of box {bindings[bi].box} is held by "
-                                                   "no trainer rank"))
-            binding, holders, starts, stops = (binding[held], holders[held], starts[held],
-                                               stops[held])
-        n = len(holders)
-        vol = ((stops - starts).prod(axis=1) if nd else np.ones(n, dtype=np.int64)) \
-            * meta.dtype.itemsize
-        piece = _choose_sources(holders, vol, piece_rank, send)
-        src = piece_rank[piece]
-        dst = np.array([b.worker for b in bindings], dtype=np.int64)[binding]
-        send += np.bincount(src, weights=vol, minlength=len(send)).astype(np.int64)
-        recv += np.bincount(dst, weights=vol, minlength=len(recv)).astype(np.int64)
-        np.add.at(link, (src, dst), vol)
-        table = np.empty((n, SlabTable.width(nd)), dtype=np.int64)
-        table[:, SlabTable.SRC] = src
-        table[:, SlabTable.DST] = dst
-        table[:, SlabTable.BINDING] = binding
-        table[:, SlabTable.PIECE] = piece
-        table[:, SlabTable.LO:SlabTable.LO + nd] = starts
-        table[:, SlabTable.LO + nd:] = stops
-        wp = WirePlan(meta, pieces, bindings, table, num_trainer_ranks=num_trainer_ranks)
+        key = (grid, meta.dtype.itemsize, sig)
+        st = structures.get(key)
+        if st is None:
+            st = structures[key] = _Structure(grid, pieces, bindings, nd, meta.dtype.itemsize,
+                                              num_trainer_ranks, destination.num_workers)
+        for bi in st.unheld:
+            problems.append(Problem(meta.name, f"part of box {bindings[bi].box} is held by "
+                                               "no trainer rank"))
+        if st.table is not None:  # one holder per element: the same slabs as its twins
+            table = st.table
+            send += st.send
+            recv += st.recv
+            link += st.link
+        else:  # replicas: the choice depends on what earlier tensors sent
+            table = st.choose(send, recv, link)
+        wp = WirePlan(meta, pieces, bindings, table, num_trainer_ranks=num_trainer_ranks,
+                      _moved=st.moved, _min=st.min)
         if wp.nbytes_moved != wp.nbytes_min and not any(p.subject == meta.name for p in problems):
             problems.append(Problem(meta.name, f"slabs carry {wp.nbytes_moved} bytes but the "
                                                f"workers hold {wp.nbytes_min}"))
-        wp.verdicts = {name: rule(wp, params) for name, rule in rules.items()}
+        wp.verdicts = _judge(rules, wp, params,
+                             (key, meta.dtype, dest) if st.table is not None else None, verdicts)
         wires.append(wp)
+        for t, region in zip(targets, st.regions):
+            regions.setdefault(id(t), []).append(region)
 
     # Coverage of every worker parameter: bindings + zero regions, once each.
-    regions: dict[tuple[int, str], list[Box]] = {k: list(p.zero_boxes) for k, p in params.items()}
-    for wp in wires:
-        for b in wp.bindings:
-            regions[(b.worker, b.param)].append(b.region)
-    for (worker, name), regs in regions.items():
-        why = _regions_disjoint_and_fill(params[(worker, name)].shape, regs)
+    # Parameters of the same shape filled the same way (every layer, every dp
+    # replica) are checked once.
+    checked: dict[tuple, str] = {}
+    for key, p in params.items():
+        regs = regions.get(id(p), [])
+        if p.zero_boxes:
+            regs = [*p.zero_boxes, *regs]
+        sig = (p.shape, tuple(regs))
+        why = checked.get(sig)
+        if why is None:
+            why = checked[sig] = _regions_disjoint_and_fill(p.shape, regs)
         if why:
-            problems.append(Problem(f"worker {worker} {name}", why))
+            problems.append(Problem(f"worker {key[0]} {key[1]}", why))
     nz = np.nonzero(link)
     link_bytes = {(int(s), int(d)): int(link[s, d]) for s, d in zip(*nz)}
     return Plan(num_trainer_ranks, destination, wires, problems, send, recv, link_bytes,

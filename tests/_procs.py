@@ -1,13 +1,15 @@
 """Fast child processes for the multi-process tests: one ``forkserver`` with the imports done.
 
-Spawning a process re-imports torch, transformers and m2nkit (seconds each on
-this machine, more under load). A ``forkserver`` imports them once; every
+Spawning a process re-imports torch and transformers (seconds on this
+machine, more under load). A ``forkserver`` imports them once; every
 child then forks from it in milliseconds, clean (the server runs no threads
 and holds no process group). ``exit_with_parent`` still works: a forkserver
 child's parent is the process that asked for it.
 
 Call :func:`ensure_forkserver` once before the first child (outside any
 timed part of a test); the first caller's preload list is the one used.
+Children run functions of the test modules, which they import by name (the
+server has the test session's ``sys.path``).
 """
 
 from __future__ import annotations
@@ -16,12 +18,15 @@ import multiprocessing as mp
 
 CTX = mp.get_context("forkserver")
 
+#: Third-party modules only. m2nkit itself is imported by each child (about
+#: 0.2 s), so a child always runs the source tree as it is when it starts,
+#: never a copy the server loaded earlier in the session (with other work
+#: changing the tree during a run, a preloaded m2nkit went stale).
 PRELOAD = [
-    "torch", "transformers", "safetensors.torch",
-    "m2nkit.manifest", "m2nkit.adapters.hf_checkpoint", "m2nkit.adapters.trainer_spec",
-    "m2nkit.adapters.vllm", "m2nkit.engine.trainer", "m2nkit.engine.receiver",
-    "m2nkit.engine.server", "m2nkit.engine.clients", "m2nkit.engine.baseline",
-    "m2nkit.engine.local", "m2nkit.engine.demo",
+    "numpy", "torch", "torch.distributed", "transformers", "safetensors.torch",
+    # the demo's FSDP2 trainers (tests/test_demo_fsdp2.py)
+    "torch.distributed.fsdp", "torch.distributed.tensor.parallel",
+    "torch.distributed.checkpoint.state_dict",
 ] + [
     # read_checkpoint builds the model on the meta device: its transformers classes.
     f"transformers.models.{m}.modeling_{m}"

@@ -397,8 +397,8 @@ FAMILY_NAMES = re.compile(  # (transformers' AutoModelForCausalLM is generic)
 
 def _family_free_files():
     adapters = REPO / "adapters"
-    return [adapters / "hf_checkpoint.py", adapters / "fsdp2.py", adapters / "module_names.py",
-            *sorted((adapters / "vllm").glob("*.py"))]
+    return [adapters / "hf_checkpoint.py", adapters / "config_wires.py", adapters / "fsdp2.py",
+            adapters / "module_names.py", *sorted((adapters / "vllm").glob("*.py"))]
 
 
 @pytest.mark.parametrize("path", _family_free_files(), ids=lambda p: p.name)

@@ -99,9 +99,9 @@ def test_wrapper_prefixes_are_stripped(name, clean):
 
 
 def test_peft_shaped_wrappers_reach_the_family_names():
-    # PEFT is not installed here: its module structure (PeftModel.base_model ->
-    # LoraModel.model -> the HF model; LoRA layers keep the original as .base_layer)
-    # is rebuilt with plain modules; the names are what peft produces.
+    # PEFT's module structure (PeftModel.base_model -> LoraModel.model -> the HF model;
+    # LoRA layers keep the original as .base_layer) rebuilt with plain modules; the names
+    # are what peft produces (tests/test_fsdp2_lora.py runs real peft).
     from transformers import AutoModelForCausalLM
 
     cfg = tiny_config("tiny-llama")
@@ -120,7 +120,7 @@ def test_peft_shaped_wrappers_reach_the_family_names():
     assert "model.layers.0.self_attn.q_proj.weight" in names
     got = dict(src.iter_local())
     assert torch.equal(got["model.layers.0.self_attn.q_proj.weight"], lora.base_layer.weight)
-    # LoRA adapter weights are refused, naming one (merging is not done here)
+    # a LoRA-named weight outside a layer shaped like peft's LoraLayer is refused, naming it
     lora.lora_A = torch.nn.ModuleDict({"default": torch.nn.Linear(128, 4, bias=False)})
     with pytest.raises(FSDP2SourceError, match="lora_A.default.weight.*LoRA adapter"):
         fsdp2_source(outer, rank=0)
@@ -408,23 +408,13 @@ def _shard(kind: str, case: Case, mesh):
 
 
 def _tensor_parallel(model, tp_mesh):
-    """The usual plan: q/k/v and gate/up colwise, o/down rowwise, embedding rowwise and
-    lm_head colwise (untied models); MoE experts and routers stay FSDP-only."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
+    """The family's TP plan (``Family.tp_plan``, the one ``m2nkit plan --trainer
+    fsdp2:...,tp=T`` and the demo use): q/k/v and gate/up colwise, o/down rowwise,
+    embedding rowwise and lm_head colwise (untied models); MoE experts and routers stay
+    FSDP-only."""
+    from m2nkit.adapters.tensor_parallel import apply_tp_plan
 
-    for layer in model.model.layers:
-        plan = {f"self_attn.{p}_proj": ColwiseParallel() for p in "qkv"}
-        plan["self_attn.o_proj"] = RowwiseParallel()
-        if hasattr(layer.mlp, "gate_proj"):
-            plan.update({"mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-                         "mlp.down_proj": RowwiseParallel()})
-        parallelize_module(layer, tp_mesh, plan)
-    if not model.config.tie_word_embeddings:
-        parallelize_module(model, tp_mesh, {
-            "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
-            "lm_head": ColwiseParallel()})
+    apply_tp_plan(model, tp_mesh)
 
 
 def _bad_inputs(cases, spare, mesh, world):

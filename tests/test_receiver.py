@@ -39,6 +39,7 @@ from m2nkit.engine.transports.torch_p2p import (
     TransferError,
     agree_on_plan,
     create_group,
+    failure_watch,
     finish_round,
     send_round,
 )
@@ -166,7 +167,8 @@ class Trainers:
             error, sent = None, 0
             try:
                 sent = send_round(self.groups[r][1], self.plan, schedule, r, stream(r),
-                                  deadline=deadline)
+                                  deadline=deadline,
+                                  abandon=failure_watch(self.groups[r][0], k))
             except Exception as e:
                 traceback.clear_frames(e.__traceback__)
                 if fail == "dies" and r == 1:

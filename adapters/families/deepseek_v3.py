@@ -69,10 +69,12 @@ import torch
 
 from .kinds import COLUMN, MERGED, REPLICATED, REPLICATED_MERGED, ROW, VOCAB, W13, W2
 from .sizes import Sizes, base_sizes, cfg_get
-from .table import TRANSFORMERS_FUSED_EXPERTS, Family, HFNaming, Param, TinyModel, merged_feeds
+from .table import (TRANSFORMERS_FUSED_EXPERTS, Family, HFNaming, Param, SkippedLayers, TinyModel,
+                    alias, kv_heads, merged_feeds)
 
 __all__ = ["ARCHITECTURE", "HF_NAMES", "EXPERTS_ON_DISK", "VLLM_PARAMS", "CONDITIONS",
-           "TINY_MODELS", "MEGATRON_NAMES", "FAMILY", "MlaSizes", "is_moe_layer", "mtp_layer"]
+           "TINY_MODELS", "MEGATRON_NAMES", "FAMILY", "MlaSizes", "is_moe_layer", "mtp_layer",
+           "mtp_layers", "MTP_EXTRAS"]
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 
@@ -86,8 +88,33 @@ EXPERTS_ON_DISK = {
 
 #: transformers 5: no renames; experts fused in memory, per expert on disk;
 #: Kimi-K2's ``kimi_k2`` config read with transformers' DeepSeek-V3 config class.
-HF_NAMES = HFNaming(fused_experts=TRANSFORMERS_FUSED_EXPERTS, experts_on_disk=EXPERTS_ON_DISK,
-                    config_classes={"kimi_k2": "deepseek_v3"})
+#: ``DeepseekV3Attention`` registers ``q_proj``/``q_a_proj``, ``q_a_layernorm``,
+#: ``q_b_proj`` before ``kv_a_proj_with_mqa``, and ``DeepseekV3MoE`` ``experts``
+#: before ``gate`` (vLLM: the fused ``q_a``/``kv_a`` first, ``gate`` first); that
+#: orders the wire tensors.
+HF_NAMES = HFNaming(
+    fused_experts=TRANSFORMERS_FUSED_EXPERTS, experts_on_disk=EXPERTS_ON_DISK,
+    config_classes={"kimi_k2": "deepseek_v3"},
+    child_order={
+        "model.layers.{L}.self_attn": ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj",
+                                       "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj",
+                                       "o_proj"),
+        "model.layers.{L}.mlp": ("experts", "gate", "shared_experts"),
+    },
+    model_types=("deepseek_v3",),
+    config_defaults={
+        "hidden_size": 7168, "vocab_size": 129280, "num_attention_heads": 128,
+        "num_hidden_layers": 61, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+        "n_shared_experts": 1, "q_lora_rank": 1536, "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128, "n_group": 8,
+        "first_k_dense_replace": 3, "tie_word_embeddings": False,
+        "num_key_value_heads": kv_heads(128),
+        "n_routed_experts": alias("n_routed_experts", "num_local_experts", 256),
+        "num_nextn_predict_layers": alias("num_nextn_predict_layers", "num_mtp_layers", 1),
+        "head_dim": lambda c: c["qk_rope_head_dim"],     # DeepseekV3Config.__post_init__
+    },
+    table_differs=lambda c: _table_differs(c),
+)
 
 A = "model.layers.{L}.self_attn"
 M = "model.layers.{L}.mlp"
@@ -282,6 +309,45 @@ def mtp_layer(config: Any, name: str) -> str | None:
             "get_spec_layer_idx_from_weight_name); the MTP draft model loads it")
 
 
+def mtp_layers(config: Any) -> range:
+    """The MTP layer indices: ``num_hidden_layers + i``, ``i < num_nextn_predict_layers``."""
+    n = int(cfg_get(config, "num_nextn_predict_layers", default=0) or 0)
+    layers = int(cfg_get(config, "num_hidden_layers"))
+    return range(layers, layers + n)
+
+
+#: The MTP module's tensors besides its decoder layer, under ``model.layers.{L}``,
+#: as DeepSeek-V3's checkpoint holds them (its ``README_WEIGHTS.md``, "MTP
+#: Modules": ``embed_tokens``, ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head``),
+#: in the order vLLM 0.33.0's MTP model registers them (``deepseek_mtp.py``:
+#: ``DeepSeekMultiTokenPredictor.embed_tokens``, then the layer's ``enorm``,
+#: ``hnorm``, ``eh_proj``, ``shared_head`` and last its decoder block). ``eh_proj``
+#: projects ``[embedding; hidden]`` (``nn.Linear(2*H, H)``, not quantized), so it is
+#: stored in the model dtype without a scale, like the norms and the head.
+MTP_EXTRAS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("embed_tokens.weight", ("V", "H")),
+    ("enorm.weight", ("H",)),
+    ("hnorm.weight", ("H",)),
+    ("eh_proj.weight", ("H", "2*H")),
+    ("shared_head.norm.weight", ("H",)),
+    ("shared_head.head.weight", ("V", "H")),
+)
+
+
+def _table_differs(config: Any) -> str | None:
+    """Where transformers' DeepSeek-V3 builds other tensors than vLLM's (and the table):
+    it makes every layer from ``first_k_dense_replace`` on MoE (no ``moe_layer_freq``),
+    always has the ``e_score_correction_bias`` buffer and the shared experts."""
+    if int(cfg_get(config, "moe_layer_freq", default=1)) != 1:
+        return "moe_layer_freq != 1: transformers' DeepseekV3 ignores it, vLLM does not"
+    if cfg_get(config, "topk_method", default=None) != "noaux_tc":
+        return ("topk_method is not noaux_tc: transformers' router always has "
+                "e_score_correction_bias, vLLM's only with noaux_tc")
+    if not _shared(config):
+        return "n_shared_experts=0: transformers' DeepseekV3MoE still builds shared experts"
+    return None
+
+
 def _n_group(config: Any) -> int | None:
     g = cfg_get(config, "n_group", default=None)
     return None if g is None else int(g)
@@ -329,4 +395,5 @@ FAMILY = Family(
     tiny=TINY_MODELS, megatron_names=MEGATRON_NAMES,
     vllm_source="vllm/model_executor/models/deepseek_v2.py", module=__name__,
     num_expert_group=_n_group, skip=mtp_layer,
+    skipped_layers=SkippedLayers(mtp_layers, MTP_EXTRAS),
 )

@@ -45,8 +45,14 @@ __all__ = ["ARCHITECTURE", "HF_NAMES", "VLLM_PARAMS", "CONDITIONS", "TINY_MODELS
 
 ARCHITECTURE = "Gemma2ForCausalLM"
 
+#: ``Gemma2Config``'s defaults (transformers 5 ``configuration_gemma2.py``) for
+#: the keys the table reads; Gemma 3 text shares them but for the vocabulary.
+GEMMA_DEFAULTS = {"hidden_size": 2304, "vocab_size": 256000, "num_attention_heads": 8,
+                  "num_hidden_layers": 26, "intermediate_size": 9216, "num_key_value_heads": 4,
+                  "head_dim": 256, "tie_word_embeddings": True, "attention_bias": False}
+
 #: transformers 5: in-memory names are the on-disk names; no experts.
-HF_NAMES = HFNaming()
+HF_NAMES = HFNaming(model_types=("gemma2",), config_defaults=GEMMA_DEFAULTS)
 
 
 def attention_params() -> tuple[Param, ...]:

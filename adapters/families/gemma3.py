@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .gemma2 import CONDITIONS, attention_params, layer_norm_params, sizes_of
+from .gemma2 import CONDITIONS, GEMMA_DEFAULTS, attention_params, layer_norm_params, sizes_of
 from .kinds import REPLICATED, VOCAB
 from .llama import ATTENTION as A
 from .llama import dense_mlp_params
@@ -32,7 +32,9 @@ __all__ = ["ARCHITECTURE", "HF_NAMES", "VLLM_PARAMS", "CONDITIONS", "TINY_MODELS
 ARCHITECTURE = "Gemma3ForCausalLM"
 
 #: transformers 5: in-memory names are the on-disk names; no experts.
-HF_NAMES = HFNaming()
+#: ``Gemma3TextConfig``'s defaults are Gemma 2's but for the vocabulary.
+HF_NAMES = HFNaming(model_types=("gemma3_text",),
+                    config_defaults={**GEMMA_DEFAULTS, "vocab_size": 262208})
 
 #: vLLM parameters in ``named_parameters()`` order (per layer for ``{L}``).
 VLLM_PARAMS: tuple[Param, ...] = (

@@ -71,7 +71,7 @@ from typing import Any
 
 from .kinds import COLUMN, EXPERT_BIAS_ONCE, EXPERT_ROWS, QKV, REPLICATED, ROW, VOCAB, W2
 from .sizes import base_sizes, cfg_get
-from .table import Family, HFNaming, Param, TinyModel, qkv_feeds
+from .table import Family, HFNaming, Param, TinyModel, alias, head_dim, kv_heads, qkv_feeds
 
 __all__ = ["ARCHITECTURE", "HF_NAMES", "VLLM_PARAMS", "CONDITIONS", "TINY_MODELS",
            "MEGATRON_NAMES", "FAMILY", "MXFP4_REFUSAL", "MXFP4_NOTE"]
@@ -101,12 +101,20 @@ A = "model.layers.{L}.attn"          # vLLM names
 
 #: transformers 5: in-memory names are the on-disk names; the stacked experts
 #: travel transposed (see the module docstring); MXFP4 tensors are refused.
+#: Config-only plans read ``config.json`` with ``GptOssConfig``'s defaults
+#: (transformers 5 ``configuration_gpt_oss.py``).
 HF_NAMES = HFNaming(
     permuted={
         "experts.gate_up_proj": ("experts.gate_up_proj.weight", (0, 2, 1)),
         "experts.down_proj": ("experts.down_proj.weight", (0, 2, 1)),
     },
     refused=((r"\.experts\.(gate_up|down)_proj_(blocks|scales)$", MXFP4_REFUSAL),),
+    model_types=("gpt_oss",),
+    config_defaults={"hidden_size": 2880, "vocab_size": 201088, "num_attention_heads": 64,
+                     "num_hidden_layers": 36, "intermediate_size": 2880,
+                     "tie_word_embeddings": False, "attention_bias": True,
+                     "num_key_value_heads": kv_heads(8), "head_dim": head_dim(64),
+                     "num_local_experts": alias("num_local_experts", "num_experts", 128)},
 )
 
 

@@ -16,8 +16,8 @@ from typing import Any
 
 from .kinds import MERGED, QKV, REPLICATED, ROW, VOCAB
 from .sizes import base_sizes, cfg_get
-from .table import (COLWISE, ROWWISE, Family, HFNaming, Param, TinyModel, TPPlan, merged_feeds,
-                    qkv_feeds)
+from .table import (COLWISE, ROWWISE, Family, HFNaming, Param, TinyModel, TPPlan, head_dim,
+                    kv_heads, merged_feeds, qkv_feeds)
 
 __all__ = ["ARCHITECTURE", "HF_NAMES", "VLLM_PARAMS", "CONDITIONS", "TINY_MODELS",
            "MEGATRON_NAMES", "FAMILY", "dense_mlp_params", "ATTENTION", "MLP",
@@ -25,8 +25,28 @@ __all__ = ["ARCHITECTURE", "HF_NAMES", "VLLM_PARAMS", "CONDITIONS", "TINY_MODELS
 
 ARCHITECTURE = "LlamaForCausalLM"
 
-#: transformers 5: in-memory names are the on-disk names; no experts.
-HF_NAMES = HFNaming()
+def _bias_differs(config: Any) -> str | None:
+    """transformers' Llama gives q/k/v and ``o_proj`` biases by ``attention_bias`` alone;
+    vLLM also reads ``bias`` and ``qkv_bias`` (``LlamaDecoderLayer``)."""
+    attention = bool(cfg_get(config, "attention_bias", default=False))
+    vllm = (CONDITIONS["qkv_bias"](config, None), CONDITIONS["o_proj_bias"](config, None))
+    if vllm != (attention, attention):
+        return ("'bias'/'qkv_bias' disagree with attention_bias: transformers' LlamaAttention "
+                "follows attention_bias only, vLLM's also reads them")
+    return None
+
+
+#: transformers 5: in-memory names are the on-disk names; no experts. Config-only
+#: plans read ``config.json`` with ``LlamaConfig``'s defaults (transformers 5
+#: ``configuration_llama.py``: dataclass fields and ``__post_init__``).
+HF_NAMES = HFNaming(
+    model_types=("llama",),
+    config_defaults={"hidden_size": 4096, "vocab_size": 32000, "num_attention_heads": 32,
+                     "num_hidden_layers": 32, "intermediate_size": 11008,
+                     "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+                     "head_dim": head_dim(None), "num_key_value_heads": kv_heads(None)},
+    table_differs=_bias_differs,
+)
 
 #: Name prefixes of one layer's attention and MLP (``{L}``: the layer).
 ATTENTION = "model.layers.{L}.self_attn"

@@ -23,7 +23,7 @@ from .llama import ATTENTION as A
 from .llama import ATTENTION_TP, EMBEDDINGS_TP
 from .sizes import base_sizes, cfg_get
 from .table import (TRANSFORMERS_FUSED_EXPERTS, Family, HFNaming, Param, TinyModel, TPPlan,
-                    qkv_feeds)
+                    alias, kv_heads, qkv_feeds)
 
 __all__ = ["ARCHITECTURE", "HF_NAMES", "EXPERTS_ON_DISK", "VLLM_PARAMS", "CONDITIONS",
            "TINY_MODELS", "MEGATRON_NAMES", "FAMILY", "TP_PLAN"]
@@ -39,10 +39,17 @@ EXPERTS_ON_DISK = {
 }
 
 #: transformers 5: the in-memory ``mlp`` block is ``block_sparse_moe`` on disk.
+#: Config-only plans read ``config.json`` with ``MixtralConfig``'s defaults
+#: (transformers 5 ``configuration_mixtral.py``).
 HF_NAMES = HFNaming(
     renames=((r"^(model\.layers\.\d+)\.mlp\.", r"\1.block_sparse_moe."),),
     fused_experts=TRANSFORMERS_FUSED_EXPERTS,
     experts_on_disk=EXPERTS_ON_DISK,
+    model_types=("mixtral",),
+    config_defaults={"hidden_size": 4096, "vocab_size": 32000, "num_attention_heads": 32,
+                     "num_hidden_layers": 32, "intermediate_size": 14336, "head_dim": None,
+                     "tie_word_embeddings": False, "num_key_value_heads": kv_heads(8),
+                     "num_local_experts": alias("num_local_experts", "num_experts", 8)},
 )
 
 B = "model.layers.{L}.block_sparse_moe"

@@ -17,15 +17,22 @@ from .kinds import QKV, REPLICATED, ROW, VOCAB
 from .llama import ATTENTION as A
 from .llama import TP_PLAN, dense_mlp_params
 from .sizes import base_sizes, cfg_get
-from .table import Family, HFNaming, Param, TinyModel, qkv_feeds
+from .table import Family, HFNaming, Param, TinyModel, kv_heads, qkv_feeds
 
 __all__ = ["ARCHITECTURE", "HF_NAMES", "VLLM_PARAMS", "CONDITIONS", "TINY_MODELS",
            "MEGATRON_NAMES", "FAMILY"]
 
 ARCHITECTURE = "Qwen2ForCausalLM"
 
-#: transformers 5: in-memory names are the on-disk names; no experts.
-HF_NAMES = HFNaming()
+#: transformers 5: in-memory names are the on-disk names; no experts. Config-only
+#: plans read ``config.json`` with ``Qwen2Config``'s defaults (transformers 5
+#: ``configuration_qwen2.py``).
+HF_NAMES = HFNaming(
+    model_types=("qwen2",),
+    config_defaults={"hidden_size": 4096, "vocab_size": 151936, "num_attention_heads": 32,
+                     "num_hidden_layers": 32, "intermediate_size": 22016,
+                     "tie_word_embeddings": False, "num_key_value_heads": kv_heads(32)},
+)
 
 #: vLLM parameters in ``named_parameters()`` order (per layer for ``{L}``).
 VLLM_PARAMS: tuple[Param, ...] = (

@@ -10,21 +10,47 @@ every tensor the same in memory and on disk.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from .kinds import QKV, REPLICATED, ROW, VOCAB
 from .llama import ATTENTION as A
-from .llama import TP_PLAN, dense_mlp_params
+from .llama import TP_PLAN as LLAMA_TP_PLAN
+from .llama import dense_mlp_params
 from .sizes import base_sizes, cfg_get
-from .table import Family, HFNaming, Param, TinyModel, qkv_feeds
+from .table import Family, HFNaming, Param, TinyModel, kv_heads, qkv_feeds
 
 __all__ = ["ARCHITECTURE", "HF_NAMES", "VLLM_PARAMS", "CONDITIONS", "TINY_MODELS",
-           "MEGATRON_NAMES", "FAMILY", "attention_params"]
+           "MEGATRON_NAMES", "FAMILY", "attention_params", "TP_PLAN"]
 
 ARCHITECTURE = "Qwen3ForCausalLM"
 
+def o_proj_bias_differs(config: Any) -> str | None:
+    """transformers' Qwen3 attention gives ``o_proj`` a bias with ``attention_bias``;
+    vLLM's ``Qwen3Attention`` never has one."""
+    if cfg_get(config, "attention_bias", default=False):
+        return ("attention_bias=True: transformers' Qwen3 attention has an o_proj bias that "
+                "vLLM's Qwen3Attention lacks")
+    return None
+
+
+#: Config-only plans read ``config.json`` with ``Qwen3Config``'s defaults
+#: (transformers 5 ``configuration_qwen3.py``).
+QWEN3_DEFAULTS = {"hidden_size": 4096, "vocab_size": 151936, "num_attention_heads": 32,
+                  "num_hidden_layers": 32, "intermediate_size": 22016, "head_dim": 128,
+                  "tie_word_embeddings": False, "attention_bias": False,
+                  "num_key_value_heads": kv_heads(32)}
+
 #: transformers 5: in-memory names are the on-disk names; no experts.
-HF_NAMES = HFNaming()
+HF_NAMES = HFNaming(model_types=("qwen3",), config_defaults=QWEN3_DEFAULTS,
+                    table_differs=o_proj_bias_differs)
+
+
+#: Tensor parallelism as trainers apply it: Llama's plan, plus the per-head
+#: ``q_norm``/``k_norm``, whole on every TP rank but fed only that rank's
+#: heads, so their gradients are summed over TP (``Qwen3Config.base_model_tp_plan``:
+#: ``replicated_with_grad_allreduce``).
+TP_PLAN = replace(LLAMA_TP_PLAN, grad_allreduce=(f"{A}.q_norm", f"{A}.k_norm"))
 
 
 def attention_params() -> tuple[Param, ...]:
@@ -73,5 +99,5 @@ adapter fills it."""
 FAMILY = Family(
     ARCHITECTURE, HF_NAMES, VLLM_PARAMS, sizes, CONDITIONS, tiny=TINY_MODELS,
     megatron_names=MEGATRON_NAMES, vllm_source="vllm/model_executor/models/qwen3.py",
-    module=__name__, tp_plan=TP_PLAN,  # Llama's: the same modules
+    module=__name__, tp_plan=TP_PLAN,
 )

@@ -25,11 +25,11 @@ from typing import Any
 
 from .kinds import REPLICATED, VOCAB, W13, W2
 from .llama import MLP as M
-from .llama import TP_PLAN, dense_mlp_params
+from .llama import dense_mlp_params
 from .qwen3 import CONDITIONS as QWEN3_CONDITIONS
-from .qwen3 import attention_params
+from .qwen3 import TP_PLAN, attention_params, o_proj_bias_differs
 from .sizes import base_sizes, cfg_get
-from .table import TRANSFORMERS_FUSED_EXPERTS, Family, HFNaming, Param, TinyModel
+from .table import TRANSFORMERS_FUSED_EXPERTS, Family, HFNaming, Param, TinyModel, alias
 
 __all__ = ["ARCHITECTURE", "HF_NAMES", "EXPERTS_ON_DISK", "VLLM_PARAMS", "CONDITIONS",
            "TINY_MODELS", "MEGATRON_NAMES", "FAMILY", "is_moe_layer"]
@@ -44,8 +44,23 @@ EXPERTS_ON_DISK = {
     "down": "{prefix}.experts.{e}.down_proj.weight",
 }
 
-#: transformers 5: no renames; experts fused in memory, per expert on disk.
-HF_NAMES = HFNaming(fused_experts=TRANSFORMERS_FUSED_EXPERTS, experts_on_disk=EXPERTS_ON_DISK)
+#: transformers 5: no renames; experts fused in memory, per expert on disk;
+#: ``Qwen3MoeSparseMoeBlock`` registers ``experts`` before ``gate`` (vLLM: gate
+#: first), which orders the wire tensors. Config-only plans read ``config.json``
+#: with ``Qwen3MoeConfig``'s defaults (transformers 5 ``configuration_qwen3_moe.py``).
+HF_NAMES = HFNaming(
+    fused_experts=TRANSFORMERS_FUSED_EXPERTS, experts_on_disk=EXPERTS_ON_DISK,
+    child_order={M: ("experts", "gate")},
+    model_types=("qwen3_moe",),
+    config_defaults={"hidden_size": 2048, "vocab_size": 151936, "num_attention_heads": 32,
+                     "num_hidden_layers": 24, "intermediate_size": 6144,
+                     "num_key_value_heads": 4, "tie_word_embeddings": False,
+                     "attention_bias": False, "decoder_sparse_step": 1,
+                     "moe_intermediate_size": 768,
+                     "num_experts": alias("num_experts", "num_local_experts", 128),
+                     "mlp_only_layers": lambda c: c.get("mlp_only_layers") or []},
+    table_differs=o_proj_bias_differs,
+)
 
 #: vLLM parameters in ``named_parameters()`` order (per layer for ``{L}``).
 VLLM_PARAMS: tuple[Param, ...] = (
@@ -123,5 +138,5 @@ FAMILY = Family(
     ARCHITECTURE, HF_NAMES, VLLM_PARAMS, sizes, CONDITIONS, (_tp_within_experts,),
     tiny=TINY_MODELS, megatron_names=MEGATRON_NAMES,
     vllm_source="vllm/model_executor/models/qwen3_moe.py", module=__name__,
-    tp_plan=TP_PLAN,  # Llama's (dense layers' MLP); experts and routers stay whole on each TP rank
+    tp_plan=TP_PLAN,  # Qwen3's (dense layers' MLP); experts and routers stay whole on each TP rank
 )

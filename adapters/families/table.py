@@ -15,15 +15,15 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from .kinds import KINDS, Kind
 from .sizes import Sizes
 
 __all__ = [
-    "Feeds", "Param", "qkv_feeds", "merged_feeds",
+    "Feeds", "Param", "qkv_feeds", "merged_feeds", "kv_heads", "head_dim", "alias",
     "TRANSFORMERS_FUSED_EXPERTS", "HFNaming", "TinyModel", "Family",
-    "COLWISE", "ROWWISE", "TPPlan",
+    "COLWISE", "ROWWISE", "TPPlan", "SkippedLayers",
 ]
 
 #: Feeds of one parameter: ``(wire name template, part)``; part is ``None``
@@ -82,6 +82,35 @@ class Param:
             object.__setattr__(self, "feeds", ((self.name, None),))
 
 
+def kv_heads(default: int | None) -> Callable[[Mapping[str, Any]], int]:
+    """``HFNaming.config_defaults`` rule for ``num_key_value_heads``: ``default``
+    when ``config.json`` lacks it, ``num_attention_heads`` when it (or the
+    default) is ``null`` (transformers' ``__post_init__`` of most config classes)."""
+    def rule(c: Mapping[str, Any]) -> int:
+        n = c.get("num_key_value_heads", default)
+        return c["num_attention_heads"] if n is None else n
+    return rule
+
+
+def head_dim(default: int | None) -> Callable[[Mapping[str, Any]], int]:
+    """``HFNaming.config_defaults`` rule for ``head_dim``: ``default`` when
+    ``config.json`` lacks it, ``hidden_size // num_attention_heads`` when it
+    (or the default) is ``null`` (``LlamaConfig.__post_init__``)."""
+    def rule(c: Mapping[str, Any]) -> int:
+        n = c.get("head_dim", default)
+        return c["hidden_size"] // c["num_attention_heads"] if n is None else n
+    return rule
+
+
+def alias(key: str, other: str, default: Any) -> Callable[[Mapping[str, Any]], Any]:
+    """``HFNaming.config_defaults`` rule for a key transformers also reads under
+    another name (``attribute_map``: Mixtral's ``num_experts`` is
+    ``num_local_experts``): ``key``, else ``other``, else ``default``."""
+    def rule(c: Mapping[str, Any]) -> Any:
+        return c[key] if key in c else c.get(other, default)
+    return rule
+
+
 def qkv_feeds(prefix: str, suffix: str = "weight") -> Feeds:
     """``q_proj``/``k_proj``/``v_proj`` under ``prefix`` as parts q, k, v."""
     return tuple((f"{prefix}.{p}_proj.{suffix}", p) for p in ("q", "k", "v"))
@@ -135,6 +164,29 @@ class HFNaming:
         config_classes: ``model_type`` a ``config.json`` may carry that
             transformers has no class for -> the ``model_type`` whose config
             class reads it (Kimi-K2's ``kimi_k2`` -> ``deepseek_v3``).
+        model_types: transformers ``model_type`` values whose config class
+            reads this family's ``config.json``; a config-only plan reads
+            such a file without transformers
+            (``m2nkit.adapters.config_wires``). Empty: always through
+            transformers.
+        config_defaults: transformers' config class defaults for the keys
+            the family reads (its dataclass field defaults), applied to
+            keys ``config.json`` lacks; a callable is derived from the other
+            keys, as the class's ``__post_init__`` does (``head_dim`` from
+            ``hidden_size // num_attention_heads``), and also replaces an
+            explicit ``null``. Pinned to transformers by
+            ``tests/test_config_wires.py``.
+        table_differs: config -> why transformers' model of this config has
+            tensors the family table does not list, or lacks some it lists
+            (a Qwen3 ``attention_bias`` gives transformers an ``o_proj``
+            bias vLLM's model lacks), or ``None``. A config-only plan of
+            such a config builds transformers' model instead of reading the
+            table, so that the plan shows the difference.
+        child_order: in-memory module (``{L}``: any layer) -> its children in
+            the order transformers registers them, where that differs from
+            the order of the vLLM table (the order of ``named_parameters()``,
+            hence of the wire tensors: DeepSeek-V3 registers ``experts``
+            before ``gate``). Children not listed follow, in table order.
 
     Raises:
         ValueError: a part of ``fused_experts`` has no on-disk pattern; an
@@ -147,6 +199,10 @@ class HFNaming:
     permuted: Mapping[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
     refused: tuple[tuple[str, str], ...] = ()
     config_classes: Mapping[str, str] = field(default_factory=dict)
+    model_types: tuple[str, ...] = ()
+    config_defaults: Mapping[str, Any] = field(default_factory=dict)
+    child_order: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    table_differs: Callable[[Any], str | None] | None = None
 
     def __post_init__(self) -> None:
         parts = {p for _, ps in self.fused_experts.values() for p in ps}
@@ -242,6 +298,14 @@ class TPPlan:
             which FSDP shards alone).
         embeddings: modules of the plan that are ``nn.Embedding``s (a style
             shards an embedding's weight on the other dim than a linear's).
+        grad_allreduce: modules (``{L}``: any layer) that stay whole on every
+            TP rank but see only the rank's heads (Qwen3's per-head
+            ``q_norm``/``k_norm``), so each TP rank computes a partial
+            gradient that must be summed over TP before the optimizer step,
+            or the replicas drift apart (transformers
+            ``"replicated_with_grad_allreduce"``; Megatron all-reduces
+            QK-layernorm gradients over TP the same way). Their layout is
+            whole on every TP rank, like a norm's.
 
     Raises:
         ValueError: a style that is not ``COLWISE``/``ROWWISE``, naming the module.
@@ -250,6 +314,7 @@ class TPPlan:
     modules: Mapping[str, str]
     untied: Mapping[str, str] = field(default_factory=dict)
     embeddings: tuple[str, ...] = ("model.embed_tokens",)
+    grad_allreduce: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for module, style in {**self.modules, **self.untied}.items():
@@ -270,6 +335,10 @@ class TPPlan:
             if _module_regex(pattern).fullmatch(module):
                 return style
         return None
+
+    def sums_grads(self, module: str) -> bool:
+        """Whether in-memory module ``module`` is one of :attr:`grad_allreduce`."""
+        return any(_module_regex(p).fullmatch(module) for p in self.grad_allreduce)
 
     def shard_dim(self, name: str, config: Any) -> int | None:
         """The dim TP shards tensor ``name`` (``<module>.weight``/``.bias``) on; ``None``: whole.
@@ -310,6 +379,26 @@ class TinyModel:
 
 
 @dataclass(frozen=True)
+class SkippedLayers:
+    """Layers a checkpoint holds that vLLM's model skips (DeepSeek-V3's MTP layers).
+
+    A config-only plan lists their tensors as skipped (``Family.skip`` says
+    why), as a plan of the published checkpoint would: each such layer is a
+    decoder layer of the family's table at that index, experts per expert
+    under their on-disk names, plus ``extras``
+    (``m2nkit.adapters.config_wires.skipped_layer_wires``).
+
+    Attributes:
+        layers: config -> the layer indices.
+        extras: ``(name under model.layers.{L}, symbolic dims)`` of the layer's
+            tensors besides its decoder layer, in the model dtype, unquantized.
+    """
+
+    layers: Callable[[Any], Sequence[int]]
+    extras: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+
+@dataclass(frozen=True)
 class Family:
     """Everything m2nkit knows about one model family.
 
@@ -333,6 +422,9 @@ class Family:
             checkpoint may hold that vLLM's model skips on purpose
             (DeepSeek-V3's MTP layer); the plan lists them as skipped with
             the reason. ``None``: none.
+        skipped_layers: the layers ``skip`` names, described for config-only
+            plans (:class:`SkippedLayers`), so that those list the skipped
+            tensors a published checkpoint holds; ``None``: none.
         num_expert_group: config -> the ``num_expert_group`` the family's
             vLLM MoE layer passes to ``FusedMoEFactory`` (DeepSeek-V3: the
             config's ``n_group``); ``None`` (the default): it passes none.
@@ -364,6 +456,7 @@ class Family:
     num_expert_group: Callable[[Any], int | None] | None = None
     notes: Callable[[Any], tuple[str, ...]] | None = None
     tp_plan: TPPlan | None = None
+    skipped_layers: SkippedLayers | None = None
 
     def __post_init__(self) -> None:
         for p in self.params:

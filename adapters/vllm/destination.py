@@ -279,6 +279,7 @@ def destination_layout(
     geo = [Geometry.of(s, tp, spec.dp, spec.ep, w, placement.strategy) for w in range(W)]
 
     bindings: dict[str, tuple[Binding, ...]] = {}
+    placed_by_entry: dict[tuple, tuple] = {}   # (table entry, part) -> (wire shape, boxes per worker)
     skipped: dict[str, str] = {}
     unknown: dict[str, str] = {}
     seen: set[str] = set()
@@ -303,16 +304,21 @@ def destination_layout(
         pname, p, part = hit
         kind = p.kind
         check_unquantized(family, config, wname, meta.dtype)
-        expect = kind.wire_shape(s.resolve(p.dims), part, s)
+        # Every layer's entry is the same table row: its shape and boxes are the same.
+        entry = (id(p), part)
+        if entry not in placed_by_entry:
+            expect = kind.wire_shape(s.resolve(p.dims), part, s)
+            if kind.by_worker:
+                placed = [kind.boxes(expect, part, geo[w]) for w in range(W)]
+            else:  # only the tp rank matters: every dp replica holds the same
+                per_rank = [kind.boxes(expect, part, geo[r]) for r in range(tp)]
+                placed = [per_rank[w % tp] for w in range(W)]
+            placed_by_entry[entry] = expect, placed
+        expect, placed = placed_by_entry[entry]
         if tuple(meta.shape) != expect:
             raise ValueError(
                 f"wire tensor '{wname}' has shape {tuple(meta.shape)}, but the "
                 f"{family.architecture} config implies {expect} for {pname}")
-        if kind.by_worker:
-            placed = [kind.boxes(expect, part, geo[w]) for w in range(W)]
-        else:  # only the tp rank matters: every dp replica holds the same
-            per_rank = [kind.boxes(expect, part, geo[r]) for r in range(tp)]
-            placed = [per_rank[w % tp] for w in range(W)]
         bindings[wname] = tuple(Binding(wname, w, box, pname, off)
                                 for w in range(W) for box, off in placed[w])
 
@@ -321,21 +327,20 @@ def destination_layout(
     # cast on arrival the same way (the plan marks it, nccl.m2n cannot cast).
     decided = model_dtype(config, spec.dtype, (m.dtype for m in wire))
     param_dtype = decided.dtype
-    shapes = {name: p.kind.local_shape(s.resolve(p.dims), len(p.feeds), geo[0])
-              for name, p in ex.params}
     params: list[DestinationParam] = []
-    local: dict[tuple[str, int], tuple] = {}   # -> (local shape, zero boxes)
+    # (table entry, worker or tp rank) -> (local shape, zero boxes): the same in every layer
+    local: dict[tuple[int, int], tuple] = {}
     for w in range(W):
         r = w % tp
         for name, p in ex.params:
-            key = (name, w if p.kind.by_worker else r)
-            if key not in local:
+            key = (id(p), w if p.kind.by_worker else r)
+            got = local.get(key)
+            if got is None:
                 # MoE kinds: uneven EP gives workers different expert counts
-                shape = (p.kind.local_shape(s.resolve(p.dims), len(p.feeds), geo[w])
-                         if p.kind.by_worker else shapes[name])
-                local[key] = shape, p.kind.zero_boxes(shape, geo[w])
-            shape, zero = local[key]
-            params.append(DestinationParam(w, name, p.dtype or param_dtype, shape, zero))
+                shape = p.kind.local_shape(s.resolve(p.dims), len(p.feeds),
+                                           geo[w] if p.kind.by_worker else geo[0])
+                got = local[key] = shape, p.kind.zero_boxes(shape, geo[w])
+            params.append(DestinationParam(w, name, p.dtype or param_dtype, *got))
     family_notes = family.notes(config) if family.notes is not None else ()
     notes = tuple(n for n in (decided.note, placement.note, *family_notes) if n)
     return DestinationLayout(

@@ -1,0 +1,279 @@
+"""Config-only wire tensors from the family tables, checked against transformers.
+
+A config-only checkpoint (a bare ``config.json``) lists its wire tensors from
+the family table (``m2nkit.adapters.config_wires``) without importing
+transformers. The reference is what it replaced: transformers' model built on
+the meta device (``read_checkpoint(..., via_transformers=True)``). They must
+give the same names, shapes and order, and the same dtypes except where
+transformers allocates a tensor in another dtype than published checkpoints
+store it (:data:`TRANSFORMERS_DTYPES`), for every family's tiny models, every
+real config in ``examples/configs`` and the config variants that switch
+tensors on and off. The config itself is read from ``config.json`` with each
+family's declared transformers defaults; those are checked key by key against
+transformers' config classes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from m2nkit.adapters.config_wires import ConfigJson, read_config_json, table_wires
+from m2nkit.adapters.families import ARCHITECTURES, family
+from m2nkit.adapters.hf_checkpoint import checkpoint_metas, read_checkpoint
+from m2nkit.adapters.tiny import BUILTIN_TINY_MODELS, tiny_config
+from m2nkit.adapters.vllm import destination_layout
+from m2nkit.adapters.vllm.dtype import config_dtype
+from m2nkit.manifest import ParamMeta
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = REPO / "examples" / "configs"
+REAL = sorted(p.name for p in CONFIGS.iterdir() if (p / "config.json").is_file())
+
+#: Where transformers' in-memory dtype is not what published checkpoints store:
+#: architecture -> (wire name regex, transformers' dtype). DeepSeek-V3's router
+#: ``DeepseekV3TopkRouter.weight`` is allocated float32 by transformers 5; the
+#: published DeepSeek-V3 / Kimi-K2 checkpoints hold it in the model dtype (their
+#: reference ``inference/model.py`` ``Gate.weight`` takes the default bf16; it is
+#: not a quantized linear) and vLLM allocates it in the model dtype (``GateLinear``).
+TRANSFORMERS_DTYPES = {
+    "DeepseekV3ForCausalLM": (re.compile(r"\.mlp\.gate\.weight$"), torch.float32),
+}
+
+#: Config variants that switch tensors on and off: tiny model -> keys to set.
+#: Those marked ``differs`` are configs whose tensors the table does not
+#: describe exactly (``HFNaming.table_differs``): read through transformers.
+VARIANTS = [
+    ("tiny-llama", {"attention_bias": True, "mlp_bias": True}, False),
+    ("tiny-llama", {"mlp_bias": True}, False),
+    ("tiny-llama", {"qkv_bias": True}, True),
+    ("tiny-qwen3", {"attention_bias": True}, True),
+    ("tiny-qwen3-moe", {"mlp_only_layers": [0]}, False),
+    ("tiny-qwen3-moe", {"decoder_sparse_step": 2}, False),
+    ("tiny-gemma2", {"attention_bias": True}, False),
+    ("tiny-gemma3", {"tie_word_embeddings": False}, False),
+    ("tiny-mixtral", {"tie_word_embeddings": True}, False),
+    ("tiny-deepseek-v3", {"first_k_dense_replace": 0, "num_hidden_layers": 3}, False),
+    ("tiny-deepseek-v3", {"n_shared_experts": 2, "num_nextn_predict_layers": 2}, False),
+    ("tiny-deepseek-v3", {"topk_method": "greedy"}, True),
+    ("tiny-deepseek-v3-fp8", {"num_nextn_predict_layers": 0}, False),
+]
+
+
+def _listing(ckpt) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    return [(p.name, tuple(p.shape), p.dtype) for p in ckpt.params]
+
+
+def _as_transformers_allocates(ckpt) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    rule = TRANSFORMERS_DTYPES.get(ckpt.architecture)
+    return [(n, s, rule[1] if rule and rule[0].search(n) else d) for n, s, d in _listing(ckpt)]
+
+
+def _tiny_config_json(tmp_path: Path, name: str, **overrides) -> Path:
+    d = tmp_path / name
+    tiny_config(name).save_pretrained(d)
+    if overrides:
+        data = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**data, **overrides}))
+    return d / "config.json"
+
+
+def _check_same(config: Path, *, from_table: bool = True) -> None:
+    fast = read_checkpoint(config)
+    ref = read_checkpoint(config, via_transformers=True)
+    assert isinstance(fast.config, ConfigJson) == from_table, type(fast.config)
+    assert not isinstance(ref.config, ConfigJson)
+    got, want = _as_transformers_allocates(fast), _listing(ref)
+    assert [n for n, _, _ in got] == [n for n, _, _ in want]
+    assert got == want
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_TINY_MODELS))
+def test_table_lists_the_meta_models_tensors_for_every_tiny_model(tmp_path, name):
+    _check_same(_tiny_config_json(tmp_path, name))
+
+
+@pytest.mark.parametrize("name", REAL)
+def test_table_lists_the_meta_models_tensors_for_every_real_config(name):
+    _check_same(CONFIGS / name / "config.json")
+
+
+@pytest.mark.parametrize("name,keys,differs", VARIANTS,
+                         ids=[f"{n}-{'-'.join(k)}" for n, k, _ in VARIANTS])
+def test_table_lists_the_meta_models_tensors_for_config_variants(tmp_path, name, keys, differs):
+    _check_same(_tiny_config_json(tmp_path, name, **keys), from_table=not differs)
+
+
+def test_a_config_the_table_does_not_describe_goes_through_transformers(tmp_path):
+    """Qwen3 with ``attention_bias``: transformers has ``o_proj`` biases vLLM's Qwen3 lacks;
+    the plan must show them (no vLLM parameter takes them), as before."""
+    ckpt = read_checkpoint(_tiny_config_json(tmp_path, "tiny-qwen3", attention_bias=True))
+    assert "model.layers.0.self_attn.o_proj.bias" in ckpt.names
+    layout = destination_layout(ckpt.config, checkpoint_metas(ckpt, "fsdp:2"), "vllm:tp=2")
+    assert "model.layers.0.self_attn.o_proj.bias" in layout.unknown
+
+
+def test_a_model_type_the_family_does_not_declare_is_refused_as_before(tmp_path):
+    config = _tiny_config_json(tmp_path, "tiny-llama")
+    data = json.loads(config.read_text())
+    config.write_text(json.dumps({**data, "model_type": "mistral"}))
+    with pytest.raises(Exception, match="LlamaForCausalLM but model_type 'mistral'"):
+        read_checkpoint(config)
+
+
+# --------------------------------------------------------------------------
+# config.json read as transformers' config classes read it
+
+
+class _Recording(ConfigJson):
+    """A ``ConfigJson`` that records every key read from it."""
+
+    keys: set[str] = set()
+
+    def get(self, key, default=None):
+        _Recording.keys.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key):
+        _Recording.keys.add(key)
+        return super().__getitem__(key)
+
+    def __getattr__(self, key):
+        _Recording.keys.add(key)
+        return super().__getattr__(key)
+
+
+def _keys_read(config: ConfigJson) -> set[str]:
+    """Every key planning ``config`` reads: its wire tensors, the vLLM layout, the TP plan."""
+    _Recording.keys = set()
+    rec = _Recording(config)
+    fam = family(rec["architectures"][0])
+    metas = [ParamMeta(w.name, w.dtype, w.shape) for w in table_wires(fam, rec)]
+    destination_layout(rec, metas, "vllm:tp=1")
+    if fam.tp_plan is not None:
+        fam.tp_plan.styles(rec)
+    if fam.skipped_layers is not None:
+        fam.skipped_layers.layers(rec)
+    return _Recording.keys - {"architectures", "model_type", "text_config", "dtype",
+                              "torch_dtype"}
+
+
+def _model_types():
+    out = []
+    for arch in ARCHITECTURES:
+        hf = family(arch).hf
+        out += [(arch, t) for t in hf.model_types]
+        out += [(arch, alias) for alias, t in hf.config_classes.items() if t in hf.model_types]
+    return out
+
+
+@pytest.mark.parametrize("arch,model_type", _model_types(), ids=lambda x: x)
+@pytest.mark.parametrize("extra", [{}, {"head_dim": None, "num_key_value_heads": None}],
+                         ids=["defaults", "nulls"])
+def test_config_json_reads_every_key_the_family_reads_like_transformers(arch, model_type, extra):
+    """A ``config.json`` holding only ``architectures`` and ``model_type`` (plus
+    explicit nulls): every key the family reads has transformers' value."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    data = {"architectures": [arch], "model_type": model_type, **extra}
+    fam = family(arch)
+    light = read_config_json(data, fam)
+    cls = CONFIG_MAPPING[fam.hf.config_classes.get(model_type, model_type)]
+    hf = cls(**{k: v for k, v in data.items() if k != "model_type"})
+    keys = _keys_read(light)
+    assert keys, arch
+    for key in sorted(keys):
+        assert light.get(key) == getattr(hf, key, None), (arch, model_type, key)
+    assert config_dtype(light) == config_dtype(hf)
+    assert light.model_type == hf.model_type
+
+
+@pytest.mark.parametrize("name", REAL)
+def test_real_configs_read_like_transformers(name):
+    from transformers import AutoConfig  # noqa: F401  (the reference reader)
+
+    ckpt = read_checkpoint(CONFIGS / name / "config.json")
+    ref = read_checkpoint(CONFIGS / name / "config.json", via_transformers=True)
+    for key in sorted(_keys_read(ckpt.config)):
+        assert ckpt.config.get(key) == getattr(ref.config, key, None), (name, key)
+    assert config_dtype(ckpt.config) == config_dtype(ref.config)
+
+
+# --------------------------------------------------------------------------
+# what a config-only plan says
+
+
+def test_a_config_only_plan_never_imports_transformers():
+    code = ("import sys\n"
+            "from m2nkit.engine.cli import main\n"
+            f"rc = main(['plan', {str(CONFIGS / 'Qwen__Qwen3-8B' / 'config.json')!r}, "
+            "'--trainer', 'fsdp:8', '--inference', 'vllm:tp=2'])\n"
+            "print(rc, sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "0 []", out.stdout[-500:]
+
+
+def test_the_mtp_layer_is_listed_as_skipped_as_the_published_checkpoint_holds_it():
+    """DeepSeek-V3 ships one MTP layer (61): its decoder layer with fp8 weights and
+    scales, experts per expert, plus ``embed_tokens``, ``enorm``, ``hnorm``,
+    ``eh_proj`` (unquantized, ``[H, 2H]``) and ``shared_head``; vLLM skips it all."""
+    ckpt = read_checkpoint(CONFIGS / "deepseek-ai__DeepSeek-V3" / "config.json")
+    mtp = {p.name: p for p in ckpt.params if p.name.startswith("model.layers.61.")}
+    assert list(mtp)[:6] == [f"model.layers.61.{n}" for n in (
+        "embed_tokens.weight", "enorm.weight", "hnorm.weight", "eh_proj.weight",
+        "shared_head.norm.weight", "shared_head.head.weight")]
+    assert mtp["model.layers.61.eh_proj.weight"].shape == (7168, 14336)
+    assert mtp["model.layers.61.eh_proj.weight"].dtype == torch.bfloat16
+    assert "model.layers.61.eh_proj.weight_scale_inv" not in mtp
+    down = mtp["model.layers.61.mlp.experts.255.down_proj.weight"]
+    assert (down.shape, down.dtype) == ((7168, 2048), torch.float8_e4m3fn)
+    assert mtp["model.layers.61.mlp.experts.255.down_proj.weight_scale_inv"].shape == (56, 16)
+    assert mtp["model.layers.61.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    assert len([n for n in mtp if ".experts." in n]) == 256 * 3 * 2
+    layout = destination_layout(ckpt.config, ckpt.params, "vllm:tp=8,ep")
+    assert set(mtp) <= set(layout.skipped)
+    assert "multi-token-prediction layer 61" in layout.skipped["model.layers.61.enorm.weight"]
+    kimi = read_checkpoint(CONFIGS / "moonshotai__Kimi-K2-Instruct" / "config.json")
+    assert not any(n.startswith("model.layers.61.") for n in kimi.names)  # no MTP layer
+
+
+def test_the_mtp_layer_has_the_on_disk_names_of_a_moe_layer(tiny_checkpoints, tmp_path):
+    """The listed MTP decoder layer is what a checkpoint holds for a MoE layer, renumbered:
+    the same per-expert names, fp8 scales and shapes as the tiny fp8 checkpoint's layer 1."""
+    from safetensors import safe_open
+
+    d = tiny_checkpoints("tiny-deepseek-v3-fp8")
+    with safe_open(str(d / "model.safetensors"), "pt") as f:
+        disk = {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}
+    layer1 = {n.replace("model.layers.1.", "model.layers.2.", 1): s for n, s in disk.items()
+              if n.startswith("model.layers.1.")}
+    ckpt = read_checkpoint(d / "config.json")  # num_nextn_predict_layers 1: MTP layer 2
+    listed = {p.name: tuple(p.shape) for p in ckpt.params if p.name.startswith("model.layers.2.")}
+    extras = {n: s for n, s in listed.items() if n not in layer1}
+    assert {n: s for n, s in listed.items() if n in layer1} == layer1
+    assert sorted(n.removeprefix("model.layers.2.") for n in extras) == sorted([
+        "embed_tokens.weight", "enorm.weight", "hnorm.weight", "eh_proj.weight",
+        "shared_head.norm.weight", "shared_head.head.weight"])
+
+
+def test_config_only_dtypes_are_what_published_checkpoints_store():
+    """Kimi-K2: the router in the model dtype (so nothing is cast on arrival), its
+    score-correction bias float32, quantized linears fp8 with float32 scales."""
+    ckpt = read_checkpoint(CONFIGS / "moonshotai__Kimi-K2-Instruct" / "config.json")
+    meta = {p.name: p for p in ckpt.params}
+    assert meta["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16
+    assert meta["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    assert meta["model.layers.1.self_attn.q_a_proj.weight"].dtype == torch.float8_e4m3fn
+    assert meta["model.layers.1.self_attn.q_a_proj.weight_scale_inv"].dtype == torch.float32
+    assert meta["model.embed_tokens.weight"].dtype == torch.bfloat16
+    layout = destination_layout(ckpt.config, checkpoint_metas(ckpt, "fsdp:8"), "vllm:tp=8")
+    params = {p.name: p.dtype for p in layout.params if p.worker == 0}
+    assert params["model.layers.1.mlp.gate.weight"] == torch.bfloat16
