@@ -23,9 +23,10 @@ The result is exactly what the meta-model path gives (names, shapes, order;
 dtypes where transformers allocates what checkpoints store), for every
 family's tiny models and every real config in ``examples/configs``
 (``tests/test_config_wires.py``, which keeps the meta-model path as the
-reference). A config the family cannot read this way (a ``model_type`` it
-does not declare) returns ``None`` from :func:`read_config_json`, and the
-checkpoint reader falls back to transformers.
+reference). The checkpoint reader falls back to transformers for a config
+the family cannot read this way: a ``model_type`` it does not declare
+(:func:`read_config_json` returns ``None``), or a config whose tensors its
+table does not list exactly (``HFNaming.table_differs``).
 
 Ordering rule (torch ``Module.named_parameters``): modules are visited
 depth first, a module's own parameters before its children's, children in
@@ -37,6 +38,7 @@ says otherwise (a MoE block registering its experts before its router).
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -57,9 +59,10 @@ class ConfigJson(dict):
 
     ``config["hidden_size"]`` and ``config.hidden_size`` both work, so every
     reader of configs in m2nkit (``cfg_get``, ``getattr``) takes it like a
-    transformers config. ``model_type`` is that of the config class that
-    read it (an alias of ``HFNaming.config_classes`` reads as its target), ``dtype`` the
-    ``dtype``/``torch_dtype`` it names (a string), as transformers 5 keeps them.
+    transformers config. ``model_type`` is the file's (an alias of
+    ``HFNaming.config_classes`` keeps its name, read with its target's
+    defaults), ``dtype`` the ``dtype``/``torch_dtype`` it names (a string),
+    as transformers 5 keeps them.
     """
 
     def __getattr__(self, key: str) -> Any:
@@ -89,11 +92,9 @@ def read_config_json(data: Mapping[str, Any], family: Family) -> ConfigJson | No
     """
     hf = family.hf
     model_type = data.get("model_type")
-    model_type = hf.config_classes.get(model_type, model_type)
-    if not hf.model_types or model_type not in hf.model_types:
+    if hf.config_classes.get(model_type, model_type) not in hf.model_types:
         return None
     out = ConfigJson(data)
-    out["model_type"] = model_type
     if out.get("dtype") is None and out.get("torch_dtype") is not None:
         out["dtype"] = out["torch_dtype"]
     rules = hf.config_defaults.items()
@@ -110,18 +111,15 @@ def read_config_json(data: Mapping[str, Any], family: Family) -> ConfigJson | No
 # the wire tensors of a config
 
 
+@dataclass(frozen=True)
 class TableWire:
-    """One wire tensor from the table: ``name``, ``shape``, ``dtype``, and ``stacked``,
-    the per-expert parts it stacks (``("gate", "up")``) or ``()``."""
+    """One wire tensor from the table: ``name``, global ``shape``, ``dtype``, and
+    ``stacked``, the per-expert parts it stacks (``("gate", "up")``) or ``()``."""
 
-    __slots__ = ("name", "shape", "dtype", "stacked")
-
-    def __init__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
-                 stacked: tuple[str, ...] = ()) -> None:
-        self.name, self.shape, self.dtype, self.stacked = name, shape, dtype, stacked
-
-    def __repr__(self) -> str:
-        return f"TableWire({self.name!r}, {self.shape}, {self.dtype})"
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    stacked: tuple[str, ...] = ()
 
 
 def _layer_params(family: Family) -> tuple[list[Param], list[Param], list[Param]]:
@@ -172,7 +170,8 @@ class _Module:
         self.children: dict[str, _Module] = {}
 
 
-def _in_module_order(family: Family, items: Sequence[Any], name: Callable[[Any], str]) -> list[Any]:
+def _in_module_order(family: Family, items: Sequence[Any],
+                     name: Callable[[Any], str]) -> list[Any]:
     """``items`` in torch ``named_parameters()`` order of the model they belong to.
 
     The module tree is built in the order ``items`` come (the table's, vLLM's
@@ -214,8 +213,8 @@ def table_wires(family: Family, config: Any, s: Sizes | None = None) -> list[Tab
     Names are wire names (on-disk names; experts stacked as
     ``<block>.experts.gate_up_proj.weight``; a permuted tensor in its wire
     form); shapes from the table's symbolic dims; dtypes the parameter's
-    own (``Param.dtype``: a float32 router bias)
-    or the config's model dtype (float32 when it names none). A tied
+    own (``Param.dtype``: a float32 router bias) or the config's model
+    dtype (float32 when it names none). A tied
     ``lm_head.weight`` is left out, as a checkpoint need not hold it.
     Quantized weights keep the model dtype here; the checkpoint reader turns
     them into fp8 plus ``weight_scale_inv`` (``QuantizedWires``).

@@ -1,11 +1,20 @@
-"""How long does planning a real-size model take, and how much memory?
+"""How long does ``m2nkit plan`` take on a real-size model, and how much memory?
 
-Plans the real public configs shipped in examples/configs (config.json
-only: names and shapes come from transformers on the meta device, no weights
-exist) for large trainer and inference layouts. Each case runs in its own
-process so its peak RSS is its own. Prints a table.
+Runs the real command, ``m2nkit plan <config.json> --trainer T --inference I``,
+once per case (and ``--repeat`` times), each in its own process, on the public
+configs shipped in examples/configs (config.json only: no weights exist, the
+wire tensors come from the family tables). For each run it records the wall
+time of the whole command (interpreter start to exit, imports included), its
+peak RSS and CPU time (``wait4`` rusage of the child: what ``/usr/bin/time -v``
+reports), and the breakdown the command prints in its "planning time" row:
+imports (torch and m2nkit), read (config.json, wire tensors, trainer layout),
+vLLM layout, plan (intersection, replica choice, nccl.m2n verdicts, coverage
+proof); "rest" is everything else (interpreter start, printing, exit). The
+load average before and after each case goes with it: the machine is shared,
+and wall time follows the load. Prints a table; ``--json PATH`` writes it all.
 
-    python benchmarks/plan_scale.py [--models DIR] [--case NAME ...]
+    python benchmarks/plan_scale.py [--case NAME ...] [--repeat N] [--json PATH]
+                                    [--models DIR]
 
 ``--models DIR`` takes any folder laid out the same way,
 ``<org>__<name>/config.json``.
@@ -16,9 +25,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
+import platform
+import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,35 +39,70 @@ HERE = Path(__file__).resolve().parent
 DEFAULT_MODELS = HERE.parent / "examples" / "configs"
 
 CASES = {
-    "qwen3-30b-a3b fsdp:256 -> tp8 ep": ("Qwen__Qwen3-30B-A3B", "fsdp:256", "vllm:tp=8,ep"),
+    "kimi-k2 fsdp:256 -> tp8 dp8 ep": ("moonshotai__Kimi-K2-Instruct", "fsdp:256", "vllm:tp=8,dp=8,ep"),
+    "deepseek-v3 fsdp:256 -> tp8 dp8 ep": ("deepseek-ai__DeepSeek-V3", "fsdp:256", "vllm:tp=8,dp=8,ep"),
     "qwen3-235b-a22b fsdp:256 -> tp8 ep": ("Qwen__Qwen3-235B-A22B", "fsdp:256", "vllm:tp=8,ep"),
     "qwen3-235b-a22b hsdp:4,64 -> tp8 dp2 ep": ("Qwen__Qwen3-235B-A22B", "hsdp:4,64", "vllm:tp=8,dp=2,ep"),
+    "qwen3-30b-a3b fsdp:256 -> tp8 ep": ("Qwen__Qwen3-30B-A3B", "fsdp:256", "vllm:tp=8,ep"),
     "mixtral-8x7b fsdp:64 -> tp8": ("mistralai__Mixtral-8x7B-v0.1", "fsdp:64", "vllm:tp=8"),
     "llama-3.1-70b fsdp:128 -> tp8 dp2": ("meta-llama__Llama-3.1-70B", "fsdp:128", "vllm:tp=8,dp=2"),
 }
 
+#: Phases of the command's "planning time" row, in order.
+PHASES = ("imports", "read", "vLLM layout", "plan")
 
-def run_case(models: Path, model: str, trainer: str, inference: str) -> dict:
-    from m2nkit.adapters.hf_checkpoint import checkpoint_metas, read_checkpoint
-    from m2nkit.adapters.trainer_spec import parse_trainer_spec
-    from m2nkit.adapters.vllm import destination_layout, parse_inference_spec
-    from m2nkit.engine.plan import build_plan
 
-    t0 = time.perf_counter()
-    tspec = parse_trainer_spec(trainer)
-    ckpt = read_checkpoint(models / model / "config.json")
-    metas = checkpoint_metas(ckpt, tspec)
-    t1 = time.perf_counter()
-    dest = destination_layout(ckpt.config, metas, parse_inference_spec(inference))
-    t2 = time.perf_counter()
-    plan = build_plan(metas, tspec.num_ranks, dest)
-    t3 = time.perf_counter()
+def _command(config: Path, trainer: str, inference: str) -> list[str]:
+    """``m2nkit plan ...`` with the console script next to this interpreter, else ``-m``."""
+    script = Path(sys.executable).parent / "m2nkit"
+    head = [str(script)] if script.is_file() else [sys.executable, "-m", "m2nkit.engine.cli"]
+    return head + ["plan", str(config), "--trainer", trainer, "--inference", inference]
+
+
+def _seconds(text: str) -> float:
+    value, unit = text.split()
+    return float(value) / (1000 if unit == "ms" else 1)
+
+
+def _row(out: str, label: str) -> str:
+    """The value column of summary row ``label`` (rich box table, one line per row)."""
+    m = re.search(rf"│ {re.escape(label)}\s*│ (.*?)\s*│", out)
+    if m is None:
+        raise RuntimeError(f"no '{label}' row in the output of m2nkit plan:\n{out[-2000:]}")
+    return m.group(1)
+
+
+def run_once(cmd: list[str]) -> dict:
+    """Run ``cmd`` once: wall time, the child's rusage, and the parsed summary."""
+    env = {**os.environ, "COLUMNS": "250"}        # one line per table row
+    load = os.getloadavg()[0]
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env)
+        _, status, usage = os.wait4(proc.pid, 0)  # rusage of this child alone
+        wall = time.perf_counter() - t0
+        proc.returncode = os.waitstatus_to_exitcode(status)   # reaped here, not by Popen
+        out.seek(0)
+        err.seek(0)
+        text, errors = out.read(), err.read()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{errors}")
+    phases = {}
+    for item in _row(text, "planning time").split(", "):
+        name, value, unit = item.rsplit(" ", 2)
+        phases[name] = _seconds(f"{value} {unit}")
+    ratio = re.search(r"ratio ([0-9.]+)", _row(text, "bytes moved / minimum"))
     return {
-        "wire": len(metas), "slabs": plan.num_slabs, "moved": plan.nbytes_moved,
-        "min": plan.nbytes_min, "problems": len(plan.problems),
-        "m2n_share": plan.carried_share("nccl_m2n"),
-        "read_s": t1 - t0, "dest_s": t2 - t1, "plan_s": t3 - t2, "total_s": t3 - t0,
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime,
+        "peak_rss_mib": usage.ru_maxrss / 1024,
+        "phases_s": {k: phases.get(k, 0.0) for k in PHASES},
+        "rest_s": wall - sum(phases.get(k, 0.0) for k in PHASES),
+        "wire": int(_row(text, "wire tensors").split()[0]),
+        "slabs": int(_row(text, "slabs").replace(",", "")),
+        "moved_over_min": float(ratio.group(1)) if ratio else None,
+        "m2n": _row(text, "nccl_m2n expressible"),
+        "problems": _row(text, "problems"),
+        "load_before": load, "load_after": os.getloadavg()[0],
     }
 
 
@@ -64,32 +110,49 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", type=Path, default=DEFAULT_MODELS,
                    help="folder of <org>__<name>/config.json (default: examples/configs)")
-    p.add_argument("--case", action="append", choices=sorted(CASES))
-    p.add_argument("--_one", nargs=3, help=argparse.SUPPRESS)
+    p.add_argument("--case", action="append", choices=sorted(CASES),
+                   help="run only this case (repeatable; default: all)")
+    p.add_argument("--repeat", type=int, default=1, help="runs per case; the table shows the "
+                   "median wall time and the run that had it (default 1)")
+    p.add_argument("--json", type=Path, help="also write every run as JSON here")
     args = p.parse_args()
-    if args._one:
-        print(json.dumps(run_case(args.models, *args._one)))
-        return
     if not args.models.is_dir():
         sys.exit(f"plan_scale: no model configs at {args.models}; pass --models DIR "
                  "(a folder of <org>__<name>/config.json)")
-    rows = []
+    if args.repeat < 1:
+        sys.exit(f"plan_scale: --repeat must be >= 1, got {args.repeat}")
+    results = []
     for name in args.case or CASES:
         model, trainer, inference = CASES[name]
-        out = subprocess.run(
-            [sys.executable, __file__, "--models", str(args.models), "--_one", model, trainer, inference],
-            capture_output=True, text=True, env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"},
-        )
-        if out.returncode:
-            sys.exit(f"case {name} failed:\n{out.stderr}")
-        rows.append((name, json.loads(out.stdout.strip().splitlines()[-1])))
-    head = f"{'case':40} {'wire':>5} {'slabs':>10} {'moved/min':>9} {'m2n':>6} {'read s':>7} {'dest s':>7} {'plan s':>7} {'total s':>8} {'peak RSS':>10}"
+        cmd = _command(args.models / model / "config.json", trainer, inference)
+        runs = [run_once(cmd) for _ in range(args.repeat)]
+        median = sorted(runs, key=lambda r: r["wall_s"])[(len(runs) - 1) // 2]
+        results.append({"case": name, "command": " ".join(["m2nkit"] + cmd[-6:]), "runs": runs,
+                        "median": median,
+                        "wall_s_all": [round(r["wall_s"], 2) for r in runs]})
+    head = (f"{'case':40} {'wire':>5} {'slabs':>11} {'imports':>8} {'read':>6} {'layout':>7} "
+            f"{'plan':>6} {'rest':>6} {'wall s':>7} {'cpu s':>6} {'peak RSS':>9} {'load':>10}")
     print(head)
     print("-" * len(head))
-    for name, r in rows:
-        print(f"{name:40} {r['wire']:>5} {r['slabs']:>10,} {r['moved'] / r['min']:>9.3f} "
-              f"{r['m2n_share']:>6.1%} {r['read_s']:>7.2f} {r['dest_s']:>7.2f} {r['plan_s']:>7.2f} "
-              f"{r['total_s']:>8.2f} {r['peak_rss_mib']:>7.0f} MiB")
+    for r in results:
+        m = r["median"]
+        ph = m["phases_s"]
+        print(f"{r['case']:40} {m['wire']:>5} {m['slabs']:>11,} {ph['imports']:>8.2f} "
+              f"{ph['read']:>6.2f} {ph['vLLM layout']:>7.2f} {ph['plan']:>6.2f} {m['rest_s']:>6.2f} "
+              f"{m['wall_s']:>7.2f} {m['cpu_s']:>6.2f} {m['peak_rss_mib']:>5.0f} MiB "
+              f"{m['load_before']:>4.1f}->{m['load_after']:<4.1f}")
+    if args.repeat > 1:
+        for r in results:
+            print(f"  {r['case']}: wall s of the {args.repeat} runs {r['wall_s_all']}")
+    print("wall = the whole command (interpreter start to exit); imports/read/layout/plan = the "
+          "command's own 'planning time' row; rest = start, printing, exit; cpu = user+system "
+          "of the command; load = 1-min load average before -> after (2 cores here)")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                        "platform": platform.platform()},
+            "results": results}, indent=1))
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

@@ -804,6 +804,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; ``argv`` ``None``: this process's command line (the ``m2nkit``
+    script), and the process exits when this returns."""
     args = _parser().parse_args(argv)
     try:
         _precheck(args)
@@ -814,6 +816,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:                       # Ctrl-C in plan: one process, nothing to stop
         print("m2nkit: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    finally:
+        if argv is None:
+            # The process exits next; its final garbage collection would walk every
+            # object a plan made (half a second of a Kimi-K2 plan) to free nothing the
+            # exit does not free anyway.
+            gc.freeze()
 
 
 if __name__ == "__main__":

@@ -36,11 +36,22 @@ def run_plan(capsys, *args):
     return code, out.out, out.err
 
 
+#: FSDP2 specs with tensor parallelism (the family's TP plan; strided pieces), a few
+#: layouts each: their boxes are checked against real fully_shard in test_trainer_spec.py.
+FSDP2_TP_CASES = [
+    ("tiny-llama", "fsdp2:dp_shard=3,tp=2", "vllm:tp=2,dp=2"),
+    ("tiny-qwen3-tied", "fsdp2:dp_shard=2,tp=2", "vllm:tp=4"),
+    ("tiny-qwen3-moe", "fsdp2:dp_replicate=2,dp_shard=2,tp=2", "vllm:tp=2,ep"),
+    ("tiny-mixtral", "fsdp2:dp_shard=3,tp=2", "vllm:tp=4"),
+]
+
+
 def cases():
     for model in DENSE + MOE:
         for trainer in TRAINERS:
             for inference in (MOE_INFERENCE if model in MOE else DENSE_INFERENCE):
                 yield model, trainer, inference
+    yield from FSDP2_TP_CASES
 
 
 @pytest.mark.parametrize("model,trainer,inference", list(cases()))

@@ -71,8 +71,12 @@ def _listing(ckpt) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
 
 
 def _as_transformers_allocates(ckpt) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """The listing with transformers' dtypes where they differ (not in layers vLLM skips,
+    which both paths list from the table: transformers builds no MTP layer)."""
     rule = TRANSFORMERS_DTYPES.get(ckpt.architecture)
-    return [(n, s, rule[1] if rule and rule[0].search(n) else d) for n, s, d in _listing(ckpt)]
+    skip = family(ckpt.architecture).skip or (lambda config, name: None)
+    return [(n, s, rule[1] if rule and rule[0].search(n) and not skip(ckpt.config, n) else d)
+            for n, s, d in _listing(ckpt)]
 
 
 def _tiny_config_json(tmp_path: Path, name: str, **overrides) -> Path:
@@ -173,35 +177,42 @@ def _model_types():
     return out
 
 
+def _accepts(cls, key, value) -> bool:
+    try:
+        cls(**{key: value})
+    except Exception:  # huggingface_hub's StrictDataclassFieldValidationError
+        return False
+    return True
+
+
 @pytest.mark.parametrize("arch,model_type", _model_types(), ids=lambda x: x)
 @pytest.mark.parametrize("extra", [{}, {"head_dim": None, "num_key_value_heads": None}],
                          ids=["defaults", "nulls"])
 def test_config_json_reads_every_key_the_family_reads_like_transformers(arch, model_type, extra):
     """A ``config.json`` holding only ``architectures`` and ``model_type`` (plus
     explicit nulls): every key the family reads has transformers' value."""
-    from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    data = {"architectures": [arch], "model_type": model_type, **extra}
     fam = family(arch)
-    light = read_config_json(data, fam)
     cls = CONFIG_MAPPING[fam.hf.config_classes.get(model_type, model_type)]
+    # transformers refuses a null for a field it types int (Qwen3's head_dim): such a
+    # file is not a config, so only the nulls it accepts are compared
+    extra = {k: v for k, v in extra.items() if _accepts(cls, k, v)}
+    data = {"architectures": [arch], "model_type": model_type, **extra}
+    light = read_config_json(data, fam)
     hf = cls(**{k: v for k, v in data.items() if k != "model_type"})
     keys = _keys_read(light)
     assert keys, arch
     for key in sorted(keys):
         assert light.get(key) == getattr(hf, key, None), (arch, model_type, key)
     assert config_dtype(light) == config_dtype(hf)
-    assert light.model_type == hf.model_type
 
 
 @pytest.mark.parametrize("name", REAL)
 def test_real_configs_read_like_transformers(name):
-    from transformers import AutoConfig  # noqa: F401  (the reference reader)
-
     ckpt = read_checkpoint(CONFIGS / name / "config.json")
     ref = read_checkpoint(CONFIGS / name / "config.json", via_transformers=True)
-    for key in sorted(_keys_read(ckpt.config)):
+    for key in sorted(_keys_read(ckpt.config) | {"model_type"}):
         assert ckpt.config.get(key) == getattr(ref.config, key, None), (name, key)
     assert config_dtype(ckpt.config) == config_dtype(ref.config)
 

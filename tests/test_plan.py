@@ -246,3 +246,58 @@ def test_m2n_fan_out_is_a_property_of_the_layouts_not_the_replica_choice():
         assert verdict.ok is ok, verdict
         if not ok:
             assert f"one source shard feeds {workers} destination shards" in verdict.reason
+
+
+def _layers(n, *, mesh=(2,), placements=(Shard(0),)):
+    """``n`` layers of ``a`` and ``b`` [8, 6] (fp32), fused side by side in each layer's
+    ``fused`` [4, 12] on 2 workers: worker w takes rows [4w, 4w+4) of both, ``a`` in
+    columns 0..6 and ``b`` in 6..12 (a region that is not one memory run)."""
+    metas, params, bindings = [], [], {}
+    owners = tuple(range(math.prod(mesh)))
+    for layer in range(n):
+        fused = f"layer.{layer}.fused"
+        for part, name in enumerate((f"layer.{layer}.a", f"layer.{layer}.b")):
+            metas.append(ParamMeta(name, torch.float32, (8, 6), owners=owners, mesh_shape=mesh,
+                                   placements=placements))
+            bindings[name] = tuple(Binding(name, w, ((4 * w, 4 * w + 4), (0, 6)), fused,
+                                           (0, 6 * part)) for w in range(2))
+        params += [DestinationParam(w, fused, torch.float32, (4, 12)) for w in range(2)]
+    return metas, DestinationLayout("layers", 2, tuple(params), bindings)
+
+
+def test_repeated_layers_plan_like_each_layer_alone():
+    """Every layer of a model has the same pieces and bindings: the planner intersects
+    once and shares the slabs; each tensor's table, bytes and verdict are those it has
+    when planned alone, and a verdict naming a parameter names that tensor's own."""
+    metas, dest = _layers(4)
+    plan = build_plan(metas, 2, dest)
+    assert plan.problems == []
+    assert plan.nbytes_moved == plan.nbytes_min == 4 * 2 * 8 * 6 * 4
+    for i, wp in enumerate(plan.wires):
+        alone = build_plan(metas[i:i + 1], 2, DestinationLayout(
+            "one", 2, dest.params, {wp.name: dest.bindings[wp.name]})).wires[0]
+        assert np.array_equal(wp.table, alone.table), wp.name
+        assert (wp.nbytes_moved, wp.nbytes_min) == (alone.nbytes_moved, alone.nbytes_min)
+        assert wp.verdict("nccl_m2n") == alone.verdict("nccl_m2n"), wp.name
+        layer = wp.name.split(".")[1]
+        assert f"worker 0's layer.{layer}.fused is not contiguous" in wp.verdict("nccl_m2n").reason
+    assert plan.send_bytes.sum() == plan.nbytes_moved
+    full = {m.name: torch.randn(8, 6) for m in metas}
+    storage = {w: allocate_storage(dest, w) for w in range(2)}
+    execute_plan(plan, local_streams(metas, full, 2), storage)
+    for m in metas:
+        layer, part = m.name.split(".")[1], "ab".index(m.name[-1])
+        for w in range(2):
+            got = storage[w][f"layer.{layer}.fused"][:, 6 * part:6 * part + 6]
+            assert bitwise_equal(got, full[m.name][4 * w:4 * w + 4])
+
+
+def test_repeated_layers_with_replicas_balance_across_layers():
+    """hsdp replicas: which replica sends depends on what earlier tensors sent, so twin
+    tensors get tables of their own, and over the layers every rank sends."""
+    metas, dest = _layers(4, mesh=(2, 2), placements=(Replicate(), Shard(0)))
+    plan = build_plan(metas, 4, dest)
+    assert plan.problems == []
+    assert plan.nbytes_moved == plan.nbytes_min
+    assert (plan.send_bytes > 0).all()
+    assert any(not np.array_equal(plan.wires[0].table, w.table) for w in plan.wires[1:])

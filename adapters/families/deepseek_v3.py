@@ -42,14 +42,24 @@ are not modelled.)
 **MTP**: the multi-token-prediction layers (``model.layers.{num_hidden_layers
 + i}.*``, ``i < num_nextn_predict_layers``) are skipped by vLLM's main model
 (``load_weights``: ``get_spec_layer_idx_from_weight_name``, ``models/utils.py``);
-a checkpoint's MTP tensors are planned as skipped with that reason.
+a checkpoint's MTP tensors are planned as skipped with that reason. A
+config-only plan lists them too, as the published DeepSeek-V3 checkpoint holds
+layer 61 (``README_WEIGHTS.md``): a MoE decoder layer (fp8 weights with scales,
+experts per expert) plus :data:`MTP_EXTRAS` (``SkippedLayers``). transformers
+builds no MTP layer and reads a missing ``num_nextn_predict_layers`` as 1; so
+does the config-only reader.
 
 **FP8**: the published configs ship ``quantization_config: fp8,
 weight_block_size [128, 128]``. Every linear layer and the routed experts
 (``quantized=True`` below) then carry fp8 weights plus ``weight_scale_inv``
-(``m2nkit.adapters.families.quant``); embeddings, ``lm_head``, norms, the
-router and its bias stay in the model dtype. Without ``quantization_config``
-(bf16 checkpoints, the tiny models) every parameter is in the model dtype.
+(``m2nkit.adapters.families.quant``); embeddings, ``lm_head``, norms and
+the router stay in the model dtype, ``e_score_correction_bias`` float32.
+Without ``quantization_config`` (bf16 checkpoints, the tiny models) every
+parameter is in the model dtype but that bias. Config-only plans give each
+wire tensor these dtypes, which are what the published checkpoints store;
+transformers 5 allocates the router float32 in memory
+(``DeepseekV3TopkRouter``), DeepSeek's own ``inference/model.py`` (``Gate``)
+and vLLM (``GateLinear``) in the model dtype.
 
 **Names**: transformers 5 (``deepseek_v3``) keeps the routed experts fused in
 memory and writes them per expert on disk (``mlp.experts.{e}.gate_proj.weight``
@@ -111,7 +121,9 @@ HF_NAMES = HFNaming(
         "num_key_value_heads": kv_heads(128),
         "n_routed_experts": alias("n_routed_experts", "num_local_experts", 256),
         "num_nextn_predict_layers": alias("num_nextn_predict_layers", "num_mtp_layers", 1),
-        "head_dim": lambda c: c["qk_rope_head_dim"],     # DeepseekV3Config.__post_init__
+        # DeepseekV3Config.__post_init__ sets qk_rope_head_dim; a head_dim in the file
+        # (not a field of the class) is set after it and wins
+        "head_dim": alias("head_dim", "qk_rope_head_dim", None),
     },
     table_differs=lambda c: _table_differs(c),
 )
