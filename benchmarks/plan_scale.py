@@ -130,23 +130,31 @@ def main() -> None:
         results.append({"case": name, "command": " ".join(["m2nkit"] + cmd[-6:]), "runs": runs,
                         "median": median,
                         "wall_s_all": [round(r["wall_s"], 2) for r in runs]})
-    head = (f"{'case':40} {'wire':>5} {'slabs':>11} {'imports':>8} {'read':>6} {'layout':>7} "
-            f"{'plan':>6} {'rest':>6} {'wall s':>7} {'cpu s':>6} {'peak RSS':>9} {'load':>10}")
+    head = (f"{'case':40} {'wire':>5} {'slabs':>11} {'m2n':>6} {'imports':>8} {'read':>6} "
+            f"{'layout':>7} {'plan':>6} {'rest':>6} {'wall s':>7} {'cpu s':>6} {'peak RSS':>9} "
+            f"{'load':>10}")
     print(head)
     print("-" * len(head))
     for r in results:
         m = r["median"]
         ph = m["phases_s"]
-        print(f"{r['case']:40} {m['wire']:>5} {m['slabs']:>11,} {ph['imports']:>8.2f} "
+        print(f"{r['case']:40} {m['wire']:>5} {m['slabs']:>11,} {m['m2n'].split()[0]:>6} "
+              f"{ph['imports']:>8.2f} "
               f"{ph['read']:>6.2f} {ph['vLLM layout']:>7.2f} {ph['plan']:>6.2f} {m['rest_s']:>6.2f} "
               f"{m['wall_s']:>7.2f} {m['cpu_s']:>6.2f} {m['peak_rss_mib']:>5.0f} MiB "
               f"{m['load_before']:>4.1f}->{m['load_after']:<4.1f}")
     if args.repeat > 1:
         for r in results:
             print(f"  {r['case']}: wall s of the {args.repeat} runs {r['wall_s_all']}")
-    print("wall = the whole command (interpreter start to exit); imports/read/layout/plan = the "
-          "command's own 'planning time' row; rest = start, printing, exit; cpu = user+system "
-          "of the command; load = 1-min load average before -> after (2 cores here)")
+    print("m2n: share of the bytes one nccl.m2n reshard per tensor carries (torch_p2p the rest)\n"
+          "wall: the whole command, interpreter start to exit; imports, read, layout, plan: the\n"
+          "  command's own 'planning time' row; rest: start, printing, exit\n"
+          "cpu: user+system seconds of the command; peak RSS: its ru_maxrss\n"
+          "load: 1-minute load average before -> after the case")
+    bad = [r["case"] for r in results
+           if r["median"]["moved_over_min"] != 1.0 or r["median"]["problems"] != "none"]
+    if bad:  # every plan moves exactly the bytes the workers hold
+        print(f"plans with problems or moving more than the minimum: {bad}")
     if args.json:
         args.json.write_text(json.dumps({
             "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),

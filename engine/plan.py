@@ -16,8 +16,11 @@ own module) says per wire tensor whether it can carry it and, if not, why;
 ``torch_p2p`` carries anything.
 
 Slabs are kept as one int64 table per wire tensor (numpy, columns in
-``SlabTable``), so a plan for a 235B-parameter MoE over 256 trainer ranks
-(about a million slabs) builds in seconds on two cores.
+``SlabTable``). Tensors with the same pieces, dtype size and bindings (the same
+tensor in every layer) have the same slabs: they are intersected once and
+share one read-only table (:class:`_Structure`), so Kimi-K2 from 256 FSDP
+ranks into 64 vLLM workers (10.4 M slabs, 32 structures) plans in under half
+a second on two cores and the tables take 10 MiB.
 """
 
 from __future__ import annotations
@@ -528,10 +531,10 @@ class _Structure:
         """The table of one tensor with replicas (holders chosen against ``send``);
         adds its bytes to ``send``, ``recv`` and ``link``."""
         piece = _choose_sources(self.holders, self.vol, self.piece_rank, send)
-        s, r, l = self._bytes(self.piece_rank[piece])
-        send += s
-        recv += r
-        link += l
+        sent, received, linked = self._bytes(self.piece_rank[piece])
+        send += sent
+        recv += received
+        link += linked
         return self._table(piece)
 
 

@@ -60,7 +60,6 @@ from m2nkit.engine.transports.torch_p2p import (
     TransferError,
     agree_on_plan,
     create_group,
-    failure_watch,
     finish_round,
     recv_round,
 )
@@ -454,8 +453,7 @@ class M2NReceiver(WeightTransferEngine):
                                                      deadline=deadline)
             else:
                 done, _ = recv_round(self._group, self._plan, self._schedule, self.worker,
-                                     self._staging, deadline=deadline, device=self.device,
-                                     abandon=failure_watch(self._store, update_info.round))
+                                     self._staging, deadline=deadline, device=self.device)
             self._received = set(done)
         except Exception as e:
             mine = e

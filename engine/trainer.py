@@ -51,7 +51,6 @@ from .transports.torch_p2p import (
     TransferError,
     agree_on_plan,
     create_group,
-    failure_watch,
     finish_round,
     send_round,
 )
@@ -337,8 +336,7 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
             else:
                 sent = send_round(self._group, self.plan, self.schedule, rank,
                                   self.source.iter_local(), deadline=deadline,
-                                  device=self.init_info.device,
-                                  abandon=failure_watch(self._store, self._round))
+                                  device=self.init_info.device)
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             error = f"{type(e).__name__}: {e}"
             # Its frames hold the group and the round's pending work objects;

@@ -35,6 +35,9 @@ from m2nkit.engine.deadline import REPORT_GRACE_S
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tiny-qwen3-moe"
 TIMEOUT = 4.0  # seconds: the bound on each init and each round of these sessions
+#: Where a failure must be found without waiting for the deadline (a death, a refusal):
+#: a deadline this long shows it was not waited for, however loaded the machine.
+LONG_TIMEOUT = 20.0
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -286,7 +289,7 @@ def test_rounds_are_bit_exact_over_http(tiny_checkpoints, tmp_path, model, train
 # fault injection: the deadline bound, the root cause, the version kept
 
 
-def _assert_failed_within_bound(msgs, ranks, needle):
+def _assert_failed_within_bound(msgs, ranks, needle, timeout_s=TIMEOUT):
     """Each rank raised, naming ``needle``, within timeout_s + REPORT_GRACE_S of its call."""
     errors = _errors(msgs)
     for r in ranks:
@@ -294,7 +297,7 @@ def _assert_failed_within_bound(msgs, ranks, needle):
         e = errors[r][0]
         assert e["message"].startswith("TransferError"), e
         assert needle in e["message"], e
-        assert e["seconds"] <= TIMEOUT + REPORT_GRACE_S, e
+        assert e["seconds"] <= timeout_s + REPORT_GRACE_S, e
         retry = [p for k, p in msgs[r] if k == "retry"]
         assert retry and "broke in an earlier round" in retry[0]["message"], msgs[r]
         assert "build a fresh engine" in retry[0]["message"], msgs[r]
@@ -308,6 +311,7 @@ def test_trainer_stall_or_death_mid_round_fails_everyone_and_keeps_the_version(
     # Round 1 succeeds; in round 2 trainer rank 1 stalls (or dies) when the engine
     # reaches wire tensor 10 of 25. Under load, CPU-burning processes compete
     # (load average heading for 8 on this 2-core machine) for the whole run.
+    timeout_s = LONG_TIMEOUT if action == "die" else TIMEOUT
     burners = []
     if action == "stall under load":
         burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
@@ -315,7 +319,7 @@ def test_trainer_stall_or_death_mid_round_fails_everyone_and_keeps_the_version(
     try:
         msgs, seconds, codes, killed = _run_trainers(
             server.url, 3, "fsdp:3", "vllm:tp=2", faults={1: (2, 10, action.split()[0])},
-            rounds=2, budget=20 * TIMEOUT, hang=(1,))
+            rounds=2, budget=20 * TIMEOUT, hang=(1,), timeout_s=timeout_s)
         load = Path("/proc/loadavg").read_text().split()[:4]   # 1, 5, 15 min; running/total
         print(f"[{action}] load average {load[:3]}, runnable/total {load[3]}; raised after",
               {r: round(p["seconds"], 2) for r, ps in _errors(msgs).items() for p in ps[:1]})
@@ -331,11 +335,11 @@ def test_trainer_stall_or_death_mid_round_fails_everyone_and_keeps_the_version(
             b.wait(10)
     assert [any(k == "ok" and p["round"] == 1 for k, p in msgs[r]) for r in range(3)] == [True] * 3
     # Every other trainer raises within the bound, naming the root cause: rank 1.
-    _assert_failed_within_bound(msgs, (0, 2), "trainer rank 1 sent no report")
+    _assert_failed_within_bound(msgs, (0, 2), "trainer rank 1 sent no report", timeout_s)
     if action == "die":
         assert codes[1] == 17
         # Its connections closed: found at once, not at the deadline.
-        assert all(_errors(msgs)[r][0]["seconds"] < TIMEOUT for r in (0, 2)), (msgs, load)
+        assert all(_errors(msgs)[r][0]["seconds"] < timeout_s / 2 for r in (0, 2)), (msgs, load)
     else:
         assert killed == [1]  # only the staller was still there to kill
     # The workers refused to commit round 2: still at v1 with v1's bytes.
@@ -359,10 +363,12 @@ def test_worker_killed_mid_round_fails_every_trainer_at_once(tmp_path):
     try:
         victim = srv.worker_pids[1]
         msgs, seconds, codes, killed = _run_trainers(srv.url, 2, "fsdp:2", "vllm:tp=2",
-                                                     faults={0: (1, 12, ("kill", victim))})
+                                                     faults={0: (1, 12, ("kill", victim))},
+                                                     timeout_s=LONG_TIMEOUT)
         # Its connections closed: every trainer names it, long before the deadline.
-        _assert_failed_within_bound(msgs, (0, 1), "worker 1 (rank 3) sent no report")
-        assert all(_errors(msgs)[r][0]["seconds"] < TIMEOUT for r in (0, 1)), msgs
+        _assert_failed_within_bound(msgs, (0, 1), "worker 1 (rank 3) sent no report",
+                                    LONG_TIMEOUT)
+        assert all(_errors(msgs)[r][0]["seconds"] < LONG_TIMEOUT / 2 for r in (0, 1)), msgs
         assert not killed
         # The surviving worker did not commit the broken round.
         with pytest.raises(Exception, match="worker 1"):
@@ -387,14 +393,15 @@ def test_worker_killed_mid_round_fails_every_trainer_at_once(tmp_path):
 ])
 def test_one_rank_with_a_different_manifest_is_refused_everywhere(server, kind, needle):
     msgs, seconds, codes, killed = _run_trainers(server.url, 3, "fsdp:3", "vllm:tp=2",
-                                                 ranks=(1,), **{kind: True})
+                                                 ranks=(1,), timeout_s=LONG_TIMEOUT,
+                                                 **{kind: True})
     errors = _errors(msgs)
     for r in range(3):
         assert errors[r], msgs[r]
         assert needle in errors[r][0]["message"], errors[r]
         assert "PlanMismatchError" in errors[r][0]["message"], errors[r]
-        # Refused in the agreement, before the deadline.
-        assert errors[r][0]["seconds"] < TIMEOUT, errors[r]
+        # Refused in the agreement, not at the deadline.
+        assert errors[r][0]["seconds"] < LONG_TIMEOUT / 2, errors[r]
     # The workers refused too, and nothing moved.
     assert server.weight_versions() == [None, None]
 

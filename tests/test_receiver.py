@@ -39,7 +39,6 @@ from m2nkit.engine.transports.torch_p2p import (
     TransferError,
     agree_on_plan,
     create_group,
-    failure_watch,
     finish_round,
     send_round,
 )
@@ -147,7 +146,7 @@ class Trainers:
             """Close rank r's connections as a failed engine does: gloo closes on release."""
             store, group = self.groups[r]
             self.groups[r] = (store, None)
-            group.abort()
+            group.abort()                 # the last reference goes: its sockets close
 
         def stream(r):
             for i, (name, t) in enumerate(checkpoint_manifest(self.ck, TRAINER, r).iter_local()):
@@ -167,8 +166,7 @@ class Trainers:
             error, sent = None, 0
             try:
                 sent = send_round(self.groups[r][1], self.plan, schedule, r, stream(r),
-                                  deadline=deadline,
-                                  abandon=failure_watch(self.groups[r][0], k))
+                                  deadline=deadline)
             except Exception as e:
                 traceback.clear_frames(e.__traceback__)
                 if fail == "dies" and r == 1:
@@ -392,7 +390,10 @@ def test_failed_round_commits_nothing_then_reinit_succeeds(ck, session, fail):
     ok(tr.join(client))
     ok(tr.round(client, 1, "v1", 1.0))
 
+    t0 = time.monotonic()
     out = tr.round(client, 2, "v2", 2.0, fail=fail)
+    if fail != "stalls":    # found through closed connections: no rank waited for the deadline
+        assert time.monotonic() - t0 < tr.timeout_s / 2, out
     err = out["client"][1]
     assert isinstance(err, WeightSyncError) and err.status == 500, out
     assert sorted(err.errors) == [0, 1]
@@ -403,8 +404,6 @@ def test_failed_round_commits_nothing_then_reinit_succeeds(ck, session, fail):
         assert ROOT_CAUSE[fail] in str(e), e
         # The documented bound: timeout_s + REPORT_GRACE_S after update_weights.
         assert failed_after(e) <= tr.timeout_s + REPORT_GRACE_S, e
-        if fail != "stalls":        # found through closed connections, not the deadline
-            assert failed_after(e) < REPORT_GRACE_S + 3.0, e
         if fail == "reports":       # every byte arrived, but the verdict says the round failed
             assert not e.missing and "another rank failed" in str(e)
         else:

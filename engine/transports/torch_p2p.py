@@ -46,7 +46,6 @@ __all__ = [
     "PlanMismatchError",
     "create_group",
     "wait_work",
-    "failure_watch",
     "rank_label",
     "BucketSchedule",
     "agree_on_plan",
@@ -113,32 +112,7 @@ def _reason(e: BaseException) -> str:
     return line.split(". This is typically", 1)[0]
 
 
-#: How often a waiting rank asks the store whether another rank already failed (seconds).
-ABANDON_POLL_S = 0.05
-
-
-def failure_watch(store, round_id) -> Callable[[], str | None]:
-    """An ``abandon`` check for :func:`wait_work`: has a rank reported round ``round_id`` failed?
-
-    Reads the failure counter :func:`finish_round` keeps in the session's
-    store (one store round trip). Returns a reason, or ``None`` to keep
-    waiting.
-    """
-    key = f"verdict/{round_id}/failed"
-
-    def check() -> str | None:
-        try:
-            failed = store.add(key, 0)
-        except RuntimeError as e:
-            return (f"the session store (hosted by trainer rank 0) stopped answering "
-                    f"({_reason(e)})")
-        return f"{failed} rank(s) already reported this round failed" if failed else None
-
-    return check
-
-
-def wait_work(work, deadline: Deadline | float, what: str,
-              abandon: Callable[[], str | None] | None = None) -> None:
+def wait_work(work, deadline: Deadline | float, what: str) -> None:
     """Wait for a ``torch.distributed`` work object until ``deadline``.
 
     ``deadline`` is the round's ``Deadline`` (the wait gets only the time
@@ -146,33 +120,12 @@ def wait_work(work, deadline: Deadline | float, what: str,
     operation and the peer (``"worker 0 (rank 2): receive of bucket 3 from
     trainer rank 1"``); every error starts with it.
 
-    With ``abandon`` (e.g. :func:`failure_watch`), the wait polls the work
-    (0.2 to 5 ms apart) and calls ``abandon()`` every ``ABANDON_POLL_S``;
-    a reason ends the wait at once. That is how a rank blocked on a live
-    peer learns that the round already failed elsewhere, whatever the
-    backend. (A timed-out gloo wait closes its connection, so waits cannot
-    be cut into short blocking slices instead.)
-
     Raises:
         TransferError: the work failed (a peer closed its connection, the
-            group was aborted), was not complete at the deadline, or was
-            abandoned (the message says why).
+            group was aborted) or was not complete at the deadline.
     """
     if not isinstance(deadline, Deadline):
         deadline = Deadline(deadline)
-    if abandon is not None:
-        pause, next_check = 0.0002, time.monotonic() + ABANDON_POLL_S
-        while not work.is_completed():
-            now = time.monotonic()
-            if now >= deadline.at:
-                raise TransferError(f"{what} did not complete by {deadline.describe()}")
-            if now >= next_check:
-                reason = abandon()
-                if reason:
-                    raise TransferError(f"{what} abandoned: {reason}")
-                next_check = now + ABANDON_POLL_S
-            time.sleep(min(pause, max(deadline.at - now, 0.0)))
-            pause = min(pause * 2, 0.005)
     left = deadline.left()
     try:
         if left <= 0.0 and not work.is_completed():
@@ -344,16 +297,14 @@ def _link_slabs(plan: Plan, wires: range, *, src: int | None = None,
 
 def send_round(group, plan: Plan, schedule: BucketSchedule, rank: int,
                stream: Iterable[tuple[str, torch.Tensor]], *, timeout_s: float | None = None,
-               deadline: Deadline | None = None, device: torch.device | str = "cpu",
-               abandon: Callable[[], str | None] | None = None) -> int:
+               deadline: Deadline | None = None, device: torch.device | str = "cpu") -> int:
     """Send this trainer rank's slabs of one round. Returns bytes sent.
 
     ``stream`` is the rank's ``iter_local()``: one ``(name, local tensor)``
     per owned wire tensor in manifest order; each provider runs once.
     Every send is waited for until ``deadline`` (the round's), else
     ``timeout_s`` seconds from the call; a provider that returns after the
-    deadline ends the round here too. ``abandon`` (:func:`failure_watch`)
-    ends a wait as soon as another rank has reported the round failed.
+    deadline ends the round here too.
 
     Raises:
         TransferError: a stream out of manifest order or of the wrong shape,
@@ -393,7 +344,7 @@ def send_round(group, plan: Plan, schedule: BucketSchedule, rank: int,
                 buffers[dst][at:at + slab.nbytes].view(wp.meta.dtype).view(piece.shape).copy_(piece)
         # Keep at most one earlier bucket in flight: wait for it now.
         for work, what in in_flight:
-            wait_work(work, deadline, what, abandon)
+            wait_work(work, deadline, what)
         in_flight = []
         for dst, buf in buffers.items():
             what = f"trainer rank {rank}: send of bucket {k} to worker {dst}"
@@ -404,7 +355,7 @@ def send_round(group, plan: Plan, schedule: BucketSchedule, rank: int,
             in_flight.append((work, what))
             sent += buf.numel()
     for work, what in in_flight:
-        wait_work(work, deadline, what, abandon)
+        wait_work(work, deadline, what)
     leftover = next(it, None)
     if leftover is not None:
         raise TransferError(f"trainer rank {rank}: source yielded '{leftover[0]}' after the last "
@@ -412,17 +363,38 @@ def send_round(group, plan: Plan, schedule: BucketSchedule, rank: int,
     return sent
 
 
+def _post_receives(group, plan: Plan, schedule: BucketSchedule, k: int, worker: int, device):
+    """Post worker ``worker``'s receives of bucket ``k``: ``[(src, slabs, buffer, work, what)]``.
+
+    A module function, not a closure over ``group``: a failed round's
+    traceback holds this frame, and ``traceback.clear_frames`` can drop a
+    frame's locals but not the cells of a closure, which would keep the
+    group (and its sockets) alive.
+    """
+    me = plan.num_trainer_ranks + worker
+    links = _link_slabs(plan, schedule.wires(k), dst=worker)
+    posted = []
+    for src, rows in sorted(links.items()):
+        n = sum(slab.nbytes for _, slab in rows)
+        buf = torch.empty(n, dtype=torch.uint8, device=device)
+        what = f"worker {worker} (rank {me}): receive of bucket {k} from trainer rank {src}"
+        try:
+            work = group.recv([buf], src, k)
+        except RuntimeError as e:
+            raise TransferError(f"{what} failed: {_reason(e)}") from e
+        posted.append((src, rows, buf, work, what))
+    return posted
+
+
 def recv_round(group, plan: Plan, schedule: BucketSchedule, worker: int,
                storage: Mapping[str, torch.Tensor], *, timeout_s: float | None = None,
-               deadline: Deadline | None = None, device: torch.device | str = "cpu",
-               abandon: Callable[[], str | None] | None = None) -> tuple[set[str], int]:
+               deadline: Deadline | None = None,
+               device: torch.device | str = "cpu") -> tuple[set[str], int]:
     """Receive this worker's slabs of one round straight into ``storage``.
 
     Returns ``(names of wire tensors fully received, bytes received)``.
     Every receive is waited for until ``deadline`` (the round's), else
-    ``timeout_s`` seconds from the call; ``abandon`` (:func:`failure_watch`)
-    ends a wait as soon as another rank has reported the round failed. On
-    failure raises
+    ``timeout_s`` seconds from the call. On failure raises
     ``TransferError`` (naming the trainer rank and bucket) whose
     ``received`` attribute lists the wire tensors that did arrive whole and
     ``missing`` the others; the next bucket's receives stay posted, so the
@@ -433,30 +405,14 @@ def recv_round(group, plan: Plan, schedule: BucketSchedule, worker: int,
                 if plan.wires[wi].sends_to(worker)}
     done: set[str] = set()
     got = 0
-    T = plan.num_trainer_ranks
-    me = T + worker
-
-    def post(k):
-        links = _link_slabs(plan, schedule.wires(k), dst=worker)
-        posted = []
-        for src, rows in sorted(links.items()):
-            n = sum(slab.nbytes for _, slab in rows)
-            buf = torch.empty(n, dtype=torch.uint8, device=device)
-            what = f"worker {worker} (rank {me}): receive of bucket {k} from trainer rank {src}"
-            try:
-                work = group.recv([buf], src, k)
-            except RuntimeError as e:
-                raise TransferError(f"{what} failed: {str(e).splitlines()[0]}") from e
-            posted.append((src, rows, buf, work, what))
-        return posted
-
     try:
-        pending = post(0) if len(schedule) else []
+        pending = _post_receives(group, plan, schedule, 0, worker, device) if len(schedule) else []
         for k in range(len(schedule)):
             current = pending
-            pending = post(k + 1) if k + 1 < len(schedule) else []
+            pending = _post_receives(group, plan, schedule, k + 1, worker, device) \
+                if k + 1 < len(schedule) else []
             for src, rows, buf, work, what in current:
-                wait_work(work, deadline, what, abandon)
+                wait_work(work, deadline, what)
                 c = 0
                 for wi, slab in rows:
                     dst = storage[slab.param][slab.dst_region]
