@@ -250,11 +250,11 @@ def _memory_bound(plan, rank: int, bucket_bytes: int) -> int:
 def _in_flight_bound(plan, schedule, rank: int) -> int:
     """What ``send_round`` holds by design: two consecutive buckets of this rank plus the
     largest cast copy (the provider's bf16 local tensor being packed)."""
-    from m2nkit.engine.transports.torch_p2p import _link_slabs
+    from m2nkit.engine.transports.torch_p2p import link_slabs
 
     per = []
     for k in range(len(schedule)):
-        links = _link_slabs(plan, schedule.wires(k), src=rank)
+        links = link_slabs(plan, schedule.wires(k), src=rank)
         per.append(sum(s.nbytes for items in links.values() for _, s in items))
     pair = max((a + b for a, b in zip(per, per[1:])), default=max(per, default=0))
     cast = max(_prod(wp.meta.local_shape(rank) or (0,)) * wp.itemsize for wp in plan.wires)

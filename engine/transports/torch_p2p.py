@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from m2nkit.engine.deadline import REPORT_GRACE_S, Deadline
-from m2nkit.engine.plan import Plan, Slab, SlabTable, WirePlan, next_local
+from m2nkit.engine.plan import Plan, Slab, SlabTable, next_local
 
 __all__ = [
     "TransferError",
@@ -48,12 +48,12 @@ __all__ = [
     "wait_work",
     "rank_label",
     "BucketSchedule",
+    "link_slabs",
     "agree_on_plan",
     "send_round",
     "recv_round",
     "finish_round",
 ]
-
 
 
 class TransferError(RuntimeError):
@@ -275,7 +275,7 @@ class BucketSchedule:
         return range(self.bounds[k], self.bounds[k + 1])
 
 
-def _link_slabs(plan: Plan, wires: range, *, src: int | None = None,
+def link_slabs(plan: Plan, wires: range, *, src: int | None = None,
                 dst: int | None = None) -> dict[int, list[tuple[int, Slab]]]:
     """Per peer: the ``(wire index, Slab)`` of one message, in packing order.
 
@@ -318,12 +318,12 @@ def send_round(group, plan: Plan, schedule: BucketSchedule, rank: int,
     T = plan.num_trainer_ranks
     for k in range(len(schedule)):
         wires = schedule.wires(k)
-        links = _link_slabs(plan, wires, src=rank)
+        links = link_slabs(plan, wires, src=rank)
         buffers = {dst: torch.empty(sum(s.nbytes for _, s in items), dtype=torch.uint8,
                                     device=device)
                    for dst, items in links.items()}
         # Each slab's offset in its message follows the packing order of
-        # ``_link_slabs`` (the receiver unpacks in that order), while local
+        # ``link_slabs`` (the receiver unpacks in that order), while local
         # tensors arrive in manifest order.
         by_wire: dict[int, list] = {}
         for dst, items in links.items():
@@ -372,7 +372,7 @@ def _post_receives(group, plan: Plan, schedule: BucketSchedule, k: int, worker: 
     group (and its sockets) alive.
     """
     me = plan.num_trainer_ranks + worker
-    links = _link_slabs(plan, schedule.wires(k), dst=worker)
+    links = link_slabs(plan, schedule.wires(k), dst=worker)
     posted = []
     for src, rows in sorted(links.items()):
         n = sum(slab.nbytes for _, slab in rows)
