@@ -310,7 +310,7 @@ def _send_gathered(method: str, group, plan, rank: int, model, source, timeout_s
 
 def _receive_full(group, plan, worker: int, storage, timeout_s: float) -> int:
     """A worker's round of the two baselines: full tensors from trainer rank 0, keep the boxes."""
-    from m2nkit.engine.baseline import gather_then_broadcast_round
+    from m2nkit.engine.tools.baseline import gather_then_broadcast_round
 
     return gather_then_broadcast_round(group, None, plan, plan.num_trainer_ranks + worker,
                                        storage=storage, timeout_s=timeout_s).received

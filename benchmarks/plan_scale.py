@@ -55,7 +55,7 @@ PHASES = ("imports", "read", "vLLM layout", "plan")
 def _command(config: Path, trainer: str, inference: str) -> list[str]:
     """``m2nkit plan ...`` with the console script next to this interpreter, else ``-m``."""
     script = Path(sys.executable).parent / "m2nkit"
-    head = [str(script)] if script.is_file() else [sys.executable, "-m", "m2nkit.engine.cli"]
+    head = [str(script)] if script.is_file() else [sys.executable, "-m", "m2nkit.engine.tools.cli"]
     return head + ["plan", str(config), "--trainer", trainer, "--inference", inference]
 
 

@@ -7,7 +7,7 @@ their own for the baseline's all-gather):
 
 * ``m2nkit``   — ``torch_p2p``: ``agree_on_plan``, then ``send_round`` /
   ``recv_round`` (each slab once, straight from shard to worker storage);
-* ``gather``   — ``m2nkit.engine.baseline.gather_then_broadcast_round``: per
+* ``gather``   — ``m2nkit.engine.tools.baseline.gather_then_broadcast_round``: per
   tensor, all-gather among the trainer ranks, rank 0 sends the full tensor to
   every worker, each worker keeps its part (what RL frameworks do today);
 * ``floor``    — ``raw_floor_round``: the plan's bytes per (trainer, worker)
@@ -144,7 +144,7 @@ def _run_rank(method: str, rank: int, cfg: dict) -> dict:
     torch.set_num_threads(1)  # T + N processes share the machine's cores
     from m2nkit.adapters.hf_checkpoint import checkpoint_manifest, checkpoint_metas
     from m2nkit.adapters.trainer_spec import parse_trainer_spec
-    from m2nkit.engine.baseline import (create_trainer_group, gather_then_broadcast_round,
+    from m2nkit.engine.tools.baseline import (create_trainer_group, gather_then_broadcast_round,
                                         raw_floor_buffers, raw_floor_round)
     from m2nkit.engine.local import allocate_storage, bitwise_equal
     from m2nkit.engine.session import plan_from_manifest

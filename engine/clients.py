@@ -10,7 +10,7 @@ The trainer-side engine talks to workers only through the four calls of
   receiver stuck in a collective is an error, not a hang.
 * ``HTTPClient`` speaks vLLM's weight-transfer routes
   (``vllm/entrypoints/serve/dev/rlhf/api_router.py``; served here by
-  ``m2nkit.engine.server``) with the standard library only, so using it
+  ``m2nkit.engine.tools.server``) with the standard library only, so using it
   adds no dependency:
 
   ====================================  ===========================================

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from _procs import CTX, ensure_forkserver
-from m2nkit.engine.baseline import (create_trainer_group, gather_then_broadcast_round,
+from m2nkit.engine.tools.baseline import (create_trainer_group, gather_then_broadcast_round,
                                     raw_floor_buffers, raw_floor_round)
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from m2nkit.engine.cli import main
+from m2nkit.engine.tools.cli import main
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tiny-qwen3-moe"
 
@@ -204,7 +204,7 @@ def test_bad_trainer_spec_and_missing_path(tmp_path, capsys):
 def test_entry_point_exits_2_with_one_line_and_no_traceback(tmp_path):
     # The one subprocess: the real entry point, exit status and stderr as a shell sees
     # them (a spec refused before torch loads, so it costs an interpreter start only).
-    r = subprocess.run([sys.executable, "-m", "m2nkit.engine.cli", "plan", str(EXAMPLE),
+    r = subprocess.run([sys.executable, "-m", "m2nkit.engine.tools.cli", "plan", str(EXAMPLE),
                         "--trainer", "fsdp:2", "--inference", "vllm:tp=2,bogus=1"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stdout + r.stderr

@@ -25,7 +25,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from m2nkit.engine.cli import main
+from m2nkit.engine.tools.cli import main
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tiny-qwen3-moe"
 CONFIG = json.loads((EXAMPLE / "config.json").read_text())
@@ -33,7 +33,7 @@ CONFIG = json.loads((EXAMPLE / "config.json").read_text())
 #: Runs the CLI in a fresh interpreter and reports what it imported.
 _PROBE = """
 import json, sys
-from m2nkit.engine.cli import main
+from m2nkit.engine.tools.cli import main
 rc = main(sys.argv[1:])
 print(json.dumps({"rc": rc, "torch": "torch" in sys.modules,
                   "transformers": "transformers" in sys.modules}))
@@ -108,7 +108,7 @@ def test_a_good_spec_still_plans_in_process(capsys):
 
 
 def test_version_comes_from_the_package_metadata():
-    r = subprocess.run([sys.executable, "-m", "m2nkit.engine.cli", "--version"],
+    r = subprocess.run([sys.executable, "-m", "m2nkit.engine.tools.cli", "--version"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout == f"m2nkit {version('m2nkit')}\n"
     assert r.stdout == "m2nkit 0.1.0\n"

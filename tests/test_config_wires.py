@@ -223,7 +223,7 @@ def test_real_configs_read_like_transformers(name):
 
 def test_a_config_only_plan_never_imports_transformers():
     code = ("import sys\n"
-            "from m2nkit.engine.cli import main\n"
+            "from m2nkit.engine.tools.cli import main\n"
             f"rc = main(['plan', {str(CONFIGS / 'Qwen__Qwen3-8B' / 'config.json')!r}, "
             "'--trainer', 'fsdp:8', '--inference', 'vllm:tp=2'])\n"
             "print(rc, sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))\n")

@@ -37,7 +37,7 @@ from m2nkit.adapters.vllm import reference_load, vllm_destination
 from m2nkit.engine.clients import HTTPClient, WeightSyncError
 from m2nkit.engine.deadline import REPORT_GRACE_S
 from m2nkit.engine.local import bitwise_equal
-from m2nkit.engine.server import InferenceServer
+from m2nkit.engine.tools.server import InferenceServer
 from m2nkit.engine.session import InitPayload, plan_from_manifest
 from m2nkit.engine.trainer import M2NTrainerEngine, M2NTrainerInitInfo
 from m2nkit.engine.transports.torch_p2p import agree_on_plan, create_group
@@ -240,7 +240,7 @@ def test_killed_worker_is_named_not_a_hang(ck):
 @pytest.mark.timeout(60)
 def test_module_entry_serves_until_terminated():
     proc = subprocess.Popen(
-        [sys.executable, "-m", "m2nkit.engine.server", "--model", str(CHECKPOINT),
+        [sys.executable, "-m", "m2nkit.engine.tools.server", "--model", str(CHECKPOINT),
          "--inference", "vllm:tp=1", "--port", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

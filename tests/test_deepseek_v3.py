@@ -208,7 +208,7 @@ def test_published_configs_plan():
 ])
 def test_cli_plan_verify(tiny_checkpoints, capsys, model, sharded):
     """``m2nkit plan <tiny DeepSeek-V3> --trainer fsdp:3 --inference vllm:tp=2,ep --verify``."""
-    from m2nkit.engine.cli import main
+    from m2nkit.engine.tools.cli import main
 
     ckpt = tiny_checkpoints(model, sharded=sharded)
     code = main(["plan", str(ckpt), "--trainer", "fsdp:3", "--inference", "vllm:tp=2,ep",

@@ -31,7 +31,7 @@ def forkserver():
 ])
 def test_fsdp2_trainers_train_and_every_worker_is_bit_exact(tmp_path, model, trainer, inference):
     from m2nkit.adapters.hf_checkpoint import full_checkpoint_tensors, read_checkpoint
-    from m2nkit.engine.demo import run_demo
+    from m2nkit.engine.tools.demo import run_demo
 
     lines: list[str] = []
     result = run_demo(model, trainer, inference, rounds=2, timeout_s=60, baseline=False,

@@ -36,7 +36,7 @@ class Demo:
         env = dict(os.environ, TMPDIR=str(self.tmp), M2NKIT_TEST_MARK=self.mark,
                    COLUMNS="200", PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "m2nkit.engine.cli", "demo", *args],
+            [sys.executable, "-m", "m2nkit.engine.tools.cli", "demo", *args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
             env=env, start_new_session=True)
         self.lines: queue.Queue = queue.Queue()

@@ -47,7 +47,7 @@ def forkserver():
 
 
 def start_server(model_dir, inference: str):
-    from m2nkit.engine.server import InferenceServer
+    from m2nkit.engine.tools.server import InferenceServer
 
     srv = InferenceServer(model_dir, inference, timeout_s=10 * TIMEOUT, start_method="forkserver")
     srv.start()
@@ -75,7 +75,7 @@ def _trainer(rank, T, model_dir, trainer, inference, url, port, fault, results, 
     rank, {message, seconds})`` when ``send_weights`` (or init) raised, with
     the seconds measured around that call, here, in the rank itself.
     """
-    from m2nkit.engine.server import exit_with_parent
+    from m2nkit.engine.tools.server import exit_with_parent
 
     exit_with_parent()
     torch.set_num_threads(1)
@@ -85,7 +85,7 @@ def _trainer(rank, T, model_dir, trainer, inference, url, port, fault, results, 
         from m2nkit.adapters.trainer_spec import parse_trainer_spec
         from m2nkit.adapters.vllm import vllm_destination
         from m2nkit.engine.clients import HTTPClient
-        from m2nkit.engine.demo import shifted_source
+        from m2nkit.engine.tools.demo import shifted_source
         from m2nkit.engine.trainer import M2NTrainerEngine, M2NTrainerInitInfo
         from m2nkit.manifest import M2NManifestEntry, ManifestM2NWeightSource
 
@@ -166,7 +166,7 @@ def _run_trainers(url, T, trainer, inference, *, model_dir=EXAMPLE, faults=None,
     ``hang`` has finished (done, error, or exited), then kills whatever is
     left. Never runs past ``budget`` seconds.
     """
-    from m2nkit.engine.demo import free_port
+    from m2nkit.engine.tools.demo import free_port
 
     results = CTX.Queue()
     gos = [CTX.Queue() for _ in range(T)] if check is not None else [None] * T
@@ -228,7 +228,7 @@ def _check_workers(server, tmp_path, round_index, model_dir=EXAMPLE, inference="
     """Every worker's live storage equals vLLM's loaders on the round's shifted checkpoint."""
     from m2nkit.adapters.hf_checkpoint import full_checkpoint_tensors, read_checkpoint
     from m2nkit.adapters.vllm import reference_load
-    from m2nkit.engine.demo import shift
+    from m2nkit.engine.tools.demo import shift
     from m2nkit.engine.local import bitwise_equal
 
     ck = read_checkpoint(model_dir)
@@ -441,7 +441,7 @@ class _FakeDestination:
 
 
 def test_demo_refuses_more_processes_than_one_machine_runs(capsys):
-    from m2nkit.engine.cli import main
+    from m2nkit.engine.tools.cli import main
 
     assert main(["demo", "--trainer", "fsdp:40", "--inference", "vllm:tp=2"]) == 2
     err = capsys.readouterr().err

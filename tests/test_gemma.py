@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from m2nkit.adapters.hf_checkpoint import checkpoint_metas, read_checkpoint
 from m2nkit.adapters.vllm import destination_layout
-from m2nkit.engine.cli import main
+from m2nkit.engine.tools.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
 ORACLE = REPO / "tests" / "data" / "oracle"

@@ -26,7 +26,7 @@ from m2nkit.adapters.families.gpt_oss import HF_NAMES, MXFP4_NOTE, MXFP4_REFUSAL
 from m2nkit.adapters.hf_checkpoint import (CheckpointError, checkpoint_manifest,
                                            checkpoint_metas, read_checkpoint)
 from m2nkit.adapters.vllm import destination_layout
-from m2nkit.engine.cli import main
+from m2nkit.engine.tools.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
 ORACLE = REPO / "tests" / "data" / "oracle" / "tiny-gpt-oss"

@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = {"manifest": "m2nkit.manifest", "adapters": "m2nkit.adapters", "engine": "m2nkit.engine"}
-TOOLS = {f"m2nkit.engine.{name}" for name in ("cli", "demo", "server", "baseline")}
+TOOLS = {"m2nkit.engine.tools"}  # cli, demo, server, baseline
 
 
 def _module_name(path: Path) -> str:
@@ -86,7 +86,8 @@ def test_adapters_import_nothing_from_the_engine():
 
 
 def test_runtime_imports_no_adapter_and_no_tool():
-    runtime = [p for p in _modules("engine") if _module_name(p) not in TOOLS]
+    runtime = [p for p in _modules("engine")
+               if not any(_under(_module_name(p), t) for t in TOOLS)]
     names = {_module_name(p) for p in runtime}
     # The runtime as the design names it is in the scan.
     assert {"m2nkit.engine.trainer", "m2nkit.engine.receiver", "m2nkit.engine.session",
@@ -97,7 +98,7 @@ def test_runtime_imports_no_adapter_and_no_tool():
 def test_the_scan_sees_lazy_and_relative_imports():
     # The tools may use adapters, and do so inside functions: the scan must see it,
     # or the tests above would pass on a blind scanner.
-    server = _imports(ROOT / "engine" / "server.py")
+    server = _imports(ROOT / "engine" / "tools" / "server.py")
     assert "m2nkit.adapters.vllm" in server
     trainer = _imports(ROOT / "engine" / "trainer.py")
     assert "m2nkit.engine.session" in trainer            # `from .session import ...`
@@ -106,9 +107,9 @@ def test_the_scan_sees_lazy_and_relative_imports():
 @pytest.mark.parametrize("source,expected", [
     # as written in a module of m2nkit.engine.transports
     ("from ...adapters import vllm", {"m2nkit.adapters", "m2nkit.adapters.vllm"}),
-    ("from .. import demo", {"m2nkit.engine", "m2nkit.engine.demo"}),
+    ("from ..tools import demo", {"m2nkit.engine.tools", "m2nkit.engine.tools.demo"}),
     ("def f():\n    import m2nkit.adapters.vllm", {"m2nkit.adapters.vllm"}),
-    ("importlib.import_module('m2nkit.engine.cli')", {"m2nkit.engine.cli"}),
+    ("importlib.import_module('m2nkit.engine.tools.cli')", {"m2nkit.engine.tools.cli"}),
 ])
 def test_the_scan_resolves_each_import_form(source, expected):
     found = _imports_in(source, "m2nkit.engine.transports")
@@ -118,3 +119,17 @@ def test_the_scan_resolves_each_import_form(source, expected):
 
 def _violations_in(found: set[str], forbidden) -> list[str]:
     return sorted(i for i in found if any(_under(i, f) for f in forbidden))
+
+
+def test_tools_use_only_public_names_of_the_library():
+    """The CLI, demo, stand-in server, baseline and benchmarks import no private
+    (``_name``) from m2nkit: what they need is public API."""
+    bad = []
+    paths = sorted((ROOT / "engine" / "tools").glob("*.py")) + sorted((ROOT / "benchmarks").glob("*.py"))
+    assert len(paths) >= 6
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("m2nkit"):
+                bad += [f"{path.name}: {node.module}.{a.name}" for a in node.names
+                        if a.name.startswith("_")]
+    assert bad == []

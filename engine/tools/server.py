@@ -16,7 +16,7 @@ sentinel) and named in the error; one that stays silent is reported after
 
 Run standalone (serves until killed, prints the URL)::
 
-    python -m m2nkit.engine.server --model examples/tiny-qwen3-moe --inference vllm:tp=2
+    python -m m2nkit.engine.tools.server --model examples/tiny-qwen3-moe --inference vllm:tp=2
 """
 
 from __future__ import annotations
@@ -483,7 +483,7 @@ def _handler(server: InferenceServer):
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m m2nkit.engine.server",
+    ap = argparse.ArgumentParser(prog="python -m m2nkit.engine.tools.server",
                                  description="Serve vLLM's weight-transfer routes from N "
                                              "m2nkit receiver processes (until killed).")
     ap.add_argument("--model", required=True, help="checkpoint directory or config.json")

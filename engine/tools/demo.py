@@ -69,7 +69,7 @@ def _child_setup() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     import torch
 
-    from m2nkit.engine.server import exit_with_parent
+    from m2nkit.engine.tools.server import exit_with_parent
 
     exit_with_parent()
     torch.set_num_threads(1)
@@ -367,7 +367,7 @@ def run_demo(model: str, trainer: str, inference: str, *, rounds: int = 2, timeo
     from m2nkit.adapters.trainer_spec import parse_trainer_spec
     from m2nkit.adapters.vllm import parse_inference_spec, reference_load
     from m2nkit.engine.local import bitwise_equal
-    from m2nkit.engine.server import InferenceServer
+    from m2nkit.engine.tools.server import InferenceServer
     from m2nkit.engine.session import plan_from_manifest
     from m2nkit.manifest.serialize import manifest_to_json
     from m2nkit.adapters.hf_checkpoint import checkpoint_metas
@@ -521,7 +521,7 @@ def run_demo(model: str, trainer: str, inference: str, *, rounds: int = 2, timeo
 
 
 def _baseline_rank(rank, model_dir, trainer, inference, ports, timeout_s, results):
-    """One process of the gather-then-broadcast baseline (``engine/baseline.py``)."""
+    """One process of the gather-then-broadcast baseline (``engine/tools/baseline.py``)."""
     _child_setup()
     try:
         from transformers.utils import logging as hf_logging
@@ -534,7 +534,7 @@ def _baseline_rank(rank, model_dir, trainer, inference, ports, timeout_s, result
         )
         from m2nkit.adapters.trainer_spec import parse_trainer_spec
         from m2nkit.adapters.vllm import reference_load
-        from m2nkit.engine.baseline import create_trainer_group, gather_then_broadcast_round
+        from m2nkit.engine.tools.baseline import create_trainer_group, gather_then_broadcast_round
         from m2nkit.engine.local import allocate_storage, bitwise_equal
         from m2nkit.engine.session import plan_from_manifest
         from m2nkit.engine.transports.torch_p2p import create_group
@@ -574,7 +574,7 @@ def _run_baseline(model_dir, tspec, ispec, timeout_s, log=print) -> dict:
     """Gather-then-broadcast on the same checkpoint and ranks, verified.
 
     Trainer ranks all-gather every full tensor, trainer rank 0 sends it to
-    every worker (``engine/baseline.py``). Returns bytes sent by trainer
+    every worker (``engine/tools/baseline.py``). Returns bytes sent by trainer
     ranks (point to point plus all-gather), the slowest rank's time, and
     whether every worker ended bit-exact. Long waits are reported to
     ``log``; on any error (or interrupt) its processes are killed at once.

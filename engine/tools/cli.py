@@ -11,7 +11,7 @@ against an independent reference of vLLM's loaders; ``--dump DIR`` then
 writes every worker's storage as safetensors.
 
 ``m2nkit demo`` runs a real multi-process transfer on this machine
-(``engine/demo.py``) under a small supervisor, so that Ctrl-C stops it with
+(``engine/tools/demo.py``) under a small supervisor, so that Ctrl-C stops it with
 one line (see :func:`_supervise_demo`).
 
 Built on argparse (standard library) and rich (tables). Specs and the
@@ -128,7 +128,7 @@ def _precheck(args) -> None:
             raise UserError("--dump writes the storage that --verify fills: add --verify")
         _check_architecture(args.checkpoint, "checkpoint")
         return
-    from m2nkit.engine.demo import MAX_DEMO_PROCESSES
+    from m2nkit.engine.tools.demo import MAX_DEMO_PROCESSES
 
     if args.rounds < 1:
         raise UserError(f"--rounds must be >= 1, got {args.rounds}")
@@ -582,7 +582,7 @@ def _demo_here(args) -> int:
 
 
 def _run_demo(args, log):
-    from m2nkit.engine.demo import run_demo
+    from m2nkit.engine.tools.demo import run_demo
 
     log("loading torch and transformers")
     from transformers.utils import logging as hf_logging
@@ -652,7 +652,7 @@ def _supervise_demo(args) -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     workdir = tempfile.mkdtemp(prefix="m2nkit-demo-")
-    cmd = [sys.executable, "-m", "m2nkit.engine.cli", "demo", "--model", args.model,
+    cmd = [sys.executable, "-m", "m2nkit.engine.tools.cli", "demo", "--model", args.model,
            "--trainer", args.trainer, "--inference", args.inference,
            "--rounds", str(args.rounds), "--timeout", repr(args.timeout),
            "--bucket-mib", repr(args.bucket_mib), "--driver", "--workdir", workdir]
