@@ -170,11 +170,12 @@ class HFNaming:
             (``m2nkit.adapters.config_wires``). Empty: always through
             transformers.
         config_defaults: transformers' config class defaults for the keys
-            the family reads (its dataclass field defaults), applied to
-            keys ``config.json`` lacks; a callable is derived from the other
-            keys, as the class's ``__post_init__`` does (``head_dim`` from
-            ``hidden_size // num_attention_heads``), and also replaces an
-            explicit ``null``. Pinned to transformers by
+            the family reads: a value (its dataclass field default) fills a
+            key ``config.json`` lacks; then each callable computes its key
+            from the config as read so far, as the class's
+            ``__post_init__`` does (:func:`head_dim`: the file's value, else
+            ``hidden_size // num_attention_heads``; :func:`kv_heads`,
+            :func:`alias`). Pinned to transformers key by key by
             ``tests/test_config_wires.py``.
         table_differs: config -> why transformers' model of this config has
             tensors the family table does not list, or lacks some it lists
