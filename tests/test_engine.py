@@ -252,6 +252,9 @@ def _check_workers(server, tmp_path, round_index, model_dir=EXAMPLE, inference="
     ("tiny-qwen3-tied", "fsdp:3", "vllm:tp=1"),     # tied embeddings, uneven fsdp
     ("tiny-qwen3-moe", "hsdp:2,2", "vllm:tp=2,dp=2"),  # replicas balanced, dp replicas
     ("tiny-mixtral", "fsdp:3", "vllm:tp=2,ep"),     # experts by ep, uneven fsdp
+    # fp32 e_score_correction_bias in bf16 buckets, MLA, shared experts, MTP skipped
+    ("tiny-deepseek-v3", "fsdp:2", "vllm:tp=2,ep"),
+    ("tiny-gpt-oss", "fsdp:2", "vllm:tp=2"),         # transposed experts, biases, sinks
 ])
 def test_rounds_are_bit_exact_over_http(tiny_checkpoints, tmp_path, model, trainer, inference):
     from m2nkit.adapters.hf_checkpoint import checkpoint_metas, read_checkpoint
