@@ -313,3 +313,20 @@ def test_dump_dir_created_for_a_run_that_fails_is_removed(tmp_path, capsys):
                  "--verify", "--dump", str(out)])
     assert code == 2 and "tp=3" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_a_failed_run_leaves_an_existing_json_file_untouched(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    out.write_text('{"mine": 1}')
+    code = main(["plan", str(EXAMPLE), "--trainer", "fsdp:2", "--inference", "vllm:tp=3",
+                 "--json", str(out)])
+    assert code == 2 and out.read_text() == '{"mine": 1}'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]   # no temp file left
+    code = main(["plan", str(EXAMPLE), "--trainer", "fsdp:2", "--inference", "vllm:tp=2",
+                 "--json", str(out)])
+    assert code == 0 and json.loads(out.read_text())["plan"]["problems"] == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
+    # a path that is not a regular file is refused, never replaced
+    code = main(["plan", str(EXAMPLE), "--trainer", "fsdp:2", "--inference", "vllm:tp=2",
+                 "--json", str(tmp_path)])
+    assert code == 2 and "not a regular file" in capsys.readouterr().err

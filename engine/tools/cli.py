@@ -31,6 +31,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -431,15 +432,34 @@ def _dump(console, directory: Path, storage, plan, ckpt, ispec) -> None:
 
 
 def _open_json(path: str | None):
-    """Open ``--json PATH`` for writing before any work, so a bad path fails first."""
+    """Open a temporary file beside ``--json PATH`` before any work (a bad path fails
+    first); :func:`_finish_json` moves it onto PATH only when the run succeeded, so a
+    failed run never touches what was at PATH."""
     if path is None:
         return None
     if not path.strip():
         raise UserError("--json needs a file path, got an empty string")
+    target = Path(path)
+    if target.exists() and not target.is_file():
+        raise UserError(f"--json {path}: exists and is not a regular file; give a file path")
     try:
-        return open(path, "w")
+        handle = tempfile.NamedTemporaryFile("w", dir=target.parent, prefix=f".{target.name}.",
+                                             suffix=".partial", delete=False)
     except OSError as e:
         raise UserError(f"--json {path}: cannot write there ({e.strerror or e})") from None
+    handle.target = target
+    return handle
+
+
+def _finish_json(handle, ok: bool) -> None:
+    handle.close()
+    if not ok:
+        Path(handle.name).unlink(missing_ok=True)
+        return
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(handle.name, 0o666 & ~umask)
+    os.replace(handle.name, handle.target)
 
 
 def _quiet_transformers() -> None:
@@ -466,9 +486,7 @@ def _cmd_plan(args) -> int:
         return status
     finally:
         if json_file is not None:
-            json_file.close()
-            if not written:  # no half-written or empty file left behind
-                Path(args.json).unlink(missing_ok=True)
+            _finish_json(json_file, written)
         if dump_dir_created and not any(dump_dir.iterdir()):
             dump_dir.rmdir()
 
