@@ -801,7 +801,9 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="real multi-process transfer on this machine, verified")
     demo.add_argument("--model", default="tiny-qwen3-moe",
                       help="built-in tiny model (tiny-llama, tiny-qwen2, tiny-qwen3, tiny-qwen3-tied, "
-                           "tiny-qwen3-moe, tiny-mixtral) or a checkpoint directory (default tiny-qwen3-moe)")
+                           "tiny-qwen3-moe, tiny-mixtral, tiny-deepseek-v3[-fp8|-no-q-lora], "
+                           "tiny-gpt-oss, tiny-gemma2, tiny-gemma3) or a checkpoint directory "
+                           "(default tiny-qwen3-moe)")
     demo.add_argument("--trainer", default="fsdp:4",
                       help="replicated:N, fsdp:N, hsdp:R,S (trainers holding checkpoint shards), or "
                            "fsdp2:dp_shard=N[,dp_replicate=R][,tp=T] (real FSDP2 trainers taking an "
