@@ -54,9 +54,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import queue
 import shutil
 import statistics
 import sys
@@ -65,7 +63,8 @@ import time
 import traceback
 from pathlib import Path
 
-from transfer import _free_port, _peak_kib, _reset_peak, _rss_kib  # benchmarks/transfer.py
+from transfer import (_free_port, _peak_kib, _reset_peak, _rss_kib,  # benchmarks/transfer.py
+                      collect_ranks)
 
 METHODS = ("m2nkit", "full_tensor", "state_dict")
 LABELS = {
@@ -339,40 +338,7 @@ def ensure_model(layers: int) -> Path:
 
 def run(cfg: dict, deadline_s: float) -> dict[int, dict]:
     """Spawn the ``T + N`` ranks; ``{rank: report}``. Children are always reaped."""
-    world = cfg["T"] + cfg["N"]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, cfg, out), daemon=True) for r in range(world)]
-    got: dict[int, dict] = {}
-    try:
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + deadline_s
-        while len(got) < world:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RuntimeError(f"ranks {sorted(set(range(world)) - set(got))} did not "
-                                   f"finish within {deadline_s:g} s")
-            try:
-                rank, status, payload = out.get(timeout=min(left, 1.0))
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)
-                        and r not in got]
-                if dead:
-                    raise RuntimeError(f"rank {dead[0]} exited with code "
-                                       f"{procs[dead[0]].exitcode} without reporting") from None
-                continue
-            if status != "ok":
-                raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            got[rank] = payload
-        for p in procs:
-            p.join(30)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(5)
-    return got
+    return collect_ranks(_rank_main, lambda r: (r, cfg), cfg["T"] + cfg["N"], deadline_s)
 
 
 def summarize(reports: dict[int, dict], method: str, T: int, N: int, payload: int) -> dict:

@@ -265,11 +265,24 @@ def run_method(method: str, cfg: dict, deadline_s: float) -> dict[int, dict]:
         RuntimeError: a rank failed (with its traceback), died silently, or
             did not report within ``deadline_s``.
     """
-    world = cfg["T"] + cfg["N"]
     cfg = {**cfg, "ports": (_free_port(), _free_port())}
+    return collect_ranks(_rank_main, lambda r: (method, r, cfg), cfg["T"] + cfg["N"],
+                         deadline_s, f"{method}: ")
+
+
+def collect_ranks(target, args_of, world: int, deadline_s: float, label: str = "") -> dict:
+    """Spawn ``world`` processes ``target(*args_of(rank), queue)``; ``{rank: payload}``.
+
+    Each child puts ``(rank, "ok" | "error", payload)`` on the queue. Every
+    child is reaped on the way out; one still alive is killed.
+
+    Raises:
+        RuntimeError: a rank failed (with its traceback), died silently, or
+            did not report within ``deadline_s`` (messages start with ``label``).
+    """
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(method, r, cfg, out), daemon=True)
+    procs = [ctx.Process(target=target, args=(*args_of(r), out), daemon=True)
              for r in range(world)]
     got: dict[int, dict] = {}
     try:
@@ -280,7 +293,7 @@ def run_method(method: str, cfg: dict, deadline_s: float) -> dict[int, dict]:
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = sorted(set(range(world)) - set(got))
-                raise RuntimeError(f"{method}: ranks {missing} did not finish within "
+                raise RuntimeError(f"{label}ranks {missing} did not finish within "
                                    f"{deadline_s:g} s")
             try:
                 rank, status, payload = out.get(timeout=min(left, 1.0))
@@ -288,11 +301,11 @@ def run_method(method: str, cfg: dict, deadline_s: float) -> dict[int, dict]:
                 dead = [r for r, p in enumerate(procs)
                         if p.exitcode not in (None, 0) and r not in got]
                 if dead:
-                    raise RuntimeError(f"{method}: rank {dead[0]} exited with code "
+                    raise RuntimeError(f"{label}rank {dead[0]} exited with code "
                                        f"{procs[dead[0]].exitcode} without reporting") from None
                 continue
             if status != "ok":
-                raise RuntimeError(f"{method}: rank {rank} failed:\n{payload}")
+                raise RuntimeError(f"{label}rank {rank} failed:\n{payload}")
             got[rank] = payload
         for p in procs:
             p.join(30)
