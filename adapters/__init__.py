@@ -7,12 +7,9 @@ Public entry points are imported on first use, so ``import m2nkit.adapters.famil
   ``M2NWeightSource`` (:mod:`m2nkit.adapters.fsdp2`, docs/fsdp2.md).
 """
 
+from m2nkit._lazy import lazy_attributes
+
 __all__ = ["fsdp2_source"]
 
-
-def __getattr__(name: str):
-    if name == "fsdp2_source":
-        from .fsdp2 import fsdp2_source
-
-        return fsdp2_source
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__, __dir__ = lazy_attributes(__name__, {"fsdp2_source": (".fsdp2", "fsdp2_source")},
+                                       globals())

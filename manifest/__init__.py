@@ -3,10 +3,9 @@
 Knows no model family and no transport, and moves no bytes (DESIGN.md, "Folders").
 """
 
-# Names load on first use (PEP 562), so light modules of this package
-# (spec parsers, placements) import without torch: the CLI refuses bad input
-# before any heavy import.
-import importlib
+# Names load on first use (m2nkit._lazy): light modules of this package
+# import without torch.
+from m2nkit._lazy import lazy_attributes
 
 _LAZY = {
     "Binding": (".destination", "Binding"),
@@ -69,15 +68,4 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str):
-    try:
-        module, attr = _LAZY[name]
-    except KeyError:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    value = getattr(importlib.import_module(module, __name__), attr)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())

@@ -35,10 +35,9 @@ for every tiny model at tp 1/2/4/8 (and EP for MoE); the dumps ship in
 ``tests/data/oracle`` so CI without vLLM still compares against them.
 """
 
-# Names load on first use (PEP 562), so light modules of this package
-# (spec parsers, placements) import without torch: the CLI refuses bad input
-# before any heavy import.
-import importlib
+# Names load on first use (m2nkit._lazy): light modules of this package
+# import without torch.
+from m2nkit._lazy import lazy_attributes
 
 _LAZY = {
     "family_for": ("..families", "family_for"),
@@ -57,15 +56,4 @@ _LAZY = {
 __all__ = ['InferenceSpec', 'parse_inference_spec', 'destination_layout', 'vllm_destination', 'VLLMDestination', 'reference_load', 'supported_architectures', 'family_for', 'VLLM_NAMES', 'DEFAULT_VLLM_VERSION', 'VOCAB_PADDING']
 
 
-def __getattr__(name: str):
-    try:
-        module, attr = _LAZY[name]
-    except KeyError:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    value = getattr(importlib.import_module(module, __name__), attr)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
