@@ -364,15 +364,18 @@ def _policy_dtypes(model: torch.nn.Module) -> dict[int, torch.dtype]:
 
 
 def wire_dtype_rule(name: str, param_dtype: torch.dtype, *, policy_dtype: torch.dtype | None,
-                    dtype: torch.dtype | None, keep_fp32: bool) -> torch.dtype:
-    """The wire dtype of one parameter (the rule :func:`fsdp2_source` documents).
+                    dtype: torch.dtype | None, keep_fp32: bool, buffer: bool = False
+                    ) -> torch.dtype:
+    """The wire dtype of one parameter or buffer (the rule :func:`fsdp2_source` documents).
 
     1. ``keep_fp32`` (the model class's ``_keep_in_fp32_modules_strict``
        names it: transformers loads it in fp32 whatever the model dtype,
        because the checkpoint format keeps it fp32, e.g. MoE routers and
        ``e_score_correction_bias``; transformers ``modeling_utils.py``,
        ``_get_dtype_plan``): ``float32``;
-    2. a non-floating parameter: its own dtype;
+    2. a non-floating parameter, or a ``buffer``: its own dtype (FSDP2's
+       ``MixedPrecisionPolicy`` casts parameters only, so the forward uses
+       a buffer as it is; the families mark such tensors, ``HFNaming.buffers``);
     3. ``dtype`` when the caller gives one;
     4. the ``MixedPrecisionPolicy.param_dtype`` of its FSDP2 group: what the
        trainer computes with (fp32 masters, bf16 forward: bf16 on the wire);
@@ -380,7 +383,7 @@ def wire_dtype_rule(name: str, param_dtype: torch.dtype, *, policy_dtype: torch.
     """
     if keep_fp32:
         return torch.float32
-    if not param_dtype.is_floating_point:
+    if buffer or not param_dtype.is_floating_point:
         return param_dtype
     return dtype or policy_dtype or param_dtype
 
@@ -618,7 +621,8 @@ def fsdp2_source(
     ``to_local().permute(order)`` (a view) with its boxes permuted alike.
 
     Wire dtype (:func:`wire_dtype_rule`): fp32 for what the checkpoint format
-    keeps fp32 (``_keep_in_fp32_modules_strict``); else ``dtype`` if given;
+    keeps fp32 (``_keep_in_fp32_modules_strict``); a buffer in its own dtype
+    (FSDP2's policy casts parameters only); else ``dtype`` if given;
     else the FSDP2 ``MixedPrecisionPolicy.param_dtype`` (fp32 masters under
     ``param_dtype=bf16`` travel as bf16, the weights the trainer's forward
     uses); else the parameter's dtype. The cast happens in the provider, on
@@ -663,7 +667,10 @@ def fsdp2_source(
         plain-tensor parameter on a sharded model; a ``Partial`` placement;
         a mesh with ranks outside ``[0, T)``; a sub-mesh not a slice of the
         root mesh; per-expert modules with a missing expert or part, or
-        sharded differently from each other.
+        sharded differently from each other; a root mesh axis named ``tp``
+        (torchtitan's name) whose size the family's TP plan cannot split the
+        model over (``Family.tp_problem``: whole heads, even MLP; names the
+        config value and the valid sizes).
     """
     import torch.distributed as dist
 
@@ -720,6 +727,10 @@ def fsdp2_source(
         raise FSDP2SourceError(
             f"fsdp2_source: the root mesh has a pipeline axis 'pp' (axes {root.names}); "
             "pipeline stages hold different layers, which fsdp2_source does not support")
+    if root is not None and root.names and "tp" in root.names:
+        why = family.tp_problem(root.shape[root.names.index("tp")], config)
+        if why:  # parallelize_module accepts it; the forward would fail (TPPlan.divides)
+            raise FSDP2SourceError(f"fsdp2_source: the root mesh's 'tp' axis: {why}")
     if num_trainer_ranks is None:
         if dist.is_available() and dist.is_initialized():
             num_trainer_ranks = dist.get_world_size()
@@ -739,7 +750,8 @@ def fsdp2_source(
 
     def wire_dtype(x: _Param) -> torch.dtype:
         return wire_dtype_rule(x.clean, x.param.dtype, policy_dtype=policy.get(id(x.param)),
-                               dtype=dtype, keep_fp32=any(r.search(x.clean) for r in fp32))
+                               dtype=dtype, keep_fp32=any(r.search(x.clean) for r in fp32),
+                               buffer=x.buffer)
 
     def layout_of(x: _Param) -> tuple[dict[int, Box] | None, SourceLayout | PieceLayout]:
         if root is None:  # a plain model: every rank holds every weight

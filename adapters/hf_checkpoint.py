@@ -946,17 +946,19 @@ def checkpoint_metas(checkpoint: Checkpoint, trainer_spec: TrainerSpec | str) ->
     Identical on every rank (depends on headers, config and spec only).
     With a ``tp`` axis (``fsdp2:dp_shard=S,tp=T``) the family's TP plan
     decides each tensor's layout (``TrainerSpec.tp_dims``); FSDP2's strided
-    layouts become explicit pieces.
+    layouts become explicit pieces. Tensors transformers holds as buffers
+    are whole on every rank (``TrainerSpec.buffers``).
 
     Raises:
         ValueError: a malformed trainer spec; ``tp > 1`` for a family without
-            a TP plan.
+            a TP plan, or a ``tp`` its plan cannot split the model over.
     """
     spec = parse_trainer_spec(trainer_spec)
     tp_dim = spec.tp_dims(checkpoint.config)
+    buffer = spec.buffers(checkpoint.config)  # whole on every FSDP2 rank
     out = []
     for p in checkpoint.params:
-        lay = spec.layout_for(p.shape, tp_dim=tp_dim(p.name))
+        lay = spec.layout_for(p.shape, tp_dim=tp_dim(p.name), buffer=buffer(p.name))
         if isinstance(lay, PieceLayout):
             out.append(ParamMeta(p.name, p.dtype, p.shape, pieces=lay.pieces))
         else:
@@ -982,10 +984,11 @@ def checkpoint_manifest(checkpoint: Checkpoint, trainer_spec: TrainerSpec | str,
     spec = parse_trainer_spec(trainer_spec)
     spec.coord(rank)  # refuses a rank outside the spec before anything else
     tp_dim = spec.tp_dims(checkpoint.config)
+    buffer = spec.buffers(checkpoint.config)
     entries = []
     for p in checkpoint.params:
-        lay = spec.layout_for(p.shape, tp_dim=tp_dim(p.name))
-        box = spec.local_box(p.shape, rank, tp_dim=tp_dim(p.name))
+        lay = spec.layout_for(p.shape, tp_dim=tp_dim(p.name), buffer=buffer(p.name))
+        box = spec.local_box(p.shape, rank, tp_dim=tp_dim(p.name), buffer=buffer(p.name))
         entries.append(M2NManifestEntry(
             p.name, p.dtype, p.shape, lay,
             functools.partial(checkpoint.read_box, p.name, box),

@@ -32,8 +32,23 @@ layouts data-parallel RL trainers actually use, spelled as a short spec:
     :func:`m2nkit.adapters.fsdp2.dtensor_box`, the one ``fsdp2_source``
     reads a live model with.
 
+``megatron:tp=T,pp=P[,vpp=V][,ep=E][,etp=X][,dp=D][,first=N][,last=N]``
+    A Megatron-Core trainer (``GPTModel`` with tensor, pipeline, virtual
+    pipeline, expert and expert-tensor parallelism): fused QKV rows per
+    query group, ``[gate_r; up_r]`` MLP shards, padded vocabularies, experts
+    per ep rank, layers per pipeline stage, as explicit pieces from the rules
+    the live Megatron source uses (:mod:`m2nkit.adapters.megatron.spec`,
+    :mod:`m2nkit.adapters.megatron.layout`). Mesh ``(pp, dp, tp)``.
+
 Every rank derives the same layouts from the spec alone; nothing is
 exchanged. 0-d tensors cannot be sharded and are replicated on every rank.
+So are the tensors transformers holds as buffers (``HFNaming.buffers``:
+DeepSeek-V3's ``e_score_correction_bias``) under every FSDP2 spec
+(``fsdp``, ``hsdp``, ``fsdp2``): ``fully_shard`` shards parameters only
+and leaves buffers whole on every rank, which is what ``fsdp2_source``
+reads off a live model (:meth:`TrainerSpec.buffers`). A ``tp`` the family's
+TP plan cannot split (``Family.tp_problem``: whole heads, even MLP) is
+refused by :meth:`TrainerSpec.tp_dims`, naming the valid sizes.
 Parsing imports neither torch nor a family module (the CLI refuses a bad
 spec in milliseconds); the TP layouts import both when first asked for.
 """
@@ -54,7 +69,8 @@ __all__ = ["TrainerSpec", "parse_trainer_spec", "TRAINER_SPEC_FORMS", "FSDP2_AXE
 
 #: The accepted spec forms, as shown in error messages and ``--help``.
 TRAINER_SPEC_FORMS = ("replicated:N", "fsdp:N", "hsdp:R,S", "fsdp2:dp_shard=N",
-                      "fsdp2:dp_replicate=R,dp_shard=S", "fsdp2:dp_shard=S,tp=T")
+                      "fsdp2:dp_replicate=R,dp_shard=S", "fsdp2:dp_shard=S,tp=T",
+                      "megatron:tp=T,pp=P[,vpp=V][,ep=E][,etp=X]")
 
 #: Mesh axes of an ``fsdp2:`` spec, in mesh order (torchtitan ``ParallelDims``
 #: names; ``dp_shard`` is required).
@@ -74,7 +90,9 @@ class TrainerSpec:
         placements: one ``Shard``/``Replicate`` per mesh axis, applied to
             every tensor of rank >= 1 that tensor parallelism leaves whole.
         mesh_dim_names: fsdp2: the axes, a subsequence of
-            :data:`FSDP2_AXES`; else ``None``.
+            :data:`FSDP2_AXES`; megatron: ``("pp", "dp", "tp")``; else ``None``.
+        megatron: megatron: the parsed sizes
+            (``m2nkit.adapters.megatron.spec.MegatronSpec``); else ``None``.
 
     Build it with :func:`parse_trainer_spec`.
     """
@@ -83,6 +101,7 @@ class TrainerSpec:
     mesh_shape: tuple[int, ...]
     placements: tuple[Placement, ...]
     mesh_dim_names: tuple[str, ...] | None = None
+    megatron: Any = None
 
     @property
     def num_ranks(self) -> int:
@@ -101,12 +120,14 @@ class TrainerSpec:
         names = self.mesh_dim_names or ()
         return self.mesh_shape[names.index("tp")] if "tp" in names else 1
 
-    def layout_for(self, shape: Sequence[int], *,
-                   tp_dim: int | None = None) -> SourceLayout | PieceLayout:
+    def layout_for(self, shape: Sequence[int], *, tp_dim: int | None = None,
+                   buffer: bool = False) -> SourceLayout | PieceLayout:
         """The source layout of a tensor of global ``shape`` under this spec.
 
         0-d tensors are replicated on every rank (a scalar has no dim 0 to
-        shard); everything else gets ``placements`` on ``mesh_shape``, except
+        shard), and so is a ``buffer`` (a tensor transformers holds as a
+        buffer, :meth:`buffers`: FSDP2 never shards one, ``HFNaming.buffers``
+        cites torch); everything else gets ``placements`` on ``mesh_shape``, except
         that on an fsdp2 spec with a ``tp`` axis ``tp_dim`` (the dim the TP
         plan shards the tensor on, :meth:`tp_dims`) changes the placements as
         FSDP2 does (module docstring): a ``SourceLayout`` for ``tp_dim != 0``,
@@ -118,7 +139,11 @@ class TrainerSpec:
             ValueError: ``tp_dim`` outside ``shape``.
         """
         shape = tuple(shape)
-        if len(shape) == 0:
+        if self.megatron is not None:  # tp_dim: the wire tensor's key from tp_dims()
+            from .megatron.spec import layout_of_key
+
+            return layout_of_key(tp_dim, shape, str(self))
+        if len(shape) == 0 or buffer:
             return SourceLayout(self.owners, self.mesh_shape, None, where=f"trainer spec '{self}'")
         if tp_dim is None or self.tp == 1:
             return SourceLayout(self.owners, self.mesh_shape, self.placements,
@@ -128,14 +153,21 @@ class TrainerSpec:
                              f"shape {list(shape)}")
         return _tp_layout(self, shape, tp_dim)
 
-    def local_box(self, shape: Sequence[int], rank: int, *, tp_dim: int | None = None) -> Box:
+    def local_box(self, shape: Sequence[int], rank: int, *, tp_dim: int | None = None,
+                  buffer: bool = False) -> Box:
         """The box of a tensor of global ``shape`` that trainer ``rank`` holds (may be empty).
 
         Raises:
             ValueError: ``rank`` not in the spec; see :meth:`layout_for`.
         """
         coord = self.coord(rank)
-        lay = self.layout_for(shape, tp_dim=tp_dim)
+        if self.megatron is not None:
+            raise ValueError(
+                f"trainer spec '{self}': a Megatron rank holds several pieces of one wire tensor "
+                "(fused QKV, [gate; up]), not one box, so a checkpoint cannot stand in for it "
+                "rank by rank; plan without --verify, or run m2nkit demo --trainer "
+                f"{self} (real GPTModels)")
+        lay = self.layout_for(shape, tp_dim=tp_dim, buffer=buffer)
         if isinstance(lay, SourceLayout):
             return local_box(tuple(shape), lay.mesh_shape, lay.placements, coord)
         return _strided_boxes(self, tuple(shape), tp_dim)[rank]
@@ -147,8 +179,15 @@ class TrainerSpec:
 
         Raises:
             ValueError: ``tp > 1`` for a family without a TP plan (names it
-                and the families that have one), or an unsupported architecture.
+                and the families that have one); a ``tp`` the plan cannot
+                split this config over (``Family.tp_problem``: names the
+                config value and the valid tp sizes); an unsupported
+                architecture.
         """
+        if self.megatron is not None:  # Megatron's own rules (m2nkit.adapters.megatron.spec)
+            from .megatron.spec import megatron_wire_rules
+
+            return megatron_wire_rules(self.megatron, config, str(self))
         if self.tp == 1:
             return lambda name: None
         from .families import ARCHITECTURES, family, family_for
@@ -160,7 +199,26 @@ class TrainerSpec:
                 f"trainer spec '{self}': {fam.architecture} has no tensor-parallel plan "
                 f"(Family.tp_plan in {fam.module}), so tp={self.tp} cannot be laid out; "
                 f"families with one: {', '.join(having)}; or drop tp")
+        why = fam.tp_problem(self.tp, config)
+        if why:
+            raise ValueError(f"trainer spec '{self}': {why}")
         return lambda name: fam.tp_plan.shard_dim(name, config)
+
+    def buffers(self, config: Any) -> Callable[[str], bool]:
+        """``wire name -> buffer`` for :meth:`layout_for`: what transformers holds as a buffer.
+
+        The family's ``HFNaming.buffers`` (:mod:`m2nkit.adapters.families`);
+        every name maps to ``False`` under ``replicated`` (everything is
+        whole there anyway).
+
+        Raises:
+            ValueError: an unsupported architecture.
+        """
+        if self.kind in ("replicated", "megatron"):  # megatron: tp_dims() knows buffers
+            return lambda name: False
+        from .families import family_for
+
+        return family_for(config).hf.is_buffer
 
     def coord(self, rank: int) -> tuple[int, ...]:
         """The mesh coordinate of trainer ``rank`` (row-major).
@@ -180,6 +238,8 @@ class TrainerSpec:
         return tuple(reversed(out))
 
     def __str__(self) -> str:
+        if self.megatron is not None:
+            return str(self.megatron)
         if self.mesh_dim_names is not None:
             return f"{self.kind}:" + ",".join(
                 f"{n}={m}" for n, m in zip(self.mesh_dim_names, self.mesh_shape))
@@ -294,6 +354,13 @@ def parse_trainer_spec(spec: str | TrainerSpec) -> TrainerSpec:
     kind = m.group("kind").lower()
     if kind == "fsdp2":
         return _parse_fsdp2(spec, m.group("sizes"))
+    if kind == "megatron":
+        from .megatron.spec import parse_megatron_body
+
+        ms = parse_megatron_body(spec, m.group("sizes"), _bad)
+        mesh = (ms.par.pp, ms.par.dp, ms.par.tp)
+        _check_total(spec, mesh)
+        return TrainerSpec("megatron", mesh, (Replicate(),) * 3, ("pp", "dp", "tp"), ms)
     if kind not in ("replicated", "fsdp", "hsdp"):
         raise _bad(spec, f"unknown kind '{kind}'")
     sizes = [_positive(spec, p.strip()) for p in m.group("sizes").split(",")]

@@ -45,9 +45,17 @@ REAL = sorted(p.name for p in CONFIGS.iterdir() if (p / "config.json").is_file()
 #: transformers 5.12 (the version Megatron-Bridge pins, installed by
 #: scripts/setup.sh) allocates it in the model dtype like the checkpoints;
 #: later 5.x (5.24 checked) in float32. Either is accepted for these names.
+#: The same holds the other way for ``e_score_correction_bias``: checkpoints keep it
+#: float32 (the table's dtype); transformers 5.12 allocates it in the model dtype.
 TRANSFORMERS_DTYPES = {
-    "DeepseekV3ForCausalLM": (re.compile(r"\.mlp\.gate\.weight$"), torch.float32),
+    "DeepseekV3ForCausalLM": [(re.compile(r"\.mlp\.gate\.weight$"), torch.float32),
+                              (re.compile(r"\.mlp\.gate\.e_score_correction_bias$"), None)],
 }
+
+#: Keys whose default exists only in some transformers 5.x: with 5.12 a
+#: DeepseekV3Config without ``num_nextn_predict_layers`` has no such attribute
+#: (5.24 defaults it to 1, which the table follows); published configs set it.
+VERSION_DEFAULTS = {"num_nextn_predict_layers"}
 
 #: Config variants that switch tensors on and off: tiny model -> keys to set.
 #: Those marked ``differs`` are configs whose tensors the table does not
@@ -78,12 +86,18 @@ def _as_transformers_allocates(ckpt, ref) -> list[tuple[str, tuple[int, ...], to
     (``TRANSFORMERS_DTYPES``) and ``ref`` (the listing through transformers) has it; not
     in layers vLLM skips, which both paths list from the table: transformers builds no
     MTP layer."""
-    rule = TRANSFORMERS_DTYPES.get(ckpt.architecture)
+    rules = TRANSFORMERS_DTYPES.get(ckpt.architecture, [])
     skip = family(ckpt.architecture).skip or (lambda config, name: None)
     theirs = {n: d for n, _, d in ref}
-    return [(n, s, rule[1] if rule and rule[0].search(n) and not skip(ckpt.config, n)
-             and theirs.get(n) == rule[1] else d)
-            for n, s, d in _listing(ckpt)]
+
+    def dtype(n, d):
+        for pattern, allowed in rules:
+            if pattern.search(n) and not skip(ckpt.config, n) and theirs.get(n) in (
+                    allowed, config_dtype(ckpt.config)):
+                return theirs[n]
+        return d
+
+    return [(n, s, dtype(n, d)) for n, s, d in _listing(ckpt)]
 
 
 def _tiny_config_json(tmp_path: Path, name: str, **overrides) -> Path:
@@ -212,6 +226,8 @@ def test_config_json_reads_every_key_the_family_reads_like_transformers(arch, mo
     keys = _keys_read(light)
     assert keys, arch
     for key in sorted(keys):
+        if key in VERSION_DEFAULTS and not hasattr(hf, key):
+            continue
         assert light.get(key) == getattr(hf, key, None), (arch, model_type, key)
     assert config_dtype(light) == config_dtype(hf)
 

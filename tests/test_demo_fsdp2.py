@@ -51,3 +51,49 @@ def test_fsdp2_trainers_train_and_every_worker_is_bit_exact(tmp_path, model, tra
     name = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(one[name].to(start[name].dtype), start[name])
     assert not torch.equal(one[name], two[name])
+
+
+def test_baseline_moves_what_the_fsdp2_trainer_holds(tmp_path):
+    """The demo's gather-then-broadcast baseline reads the trainers' parameters saved after
+    the step (``held_stream``) in the live manifest's layout and wire dtypes: every rank's
+    stream equals ``fsdp2_source(...).iter_local()`` of the real ``fully_shard`` model, bit
+    for bit (HSDP (2, 2), fp32 masters with values bf16 cannot hold, bf16 policy, so the
+    cast is exercised). One process, torch's fake process group, one rank at a time."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.testing._internal.distributed import fake_pg
+    from transformers import AutoModelForCausalLM
+
+    from m2nkit.adapters.fsdp2 import fsdp2_source
+    from m2nkit.adapters.hf_checkpoint import read_checkpoint
+    from m2nkit.adapters.tiny import tiny_config
+    from m2nkit.engine.local import bitwise_equal
+    from m2nkit.engine.tools.baseline import held_stream
+
+    if dist.is_initialized():
+        pytest.skip("a default process group is already initialised in this process")
+    torch.manual_seed(5)
+    trained = AutoModelForCausalLM.from_config(tiny_config("tiny-qwen3-moe"), dtype=torch.float32)
+    trained.save_pretrained(tmp_path)  # what _save_trained writes after the step
+    ckpt = read_checkpoint(tmp_path)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for rank in range(4):
+        dist.init_process_group("fake", rank=rank, world_size=4, store=fake_pg.FakeStore())
+        try:
+            model = copy.deepcopy(trained)
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh, mp_policy=policy)
+            fully_shard(model, mesh=mesh, mp_policy=policy)
+            src = fsdp2_source(model)
+            live = list(src.iter_local())
+            held = list(held_stream(ckpt, src.metadata, 4, rank))
+            assert [n for n, _ in held] == [n for n, _ in live]
+            assert {t.dtype for _, t in held} == {torch.bfloat16}
+            for (name, a), (_, b) in zip(held, live):
+                assert bitwise_equal(a, b), (rank, name)
+        finally:
+            dist.destroy_process_group()

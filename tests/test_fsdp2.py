@@ -72,10 +72,25 @@ def _other_families() -> tuple[tuple[str, bool], ...]:
 
 OTHERS = _other_families()
 
-#: Wire names transformers keeps in fp32 whatever the model dtype
-#: (``_keep_in_fp32_modules_strict`` of the model class): DeepSeek-V3's router and its
-#: ``e_score_correction_bias`` (``modeling_deepseek_v3.py``).
-_KEPT_FP32 = {"tiny-deepseek-v3": r"\.mlp\.gate\.(weight|e_score_correction_bias)$"}
+class _KeptFP32(dict):
+    """tiny model -> regex of the wire names transformers keeps in fp32 whatever the model
+    dtype: the model class's own ``_keep_in_fp32_modules_strict`` (DeepSeek-V3: its
+    ``e_score_correction_bias``, and from transformers 5.2x on its router ``gate.weight``
+    too, ``modeling_deepseek_v3.py``); ``""`` when it declares none."""
+
+    def __missing__(self, name: str) -> str:
+        from transformers import AutoModelForCausalLM
+
+        cls = AutoModelForCausalLM._model_mapping[type(tiny_config(name))]
+        keep = sorted(getattr(cls, "_keep_in_fp32_modules_strict", None) or ())
+        self[name] = "|".join(r"(^|\.)" + re.escape(k) + "$" for k in keep)
+        return self[name]
+
+    def get(self, name, default=None):
+        return self[name]
+
+
+_KEPT_FP32 = _KeptFP32()
 
 
 # --------------------------------------------------------------------------

@@ -126,6 +126,8 @@ HF_NAMES = HFNaming(
         "head_dim": alias("head_dim", "qk_rope_head_dim", None),
     },
     table_differs=lambda c: _table_differs(c),
+    # an nn.Buffer of DeepseekV3TopkRouter (modeling_deepseek_v3.py): whole on every FSDP2 rank
+    buffers=(r"\.mlp\.gate\.e_score_correction_bias$",),
 )
 
 A = "model.layers.{L}.self_attn"

@@ -20,7 +20,7 @@ from typing import Any
 
 from .kinds import QKV, REPLICATED, ROW, VOCAB, W13, W2
 from .llama import ATTENTION as A
-from .llama import ATTENTION_TP, EMBEDDINGS_TP
+from .llama import ATTENTION_TP, EMBEDDINGS_TP, megatron_names
 from .sizes import base_sizes, cfg_get
 from .table import (TRANSFORMERS_FUSED_EXPERTS, Family, HFNaming, Param, TinyModel, TPPlan,
                     alias, kv_heads, qkv_feeds)
@@ -92,9 +92,9 @@ def sizes(config: Any):
 #: Tiny test models (``m2nkit.adapters.tiny``).
 TINY_MODELS = {"tiny-mixtral": TinyModel("mixtral")}
 
-MEGATRON_NAMES: tuple = ()
-"""Megatron-Core parameter names -> wire tensors: empty until the Megatron
-adapter fills it."""
+#: Megatron-Core names -> wire tensors: Llama's attention, every layer a MoE block
+#: ``block_sparse_moe`` (Megatron-Bridge ``MixtralBridge``).
+MEGATRON_NAMES: tuple = megatron_names(mlp=None, moe="model.layers.{L}.block_sparse_moe")
 
 FAMILY = Family(
     ARCHITECTURE, HF_NAMES, VLLM_PARAMS, sizes, CONDITIONS, tiny=TINY_MODELS,

@@ -15,7 +15,7 @@ from typing import Any
 
 from .kinds import QKV, REPLICATED, ROW, VOCAB
 from .llama import ATTENTION as A
-from .llama import TP_PLAN, dense_mlp_params
+from .llama import TP_PLAN, dense_mlp_params, megatron_names
 from .sizes import base_sizes, cfg_get
 from .table import Family, HFNaming, Param, TinyModel, kv_heads, qkv_feeds
 
@@ -65,9 +65,9 @@ def _head_dim(config: Any) -> int:
 #: ``head_dim``; keep it equal to what vLLM uses when sizes are overridden.
 TINY_MODELS = {"tiny-qwen2": TinyModel("qwen2", derived={"head_dim": _head_dim})}
 
-MEGATRON_NAMES: tuple = ()
-"""Megatron-Core parameter names -> wire tensors: empty until the Megatron
-adapter fills it."""
+#: Megatron-Core names -> wire tensors: Llama's (q/k/v biases are ``linear_qkv.bias``,
+#: Megatron ``add_qkv_bias``; Megatron-Bridge ``Qwen2Bridge``).
+MEGATRON_NAMES: tuple = megatron_names()
 
 FAMILY = Family(
     ARCHITECTURE, HF_NAMES, VLLM_PARAMS, sizes, CONDITIONS, tiny=TINY_MODELS,

@@ -16,7 +16,7 @@ from typing import Any
 from .kinds import QKV, REPLICATED, ROW, VOCAB
 from .llama import ATTENTION as A
 from .llama import TP_PLAN as LLAMA_TP_PLAN
-from .llama import dense_mlp_params
+from .llama import dense_mlp_params, megatron_names
 from .sizes import base_sizes, cfg_get
 from .table import Family, HFNaming, Param, TinyModel, kv_heads, qkv_feeds
 
@@ -92,9 +92,9 @@ TINY_MODELS = {
     "tiny-qwen3-tied": TinyModel("qwen3", {"tie_word_embeddings": True}),
 }
 
-MEGATRON_NAMES: tuple = ()
-"""Megatron-Core parameter names -> wire tensors: empty until the Megatron
-adapter fills it."""
+#: Megatron-Core names -> wire tensors: Llama's plus ``q_layernorm``/``k_layernorm``
+#: (Megatron-Bridge ``Qwen3Bridge``).
+MEGATRON_NAMES: tuple = megatron_names(qk_norm=True)
 
 FAMILY = Family(
     ARCHITECTURE, HF_NAMES, VLLM_PARAMS, sizes, CONDITIONS, tiny=TINY_MODELS,

@@ -21,11 +21,12 @@ vLLM holds them in ``mlp.{experts}.w13_weight``/``w2_weight``.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from .kinds import REPLICATED, VOCAB, W13, W2
 from .llama import MLP as M
-from .llama import dense_mlp_params
+from .llama import dense_mlp_params, megatron_names
 from .qwen3 import CONDITIONS as QWEN3_CONDITIONS
 from .qwen3 import TP_PLAN, attention_params, o_proj_bias_differs
 from .sizes import base_sizes, cfg_get
@@ -129,14 +130,16 @@ TINY_MODELS = {
     "tiny-qwen3-moe": TinyModel("qwen3_moe", {"decoder_sparse_step": 1, "mlp_only_layers": []}),
 }
 
-MEGATRON_NAMES: tuple = ()
-"""Megatron-Core parameter names -> wire tensors (e.g. ``decoder.layers.{L}.mlp.
-experts.linear_fc1.weight{e}`` -> ``mlp.experts.gate_up_proj.weight``): empty
-until the Megatron adapter fills it."""
+#: Megatron-Core names -> wire tensors: Qwen3's attention, MoE layers' router and
+#: stacked experts, dense layers' (``mlp_only_layers``) gated MLP (Megatron-Bridge
+#: ``Qwen3MoEBridge``).
+MEGATRON_NAMES: tuple = megatron_names(qk_norm=True, moe=M)
 
 FAMILY = Family(
     ARCHITECTURE, HF_NAMES, VLLM_PARAMS, sizes, CONDITIONS, (_tp_within_experts,),
     tiny=TINY_MODELS, megatron_names=MEGATRON_NAMES,
     vllm_source="vllm/model_executor/models/qwen3_moe.py", module=__name__,
-    tp_plan=TP_PLAN,  # Qwen3's (dense layers' MLP); experts and routers stay whole on each TP rank
+    # Qwen3's (dense layers' MLP: intermediate_size counts only when some layer is dense);
+    # experts and routers stay whole on each TP rank
+    tp_plan=replace(TP_PLAN, divides={"nkv": None, "nh": None, "I": "dense_layer"}),
 )

@@ -12,6 +12,7 @@ here moves data.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -188,6 +189,19 @@ class HFNaming:
             the order of the vLLM table (the order of ``named_parameters()``,
             hence of the wire tensors: DeepSeek-V3 registers ``experts``
             before ``gate``). Children not listed follow, in table order.
+        buffers: regexes (``re.search`` on on-disk names) of the tensors
+            transformers holds as persistent **buffers**, not parameters
+            (saved in the checkpoint, loaded back, never trained: DeepSeek-V3's
+            ``mlp.gate.e_score_correction_bias``, an ``nn.Buffer`` of
+            ``DeepseekV3TopkRouter`` in ``modeling_deepseek_v3.py``). FSDP2's
+            ``fully_shard`` shards parameters only and leaves buffers plain,
+            whole tensors on every rank (torch ``fsdp/_fully_shard/_fully_shard.py``:
+            ``_get_modules_and_states`` collects both, ``_fsdp_init.py``
+            ``_move_states_to_device`` moves both, ``_init_param_group`` makes
+            ``FSDPParam``s of the parameters only), so the ``fsdp2:``,
+            ``fsdp:`` and ``hsdp:`` dry-run specs replicate them
+            (``TrainerSpec.layout_for(..., buffer=True)``). Pinned to
+            transformers' persistent buffers by ``tests/test_fsdp2_buffers.py``.
 
     Raises:
         ValueError: a part of ``fused_experts`` has no on-disk pattern; an
@@ -204,6 +218,7 @@ class HFNaming:
     config_defaults: Mapping[str, Any] = field(default_factory=dict)
     child_order: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     table_differs: Callable[[Any], str | None] | None = None
+    buffers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         parts = {p for _, ps in self.fused_experts.values() for p in ps}
@@ -221,6 +236,10 @@ class HFNaming:
         for pattern, repl in self.renames:
             in_memory = re.sub(pattern, repl, in_memory)
         return in_memory
+
+    def is_buffer(self, disk_name: str) -> bool:
+        """Whether transformers holds on-disk tensor ``disk_name`` as a buffer (:attr:`buffers`)."""
+        return any(re.search(pattern, disk_name) for pattern in self.buffers)
 
     def permuted_leaf(self, name: str) -> str | None:
         """The ``permuted`` leaf ``name`` (in memory or on disk) ends with, or ``None``."""
@@ -307,6 +326,22 @@ class TPPlan:
             ``"replicated_with_grad_allreduce"``; Megatron all-reduces
             QK-layernorm gradients over TP the same way). Their layout is
             whole on every TP rank, like a norm's.
+        divides: ``Sizes`` symbols the TP size must divide -> the family
+            condition (``Family.conditions``) under which the plan shards
+            that size in some layer, ``None``: always. The default, heads:
+            each TP rank's q/k/v rows must be whole heads in the ratio
+            ``nh/nkv`` (transformers' attention reshapes each projection by
+            ``head_dim`` and repeats every KV head ``nh/nkv`` times:
+            ``modeling_llama.py``, ``LlamaAttention.forward``, ``repeat_kv``;
+            torch's DTensor cuts uneven rows without complaint, the forward
+            then fails). An MLP in the plan adds its intermediate size: the
+            rowwise ``down_proj`` rebuilds its input with ``DTensor.from_local``
+            assuming even shards (torch ``distributed/tensor/parallel/style.py``,
+            ``RowwiseParallel._prepare_input_fn``), so an uneven one fails in
+            sharding propagation of the matmul. The vocab may split unevenly
+            (a real 2- and 3-rank gloo forward and backward of tiny Llama
+            with vocab 201 runs; one with ``intermediate_size`` 97 or 100,
+            or 2 KV heads over tp=3 or 1 over tp=2, fails).
 
     Raises:
         ValueError: a style that is not ``COLWISE``/``ROWWISE``, naming the module.
@@ -316,6 +351,8 @@ class TPPlan:
     untied: Mapping[str, str] = field(default_factory=dict)
     embeddings: tuple[str, ...] = ("model.embed_tokens",)
     grad_allreduce: tuple[str, ...] = ()
+    divides: Mapping[str, str | None] = field(
+        default_factory=lambda: {"nkv": None, "nh": None})
 
     def __post_init__(self) -> None:
         for module, style in {**self.modules, **self.untied}.items():
@@ -459,7 +496,45 @@ class Family:
     tp_plan: TPPlan | None = None
     skipped_layers: SkippedLayers | None = None
 
+    def tp_problem(self, tp: int, config: Any) -> str | None:
+        """Why a trainer cannot apply :attr:`tp_plan` over ``tp`` ranks to ``config``, or ``None``.
+
+        The rule is :attr:`TPPlan.divides`: ``tp`` must divide each size the
+        plan shards for this config. The message names the first size it
+        does not divide, its config key and value, and the valid TP sizes
+        (the divisors of every such size), on one line. ``None`` also for
+        ``tp == 1`` and for a family without a plan (:meth:`TrainerSpec.tp_dims`
+        refuses that).
+        """
+        if self.tp_plan is None or tp == 1:
+            return None
+        s = self.sizes(config)
+        layers = range(s.layers)
+        need = [sym for sym, when in self.tp_plan.divides.items()
+                if when is None or any(self.conditions[when](config, L) for L in layers)]
+        values = {sym: s.resolve((sym,))[0] for sym in need}
+        bad = [sym for sym in need if values[sym] % tp]
+        if not bad:
+            return None
+        g = math.gcd(*values.values())
+        valid = [d for d in range(1, g + 1) if g % d == 0]
+        what = {"nh": "each TP rank must hold whole attention heads",
+                "nkv": "each TP rank must hold whole KV heads; a trainer's TP does not "
+                       "replicate KV heads as vLLM does",
+                "I": "gate/up rows and down_proj columns must split evenly",
+                "Im": "gate/up rows and down_proj columns must split evenly"}
+        why = what.get(bad[0], "the plan shards it")
+        return (f"tp={tp} does not divide {s.label(bad[0])} ({why}; {self.architecture} TP "
+                f"plan, {self.module}); valid tp sizes for this model: "
+                f"{', '.join(map(str, valid))}")
+
     def __post_init__(self) -> None:
+        if self.tp_plan is not None:
+            for sym, when in self.tp_plan.divides.items():
+                if when is not None and when not in self.conditions:
+                    raise ValueError(
+                        f"{self.architecture}: TPPlan.divides {sym!r} uses condition {when!r}, "
+                        f"which is not one of {sorted(self.conditions)}")
         for p in self.params:
             if p.when is not None and p.when not in self.conditions:
                 raise ValueError(

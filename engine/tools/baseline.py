@@ -65,6 +65,7 @@ __all__ = [
     "RoundBytes",
     "create_trainer_group",
     "gather_then_broadcast_round",
+    "held_stream",
     "raw_floor_buffers",
     "raw_floor_round",
 ]
@@ -108,6 +109,33 @@ def create_trainer_group(host: str, port: int, rank: int, num_trainer_ranks: int
                          "only trainer ranks join the gather group")
     return create_group(host, port, rank, num_trainer_ranks, timeout_s=timeout_s,
                         prefix=GATHER_GROUP_PREFIX)
+
+
+def held_stream(checkpoint, metas, num_trainer_ranks: int,
+                rank: int) -> Iterable[tuple[str, torch.Tensor]]:
+    """``iter_local`` of trainer ``rank`` for a manifest ``metas``, its data read from ``checkpoint``.
+
+    What a trainer holds after a training step, for the baseline of the
+    FSDP2 demo: ``checkpoint`` is the trainers' parameters saved after the
+    step (``m2nkit.adapters.hf_checkpoint.Checkpoint``, full tensors by wire
+    name), ``metas`` the live ``fsdp2_source`` manifest the m2nkit round sent
+    (its layouts and wire dtypes) over ``num_trainer_ranks`` ranks. Per wire
+    tensor ``rank`` holds, in manifest order: a tensor of
+    ``meta.local_shape(rank)`` whose pieces are the rank's boxes read from
+    ``checkpoint`` (``read_box``), cast to the wire dtype as ``fsdp2_source``
+    casts the local shard. Lazy: one tensor at a time.
+
+    Raises:
+        KeyError: a wire tensor of ``metas`` that ``checkpoint`` lacks.
+    """
+    for m in metas:
+        if not m.holds(rank):
+            continue
+        local = torch.empty(m.local_shape(rank), dtype=m.dtype)
+        for pc in m.source_pieces(num_trainer_ranks):
+            if pc.rank == rank:
+                local[box_slices(pc.local_box)] = checkpoint.read_box(m.name, pc.box).to(m.dtype)
+        yield m.name, local
 
 
 def _check(plan: Plan, rank: int) -> None:

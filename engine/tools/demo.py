@@ -511,7 +511,10 @@ def run_demo(model: str, trainer: str, inference: str, *, rounds: int = 2, timeo
                 f"{T + ispec.num_workers} new processes, the slowest part of the demo "
                 "(--no-baseline skips it)")
             t_base = time.monotonic()
-            result.baseline = _run_baseline(model_dir, tspec, ispec, timeout_s, log=log)
+            # fsdp2: what the trainers hold after the last step, as the m2nkit round sent it
+            held = (work / f"trained-v{rounds}", doc) if live else None
+            result.baseline = _run_baseline(model_dir, tspec, ispec, timeout_s, log=log,
+                                            held=held)
             log(f"baseline: done in {time.monotonic() - t_base:.1f} s"
                 + ("" if result.baseline["verified"] else ", NOT bit-exact"))
         return result
@@ -520,8 +523,11 @@ def run_demo(model: str, trainer: str, inference: str, *, rounds: int = 2, timeo
             tmp.cleanup()
 
 
-def _baseline_rank(rank, model_dir, trainer, inference, ports, timeout_s, results):
-    """One process of the gather-then-broadcast baseline (``engine/tools/baseline.py``)."""
+def _baseline_rank(rank, model_dir, trainer, inference, ports, timeout_s, results, held=None):
+    """One process of the gather-then-broadcast baseline (``engine/tools/baseline.py``).
+
+    ``held``: ``(trained checkpoint dir, live manifest JSON)`` of an fsdp2 demo: move
+    those weights in that layout and those wire dtypes (``held_stream``)."""
     _child_setup()
     try:
         from transformers.utils import logging as hf_logging
@@ -534,11 +540,15 @@ def _baseline_rank(rank, model_dir, trainer, inference, ports, timeout_s, result
         )
         from m2nkit.adapters.trainer_spec import parse_trainer_spec
         from m2nkit.adapters.vllm import reference_load
-        from m2nkit.engine.tools.baseline import create_trainer_group, gather_then_broadcast_round
+        from m2nkit.engine.tools.baseline import (
+            create_trainer_group,
+            gather_then_broadcast_round,
+            held_stream,
+        )
         from m2nkit.engine.local import allocate_storage, bitwise_equal
         from m2nkit.engine.session import plan_from_manifest
         from m2nkit.engine.transports.torch_p2p import create_group
-        from m2nkit.manifest.serialize import manifest_to_json
+        from m2nkit.manifest.serialize import manifest_from_json, manifest_to_json
 
         hf_logging.set_verbosity_error()
         ckpt = read_checkpoint(model_dir)
@@ -546,13 +556,15 @@ def _baseline_rank(rank, model_dir, trainer, inference, ports, timeout_s, result
         T = tspec.num_ranks
         from m2nkit.adapters.vllm import vllm_destination
 
-        plan, _ = plan_from_manifest(manifest_to_json(checkpoint_metas(ckpt, tspec), T),
-                                     vllm_destination(ckpt.config, inference))
+        doc = manifest_to_json(checkpoint_metas(ckpt, tspec), T) if held is None else held[1]
+        plan, _ = plan_from_manifest(doc, vllm_destination(ckpt.config, inference))
+        data = ckpt if held is None else read_checkpoint(held[0])
         world = T + plan.num_workers
         _, group = create_group("127.0.0.1", ports[0], rank, world, timeout_s=timeout_s)
         if rank < T:
             _, tgroup = create_trainer_group("127.0.0.1", ports[1], rank, T, timeout_s=timeout_s)
-            stream = checkpoint_manifest(ckpt, tspec, rank).iter_local()
+            stream = (checkpoint_manifest(ckpt, tspec, rank).iter_local() if held is None
+                      else held_stream(data, manifest_from_json(doc)[0], T, rank))
             t0 = time.perf_counter()
             moved = gather_then_broadcast_round(group, tgroup, plan, rank, stream=stream,
                                                 timeout_s=timeout_s)
@@ -563,16 +575,19 @@ def _baseline_rank(rank, model_dir, trainer, inference, ports, timeout_s, result
             t0 = time.perf_counter()
             gather_then_broadcast_round(group, None, plan, rank, storage=storage, timeout_s=timeout_s)
             seconds = time.perf_counter() - t0
-            ref = reference_load(ckpt.config, full_checkpoint_tensors(ckpt), inference, w)
+            ref = reference_load(ckpt.config, full_checkpoint_tensors(data), inference, w)
             ok = all(bitwise_equal(t, ref[n]) for n, t in storage.items())
             results.put(("worker", rank, ok, seconds))
     except BaseException as e:  # noqa: BLE001 - reported to the driver
         results.put(("error", rank, f"{type(e).__name__}: {e}", 0.0))
 
 
-def _run_baseline(model_dir, tspec, ispec, timeout_s, log=print) -> dict:
+def _run_baseline(model_dir, tspec, ispec, timeout_s, log=print, held=None) -> dict:
     """Gather-then-broadcast on the same checkpoint and ranks, verified.
 
+    ``held``: for fsdp2 trainers, ``(trained checkpoint dir, live manifest
+    JSON)``: the baseline moves the weights the trainers hold after the last
+    step, in the live layout and wire dtypes, not the untrained checkpoint.
     Trainer ranks all-gather every full tensor, trainer rank 0 sends it to
     every worker (``engine/tools/baseline.py``). Returns bytes sent by trainer
     ranks (point to point plus all-gather), the slowest rank's time, and
@@ -587,7 +602,8 @@ def _run_baseline(model_dir, tspec, ispec, timeout_s, log=print) -> dict:
     results = ctx.Queue()
     ports = (free_port(), free_port())
     procs = [ctx.Process(target=_baseline_rank, daemon=True, name=f"m2nkit-baseline-{r}",
-                         args=(r, str(model_dir), str(tspec), str(ispec), ports, timeout_s, results))
+                         args=(r, str(model_dir), str(tspec), str(ispec), ports, timeout_s, results,
+                               None if held is None else (str(held[0]), held[1])))
              for r in range(T + N)]
 
     def failed(msg):
