@@ -1,0 +1,224 @@
+"""Process helpers for the Megatron-Bridge tests: tiny HF checkpoints loaded through Bridge on gloo.
+
+One launch of ``world`` processes runs many (model, layout) cases in
+sequence, re-initialising megatron-core's parallel state between them, so
+the stack is imported once per process (tens of seconds on a loaded 2-core
+machine) rather than once per case. Each rank writes, per case and mode, the
+manifest it declared, its local tensors, what ``torch.distributed`` calls it
+made while iterating, and (rank 0) Bridge's own ``export_hf_weights``: the
+oracle the tests compare against in the parent process.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+#: torch.distributed calls counted while a source is iterated (top level only).
+COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
+               "broadcast_object_list", "all_reduce", "reduce", "scatter", "gather",
+               "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
+               "send", "recv", "isend", "irecv", "batch_isend_irecv", "barrier")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One (model, layout): tiny model name, checkpoint dir, parallel sizes, modes to run."""
+
+    label: str
+    ckpt: str
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    #: ``"tasks"``, ``"export"``, or ``"gather"`` (tasks mode with :data:`GATHER` forced
+    #: through Bridge's own ``megatron_to_hf``)
+    modes: tuple[str, ...] = ("tasks", "export")
+
+
+#: mapping kinds the ``"gather"`` mode sends through Bridge's fallback path
+GATHER = ("QKVMapping", "GatedMLPMapping")
+
+
+class CountCalls:
+    """Count top-level ``torch.distributed`` collective and p2p calls made inside the block."""
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        self.counts: dict[str, int] = {}
+        self._saved = {}
+        depth = [0]
+        for n in COLLECTIVES:
+            f = getattr(dist, n, None)
+            if f is None:
+                continue
+            self._saved[n] = f
+
+            def wrap(*a, _n=n, _f=f, **k):
+                if depth[0] == 0:
+                    self.counts[_n] = self.counts.get(_n, 0) + 1
+                depth[0] += 1
+                try:
+                    return _f(*a, **k)
+                finally:
+                    depth[0] -= 1
+
+            setattr(dist, n, wrap)
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        for n, f in self._saved.items():
+            setattr(dist, n, f)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_megatron(tp: int, pp: int, ep: int) -> None:
+    """(Re)initialise megatron-core's model-parallel groups on the live gloo world."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                             pipeline_model_parallel_size=pp,
+                                             expert_model_parallel_size=ep,
+                                             expert_tensor_parallel_size=tp if ep > 1 else None)
+    # CPU: the inference RNG tracker's fork() needs no CUDA RNG state
+    model_parallel_cuda_manual_seed(0, inference_rng_tracker=True, force_reset_rng=True)
+
+
+def build_bridge_model(ckpt: str, tp: int, pp: int, ep: int):
+    """``(bridge, model chunks)``: the checkpoint built and loaded through Bridge, local layer spec."""
+    from megatron.bridge import AutoBridge
+    from megatron.bridge.models.gpt_provider import local_layer_spec
+
+    bridge = AutoBridge.from_hf_pretrained(ckpt)
+    provider = bridge.to_megatron_provider(load_weights=False)
+    provider.tensor_model_parallel_size = tp
+    provider.pipeline_model_parallel_size = pp
+    provider.expert_model_parallel_size = ep
+    provider.expert_tensor_parallel_size = tp if provider.num_moe_experts else None
+    provider.sequence_parallel = False
+    provider.transformer_layer_spec = local_layer_spec  # no TransformerEngine on CPU
+    if provider.num_moe_experts:
+        provider.moe_token_dispatcher_type = "allgather"  # alltoall touches CUDA streams
+    for flag in ("moe_permute_fusion", "moe_grouped_gemm", "gradient_accumulation_fusion",
+                 "masked_softmax_fusion", "bias_activation_fusion", "persist_layer_norm",
+                 "apply_rope_fusion"):
+        setattr(provider, flag, False)
+    provider.use_cpu_initialization = True
+    provider.pipeline_dtype = torch.bfloat16
+    provider.finalize()
+    model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
+    bridge.load_hf_weights(model)
+    return bridge, model
+
+
+def run_case(case: Case, rank: int, out: Path) -> None:
+    """Build the case's model, make each mode's source, iterate it; write what the parent checks."""
+    from m2nkit.adapters.megatron.bridge import bridge_source
+    from m2nkit.manifest import manifest_to_json
+
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    init_megatron(case.tp, case.pp, case.ep)
+    bridge, model = build_bridge_model(case.ckpt, case.tp, case.pp, case.ep)
+    for mode in case.modes:
+        t0 = time.monotonic()
+        src = (bridge_source(bridge, model, gather=GATHER) if mode == "gather"
+               else bridge_source(bridge, model, mode=mode))
+        t1 = time.monotonic()
+        with CountCalls() as cc:
+            local = [(n, t.clone()) for n, t in src.iter_local()]
+        torch.save({"manifest": manifest_to_json(src.metadata, world), "locals": local,
+                    "calls": cc.counts, "gathered": src.gathered, "notes": src.notes,
+                    "seconds": (t1 - t0, time.monotonic() - t1)},
+                   out / f"{case.label}.{mode}.r{rank}.pt")
+    exported = {n: t.clone() for n, t in bridge.export_hf_weights(model, cpu=True,
+                                                                    show_progress=False)}
+    if rank == 0:
+        torch.save(exported, out / f"{case.label}.export.pt")
+    dist.barrier()
+
+
+def rank_main(rank: int, world: int, port: int, cases: list, out: str, timeout_s: float,
+              extra=None) -> None:
+    """One trainer process: every case in order; on failure write the traceback and exit 1."""
+    from m2nkit.adapters.megatron.compat import enable_cpu
+
+    enable_cpu()
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import logging
+
+    logging.disable(logging.WARNING)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=timeout_s))
+    outp = Path(out)
+    try:
+        for case in cases:
+            run_case(case, rank, outp)
+        if extra is not None:
+            extra(rank, outp)
+    except BaseException:
+        (outp / f"error.r{rank}.txt").write_text(traceback.format_exc())
+        raise
+    finally:
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def launch(world: int, cases: list, out: Path, timeout_s: float, extra=None) -> float:
+    """Run ``world`` ranks of :func:`rank_main`; wall seconds. Fails with the first rank's error."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    start = time.monotonic()
+    procs = [ctx.Process(target=rank_main, args=(r, world, port, cases, str(out), timeout_s,
+                                                 extra), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = start + timeout_s
+    try:
+        for p in procs:
+            p.join(max(0.1, deadline - time.monotonic()))
+    finally:
+        alive = [p for p in procs if p.is_alive()]
+        for p in alive:
+            p.kill()
+        for p in procs:
+            p.join()
+    errors = sorted(out.glob("error.r*.txt"))
+    if errors:
+        raise AssertionError(f"{errors[0].name}:\n{errors[0].read_text()[-4000:]}")
+    if alive:
+        raise AssertionError(f"ranks {[procs.index(p) for p in alive]} still running after "
+                             f"{timeout_s} s")
+    bad = [r for r, p in enumerate(procs) if p.exitcode != 0]
+    if bad:
+        raise AssertionError(f"ranks {bad} exited with {[procs[r].exitcode for r in bad]}")
+    return time.monotonic() - start
