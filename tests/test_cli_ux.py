@@ -59,7 +59,7 @@ def _unsupported(tmp_path: Path, arch: str = "PhiForCausalLM") -> Path:
 
 
 @pytest.mark.parametrize("case,needle", [
-    ("trainer", "megatron:tp=2"),
+    ("trainer", "vpp > 1 needs pp > 1"),
     ("trainer_fsdp2", "'fsdp2' axis 'pp' is not supported"),
     ("inference", "unknown key 'pp'"),
     ("arch_dir", "architecture 'PhiForCausalLM' is not supported; supported: "),
@@ -72,7 +72,8 @@ def _unsupported(tmp_path: Path, arch: str = "PhiForCausalLM") -> Path:
 def test_refusals_come_before_torch_is_imported(tmp_path, case, needle):
     plan = ["plan", EXAMPLE, "--trainer", "fsdp:2", "--inference", "vllm:tp=2"]
     args = {
-        "trainer": lambda: ["plan", EXAMPLE, "--trainer", "megatron:tp=2", "--inference", "vllm:tp=2"],
+        "trainer": lambda: ["plan", EXAMPLE, "--trainer", "megatron:tp=2,vpp=2",
+                            "--inference", "vllm:tp=2"],
         "inference": lambda: ["plan", EXAMPLE, "--trainer", "fsdp:2", "--inference", "vllm:tp=2,pp=2"],
         "trainer_fsdp2": lambda: ["plan", EXAMPLE, "--trainer", "fsdp2:dp_shard=2,pp=2",
                                   "--inference", "vllm:tp=2"],

@@ -1,0 +1,400 @@
+"""A live Megatron-Core ``GPTModel`` as an M2N source: every rank sends its own shard.
+
+RL stacks on Megatron-Core (NeMo-RL, verl, slime) refit vLLM by converting
+every parameter to its Hugging Face form first: a gather over TP, a
+broadcast over PP and a gather over EP on every rank, then full tensors on
+the wire. :func:`megatron_source` does none of that. Each rank hands over
+its local tensors as Megatron holds them (a fused ``linear_qkv`` shard, a
+``[gate_r; up_r]`` ``linear_fc1`` shard, a padded vocabulary shard, its
+local experts), and the manifest says which pieces of which HF wire tensor
+sit where in them (:mod:`m2nkit.adapters.megatron.layout`). The splitting
+is pure indexing by the planner; nothing is gathered.
+
+Metadata (identical on every rank, no collective). The wire tensors are
+the family's HF tensors for the model's HF config
+(``m2nkit.adapters.config_wires.table_wires``), in HF order; their pieces
+come from the layout rules with the parallel sizes and the rank grid.
+Sizes are read from the real process groups (``parallel_state`` or a
+``ProcessGroupCollection``), checked against the model config, and the
+grid is megatron-core's default order ``tp-cp-ep-dp-pp``, checked against
+this rank's real groups (members and positions). Which stage holds which
+layer comes from megatron-core's own ``get_transformer_layer_offset`` /
+``get_num_layers_to_build`` (or ``pipeline_model_parallel_layout``) for
+every stage, and the model's own ``layer_number`` of each layer must agree
+on this rank: the global layer in a wire name is always ``layer_number - 1``,
+never a local index.
+
+Providers (``iter_local``): the live parameter (or persistent buffer), a
+view; ``+1`` for zero-centred norms (``layernorm_zero_centered_gamma``:
+HF = Megatron + 1); cast to the wire dtype (fp32 mains to bf16) on the
+local shard only; local experts stacked (a copy of this rank's experts).
+
+Refused on every rank before any traffic (:class:`MegatronSourceError`):
+a chunk list that does not match ``virtual_pipeline_model_parallel_size``;
+a parameter no ``MEGATRON_NAMES`` row maps; an HF tensor of the config
+that no row produces; a process-group size that disagrees with the model
+config; groups not in Megatron's default order; context parallelism.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from m2nkit.manifest import M2NManifestEntry, ManifestM2NWeightSource, PieceLayout
+
+from ..families import family_for
+from ..families.table import Family
+from .layout import (EXPERT_FC1, EXPERT_FC2, MegatronLayoutError, MegatronParallel, WireRule,
+                     match_megatron, match_wire, megatron_templates, wire_pieces)
+
+__all__ = ["MegatronSourceError", "MegatronSource", "megatron_source", "chunk_layers"]
+
+
+class MegatronSourceError(ValueError):
+    """A model :func:`megatron_source` cannot send shard to shard (raised on every rank)."""
+
+
+class MegatronSource(ManifestM2NWeightSource):
+    """The :class:`ManifestM2NWeightSource` :func:`megatron_source` returns.
+
+    Attributes:
+        config: the HF config (picks the family and the vLLM destination).
+        parallel: the :class:`MegatronParallel` grid the pieces follow.
+        num_trainer_ranks: ``T`` (the default group's world size).
+        module_names: wire name -> the Megatron names (``chunk{v}.<name>``)
+            this rank reads it from (empty for wire tensors it holds no piece of).
+    """
+
+    def __init__(self, entries, *, rank, config, parallel, num_trainer_ranks, module_names):
+        super().__init__(entries, rank=rank)
+        self.config = config
+        self.parallel = parallel
+        self.num_trainer_ranks = num_trainer_ranks
+        self.module_names = module_names
+
+
+def _unwrap(m: Any) -> Any:
+    """The ``GPTModel`` inside DDP / ``Float16Module`` wrappers (their ``.module``)."""
+    while hasattr(m, "module") and isinstance(m.module, torch.nn.Module):
+        m = m.module
+    return m
+
+
+def chunk_layers(mcfg: Any, pp: int, vpp: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """Global layer ids (0-based) per pipeline stage and chunk, by megatron-core's own rules.
+
+    ``pipeline_model_parallel_layout`` when the config has one
+    (``PipelineParallelLayerLayout.get_layer_id_list``), else
+    ``transformer_layer.get_transformer_layer_offset`` and
+    ``transformer_block.get_num_layers_to_build`` for each ``(pp_rank, vp_stage)``.
+    """
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    layout = getattr(mcfg, "pipeline_model_parallel_layout", None)
+    out = []
+    for p in range(pp):
+        chunks = []
+        for v in range(vpp):
+            vs = v if vpp > 1 else None
+            if layout is not None:
+                ids = tuple(layout.get_layer_id_list(vp_stage=vs, pp_rank=p))
+            else:
+                off = get_transformer_layer_offset(mcfg, vp_stage=vs, pp_rank=p)
+                n = get_num_layers_to_build(mcfg, vp_stage=vs, pp_rank=p)
+                ids = tuple(range(off, off + n))
+            chunks.append(ids)
+        out.append(tuple(chunks))
+    return tuple(out)
+
+
+@dataclass
+class _Groups:
+    rank: int
+    world: int
+    sizes: dict[str, int]
+    members: dict[str, tuple[int, ...]]
+
+
+def _groups(pg_collection: Any) -> _Groups:
+    """This rank's process groups (sizes and members), from pg_collection or parallel_state."""
+    import torch.distributed as dist
+
+    if pg_collection is not None:
+        get = {k: getattr(pg_collection, a, None) for k, a in
+               (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("cp", "cp"), ("ep", "ep"),
+                ("etp", "expt_tp"), ("edp", "expt_dp"))}
+    else:
+        from megatron.core import parallel_state as ps
+
+        get = {"tp": ps.get_tensor_model_parallel_group(),
+               "pp": ps.get_pipeline_model_parallel_group(),
+               "dp": ps.get_data_parallel_group(with_context_parallel=False),
+               "cp": ps.get_context_parallel_group(),
+               "ep": ps.get_expert_model_parallel_group(),
+               "etp": ps.get_expert_tensor_parallel_group(),
+               "edp": ps.get_expert_data_parallel_group()}
+    members = {}
+    for k, g in get.items():
+        members[k] = (dist.get_rank(),) if g is None else tuple(dist.get_process_group_ranks(g))
+    return _Groups(dist.get_rank(), dist.get_world_size(), {k: len(v) for k, v in members.items()},
+                   members)
+
+
+def _check_grid(par: MegatronParallel, g: _Groups) -> None:
+    """This rank's real groups must be the default-order grid's (members and positions)."""
+    me = g.rank
+    dense = {r: k for k, r in par.ranks["dense"].items()}
+    expert = {r: k for k, r in par.ranks["expert"].items()}
+    if me not in dense:
+        raise MegatronSourceError(f"megatron_source: rank {me} is outside the grid of "
+                                  f"{par.world} ranks (tp*dp*pp)")
+    p, d, t = dense[me]
+    pe, de, e, te = expert[me]
+    want = {
+        "tp": tuple(par.ranks["dense"][(p, d, x)] for x in range(par.tp)),
+        "pp": tuple(par.ranks["dense"][(x, d, t)] for x in range(par.pp)),
+        "dp": tuple(par.ranks["dense"][(p, x, t)] for x in range(par.dp)),
+        "ep": tuple(par.ranks["expert"][(pe, de, x, te)] for x in range(par.ep)),
+        "etp": tuple(par.ranks["expert"][(pe, de, e, x)] for x in range(par.etp)),
+        "edp": tuple(par.ranks["expert"][(pe, x, e, te)] for x in range(par.edp)),
+    }
+    for k, ranks in want.items():
+        if g.members[k] != ranks:
+            raise MegatronSourceError(
+                f"megatron_source: rank {me}'s {k} group is {list(g.members[k])}, but "
+                f"megatron-core's default order tp-cp-ep-dp-pp gives {list(ranks)}; "
+                "m2nkit derives every rank's pieces from that order without a collective "
+                "(initialize_model_parallel(order='tp-cp-ep-dp-pp'))")
+
+
+def _named_tensors(chunk: torch.nn.Module):
+    """``(name, module, attr, tensor, is_buffer)`` of parameters and persistent buffers."""
+    for mod_name, mod in chunk.named_modules():
+        prefix = mod_name + "." if mod_name else ""
+        for attr, p in mod._parameters.items():
+            if p is not None:
+                yield prefix + attr, mod, attr, p, False
+        for attr, b in mod._buffers.items():
+            if b is not None and attr not in mod._non_persistent_buffers_set:
+                yield prefix + attr, mod, attr, b, True
+
+
+@dataclass
+class _Local:
+    """One Megatron tensor of this rank: where it lives and which wire row it feeds."""
+
+    name: str
+    module: torch.nn.Module
+    attr: str
+    buffer: bool
+    expert: int | None
+
+
+def megatron_source(
+    model_chunks: torch.nn.Module | Sequence[torch.nn.Module],
+    *,
+    config: Any,
+    dtype: torch.dtype | None = None,
+    pg_collection: Any = None,
+    rank: int | None = None,
+) -> MegatronSource:
+    """An ``M2NWeightSource`` over a live Megatron-Core ``GPTModel`` (every chunk of this rank).
+
+    Call it on every trainer rank with the model chunks as the trainer holds
+    them (``get_model`` / Bridge ``provide_distributed_model``: a list, one
+    per virtual pipeline stage; DDP and ``Float16Module`` wrappers are fine).
+
+    Args:
+        model_chunks: this rank's ``GPTModel`` chunks (or one model).
+        config: the model's Hugging Face config (``transformers`` config or
+            dict, e.g. ``AutoBridge.hf_pretrained.config``): the family and the
+            wire tensors.
+        dtype: the wire dtype of parameters; default: the config's HF dtype
+            (what a checkpoint stores and vLLM loads). Buffers keep their own
+            dtype (``router.expert_bias`` stays fp32).
+        pg_collection: a megatron-core ``ProcessGroupCollection``; default:
+            ``parallel_state``'s groups.
+        rank: this rank (default: the default process group's rank).
+
+    Returns:
+        A :class:`MegatronSource`; its metadata is a pure function of the
+        configs and the group sizes, identical on every rank.
+
+    Raises:
+        MegatronSourceError (a ``ValueError``), the same on every rank,
+        before any traffic (module docstring lists the cases; each message
+        names the tensor, the size or the group and what would be valid).
+    """
+    import torch.distributed as dist
+
+    chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
+    if not chunks:
+        raise MegatronSourceError("megatron_source: no model chunks given")
+    models = [_unwrap(c) for c in chunks]
+    mcfg = models[0].config
+    try:
+        family = family_for(config)
+    except ValueError as e:
+        raise MegatronSourceError(f"megatron_source: {e}") from None
+    if not family.megatron_names:
+        raise MegatronSourceError(f"megatron_source: {family.architecture} has no Megatron-Core "
+                                  f"names (MEGATRON_NAMES in {family.module})")
+    vpp = getattr(mcfg, "virtual_pipeline_model_parallel_size", None) or 1
+    if len(chunks) != vpp:
+        raise MegatronSourceError(
+            f"megatron_source: {len(chunks)} model chunks given, but the model config has "
+            f"virtual_pipeline_model_parallel_size={vpp}: pass one GPTModel per virtual "
+            f"pipeline stage ({vpp}), in vp_stage order")
+
+    g = _groups(pg_collection)
+    declared = {"tp": mcfg.tensor_model_parallel_size, "pp": mcfg.pipeline_model_parallel_size,
+                "cp": getattr(mcfg, "context_parallel_size", 1) or 1,
+                "ep": getattr(mcfg, "expert_model_parallel_size", 1) or 1,
+                "etp": getattr(mcfg, "expert_tensor_parallel_size", None)
+                or mcfg.tensor_model_parallel_size}
+    for k, v in declared.items():
+        if g.sizes[k] != v:
+            raise MegatronSourceError(
+                f"megatron_source: the {k} process group has {g.sizes[k]} ranks "
+                f"({list(g.members[k])}), but the model config says {k}={v}; build the model "
+                "with the parallel sizes initialize_model_parallel used")
+    if g.sizes["cp"] != 1:
+        raise MegatronSourceError("megatron_source: context parallelism (cp="
+                                  f"{g.sizes['cp']}) is not supported")
+    try:
+        layers = chunk_layers(mcfg, g.sizes["pp"], vpp)
+        par = MegatronParallel(tp=g.sizes["tp"], pp=g.sizes["pp"], vpp=vpp, ep=g.sizes["ep"],
+                               etp=g.sizes["etp"], dp=g.sizes["dp"], layers=layers)
+    except MegatronLayoutError as e:
+        raise MegatronSourceError(f"megatron_source: {e}") from None
+    if par.world != g.world:
+        raise MegatronSourceError(
+            f"megatron_source: tp*dp*pp = {par.tp}*{par.dp}*{par.pp} = {par.world} ranks, but "
+            f"the default process group has {g.world}; every trainer rank must be a Megatron rank")
+    _check_grid(par, g)
+    me = g.rank if rank is None else rank
+    stage = next(p for (p, _, _), r in par.ranks["dense"].items() if r == me)
+
+    # --- this rank's tensors, by wire name (global layers from layer_number)
+    names = tuple(family.megatron_names)
+    tied = bool(getattr(models[-1], "share_embeddings_and_output_weights", False))
+    mine: dict[tuple[MegatronNameKey, int | None], list[_Local]] = {}
+    for v, model in enumerate(models):
+        want = set(layers[stage][v])
+        have = {}
+        for lname, layer in _decoder_layers(model):
+            have[lname] = layer.layer_number - 1
+        if set(have.values()) != want:
+            raise MegatronSourceError(
+                f"megatron_source: rank {me} chunk {v} holds layers "
+                f"{sorted(have.values())} (layer_number - 1), but megatron-core's layer "
+                f"assignment gives stage {stage} chunk {v} layers {sorted(want)}")
+        for name, mod, attr, t, buf in _named_tensors(model):
+            if name.endswith("_extra_state"):
+                continue
+            hit = match_megatron(names, name)
+            if hit is None:
+                if buf:
+                    continue  # rotary caches, routing statistics: not weights
+                raise MegatronSourceError(
+                    f"megatron_source: parameter '{name}' (rank {me}, chunk {v}) has no mapping "
+                    f"in {family.module}.MEGATRON_NAMES; known names: "
+                    f"{', '.join(megatron_templates(names))}")
+            entry, local_layer, expert = hit
+            if name == "output_layer.weight" and tied:
+                continue  # a replica of the embedding (PP > 1): the first stage sends it
+            layer = None
+            if local_layer is not None:
+                layer = have.get(local_layer)
+                if layer is None:
+                    raise MegatronSourceError(f"megatron_source: '{name}' names layer "
+                                              f"{local_layer}, which chunk {v} does not have")
+            mine.setdefault((entry, layer), []).append(_Local(f"chunk{v}.{name}", mod, attr, buf,
+                                                              expert))
+
+    # --- the wire tensors of the config, with pieces and providers
+    from ..config_wires import table_wires
+
+    s = family.sizes(config)
+    sizes = {"nh": mcfg.num_attention_heads, "ng": mcfg.num_query_groups or
+             mcfg.num_attention_heads, "hd": mcfg.kv_channels,
+             "Vp": int(getattr(models[0], "vocab_size", 0) or 0),
+             "gate": bool(getattr(mcfg, "attention_output_gate", False))}
+    zero_centred = bool(getattr(mcfg, "layernorm_zero_centered_gamma", False))
+    entries = []
+    module_names: dict[str, tuple[str, ...]] = {}
+    used: set = set()
+    for w in table_wires(family, config, s):
+        rule = match_wire(names, w.name)
+        if rule is None:
+            raise MegatronSourceError(
+                f"megatron_source: HF tensor '{w.name}' of the config has no Megatron-Core name "
+                f"in {family.module}.MEGATRON_NAMES; no Megatron tensor would send it")
+        try:
+            lay = wire_pieces(rule, w.shape, par, sizes=sizes, wire=w.name)
+        except MegatronLayoutError as e:
+            raise MegatronSourceError(f"megatron_source: {e}") from None
+        key = (rule.entry, rule.layer)
+        locs = mine.get(key, [])
+        holds = any(p.rank == me for p in lay.pieces)
+        if holds and not locs:
+            raise MegatronSourceError(
+                f"megatron_source: rank {me} should hold pieces of '{w.name}' (Megatron "
+                f"{rule.entry.megatron[0]!r}, layer {rule.layer}), but its model has no such "
+                "tensor; the HF config and the Megatron model disagree")
+        used.add(key)
+        buffer = bool(locs) and locs[0].buffer or rule.entry.buffer
+        wdtype = dtype if dtype is not None and not buffer else w.dtype
+        if buffer and locs:
+            wdtype = getattr(locs[0].module, locs[0].attr).dtype
+        entries.append(M2NManifestEntry(w.name, wdtype, tuple(w.shape), lay,
+                                        _provider(rule, locs, wdtype, zero_centred, lay, me)))
+        module_names[w.name] = tuple(x.name for x in locs)
+    stray = [x.name for k, xs in mine.items() if k not in used for x in xs]
+    if stray:
+        raise MegatronSourceError(
+            f"megatron_source: Megatron tensor '{stray[0]}' (rank {me}) maps to a wire tensor "
+            f"the HF config does not have ({len(stray)} such); the HF config and the Megatron "
+            "model disagree (e.g. biases, q/k norms, dense vs MoE layers)")
+    return MegatronSource(entries, rank=me, config=config, parallel=par,
+                          num_trainer_ranks=g.world, module_names=module_names)
+
+
+MegatronNameKey = Any
+
+
+def _decoder_layers(model: torch.nn.Module):
+    decoder = getattr(model, "decoder", None)
+    if decoder is None:
+        return []
+    return [(i, layer) for i, layer in enumerate(decoder.layers)]
+
+
+def _provider(rule: WireRule, locs: list[_Local], dtype: torch.dtype, zero_centred: bool,
+              lay: PieceLayout, rank: int) -> Callable[[], torch.Tensor]:
+    """This rank's local tensor of one wire tensor (the pieces' local coordinates)."""
+    norm = rule.entry.norm and zero_centred
+    if rule.entry.rule in (EXPERT_FC1, EXPERT_FC2):
+        ordered = sorted(locs, key=lambda x: x.expert)
+        members = [(x.module, x.attr) for x in ordered]
+
+        def experts() -> torch.Tensor:
+            ts = [getattr(m, a).detach() for m, a in members]
+            return torch.stack([t.to(dtype) for t in ts])  # [E/ep, rows, cols], a copy
+        return experts
+    if not locs:
+        return lambda: torch.empty(0, dtype=dtype)  # no piece on this rank: never called
+    x = locs[0]
+    mod, attr = x.module, x.attr
+
+    def local() -> torch.Tensor:
+        t = getattr(mod, attr).detach()
+        if norm:  # layernorm_zero_centered_gamma: Megatron stores w - 1
+            t = t.float() + 1
+        return t if t.dtype == dtype else t.to(dtype)
+    return local

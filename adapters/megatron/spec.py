@@ -1,0 +1,178 @@
+"""The ``megatron:tp=T,pp=P[,vpp=V][,ep=E][,etp=X][,dp=D][,first=N][,last=N]`` dry-run trainer spec.
+
+``m2nkit plan CHECKPOINT --trainer megatron:...`` lays a checkpoint out as a
+Megatron-Core trainer would hold it, from the rules of
+:mod:`m2nkit.adapters.megatron.layout` (the ones the live source uses), so a
+user can plan Qwen3-235B-A22B ``megatron:tp=4,pp=8,ep=8`` into
+``vllm:tp=8,ep`` on a laptop. Parsing imports no torch.
+
+Sizes (megatron-core ``parallel_state.initialize_model_parallel``):
+``etp`` defaults to ``tp``; ``dp`` defaults to the least data-parallel size
+the expert grid fits (``tp*dp`` divisible by ``etp*ep``), so the world is
+``tp*dp*pp`` ranks in Megatron's default order ``tp-cp-ep-dp-pp``.
+Layers: even stages (``L/pp``, ``L/(pp*vpp)`` per chunk); ``first``/``last``
+are ``num_layers_in_first/last_pipeline_stage``. When ``L`` does not split
+evenly and neither is given, the first and last stages share what the
+middle stages (``ceil(L/pp)`` each) leave (Qwen3-235B-A22B's 94 layers over
+pp=8: 11, 12 x 6, 11), and the plan says so. The padded vocabulary is
+``make_vocab_size_divisible_by=128`` times ``tp`` (Megatron-LM's default);
+padding rows are never sent, so only the split points depend on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from .layout import (MegatronLayoutError, MegatronParallel, WireRule, match_wire, wire_pieces,
+                     wire_stage)
+
+__all__ = ["MEGATRON_SPEC_FORM", "MegatronSpec", "parse_megatron_body", "megatron_wire_rules"]
+
+MEGATRON_SPEC_FORM = "megatron:tp=T,pp=P[,vpp=V][,ep=E][,etp=X][,dp=D][,first=N][,last=N]"
+_KEYS = ("tp", "pp", "vpp", "ep", "etp", "dp", "first", "last")
+
+
+@dataclass(frozen=True)
+class MegatronSpec:
+    """A parsed ``megatron:`` spec: the parallel sizes and optional first/last stage layer counts."""
+
+    par: MegatronParallel
+    first: int | None = None
+    last: int | None = None
+
+    def __str__(self) -> str:
+        p = self.par
+        parts = [f"tp={p.tp}", f"pp={p.pp}"]
+        parts += [f"vpp={p.vpp}"] if p.vpp > 1 else []
+        parts += [f"ep={p.ep}"] if p.ep > 1 else []
+        parts += [f"etp={p.etp}"] if p.etp != p.tp else []
+        parts += [f"dp={p.dp}"] if p.dp > 1 else []
+        parts += [f"first={self.first}"] if self.first is not None else []
+        parts += [f"last={self.last}"] if self.last is not None else []
+        return "megatron:" + ",".join(parts)
+
+    def layers_for(self, num_layers: int) -> MegatronParallel:
+        """The grid with its layer assignment for a model of ``num_layers`` layers.
+
+        Raises:
+            MegatronLayoutError: ``first``/``last``/``vpp`` that do not split the layers.
+        """
+        first, last = self.first, self.last
+        p = self.par
+        if p.pp > 1 and first is None and last is None and num_layers % (p.pp * p.vpp):
+            m = -(-num_layers // p.pp)
+            rest = num_layers - (p.pp - 2) * m
+            if p.pp > 2 and rest >= 0:
+                first, last = rest // 2, rest - rest // 2
+        return p.with_layers(num_layers, first=first, last=last)
+
+
+def parse_megatron_body(spec: str, body: str, bad) -> MegatronSpec:
+    """Parse ``tp=T,pp=P,...`` (any order); ``bad(spec, why)`` builds the error to raise."""
+    sizes: dict[str, int] = {}
+    for part in body.split(","):
+        key, eq, value = (x.strip() for x in part.partition("="))
+        key = key.lower()
+        if not eq:
+            raise bad(spec, f"'megatron' takes NAME=SIZE pairs, got {part.strip()!r}")
+        if key not in _KEYS:
+            raise bad(spec, f"'megatron' size {key!r} is not supported; sizes are "
+                            f"{', '.join(_KEYS)} ({MEGATRON_SPEC_FORM})")
+        if key in sizes:
+            raise bad(spec, f"'megatron' size {key!r} is given twice")
+        if not (value.isascii() and value.isdigit()) or (int(value) <= 0 and key not in (
+                "first", "last")):
+            raise bad(spec, f"'megatron' {key}={value!r} is not a positive integer")
+        sizes[key] = int(value)
+    try:
+        par = MegatronParallel(tp=sizes.get("tp", 1), pp=sizes.get("pp", 1),
+                               vpp=sizes.get("vpp", 1), ep=sizes.get("ep", 1),
+                               etp=sizes.get("etp"), dp=sizes.get("dp"))
+    except MegatronLayoutError as e:
+        raise bad(spec, str(e)) from None
+    if par.vpp > 1 and par.pp == 1:
+        raise bad(spec, "vpp > 1 needs pp > 1 (virtual stages interleave pipeline stages)")
+    return MegatronSpec(par, sizes.get("first"), sizes.get("last"))
+
+
+@dataclass(frozen=True)
+class _WireKey:
+    """What ``TrainerSpec.tp_dims`` answers for one wire name under a megatron spec."""
+
+    name: str
+    rules: "_Rules"
+
+
+@dataclass(frozen=True, eq=False)
+class _Rules:
+    par: MegatronParallel
+    names: tuple
+    sizes: tuple
+    architecture: str
+    module: str
+
+    def layout(self, name: str, shape: tuple[int, ...]):
+        rule = match_wire(self.names, name)
+        if rule is None:
+            raise ValueError(
+                f"wire tensor '{name}' has no Megatron-Core name in {self.module}."
+                "MEGATRON_NAMES, so a megatron trainer spec cannot lay it out")
+        # every layer of one stage has the same pieces: one layout per (row, part, stage, shape)
+        return self._stage_layout(rule.entry, rule.part, wire_stage(rule, self.par), shape)
+
+    @lru_cache(maxsize=None)
+    def _stage_layout(self, entry, part, stage, shape):
+        layered = "{L}" in entry.wire_of(part)
+        rule = WireRule(entry, part, sum(self.par.layers[stage], ())[0] if layered else None)
+        name = entry.wire_of(part).replace("{L}", str(rule.layer))
+        return wire_pieces(rule, shape, self.par, sizes=dict(self.sizes), wire=name)
+
+
+def megatron_wire_rules(mspec: MegatronSpec, config: Any, label: str):
+    """``wire name -> key`` for ``TrainerSpec.layout_for(shape, tp_dim=key)`` under ``mspec``.
+
+    Raises:
+        ValueError: a family without Megatron names (names the families
+            with them); sizes the Megatron rules cannot split (heads, the
+            MLP, experts, layers; names the value); an unsupported architecture.
+    """
+    from ..families import ARCHITECTURES, family, family_for
+
+    fam = family_for(config)
+    if not fam.megatron_names:
+        having = sorted(a for a in ARCHITECTURES if family(a).megatron_names)
+        raise ValueError(f"trainer spec '{label}': {fam.architecture} has no Megatron-Core names "
+                         f"(MEGATRON_NAMES in {fam.module}); families with them: "
+                         f"{', '.join(having)}")
+    s = fam.sizes(config)
+    try:
+        par = mspec.layers_for(s.layers)
+    except MegatronLayoutError as e:
+        raise ValueError(f"trainer spec '{label}': {e}") from None
+    rules = _Rules(par, tuple(fam.megatron_names),
+                   (("nh", s.nh), ("ng", s.nkv), ("hd", s.hd)), fam.architecture, fam.module)
+    return lambda name: _WireKey(name, rules)
+
+
+def layout_of_key(key: Any, shape: tuple[int, ...], label: str):
+    """The ``PieceLayout`` of the wire tensor ``key`` names (``TrainerSpec.layout_for``).
+
+    Raises:
+        ValueError: ``key`` is not from :func:`megatron_wire_rules`; see there.
+    """
+    if not isinstance(key, _WireKey):
+        raise ValueError(f"trainer spec '{label}': layout_for needs tp_dim=<tp_dims(config)"
+                         f"(name)>, got {key!r}")
+    try:
+        return key.rules.layout(key.name, tuple(shape))
+    except MegatronLayoutError as e:
+        raise ValueError(f"trainer spec '{label}': {e}") from None
+
+
+def world_of(mspec: MegatronSpec) -> tuple[int, int, int]:
+    """``(pp, dp, tp)``: the spec's mesh (row-major rank = ``tp_r + tp*(dp_r + dp*pp_r)``)."""
+    p = mspec.par
+    return (p.pp, p.dp, p.tp)
+

@@ -1,0 +1,179 @@
+"""Process helpers for the Megatron-Core tests: real GPTModels built and loaded through Bridge.
+
+One launch of ``world`` gloo processes runs many (model, layout) cases in
+sequence, re-initialising megatron-core's parallel state between them (the
+stack is imported once per process: tens of seconds on a loaded machine).
+Layouts: ``tp``, ``pp``, ``vpp``, ``ep``, ``etp`` and uneven first/last
+pipeline stages; the data-parallel size is what the world leaves. Each
+rank writes, per case, the manifest ``megatron_source`` declared and its
+local tensors; the parent process checks them against the HF checkpoint and
+vLLM's reference loaders.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One (model, layout) case."""
+
+    label: str
+    ckpt: str
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    ep: int = 1
+    etp: int | None = None
+    first: int | None = None   # num_layers_in_first_pipeline_stage
+    last: int | None = None    # num_layers_in_last_pipeline_stage
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_megatron(c: Layout) -> None:
+    """(Re)initialise megatron-core's model-parallel groups on the live gloo world."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=c.tp, pipeline_model_parallel_size=c.pp,
+        virtual_pipeline_model_parallel_size=c.vpp if c.vpp > 1 else None,
+        expert_model_parallel_size=c.ep, expert_tensor_parallel_size=c.etp)
+    # CPU: the inference RNG tracker's fork() needs no CUDA RNG state
+    model_parallel_cuda_manual_seed(0, inference_rng_tracker=True, force_reset_rng=True)
+
+
+def build_model(c: Layout):
+    """``(bridge, model chunks)``: the checkpoint built and loaded through Bridge, local layer spec."""
+    from megatron.bridge import AutoBridge
+    from megatron.bridge.models.gpt_provider import local_layer_spec
+
+    bridge = AutoBridge.from_hf_pretrained(c.ckpt)
+    provider = bridge.to_megatron_provider(load_weights=False)
+    provider.tensor_model_parallel_size = c.tp
+    provider.pipeline_model_parallel_size = c.pp
+    provider.virtual_pipeline_model_parallel_size = c.vpp if c.vpp > 1 else None
+    provider.num_layers_in_first_pipeline_stage = c.first
+    provider.num_layers_in_last_pipeline_stage = c.last
+    provider.expert_model_parallel_size = c.ep
+    provider.expert_tensor_parallel_size = (c.etp or c.tp) if provider.num_moe_experts else None
+    provider.sequence_parallel = False
+    provider.transformer_layer_spec = local_layer_spec  # no TransformerEngine on CPU
+    if provider.num_moe_experts:
+        provider.moe_token_dispatcher_type = "allgather"  # alltoall touches CUDA streams
+    for flag in ("moe_permute_fusion", "moe_grouped_gemm", "gradient_accumulation_fusion",
+                 "masked_softmax_fusion", "bias_activation_fusion", "persist_layer_norm",
+                 "apply_rope_fusion"):
+        setattr(provider, flag, False)
+    provider.use_cpu_initialization = True
+    provider.pipeline_dtype = torch.bfloat16
+    provider.finalize()
+    model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
+    bridge.load_hf_weights(model)
+    return bridge, model
+
+
+def dump_source(c: Layout, rank: int, out: Path) -> None:
+    """Build the case, make ``megatron_source``, write its manifest and local tensors."""
+    import torch.distributed as dist
+
+    from m2nkit.adapters import megatron_source
+    from m2nkit.manifest import manifest_to_json
+
+    init_megatron(c)
+    bridge, model = build_model(c)
+    src = megatron_source(model, config=bridge.hf_pretrained.config)
+    local = [(n, t.clone()) for n, t in src.iter_local()]
+    torch.save({"manifest": manifest_to_json(src.metadata, dist.get_world_size()),
+                "locals": local}, out / f"{c.label}.r{rank}.pt")
+    dist.barrier()
+
+
+def rank_main(rank: int, world: int, port: int, work, out: str, timeout_s: float) -> None:
+    """One trainer process: ``work(rank, out_path)``; on failure write the traceback and exit 1."""
+    from m2nkit.adapters.megatron.compat import enable_cpu
+
+    enable_cpu()
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=timeout_s))
+    outp = Path(out)
+    try:
+        work(rank, outp)
+    except BaseException:
+        (outp / f"error.r{rank}.txt").write_text(traceback.format_exc())
+        raise
+    finally:
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def run_layouts(cases, rank: int, out: Path) -> None:
+    """``work`` for :func:`launch`: :func:`dump_source` for every case in order."""
+    for c in cases:
+        dump_source(c, rank, out)
+
+
+def launch(world: int, work, out: Path, timeout_s: float) -> float:
+    """Run ``world`` ranks of ``work(rank, out)`` (a picklable callable); wall seconds.
+
+    Raises:
+        AssertionError: a rank failed (its traceback), hung past ``timeout_s``
+            (killed) or exited non-zero.
+    """
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    start = time.monotonic()
+    procs = [ctx.Process(target=rank_main, args=(r, world, port, work, str(out), timeout_s),
+                         daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = start + timeout_s
+    try:
+        for p in procs:
+            p.join(max(0.1, deadline - time.monotonic()))
+    finally:
+        alive = [p for p in procs if p.is_alive()]
+        for p in alive:
+            p.kill()
+        for p in procs:
+            p.join()
+    errors = sorted(out.glob("error.r*.txt"))
+    if errors:
+        raise AssertionError(f"{errors[0].name}:\n{errors[0].read_text()[-4000:]}")
+    if alive:
+        raise AssertionError(f"ranks {[procs.index(p) for p in alive]} still running after "
+                             f"{timeout_s} s")
+    bad = [r for r, p in enumerate(procs) if p.exitcode != 0]
+    if bad:
+        raise AssertionError(f"ranks {bad} exited with {[procs[r].exitcode for r in bad]}")
+    return time.monotonic() - start

@@ -1,0 +1,155 @@
+"""Megatron-Core layout rules and the ``megatron:`` dry-run spec (fast; no megatron import).
+
+The rules are checked against tensors built independently the way
+megatron-core lays them out (fused QKV interleaved per query group, then
+``torch.chunk`` over tp, as ``ColumnParallelLinear`` splits rows; ``[gate_r;
+up_r]``), not against the code under test. The spec plans the real configs
+of examples/configs at bytes moved == minimum.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from m2nkit.adapters.megatron.layout import (MegatronLayoutError, MegatronParallel,
+                                             fc1_row_runs, local_expert_range, padded_vocab_size,
+                                             qkv_row_runs, stage_layers, vocab_rows)
+
+EXAMPLES = "examples/configs"
+
+
+def _fused_qkv(q, k, v, ng, gate=None):
+    """Megatron's full linear_qkv: per group [q_g; (gate_g;) k_g; v_g] (attention.py)."""
+    parts = [q.view(ng, -1, q.shape[1])]
+    if gate is not None:
+        parts.append(gate.view(ng, -1, q.shape[1]))
+    parts += [k.view(ng, -1, k.shape[1]), v.view(ng, -1, v.shape[1])]
+    return torch.cat(parts, dim=1).reshape(-1, q.shape[1])
+
+
+@pytest.mark.parametrize("nh,ng,hd,tp,gate", [(8, 2, 4, 2, False), (8, 2, 4, 4, False),
+                                              (8, 2, 4, 8, False), (8, 8, 2, 4, False),
+                                              (4, 1, 4, 4, False), (8, 2, 4, 4, True),
+                                              (6, 3, 2, 4, False)])
+def test_qkv_runs_pick_the_rows_megatron_holds(nh, ng, hd, tp, gate):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(nh * hd, 3, generator=g)
+    k = torch.randn(ng * hd, 3, generator=g)
+    v = torch.randn(ng * hd, 3, generator=g)
+    gt = torch.randn(nh * hd, 3, generator=g) if gate else None
+    fused = _fused_qkv(q, k, v, ng, gt)
+    if fused.shape[0] % tp:
+        with pytest.raises(MegatronLayoutError, match="not divisible by"):
+            qkv_row_runs(nh, ng, hd, tp, 0, gate=gate)
+        return
+    whole = {"q": q, "k": k, "v": v, "gate": gt}
+    covered = {p: torch.zeros(t.shape[0], dtype=torch.int) for p, t in whole.items()
+               if t is not None}
+    for r, local in enumerate(fused.chunk(tp)):
+        at = 0
+        for run in qkv_row_runs(nh, ng, hd, tp, r, gate=gate):
+            n = run.stop - run.start
+            assert run.local == at  # runs tile the local tensor in order
+            assert torch.equal(local[run.local:run.local + n], whole[run.part][run.start:run.stop])
+            covered[run.part][run.start:run.stop] += 1
+            at += n
+        assert at == local.shape[0]
+    assert all(bool((c == 1).all()) for c in covered.values())
+
+
+def test_fc1_runs_are_gate_then_up_of_the_rank():
+    gate, up = torch.randn(12, 2), torch.randn(12, 2)
+    for tp in (1, 2, 3, 4):
+        for r in range(tp):
+            local = torch.cat([gate.chunk(tp)[r], up.chunk(tp)[r]])  # GatedMLPMapping's layout
+            for run in fc1_row_runs(12, tp, r):
+                src = gate if run.part == "gate" else up
+                n = run.stop - run.start
+                assert torch.equal(local[run.local:run.local + n], src[run.start:run.stop])
+    with pytest.raises(MegatronLayoutError, match="ffn_hidden_size / tp: 12 is not divisible by 5"):
+        fc1_row_runs(12, 5, 0)
+
+
+def test_vocab_padding_and_experts():
+    assert padded_vocab_size(128256, 128, 8) == 129024  # Llama-3: ceil(V/1024)*1024
+    assert padded_vocab_size(200, 1, 4) == 200
+    Vp = padded_vocab_size(200, 128, 2)                 # 256: rank 1 holds 72 real rows
+    assert [vocab_rows(200, Vp, 2, r) for r in range(2)] == [(0, 128), (128, 200)]
+    assert vocab_rows(10, 16, 4, 3) == (10, 10)         # only padding: no piece
+    assert list(local_expert_range(128, 8, 3)) == list(range(48, 64))
+
+
+def test_stage_layers_follow_get_transformer_layer_offset():
+    assert stage_layers(8, 2) == (((0, 1, 2, 3),), ((4, 5, 6, 7),))
+    # vpp: chunk v of stage p starts at v*L/vpp + p*L/(pp*vpp)
+    assert stage_layers(8, 2, 2) == (((0, 1), (4, 5)), ((2, 3), (6, 7)))
+    assert stage_layers(6, 3, first=1, last=1) == (((0,),), ((1, 2, 3, 4),), ((5,),))
+    with pytest.raises(MegatronLayoutError, match="middle stages need an equal share"):
+        stage_layers(7, 3)
+
+
+def test_grid_is_megatron_default_order():
+    par = MegatronParallel(tp=2, pp=2, ep=2)  # etp = tp = 2, so dp = 2
+    assert (par.etp, par.dp, par.edp, par.world) == (2, 2, 1, 8)
+    assert par.dense_holders(1, 1) == (5, 7)       # tp_r + tp*(dp_r + dp*pp_r)
+    assert par.expert_holders(0, 1, 0) == (2,)     # etp_r + etp*(ep_r + ep*(edp_r + edp*pp_r))
+    with pytest.raises(MegatronLayoutError, match="not divisible by etp\\*ep"):
+        MegatronParallel(tp=2, ep=4, dp=1)
+
+
+def _plan(config, trainer, inference):
+    from m2nkit.adapters.hf_checkpoint import checkpoint_metas, read_checkpoint
+    from m2nkit.adapters.trainer_spec import parse_trainer_spec
+    from m2nkit.adapters.vllm import destination_layout
+    from m2nkit.engine.plan import build_plan
+
+    ckpt = read_checkpoint(f"{EXAMPLES}/{config}/config.json")
+    tspec = parse_trainer_spec(trainer)
+    metas = checkpoint_metas(ckpt, tspec)
+    return tspec, metas, build_plan(metas, tspec.num_ranks, destination_layout(
+        ckpt.config, metas, inference))
+
+
+@pytest.mark.parametrize("config,trainer,inference,ranks", [
+    ("meta-llama__Llama-3.1-70B", "megatron:tp=8,pp=4", "vllm:tp=8", 32),
+    ("Qwen__Qwen3-235B-A22B", "megatron:tp=4,pp=8,ep=8", "vllm:tp=8,ep", 256),
+    ("mistralai__Mixtral-8x7B-v0.1", "megatron:tp=2,pp=2,vpp=2,ep=4,etp=1", "vllm:tp=4", 8),
+])
+def test_dry_run_plans_real_configs_at_the_minimum(config, trainer, inference, ranks):
+    t0 = time.perf_counter()
+    tspec, metas, plan = _plan(config, trainer, inference)
+    assert time.perf_counter() - t0 < 60  # seconds on a loaded machine (about 1 s idle)
+    assert tspec.num_ranks == ranks
+    assert plan.problems == []
+    assert plan.nbytes_moved == plan.nbytes_min
+    by = {m.name: m for m in metas}
+    if "Llama" in config:  # layer 79 on the last stage: ranks 24..31
+        assert {p.rank for p in by["model.layers.79.mlp.down_proj.weight"].pieces} == set(
+            range(24, 32))
+        assert {p.rank for p in by["model.embed_tokens.weight"].pieces} == set(range(8))
+    if "235B" in config:  # 94 layers over 8 stages: 11, 12 x 6, 11
+        assert min(p.rank for p in by["model.layers.10.mlp.gate.weight"].pieces) < 32
+        assert min(p.rank for p in by["model.layers.11.mlp.gate.weight"].pieces) >= 32
+
+
+@pytest.mark.parametrize("spec,match", [
+    ("megatron:tp=2,vpp=2", "vpp > 1 needs pp > 1"),
+    ("megatron:tp=2,cp=2", "size 'cp' is not supported"),
+    ("megatron:tp=x", "is not a positive integer"),
+    ("megatron:tp=2,ep=4,dp=1", "not divisible by etp\\*ep"),
+])
+def test_bad_specs_are_refused_with_the_rule(spec, match):
+    from m2nkit.adapters.trainer_spec import parse_trainer_spec
+
+    with pytest.raises(ValueError, match=match):
+        parse_trainer_spec(spec)
+
+
+def test_split_the_model_cannot_take_names_the_value():
+    with pytest.raises(ValueError, match="linear_qkv rows .* / tp: .* not divisible by 3"):
+        _plan("meta-llama__Llama-3.1-70B", "megatron:tp=3,pp=4", "vllm:tp=8")
+    with pytest.raises(ValueError, match="has no Megatron-Core names"):
+        _plan("google__gemma-2-2b-it", "megatron:tp=2", "vllm:tp=2")
