@@ -390,6 +390,11 @@ def _load_config(config_path: Path):
         )
     data = _peek(config_path)
     archs = data.get("architectures")
+    if archs is not None and (not isinstance(archs, list)
+                              or not all(isinstance(a, str) for a in archs)):
+        # before transformers, whose own refusal (5.12) does not say what would be valid
+        raise CheckpointError(f"{config_path}: 'architectures' must be a list of class names "
+                              f"like [\"{supported_architectures()[0]}\"], got {archs!r}")
     if isinstance(archs, list) and archs and isinstance(archs[0], str):
         _check_supported(archs[0], config_path)  # before transformers is imported
     model_type = data.get("model_type")
