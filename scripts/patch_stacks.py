@@ -1,8 +1,8 @@
 """Setup-time edits of installed framework files, for what no runtime shim can reach.
 
-Only one is left; everything else the CPU stack needs is the real dependency
-(triton, in scripts/stacks/megatron-runtime.txt) or a runtime shim in
-``m2nkit.adapters.megatron.compat``. It is idempotent (a patched file is
+Only one is left; everything else the CPU stack needs is a runtime shim in
+``m2nkit.adapters.megatron.compat`` (which also says why triton, the real
+dependency behind one of them, is not installed). It is idempotent (a patched file is
 recognised by its marker and left alone), refuses to guess (the original text
 must occur exactly once), and ``tests/integration/test_stacks.py`` checks it.
 

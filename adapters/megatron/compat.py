@@ -24,9 +24,18 @@ in shared/tools/megatron_stack/README.txt):
   :func:`enable_cpu` makes ``Tensor.cuda()`` leave the tensor where it is,
   which is what a gloo all-reduce needs.
 
-Two more obstacles are not shims: triton is installed (megatron-core imports
-it unguarded), and one import in Bridge's ``peft/lora_layers.py`` is guarded
-at setup (scripts/patch_stacks.py says why that one cannot be a shim).
+* megatron-core imports triton unguarded for its MoE paged-stash GPU kernels
+  (``transformer/moe/paged_stash.py`` -> ``moe/ops/paged_stash.py``). The real
+  triton package would import on CPU, but torch then imports it in every
+  process (``torch._dynamo`` probes for it) and triton's bindings print
+  "nanobind: leaked ... instances" at every interpreter exit, m2nkit's CLI
+  included. So without triton :func:`enable_cpu` registers that one kernel
+  module: ``GLOBAL_BLOCK_SIZE`` as megatron-core 0.19.2 defines it (1024) and
+  kernels that refuse to launch. Paged stashing is a GPU memory feature that
+  is off unless configured.
+
+One import in Bridge's ``peft/lora_layers.py`` is guarded at setup instead
+(scripts/patch_stacks.py says why that one cannot be a shim).
 The causal mask megatron-core builds by default lives on CUDA: a CPU forward
 passes an explicit ``attention_mask``.
 """
@@ -64,3 +73,30 @@ def enable_cpu() -> None:
         return
     torch.cuda.current_device = lambda: "cpu"
     torch.Tensor.cuda = _stay
+    _stand_in_paged_stash_kernels()
+
+
+class _NoKernel:
+    """A triton kernel that is not there: launching it (``kernel[grid](...)``) raises."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __getitem__(self, grid):
+        raise RuntimeError(f"megatron-core's {self.name} is a triton GPU kernel; this process "
+                           "runs on CPU without triton (m2nkit.adapters.megatron.compat)")
+
+
+def _stand_in_paged_stash_kernels() -> None:
+    import importlib.util
+    import sys
+    import types
+
+    name = "megatron.core.transformer.moe.ops.paged_stash"
+    if name in sys.modules or importlib.util.find_spec("triton") is not None:
+        return
+    module = types.ModuleType(name, "CPU stand-in (m2nkit.adapters.megatron.compat): no triton")
+    module.GLOBAL_BLOCK_SIZE = 1024  # megatron-core 0.19.2 moe/ops/paged_stash.py
+    module.paged_stash_copy_kernel = _NoKernel("paged_stash_copy_kernel")
+    module.paged_stash_pop_kernel = _NoKernel("paged_stash_pop_kernel")
+    sys.modules[name] = module
