@@ -80,9 +80,26 @@ def test_manifest_imports_neither_adapters_nor_engine():
     assert not _violations(_modules("manifest"), ["m2nkit.adapters", "m2nkit.engine"])
 
 
+#: The vLLM plugin: vLLM's WeightTransferEngine around the runtime's receiver, so it
+#: sits above the runtime (like the tools) although it lives with the vLLM adapter.
+PLUGIN = ROOT / "adapters" / "vllm" / "plugin.py"
+
+
 def test_adapters_import_nothing_from_the_engine():
     assert _modules("adapters")
-    assert not _violations(_modules("adapters"), ["m2nkit.engine"])
+    others = [p for p in _modules("adapters") if p != PLUGIN]
+    assert not _violations(others, ["m2nkit.engine"])
+    # The plugin may use the runtime, never the tools.
+    assert not _violations([PLUGIN], list(TOOLS))
+
+
+def test_only_the_plugin_imports_vllm():
+    """vLLM is imported by adapters/vllm/plugin.py alone; only the tools import the plugin."""
+    package = _modules("manifest") + _modules("adapters") + _modules("engine")
+    assert not _violations([p for p in package if p != PLUGIN], ["vllm"])
+    assert "vllm.distributed.weight_transfer.factory" in _imports(PLUGIN)
+    users = _violations(package, ["m2nkit.adapters.vllm.plugin"])
+    assert set(users) <= {str((ROOT / "engine" / "tools" / "demo_vllm.py").relative_to(ROOT))}
 
 
 def test_runtime_imports_no_adapter_and_no_tool():

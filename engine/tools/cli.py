@@ -122,7 +122,17 @@ def _precheck(args) -> None:
         value = getattr(args, flag, 1.0)
         if not (value > 0 and math.isfinite(value)):  # also refuses NaN and inf
             raise UserError(f"--{flag.replace('_', '-')} must be a finite number > 0, got {value}")
-    tspec = importlib.import_module("m2nkit.adapters.trainer_spec").parse_trainer_spec(args.trainer)
+    if _is_bridge_demo(args):   # Megatron-Bridge trainers (engine/tools/demo_bridge.py)
+        tspec = importlib.import_module("m2nkit.engine.tools.demo_bridge").parse_bridge_spec(
+            args.trainer)
+    else:
+        tspec = importlib.import_module("m2nkit.adapters.trainer_spec").parse_trainer_spec(
+            args.trainer)
+    if getattr(args, "bridge_mode", None) and not _is_bridge_demo(args):
+        raise UserError(f"--bridge-mode needs a bridge: trainer (--trainer bridge:tp=2,pp=2), "
+                        f"got --trainer {args.trainer}")
+    if _is_bridge_demo(args) and args.receiver != "stand-in":
+        raise UserError("--trainer bridge:... runs with --receiver stand-in only")
     ispec = importlib.import_module("m2nkit.adapters.vllm.spec").parse_inference_spec(args.inference)
     if args.command == "plan":
         if args.dump is not None and not args.verify:
@@ -140,6 +150,10 @@ def _precheck(args) -> None:
                         "for larger layouts)")
     if Path(args.model).is_dir():
         _check_architecture(args.model, "--model")
+
+
+def _is_bridge_demo(args) -> bool:
+    return args.command == "demo" and args.trainer.strip().lower().startswith("bridge:")
 
 
 # --------------------------------------------------------------------------
@@ -602,11 +616,26 @@ def _demo_here(args) -> int:
 def _run_demo(args, log):
     from m2nkit.engine.tools.demo import run_demo
 
+    if getattr(args, "receiver", "stand-in") == "vllm":   # real vLLM workers (demo_vllm.py)
+        from m2nkit.engine.tools.demo_vllm import run_vllm_demo, vllm_available
+
+        if not vllm_available():
+            raise ValueError("--receiver vllm needs vLLM installed beside m2nkit (pip install "
+                             "vllm); --receiver stand-in runs without it")
+        return run_vllm_demo(args.model, args.trainer, args.inference, rounds=args.rounds,
+                             timeout_s=args.timeout, workdir=args.workdir, log=log)
     log("loading torch and transformers")
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    if _is_bridge_demo(args):                              # Megatron-Bridge trainers
+        from m2nkit.engine.tools.demo_bridge import run_bridge_demo
+
+        return run_bridge_demo(args.model, args.trainer, args.inference,
+                               mode=args.bridge_mode or "tasks", rounds=args.rounds,
+                               timeout_s=args.timeout, bucket_bytes=int(args.bucket_mib * (1 << 20)),
+                               workdir=args.workdir, log=log)
     return run_demo(args.model, args.trainer, args.inference, rounds=args.rounds,
                     timeout_s=args.timeout, bucket_bytes=int(args.bucket_mib * (1 << 20)),
                     workdir=args.workdir, baseline=args.baseline, log=log)
@@ -673,9 +702,12 @@ def _supervise_demo(args) -> int:
     cmd = [sys.executable, "-m", "m2nkit.engine.tools.cli", "demo", "--model", args.model,
            "--trainer", args.trainer, "--inference", args.inference,
            "--rounds", str(args.rounds), "--timeout", repr(args.timeout),
-           "--bucket-mib", repr(args.bucket_mib), "--driver", "--workdir", workdir]
+           "--bucket-mib", repr(args.bucket_mib), "--driver", "--workdir", workdir,
+           "--receiver", args.receiver]
     if not args.baseline:
         cmd.append("--no-baseline")
+    if args.bridge_mode:
+        cmd += ["--bridge-mode", args.bridge_mode]
     proc = None
     try:
         sys.stdout.flush()
@@ -807,7 +839,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--trainer", default="fsdp:4",
                       help="replicated:N, fsdp:N, hsdp:R,S (trainers holding checkpoint shards), or "
                            "fsdp2:dp_shard=N[,dp_replicate=R][,tp=T] (real FSDP2 trainers taking an "
-                           "AdamW step each round) (default fsdp:4)")
+                           "AdamW step each round), or bridge:tp=T,pp=P[,ep=E] (Megatron-Bridge "
+                           "trainers, see --bridge-mode) (default fsdp:4)")
     demo.add_argument("--inference", default="vllm:tp=2,dp=1", help="vllm:tp=T[,dp=D][,ep][,placement=P][,all2all=B][,dtype=X] "
                            "(default vllm:tp=2,dp=1)")
     demo.add_argument("--rounds", type=int, default=2, help="update rounds, weights changed each round (default 2)")
@@ -816,6 +849,14 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-baseline", dest="baseline", action="store_false",
                       help="skip the gather-then-broadcast comparison run after the rounds "
                            "(the slowest part)")
+    demo.add_argument("--receiver", choices=("stand-in", "vllm"), default="stand-in",
+                      help="stand-in: m2nkit's own vLLM-layout storage (default, no vLLM needed); "
+                           "vllm: real vLLM model objects on CPU, m2nkit's engine created by "
+                           "vLLM's factory, checked against a fresh vLLM load (needs vLLM)")
+    demo.add_argument("--bridge-mode", choices=("tasks", "export"), default=None,
+                      help="with --trainer bridge:tp=T,pp=P[,ep=E] (Megatron-Bridge trainers): "
+                           "bridge_source's mode, tasks (local shards, default) or export "
+                           "(Bridge's export_hf_weights)")
     # Internal: how the supervisor starts the driver (see _supervise_demo).
     demo.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)
     demo.add_argument("--workdir", help=argparse.SUPPRESS)

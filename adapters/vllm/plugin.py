@@ -1,0 +1,631 @@
+"""m2nkit inside vLLM: the ``"m2nkit"`` weight-transfer backend, as a vLLM plugin.
+
+vLLM 0.33.0 builds its worker-side weight-transfer engine from
+``--weight-transfer-config '{"backend": NAME}'`` through a registry
+(``vllm/distributed/weight_transfer/factory.py``:
+``WeightTransferEngineFactory.register_engine(name, module, class)``, then
+``create_engine(config, vllm_config, device, model)`` in each worker,
+``v1/worker/gpu_worker.py``), and its trainer side through a twin registry
+keyed by ``TrainerInitInfo.backend`` (``WeightTransferTrainerFactory``; the
+name the issue text gives, ``TrainerWeightTransferEngineFactory``, does not
+exist in 0.33.0). vLLM runs every entry point of the ``vllm.general_plugins``
+group in each of its processes (``vllm/plugins/__init__.py``,
+``load_general_plugins``); m2nkit's ``pyproject.toml`` points that group at
+:func:`register`, which puts ``"m2nkit"`` in both registries. So, with
+m2nkit installed beside vLLM::
+
+    VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --tensor-parallel-size 2 \\
+        --weight-transfer-config '{"backend": "m2nkit"}'
+
+(``VLLM_SERVER_DEV_MODE=1`` mounts the weight-transfer HTTP routes,
+``vllm/entrypoints/launchers/api_server/routers.py``).
+
+The worker engine, :class:`M2NVLLMEngine`, is a thin adapter from vLLM's
+``WeightTransferEngine`` to m2nkit's ``M2NReceiver``: the receiver writes
+each slab straight into the **live** parameters of the model vLLM hands the
+engine (never re-allocated, so their addresses, which CUDA graphs hold,
+stay). What the adapter adds is what only the live model can tell:
+
+* the destination spec (tp, dp, ep, expert placement, all2all backend,
+  dtype) is read from ``vllm_config``, not typed twice;
+* before any byte moves, every parameter m2nkit's tables declare for this
+  worker is resolved against ``model.named_parameters()`` (name, local
+  shape, dtype), every live parameter must be declared, and every alias the
+  tables name must really share storage; any difference is refused on every
+  rank of the session, naming the parameter and both shapes;
+* after a complete round it runs what vLLM runs after loading weights that
+  do not go through ``load_weights``: the post-load step of each attention
+  layer (MLA's derived ``W_UK``/``W_UV``), as ``finalize_layerwise_reload``
+  does at its end (``vllm/model_executor/model_loader/reload/layerwise.py``,
+  ``_finalize_attention_layer``; ``model_loader/utils.py``
+  ``process_weights_after_loading``).
+
+It refuses quantized models: vLLM post-processes their weights into kernel
+formats (``quant_method.process_weights_after_loading``) that m2nkit's
+loader-format writes would bypass. vLLM's own ``nccl_m2n`` engine makes the
+same cut (``weight_transfer/m2n_engine.py``: ``allow_direct`` only without
+quantization and without pipeline parallelism).
+
+This is the only module of m2nkit that imports vLLM. Its second half,
+:func:`build_cpu_worker` and :class:`StandInGroups`, builds a real vLLM
+model on CPU in a process without ``torch.distributed`` (vLLM's parallel
+state set to stand-in groups that only carry sizes and ranks), for the
+tests and ``m2nkit demo --receiver vllm``; a vLLM server never calls it.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import WeightTransferEngine
+from vllm.distributed.weight_transfer.factory import (
+    WeightTransferEngineFactory,
+    WeightTransferTrainerFactory,
+)
+
+from m2nkit.adapters.vllm.builder import vllm_destination
+from m2nkit.adapters.vllm.dtype import model_dtype
+from m2nkit.adapters.vllm.spec import ALL2ALL_BACKENDS, InferenceSpec
+from m2nkit.engine.deadline import Deadline
+from m2nkit.engine.receiver import M2NReceiver, M2NUpdateInfo
+from m2nkit.engine.session import InitPayload, plan_from_manifest
+from m2nkit.engine.transports.torch_p2p import PlanMismatchError, agree_on_plan, create_group
+
+__all__ = ["BACKEND", "register", "M2NVLLMEngine", "inference_spec_of", "worker_index_of",
+           "live_model_problems", "StandInGroups", "build_cpu_worker", "load_checkpoint",
+           "fresh_load", "parameters_of", "create_engine", "set_current_config",
+           "receive_mode", "MODE_ENV"]
+
+#: The backend name, in ``--weight-transfer-config '{"backend": "m2nkit"}'`` and
+#: ``M2NTrainerInitInfo.backend``.
+BACKEND = "m2nkit"
+
+_LIST_AT_MOST = 8   # problems quoted in one refusal
+
+
+def register() -> None:
+    """Register ``"m2nkit"`` with both of vLLM's weight-transfer registries.
+
+    The ``vllm.general_plugins`` entry point; vLLM may call it several
+    times in one process (``load_general_plugins`` says plugins must allow
+    it), so a second call does nothing. Registration is by module path, so
+    nothing of m2nkit's engine is imported until vLLM builds an engine.
+    """
+    for factory, module, cls in (
+            (WeightTransferEngineFactory, __name__, "M2NVLLMEngine"),
+            (WeightTransferTrainerFactory, "m2nkit.engine.trainer", "M2NTrainerEngine")):
+        try:
+            factory.register_engine(BACKEND, module, cls)
+        except ValueError:      # "already registered": vLLM loaded the plugin before
+            pass
+
+
+# --------------------------------------------------------------------------
+# vLLM's config -> m2nkit's destination
+
+
+def inference_spec_of(vllm_config: Any) -> InferenceSpec:
+    """The m2nkit spec of the layout a vLLM config gives its workers.
+
+    tp, dp, ep, expert placement and all2all backend come from
+    ``vllm_config.parallel_config`` (``tensor_parallel_size``,
+    ``data_parallel_size``, ``enable_expert_parallel``,
+    ``expert_placement_strategy``, ``all2all_backend``); the dtype from
+    ``model_config.dtype``, written ``auto`` when m2nkit's reading of vLLM's
+    ``auto`` rule gives the same dtype (so a trainer that wrote
+    ``vllm:tp=2`` matches a server started without ``--dtype``).
+
+    Raises:
+        ValueError: pipeline parallelism (``pipeline_parallel_size > 1``), an
+            all2all backend this m2nkit does not know.
+    """
+    pc, mc = vllm_config.parallel_config, vllm_config.model_config
+    if pc.pipeline_parallel_size != 1:
+        raise ValueError(f"m2nkit does not plan for pipeline parallelism; this vLLM runs "
+                         f"pipeline_parallel_size={pc.pipeline_parallel_size} (use 1)")
+    all2all = str(pc.all2all_backend)
+    if all2all not in ALL2ALL_BACKENDS:
+        raise ValueError(f"vLLM all2all_backend {all2all!r} is unknown to m2nkit "
+                         f"(knows {', '.join(ALL2ALL_BACKENDS)})")
+    dtype = str(mc.dtype).replace("torch.", "")
+    try:
+        if model_dtype(mc.hf_config, "auto").dtype == mc.dtype:
+            dtype = "auto"
+    except ValueError:
+        pass                # auto is ambiguous for this config: name the dtype
+    return InferenceSpec(tp=pc.tensor_parallel_size, dp=pc.data_parallel_size,
+                         ep=bool(pc.enable_expert_parallel),
+                         placement=str(pc.expert_placement_strategy), all2all=all2all,
+                         dtype=dtype)
+
+
+def worker_index_of(vllm_config: Any) -> int:
+    """This worker's index ``dp_index * tp + tp_rank`` (m2nkit's ``worker``).
+
+    vLLM's own rule for a worker's rank in a trainer-to-worker group is
+    ``rank_offset + data_parallel_index * world_size + rank`` with
+    ``world_size = tp * pp`` (``weight_transfer/nccl_common.py``,
+    ``_worker_group_rank``); with ``pp = 1`` that is this index plus the
+    number of trainer ranks.
+    """
+    pc = vllm_config.parallel_config
+    return pc.data_parallel_index * pc.world_size + pc.rank
+
+
+def live_model_problems(model: torch.nn.Module, layout: Any, worker: int) -> list[str]:
+    """How a live vLLM model differs from m2nkit's layout for ``worker`` (empty: it fits).
+
+    Three checks, each naming the parameter:
+
+    * every parameter the layout declares for ``worker`` exists in
+      ``model.named_parameters(remove_duplicate=False)`` with the declared
+      local shape and dtype (both shapes quoted when not);
+    * every live parameter is declared (or is a declared alias): one the
+      tables do not know would never be updated;
+    * every alias the layout declares (a tied ``lm_head.weight``) is the
+      same storage as its target in the live model.
+
+    Args:
+        layout: a ``DestinationLayout`` (``params``, ``aliases``).
+    """
+    live = dict(model.named_parameters(remove_duplicate=False))
+    mine = {p.name: p for p in layout.params if p.worker == worker}
+    out: list[str] = []
+    for name, p in mine.items():
+        t = live.get(name)
+        if t is None:
+            out.append(f"parameter '{name}' {list(p.shape)} {_dt(p.dtype)}: m2nkit's table "
+                       "declares it, vLLM's model has no such parameter")
+        elif tuple(t.shape) != tuple(p.shape) or t.dtype != p.dtype:
+            out.append(f"parameter '{name}': vLLM's model holds {list(t.shape)} {_dt(t.dtype)}, "
+                       f"m2nkit's table declares {list(p.shape)} {_dt(p.dtype)}")
+    aliases = {a: t for a, t in layout.aliases.items() if t in mine}
+    for name, t in live.items():
+        if name not in mine and name not in aliases:
+            out.append(f"parameter '{name}' {list(t.shape)} {_dt(t.dtype)} of vLLM's model is "
+                       "not in m2nkit's table: it would never be updated")
+    for alias, target in aliases.items():
+        a, b = live.get(alias), live.get(target)
+        if a is not None and b is not None and a.data_ptr() != b.data_ptr():
+            out.append(f"parameter '{alias}': m2nkit's table ties it to '{target}', but vLLM's "
+                       "model holds them in separate storage")
+    return out
+
+
+def _dt(d: torch.dtype) -> str:
+    return str(d).replace("torch.", "")
+
+
+# --------------------------------------------------------------------------
+# the worker engine
+
+
+@dataclass
+class _Identity:
+    worker: int
+    tp_rank: int
+    dp_index: int
+
+    def __str__(self) -> str:
+        return f"worker {self.worker} (vLLM dp index {self.dp_index}, tp rank {self.tp_rank})"
+
+
+class M2NVLLMEngine(WeightTransferEngine):
+    """vLLM's worker-side ``WeightTransferEngine`` for backend ``"m2nkit"``.
+
+    vLLM builds it in each worker after loading the model
+    (``WeightTransferEngineFactory.create_engine(config, vllm_config, device,
+    model)``) and calls it from the weight-transfer routes:
+    ``parse_init_info`` + ``init_transfer_engine`` (``/init_weight_transfer_engine``),
+    ``start_weight_update``, ``update_weights`` (the round's receive; returns
+    when every rank's verdict is in), ``finish_weight_update`` (commit),
+    ``shutdown``. The init payload and update info are m2nkit's
+    (``InitPayload``, ``{"round": k, "version": v}``), sent by
+    ``M2NTrainerEngine`` through any ``VLLMWeightSyncClient`` (vLLM's
+    ``HTTPVLLMWeightSyncClient`` or ``RayVLLMWeightSyncClient``).
+
+    Receiving: the live parameters are the receiver's target, in the mode
+    :func:`receive_mode` reads (``in_place`` unless ``M2NKIT_RECEIVE_MODE=staged``).
+    With a gloo
+    group (trainers on CPU, or sharing this GPU) the receive buffers are on
+    the CPU and each slab is copied into the parameter; with an nccl group
+    they are on ``device``.
+
+    Attributes:
+        spec: the destination spec read from ``vllm_config``
+            (:func:`inference_spec_of`).
+        worker: this worker's index (:func:`worker_index_of`).
+        weight_version: the last committed version (``None`` before one).
+
+    Raises (construction):
+        ValueError: pipeline parallelism, or a model family m2nkit has no
+            table for (names the architecture).
+    """
+
+    init_info_cls = InitPayload
+    update_info_cls = M2NUpdateInfo
+    #: The destination is resolved against the model this engine was built for.
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device,
+                 model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.spec = inference_spec_of(vllm_config)
+        self.worker = worker_index_of(vllm_config)
+        self.identity = _Identity(self.worker, vllm_config.parallel_config.rank,
+                                  vllm_config.parallel_config.data_parallel_index)
+        self.destination = vllm_destination(self.model_config.hf_config, self.spec)
+        self.mode = receive_mode()
+        self._receiver: M2NReceiver | None = None
+        self._version: str | None = None
+
+    @property
+    def weight_version(self) -> str | None:
+        mine = self._receiver.weight_version if self._receiver is not None else None
+        return mine if mine is not None else self._version
+
+    def parse_init_info(self, init_dict: Mapping[str, Any]) -> InitPayload:
+        """``InitPayload.from_json``; ``ValueError`` names the field and this worker."""
+        try:
+            return InitPayload.from_json(init_dict)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{self.identity}: {e}") from None
+
+    def parse_update_info(self, update_dict: Mapping[str, Any]) -> M2NUpdateInfo:
+        """``{"round": k, "version": v}``; ``ValueError`` names the field and this worker."""
+        if not isinstance(update_dict, Mapping):
+            raise ValueError(f"{self.identity}: update_info must be an object "
+                             f"{{'round': k, 'version': v}}, got {type(update_dict).__name__}")
+        try:
+            return M2NUpdateInfo(**dict(update_dict))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{self.identity}: {e}") from None
+
+    def _problems(self, payload: InitPayload) -> list[str]:
+        """Why this worker refuses ``payload`` before any byte moves (empty: it accepts)."""
+        if getattr(self.model_config, "quantization", None) is not None:
+            return [f"vLLM serves this model quantized ({self.model_config.quantization}): its "
+                    "weights are post-processed into kernel formats after loading, which "
+                    "m2nkit's in-place writes would bypass; serve it unquantized"]
+        if payload.inference != self.destination.spec:
+            return []       # the receiver refuses it, naming both specs
+        try:
+            plan, _ = plan_from_manifest(payload.manifest, self.destination)
+        except ValueError:
+            return []       # the receiver refuses it with its own message
+        found = live_model_problems(self.model, plan.destination, self.worker)
+        if found:
+            more = f" ... and {len(found) - _LIST_AT_MOST} more" if len(found) > _LIST_AT_MOST else ""
+            return [f"vLLM's {type(self.model).__name__} does not match m2nkit's layout for "
+                    f"{self.destination.spec}: " + "; ".join(found[:_LIST_AT_MOST]) + more]
+        return []
+
+    def init_transfer_engine(self, init_info: InitPayload | Mapping[str, Any]) -> None:
+        """Resolve the live model against the plan, then join the session.
+
+        A refusal (a live parameter that differs from m2nkit's table, a
+        quantized model) still joins the payload's group, only to report
+        it through the plan agreement, so every trainer rank and every
+        worker raises this worker's message at once; nothing moves. An
+        accepted payload replaces any earlier session of this engine.
+
+        Raises:
+            PlanMismatchError: this worker or another rank refused (the
+                message names the rank and, for a live-model mismatch, the
+                parameter and both shapes).
+            ValueError, TransferError: as ``M2NReceiver.init_transfer_engine``.
+        """
+        payload = init_info if isinstance(init_info, InitPayload) else self.parse_init_info(init_info)
+        problems = self._problems(payload)
+        if problems:
+            message = f"{self.identity}: {problems[0]}"
+            self._refuse_everywhere(payload, message)
+            raise PlanMismatchError(f"{message}; nothing was sent")
+        device = _buffer_device(payload, self.device)
+        receiver = self._receiver
+        if receiver is None or receiver.device != device:
+            if receiver is not None:        # another group backend: new receive buffers
+                self._version = self.weight_version
+                receiver.shutdown()
+            receiver = self._receiver = M2NReceiver(self.destination, self.worker,
+                                                    target=self.model, device=device,
+                                                    mode=self.mode)
+        receiver.init_transfer_engine(payload)
+
+    def _refuse_everywhere(self, payload: InitPayload, message: str) -> None:
+        """Join the payload's group only to tell every rank why this worker refuses."""
+        rank = payload.rank_offset + self.worker
+        if rank >= payload.world_size:
+            return
+        deadline = Deadline(payload.timeout_s)
+        group = None
+        try:
+            _, group = create_group(payload.master_address, payload.master_port, rank,
+                                    payload.world_size, timeout_s=max(deadline.left(), 1.0),
+                                    backend=payload.backend)
+            agree_on_plan(group, rank, payload.world_size, None, error=message, deadline=deadline)
+        except Exception:  # noqa: BLE001 - our own message, or nobody came: refuse anyway
+            pass
+        finally:
+            if group is not None:
+                try:
+                    group.abort()
+                except RuntimeError:
+                    pass
+
+    def _require(self, what: str) -> M2NReceiver:
+        if self._receiver is None:
+            raise ValueError(f"{self.identity}: {what} before init_weight_transfer_engine")
+        return self._receiver
+
+    def start_weight_update(self) -> None:
+        """Begin a round (``M2NReceiver.start_weight_update``)."""
+        self._require("start_weight_update").start_weight_update()
+
+    def update_weights(self, update_info: Mapping[str, Any]) -> None:
+        """Receive this worker's slabs of the round; returns once every rank's verdict is in.
+
+        vLLM's worker passes this worker's own dict (it indexes a list
+        payload by global worker rank itself, ``gpu_worker.update_weights``).
+
+        Raises:
+            ValueError: a bad ``update_info`` (names the field).
+            TransferError: the round failed (the root cause and its rank first).
+        """
+        self.receive_weights(self.parse_update_info(update_info))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def receive_weights(self, update_info: M2NUpdateInfo) -> None:
+        self._require("update_weights").receive_weights(update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """Commit the round, then run the attention layers' post-load step.
+
+        vLLM's worker calls it without a version (it keeps the version
+        itself, ``set_weight_version``); the commit then takes the round's
+        ``version`` from its update info.
+
+        Raises:
+            IncompleteRoundError: wire tensors missing or the round failed
+                elsewhere; nothing was committed or post-processed.
+        """
+        self._require("finish_weight_update").finish_weight_update(weight_version)
+        self._after_loading()
+
+    def _after_loading(self) -> None:
+        """Each attention layer's ``process_weights_after_loading(dtype)``, as vLLM's reload ends.
+
+        The linear layers' quant methods are not re-run: unquantized ones
+        only repack on CPU/ROCm/XPU platforms (``UnquantizedLinearMethod``),
+        and quantized models are refused at init.
+        """
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer
+
+        for module in self.model.modules():
+            if is_deferred_attention_layer(module):
+                module.process_weights_after_loading(self.model_config.dtype)
+
+    def shutdown(self) -> None:
+        """Drop the session's group; the live weights and the version stay."""
+        if self._receiver is not None:
+            self._receiver.shutdown()
+
+
+#: Environment variable of the vLLM server choosing the receive mode.
+MODE_ENV = "M2NKIT_RECEIVE_MODE"
+
+
+def receive_mode() -> str:
+    """``$M2NKIT_RECEIVE_MODE``: ``in_place`` (default) or ``staged``.
+
+    ``in_place``: slabs land in the live parameters as they arrive, no extra
+    memory; for RL loops that pause generation around the update (vLLM's
+    ``/pause`` ... ``/resume``), which is the usual case. ``staged``: the
+    round lands in a copy (the worker's parameter bytes again) committed at
+    ``finish_weight_update``, for callers that keep generating during a round;
+    a failed round then leaves the served weights untouched.
+
+    Raises:
+        ValueError: another value (names the variable and the valid ones).
+    """
+    mode = os.environ.get(MODE_ENV, "in_place")
+    if mode not in ("in_place", "staged"):
+        raise ValueError(f"{MODE_ENV}={mode!r} is not 'in_place' or 'staged'")
+    return mode
+
+
+def _buffer_device(payload: InitPayload, device: torch.device) -> str:
+    """Receive buffers: on the CPU for a gloo group (gloo moves CPU tensors), else ``device``."""
+    return "cpu" if payload.backend == "gloo" else str(device)
+
+
+# --------------------------------------------------------------------------
+# A real vLLM model on CPU, without torch.distributed (tests, demo)
+
+
+class _StandInProcessGroup:
+    """Answers ``size()`` and ``rank()``; any collective on it fails (no such method)."""
+
+    def __init__(self, size: int, rank: int) -> None:
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+class _StandInCoordinator:
+    """What model construction and the weight loaders read of a ``GroupCoordinator``."""
+
+    def __init__(self, name: str, size: int, rank: int) -> None:
+        self.unique_name = name
+        self.world_size = size
+        self.rank_in_group = rank
+        self.rank = rank
+        self.local_rank = rank
+        self.ranks = list(range(size))
+        self.first_rank, self.last_rank = 0, size - 1
+        self.is_first_rank, self.is_last_rank = rank == 0, rank == size - 1
+        self.device_group = self.cpu_group = _StandInProcessGroup(size, rank)
+        self.device_communicator = None
+        self.use_device_communicator = False
+        self.mq_broadcaster = None
+
+
+@dataclass(frozen=True)
+class StandInGroups:
+    """vLLM's parallel state for one worker, without processes: sizes and ranks only.
+
+    Sets the group globals of ``vllm.distributed.parallel_state`` the model
+    classes and weight loaders read (``_WORLD``, ``_TP``, ``_ETP``, ``_PP``,
+    ``_DP``, ``_PCP``, ``_DCP``, ``_EP``) for worker ``dp_index * tp +
+    tp_rank``. The EP group spans ``dp * tp`` when ``ep`` is on, as vLLM's
+    ``ep_size = dp * pcp * tp`` (``vllm/distributed/parallel_state.py``,
+    ``initialize_model_parallel``). One worker per process at a time: the
+    globals are the process's.
+    """
+
+    tp: int
+    tp_rank: int
+    dp: int = 1
+    dp_index: int = 0
+    ep: bool = False
+
+    def install(self) -> None:
+        import vllm.distributed.parallel_state as ps
+
+        worker = self.dp_index * self.tp + self.tp_rank
+        ps._WORLD = _StandInCoordinator("world", self.dp * self.tp, worker)
+        ps._TP = _StandInCoordinator("tp", self.tp, self.tp_rank)
+        ps._ETP = ps._TP
+        ps._PP = _StandInCoordinator("pp", 1, 0)
+        ps._DP = _StandInCoordinator("dp", self.dp, self.dp_index)
+        ps._PCP = _StandInCoordinator("pcp", 1, 0)
+        ps._DCP = _StandInCoordinator("dcp", 1, 0)
+        ps._EP = (_StandInCoordinator("ep", self.dp * self.tp, worker) if self.ep
+                  else _StandInCoordinator("ep", 1, 0))
+
+
+def _cpu_environment() -> None:
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def build_cpu_worker(checkpoint: str | os.PathLike, spec: InferenceSpec, worker: int, *,
+                     load: bool = True) -> tuple[torch.nn.Module, Any]:
+    """Build vLLM's own model class for ``checkpoint`` as ``worker`` of ``spec``, on CPU.
+
+    vLLM resolves the class from ``config.json`` (its model registry),
+    allocates the rank-local parameters (``initialize_model``) and, with
+    ``load``, fills them from the checkpoint with ``DefaultModelLoader.
+    load_weights`` (its per-parameter weight loaders). Nothing is
+    post-processed (``process_weights_after_loading`` would repack linear
+    weights for the CPU kernels). The process's vLLM parallel state is set
+    for this worker (:class:`StandInGroups`) and stays so.
+
+    Returns:
+        ``(model, vllm_config)``: ``vllm_config.parallel_config`` carries
+        ``rank`` and ``data_parallel_rank`` as a vLLM worker's does.
+
+    Requires ``VLLM_TARGET_DEVICE=cpu`` before vLLM is first imported (set
+    here if unset; too late if vLLM was imported for another platform).
+    """
+    _cpu_environment()
+    from vllm.config import (
+        DeviceConfig,
+        LoadConfig,
+        ModelConfig,
+        ParallelConfig,
+        VllmConfig,
+        WeightTransferConfig,
+        set_current_vllm_config,
+    )
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    path = str(Path(checkpoint).resolve())
+    tp_rank, dp_index = spec.tp_rank(worker), spec.dp_index(worker)
+    StandInGroups(spec.tp, tp_rank, spec.dp, dp_index, spec.ep).install()
+    model_config = ModelConfig(model=path, tokenizer=path, skip_tokenizer_init=True,
+                               dtype=spec.dtype, enforce_eager=True, seed=0)
+    parallel = ParallelConfig(tensor_parallel_size=spec.tp, data_parallel_size=spec.dp,
+                              data_parallel_rank=dp_index, rank=tp_rank,
+                              enable_expert_parallel=spec.ep,
+                              expert_placement_strategy=spec.placement,
+                              all2all_backend=spec.all2all)
+    vllm_config = VllmConfig(model_config=model_config, parallel_config=parallel,
+                             device_config=DeviceConfig(device="cpu"),
+                             load_config=LoadConfig(load_format="safetensors"),
+                             weight_transfer_config=WeightTransferConfig(backend=BACKEND))
+    with set_current_vllm_config(vllm_config):
+        with set_default_torch_dtype(model_config.dtype), torch.device("cpu"):
+            model = initialize_model(vllm_config=vllm_config)
+    if load:
+        load_checkpoint(model, vllm_config, path)
+    return model, vllm_config
+
+
+def load_checkpoint(model: torch.nn.Module, vllm_config: Any,
+                    checkpoint: str | os.PathLike) -> None:
+    """Fill ``model`` from ``checkpoint`` with vLLM's ``DefaultModelLoader.load_weights``.
+
+    The model config is copied with ``model`` pointed at ``checkpoint``, as
+    vLLM's own ``reload_weights`` repoints it (``model_loader/reload/inplace.py``).
+    """
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    model_config = copy.copy(vllm_config.model_config)
+    model_config.model = str(Path(checkpoint).resolve())
+    model_config.model_weights = ""
+    with set_current_vllm_config(vllm_config), torch.no_grad():
+        DefaultModelLoader(vllm_config.load_config).load_weights(model, model_config)
+
+
+def fresh_load(checkpoint: str | os.PathLike, spec: InferenceSpec,
+               worker: int) -> dict[str, torch.Tensor]:
+    """``worker``'s parameters as vLLM loads ``checkpoint`` into a new model (new configs).
+
+    :func:`build_cpu_worker` again, so nothing is shared with a live model
+    (vLLM registers each attention layer's name in its config's forward
+    context, so a second model needs its own ``VllmConfig``); returns
+    :func:`parameters_of` it. Leaves the process's stand-in parallel state
+    set for ``worker``.
+    """
+    model, _ = build_cpu_worker(checkpoint, spec, worker)
+    return parameters_of(model)
+
+
+def parameters_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``{name: tensor}`` of ``named_parameters(remove_duplicate=False)`` (aliases included)."""
+    return {n: p.data for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+def create_engine(model: torch.nn.Module, vllm_config: Any,
+                  device: torch.device | str = "cpu") -> M2NVLLMEngine:
+    """The engine as a vLLM worker builds it: through vLLM's factory, by backend name.
+
+    ``WeightTransferEngineFactory.create_engine(vllm_config.weight_transfer_config,
+    vllm_config, device, model)`` (``v1/worker/gpu_worker.py``); :func:`register`
+    first, as vLLM's plugin loading would.
+    """
+    register()
+    return WeightTransferEngineFactory.create_engine(
+        vllm_config.weight_transfer_config, vllm_config, torch.device(device), model)
+
+
+def set_current_config(vllm_config: Any):
+    """vLLM's ``set_current_vllm_config`` context (its worker wraps every engine call in it)."""
+    from vllm.config import set_current_vllm_config
+
+    return set_current_vllm_config(vllm_config)
+

@@ -1,0 +1,214 @@
+"""m2nkit as vLLM's weight-transfer backend, on vLLM 0.33's own model objects (CPU).
+
+Each worker is a process holding vLLM's own model class for the checkpoint,
+built as its tp/ep rank builds it and loaded by vLLM's ``DefaultModelLoader``
+from checkpoint v0, with the engine created by vLLM's
+``WeightTransferEngineFactory.create_engine`` for backend ``"m2nkit"``
+(``m2nkit.engine.tools.demo_vllm``; one host process imports vLLM once and
+forks the workers). Trainer processes hold checkpoint v1 (another random
+seed), each reading only its own FSDP box, and send one round. Then every
+parameter of every worker must equal, bit for bit, what vLLM's loader makes
+of v1 in a fresh model; no parameter may keep its v0 value or move in memory,
+and the version is committed. The expected values come from vLLM's loader,
+never from m2nkit.
+
+Cases: dense with KV heads < tp (Llama, 2 KV heads, tp=4: vLLM replicates
+them), MoE with EP (Qwen3-MoE, tp=2 + ep: whole experts per worker), tied
+embeddings (Qwen3 tied: ``lm_head.weight`` is ``embed_tokens.weight``). Plus
+the refusal of a live model that differs from m2nkit's table (a padded
+expert tensor on one worker): every trainer rank fails naming the worker,
+the parameter and both shapes, and nothing moves. And the
+``vllm.general_plugins`` entry point: vLLM's own plugin loading registers
+the backend on both factories.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+
+import pytest
+
+from _procs import CTX, ensure_forkserver
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+TRAINER = "fsdp:2"
+CASES = [  # (tiny model, vLLM layout, what it covers)
+    ("tiny-llama", "vllm:tp=4", "dense, 2 KV heads < tp=4"),
+    ("tiny-qwen3-moe", "vllm:tp=2,ep", "MoE with expert parallelism"),
+    ("tiny-qwen3-tied", "vllm:tp=2", "tied embeddings"),
+]
+ROUND_TIMEOUT_S = 90.0
+
+
+@pytest.fixture(scope="module")
+def host():
+    from m2nkit.engine.tools.demo_vllm import VLLMWorkers
+
+    ensure_forkserver()
+    h = VLLMWorkers(timeout_s=400.0).start()
+    try:
+        yield h
+    finally:
+        h.stop()
+
+
+@pytest.fixture(scope="module")
+def versions(tmp_path_factory, tiny_checkpoints):
+    """``versions(name) -> (v0, v1)``: seed 0 (shared fixture) and seed 1 of the same config."""
+    from m2nkit.adapters.tiny import save_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("v1")
+    made = {}
+
+    def get(name):
+        if name not in made:
+            made[name] = (tiny_checkpoints(name), save_tiny_checkpoint(name, root / name, seed=1))
+        return made[name]
+
+    return get
+
+
+def _run_trainers(client, checkpoints, inference, timeout_s=ROUND_TIMEOUT_S) -> dict:
+    """Two trainer processes send ``checkpoints`` (one round each); returns rank -> outcome."""
+    from m2nkit.engine.tools.demo import free_port
+    from m2nkit.engine.tools.demo_vllm import trainer_main
+
+    results = CTX.Queue()
+    port = free_port()
+    procs = [CTX.Process(target=trainer_main, daemon=True,
+                         args=(r, 2, [str(c) for c in checkpoints], TRAINER, inference,
+                               client if r == 0 else None, port, timeout_s, results))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    outcome: dict[int, str] = {}
+    deadline = time.monotonic() + 3 * timeout_s + 30
+    try:
+        while len(outcome) < 2:
+            try:
+                kind, rank, a, _ = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"trainers hung: outcomes so far {outcome}") from None
+            if kind == "done":
+                outcome[rank] = "done"
+            elif kind == "error":
+                outcome[rank] = a
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    return outcome
+
+
+@pytest.mark.parametrize("name,inference,covers", CASES, ids=[c[0] for c in CASES])
+def test_round_into_live_vllm_model_equals_fresh_vllm_load(host, versions, name, inference, covers):
+    v0, v1 = versions(name)
+    started = host.start_workers(v0, inference)
+    # vLLM's factory built m2nkit's engine on vLLM's own model class.
+    assert {s["engine"] for s in started} == {"m2nkit.adapters.vllm.plugin.M2NVLLMEngine"}
+    assert all(not s["model"].startswith(("Module", "Transformers")) for s in started)
+
+    outcome = _run_trainers(host.client, [v1], inference)
+    assert outcome == {0: "done", 1: "done"}, outcome
+
+    reports = host.client.verify(v1)
+    assert len(reports) == len(started)
+    for w, r in enumerate(reports):
+        assert r["compared"] == started[w]["parameters"] > 0
+        assert (r["names_only_live"], r["names_only_fresh"]) == ([], []), (w, r)
+        assert r["differ"] == [], f"worker {w}: differs from vLLM's fresh load of v1: {r['differ']}"
+        assert r["unchanged_since_start"] == [], f"worker {w}: still v0: {r['unchanged_since_start']}"
+        assert r["moved"] == [], f"worker {w}: parameters re-allocated: {r['moved']}"
+        assert r["version"] == "v1"
+    if name == "tiny-qwen3-tied":
+        tied = host.client.collective_rpc(_tied_storage)
+        assert tied == [True, True]
+
+
+def _tied_storage(state) -> bool:
+    params = dict(state["model"].named_parameters(remove_duplicate=False))
+    return params["lm_head.weight"].data_ptr() == params["model.embed_tokens.weight"].data_ptr()
+
+
+PADDED = "model.layers.0.mlp.experts.routed_experts.w13_weight"
+
+
+def _pad_experts_on_worker_1(state) -> list[int] | None:
+    """Worker 1 only: pad the expert tensor's row dim by 32, as a GPU MoE kernel's
+    allocation might; returns the new shape."""
+    import torch
+
+    if state["worker"] != 1:
+        return None
+    p = dict(state["model"].named_parameters())[PADDED]
+    e, rows, h = p.shape
+    p.data = torch.zeros(e, rows + 32, h, dtype=p.dtype)
+    return list(p.shape)
+
+
+def test_live_model_unlike_the_table_is_refused_on_every_rank(host, versions):
+    name, inference = "tiny-qwen3-moe", "vllm:tp=2,ep"
+    v0, v1 = versions(name)
+    host.start_workers(v0, inference)
+    shapes = host.client.collective_rpc(_pad_experts_on_worker_1)
+    assert shapes[0] is None and shapes[1] == [4, 96, 128]
+
+    outcome = _run_trainers(host.client, [v1], inference, timeout_s=30.0)
+    # Worker 1 is rank 3 (2 trainer ranks); every trainer rank names it, the
+    # parameter and both shapes, before any byte moved.
+    for rank in (0, 1):
+        msg = outcome[rank]
+        assert "PlanMismatchError" in msg, msg
+        assert "rank 3 refused" in msg and "worker 1" in msg, msg
+        assert f"'{PADDED}': vLLM's model holds [4, 96, 128] bfloat16, m2nkit's table declares " \
+               "[4, 64, 128] bfloat16" in msg, msg
+    reports = host.client.verify(v0)
+    assert reports[0]["differ"] == [] and reports[0]["version"] is None   # still v0, untouched
+
+
+def _entry_point_registers(state) -> dict:
+    """In a worker (vLLM imported): forget "m2nkit", then let vLLM's own plugin loading find it."""
+    from importlib.metadata import entry_points
+
+    import vllm.plugins
+    from vllm.distributed.weight_transfer.factory import (
+        WeightTransferEngineFactory,
+        WeightTransferTrainerFactory,
+    )
+
+    found = [(e.name, e.value) for e in entry_points(group="vllm.general_plugins")
+             if e.name == "m2nkit"]
+    for f in (WeightTransferEngineFactory, WeightTransferTrainerFactory):
+        f._registry.pop("m2nkit", None)
+    vllm.plugins.plugins_loaded = False
+    vllm.plugins.load_general_plugins()
+    return {"entry_points": found,
+            "worker": WeightTransferEngineFactory._registry["m2nkit"]().__name__,
+            "trainer": WeightTransferTrainerFactory._registry["m2nkit"]().__name__}
+
+
+def test_vllm_plugin_loading_registers_both_sides(host, versions):
+    """Needs the entry point installed: ``pip install --no-deps -e .`` after a pyproject change."""
+    v0, _ = versions("tiny-qwen3-tied")
+    host.start_workers(v0, "vllm:tp=1")
+    (got,) = host.client.collective_rpc(_entry_point_registers)
+    assert got == {"entry_points": [("m2nkit", "m2nkit.adapters.vllm.plugin:register")],
+                   "worker": "M2NVLLMEngine", "trainer": "M2NTrainerEngine"}
+
+
+def test_demo_with_vllm_receiver_verifies_every_round(tmp_path):
+    """``m2nkit demo --receiver vllm``'s driver: 2 rounds into real vLLM workers, each checked
+    inside against a fresh vLLM load of that round's checkpoint (it raises otherwise)."""
+    from m2nkit.engine.tools.demo_vllm import run_vllm_demo
+
+    ensure_forkserver()
+    lines: list[str] = []
+    result = run_vllm_demo("tiny-qwen3-moe", "fsdp:2", "vllm:tp=2,ep", rounds=2, timeout_s=90,
+                           workdir=str(tmp_path), log=lines.append, start_method="forkserver")
+    assert [r.index for r in result.rounds] == [1, 2]
+    assert all(r.verified_workers == 2 and len(r.bytes_per_rank) == 2 for r in result.rounds)
+    assert sum(result.rounds[0].bytes_per_rank) >= result.nbytes_min > 0
+    assert any("equals a fresh vLLM load of v2" in line for line in lines), lines
