@@ -443,6 +443,7 @@ def main() -> None:
     p.add_argument("--methods", default=",".join(METHODS),
                    help=f"comma-separated subset of {','.join(METHODS)}")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any single wait may take")
+    p.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
     args = p.parse_args()
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
@@ -484,6 +485,7 @@ def main() -> None:
           f"{args.rounds} rounds, buckets {args.bucket_mb:g} MiB, {os.cpu_count()} CPUs, "
           f"load average {os.getloadavg()[0]:.1f} at start", flush=True)
 
+    load_start = os.getloadavg()[0]
     rows = []
     for method in methods:
         t0 = time.perf_counter()
@@ -538,6 +540,19 @@ def main() -> None:
         print(textwrap.fill(note, width=100, subsequent_indent="  "))
     if built:
         print(f"(model built in {t_build:.0f} s, kept for the next run)")
+    if args.json:
+        import json
+
+        names = {"m2nkit": "m2nkit", "gather": "gather_broadcast", "floor": "floor"}
+        doc = {"methods": {names[r["method"]]: {
+            "round_s": r["round_s"], "rounds_s": r["rounds_s"], "cpu_s": r["cpu_s"],
+            "bytes_sent_total": r["sent_total"], "bytes_received_total": r["recv_total"],
+            "trainer_extra_mib": r["t_delta"] / 1024, "worker_extra_mib": r["w_delta"] / 1024,
+            "bit_exact": {"yes": True, "NO": False}.get(r["exact"]),
+        } for r in rows}, "load_average": [load_start, os.getloadavg()[0]],
+            "model": str(checkpoint), "trainer": str(tspec), "inference": args.inference,
+            "bucket_mib": args.bucket_mb, "rounds": args.rounds, "payload_bytes": payload}
+        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
     if failures:
         sys.exit("FAILED: " + "; ".join(failures))
 

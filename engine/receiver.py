@@ -1,17 +1,30 @@
 """The worker-side receiver: one vLLM worker's end of a ``torch_p2p`` session.
 
-A receiver owns one worker's live vLLM-layout storage and changes it only by
-committing a *complete* round. Bytes land in a staging copy first; the copy
-is written into the live parameters at ``finish_weight_update`` only when
-every wire tensor the plan sends this worker arrived. A round that fails
-halfway (dead trainer, timeout, broken group) therefore never leaves
-half-new weights behind: the live storage and the committed version stay
-as they were, and the error lists what arrived and what is missing.
+A receiver owns one worker's live vLLM-layout storage and commits a version
+only for a *complete* round. Two modes (``mode=``):
 
-The price is memory: during a round the worker holds its storage twice
-(live + staging, the worker's full local parameter bytes again), freed at
-commit or abort. Receiving in place would save that copy but lose the
-all-or-nothing guarantee, which is what lets an RL loop retry a step.
+* ``"staged"`` (default): bytes land in a staging copy first; the copy is
+  written into the live parameters at ``finish_weight_update`` only when
+  every wire tensor the plan sends this worker arrived. A round that fails
+  halfway (dead trainer, timeout, broken group) never leaves half-new
+  weights behind: the live storage and the committed version stay as they
+  were, and the error lists what arrived and what is missing. The price is
+  memory and a copy: during a round the worker holds its parameters twice
+  (live + staging), freed at commit or abort. For callers that keep
+  generating during a round.
+* ``"in_place"``: bytes land in the live parameters themselves (a slab whose
+  region is contiguous there is received straight into it; the rest through
+  a reused bounce buffer of at most one bucket), so a round costs no copy of
+  the model and the extra memory stays within one bucket. For callers that
+  paused generation (what vLLM's own engines do). A failed round then
+  leaves *mixed* weights: some tensors of the new round, the rest older.
+  The receiver says so: the version stays the last committed one, the
+  round's error and ``finish_weight_update``'s refusal say that the live
+  weights are now mixed and that a new complete round is needed before they
+  are served, and ``weights_mixed`` is True until one commits.
+
+In both modes parameters are written in place (``copy_`` or a receive into
+their storage): their addresses never change, which CUDA graphs need.
 
 Before any byte moves the receiver checks the init payload against itself
 (the inference spec, the manifest digest, the plan it rebuilds from its own
@@ -38,9 +51,11 @@ the calls arrive through vLLM's routes
 
 from __future__ import annotations
 
+import json
 import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, ClassVar
 
 import torch
@@ -56,6 +71,7 @@ from m2nkit.engine.session import (
 )
 from m2nkit.engine.transports.torch_p2p import (
     BucketSchedule,
+    BufferPool,
     PlanMismatchError,
     TransferError,
     agree_on_plan,
@@ -66,7 +82,11 @@ from m2nkit.engine.transports.torch_p2p import (
 from m2nkit.manifest.destination import DestinationLayout
 from m2nkit.manifest.protocol import WeightTransferEngine, WeightTransferUpdateInfo
 
-__all__ = ["M2NUpdateInfo", "IncompleteRoundError", "M2NReceiver", "build_vllm_storage"]
+__all__ = ["M2NUpdateInfo", "IncompleteRoundError", "SupersededError", "M2NReceiver",
+           "build_vllm_storage", "RECEIVE_MODES"]
+
+#: ``M2NReceiver(mode=...)``: copy at commit, or receive into the live parameters.
+RECEIVE_MODES = ("staged", "in_place")
 
 _LIST_AT_MOST = 40  # wire names quoted in one error message
 
@@ -83,21 +103,28 @@ class IncompleteRoundError(TransferError):
         self.missing = missing
 
 
+class SupersededError(TransferError):
+    """A call of a session that a newer ``init_weight_transfer_engine`` replaced."""
+
+
 @dataclass
 class M2NUpdateInfo(WeightTransferUpdateInfo):
-    """Per-round update info: ``{"round": k, "version": v}``.
+    """Per-round update info: ``{"round": k, "version": v, "session": s}``.
 
     ``round`` (int >= 0) labels the round in errors; ``version`` is the
     weight version the trainer intends to commit (used when
-    ``finish_weight_update`` gets none).
+    ``finish_weight_update`` gets none); ``session`` the init payload's
+    ``session`` (a worker refuses a call of a superseded session; ``None``:
+    not checked).
 
     Raises:
-        ValueError: ``round`` not a non-negative int, ``version`` not a
-            string or None.
+        ValueError: ``round`` not a non-negative int, ``version`` or
+            ``session`` not a string or None.
     """
 
     round: int
     version: str | None = None
+    session: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.round, bool) or not isinstance(self.round, int) or self.round < 0:
@@ -105,6 +132,9 @@ class M2NUpdateInfo(WeightTransferUpdateInfo):
         if self.version is not None and not isinstance(self.version, str):
             raise ValueError(f"update_info field 'version' must be a string or null, "
                              f"got {self.version!r}")
+        if self.session is not None and not isinstance(self.session, str):
+            raise ValueError(f"update_info field 'session' must be a string or null, "
+                             f"got {self.session!r}")
 
 
 def _few(names, n: int = _LIST_AT_MOST) -> str:
@@ -194,6 +224,20 @@ class M2NReceiver(WeightTransferEngine):
             first ``init_transfer_engine`` from the plan's destination.
         device: where storage, staging and receive buffers live (``"cpu"``
             for gloo, a CUDA device for nccl).
+        mode: ``"staged"`` (default; receive into a staging copy, copy it
+            into the live parameters at commit; a failed round leaves them
+            untouched) or ``"in_place"`` (receive straight into the live
+            parameters; no copy of the model; a failed round leaves them
+            mixed, see the module docstring).
+
+    Sessions: a new ``init_transfer_engine`` while a session is live
+    *replaces* it. The older session's trainers are told through their own
+    session store (key ``superseded``) and their next ``send_weights`` fails
+    on every rank with a ``superseded`` error, before anything is sent; an
+    ``update_weights`` that still carries the older session's id is refused
+    with ``SupersededError``. Replacing rather than refusing lets a trainer
+    that crashed and restarted re-init without restarting the inference
+    side (the old session cannot say goodbye when its trainer died).
 
     Lifecycle (per ``WeightTransferEngine``): ``init_transfer_engine`` (again
     after any failed round: the group is then broken), then per round
@@ -202,8 +246,9 @@ class M2NReceiver(WeightTransferEngine):
     time (``InProcessClient`` and the server's worker loop ensure it).
 
     Raises:
-        ValueError: ``destination`` is not a ``DestinationBuilder``, or
-            ``worker`` is outside ``0..num_workers-1``.
+        ValueError: ``destination`` is not a ``DestinationBuilder``,
+            ``worker`` is outside ``0..num_workers-1``, or ``mode`` is not
+            one of ``RECEIVE_MODES``.
     """
 
     init_info_cls: ClassVar[type] = InitPayload
@@ -211,13 +256,19 @@ class M2NReceiver(WeightTransferEngine):
 
     def __init__(self, destination: DestinationBuilder, worker: int,
                  target: torch.nn.Module | None = None, *,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", mode: str = "staged") -> None:
         super().__init__(target, model_config=None, device=device)
         self.destination = check_destination(destination, "M2NReceiver destination")
         n = destination.num_workers
         if isinstance(worker, bool) or not isinstance(worker, int) or not 0 <= worker < n:
             raise ValueError(f"worker {worker!r} is not in 0..{n - 1} for {destination.spec}")
+        if mode not in RECEIVE_MODES:
+            raise ValueError(f"M2NReceiver mode {mode!r} is not one of {list(RECEIVE_MODES)}")
         self.worker = worker
+        self.mode = mode
+        self._pool = BufferPool(device)      # receive bounce bytes, reused across rounds
+        self._open = False                   # a round was started and not finished
+        self._mixed: str | None = None       # in-place: the round that left mixed weights
         self._rounds_seen: set[int] = set()
         self._version: str | None = None
         self._payload: InitPayload | None = None
@@ -246,6 +297,11 @@ class M2NReceiver(WeightTransferEngine):
         if self.model is None:
             return {}
         return {n: p.data for n, p in self.model.named_parameters(remove_duplicate=False)}
+
+    @property
+    def weights_mixed(self) -> bool:
+        """In-place mode: a failed round left the live weights mixed (until a round commits)."""
+        return self._mixed is not None
 
     @property
     def plan(self) -> Plan | None:
@@ -348,6 +404,7 @@ class M2NReceiver(WeightTransferEngine):
             self.model = build_vllm_storage(plan.destination, self.worker, self.device)
             self._default_target = (self.model, self.model_config)
         schedule = BucketSchedule.build(plan, payload.bucket_bytes)
+        self._tell_superseded(payload)
         self.shutdown()
         store, group = create_group(payload.master_address, payload.master_port, rank,
                                     payload.world_size, timeout_s=max(deadline.left(), 1.0),
@@ -368,6 +425,26 @@ class M2NReceiver(WeightTransferEngine):
             w.name for w in plan.wires if w.sends_to(self.worker))
         self._broken = None
         self._rounds_seen = set()
+        self._open, self._staging, self._round, self._failed = False, None, None, None
+        self._received = set()
+
+    def _tell_superseded(self, payload: InitPayload) -> None:
+        """Leave word in the live session's store that ``payload`` replaces it.
+
+        The older trainers read it at their next ``send_weights`` and fail on
+        every rank with "superseded". Best effort and bounded (1 s): a store
+        whose host is gone (the usual reason for a re-init) is skipped.
+        """
+        old, store = self._payload, self._store
+        if old is None or store is None:
+            return
+        note = json.dumps({"worker": self.worker, "session": payload.session,
+                           "rendezvous": f"{payload.master_address}:{payload.master_port}"})
+        try:
+            store.set_timeout(timedelta(seconds=1.0))
+            store.set("superseded", note)
+        except Exception:  # noqa: BLE001 - the old session's host may be gone
+            pass
 
     def _report_refusal(self, payload: InitPayload, rank: int, message: str,
                         deadline: Deadline) -> None:
@@ -387,6 +464,10 @@ class M2NReceiver(WeightTransferEngine):
 
     # -- rounds -----------------------------------------------------------
 
+    def _live(self) -> dict[str, torch.Tensor]:
+        """The live parameters, every name (aliases included): in-place writes go here."""
+        return {n: p.data for n, p in self.model.named_parameters(remove_duplicate=False)}
+
     def _require_session(self, what: str) -> None:
         if self._broken:
             raise TransferError(f"{self._name()}: {what} on a broken group ({self._broken}); "
@@ -395,9 +476,10 @@ class M2NReceiver(WeightTransferEngine):
             raise ValueError(f"{self._name()}: {what} before init_transfer_engine")
 
     def start_weight_update(self) -> None:
-        """Begin a round: allocate the staging copy of the live storage.
+        """Begin a round. Staged mode: allocate the staging copy of the live storage.
 
-        Costs one more copy of the worker's parameters until the round ends.
+        Staged mode costs one more copy of the worker's parameters until the
+        round ends; in-place mode allocates nothing here.
 
         Raises:
             ValueError: no session yet; the target no longer fits the plan.
@@ -405,7 +487,9 @@ class M2NReceiver(WeightTransferEngine):
         """
         self._require_session("start_weight_update")
         _check_target(self.model, self._plan, self.worker)
-        self._staging = {n: t.clone() for n, t in _unique_params(self.model).items()}
+        self._staging = ({n: t.clone() for n, t in _unique_params(self.model).items()}
+                         if self.mode == "staged" else None)
+        self._open = True
         self._received = set()
         self._round = None
         self._failed = None
@@ -433,8 +517,16 @@ class M2NReceiver(WeightTransferEngine):
                 ``received`` and ``missing`` list wire tensor names. The
                 group is broken afterwards.
         """
-        if self._staging is None:
+        if not self._open:
             raise ValueError(f"{self._name()}: update_weights before start_weight_update")
+        session = self._payload.session if self._payload is not None else ""
+        if update_info.session is not None and update_info.session != session:
+            raise SupersededError(
+                f"{self._name()}: update_weights of session '{update_info.session}' refused: "
+                f"that session was superseded by a newer init_weight_transfer_engine "
+                f"(session '{session}'), which this worker now serves; nothing was received "
+                "and the newer session is untouched; the older trainer must call trainer_init "
+                "again")
         self._require_session("update_weights")
         if self._round is not None:
             raise ValueError(f"{self._name()}: round {self._round.round} was already received; "
@@ -447,13 +539,18 @@ class M2NReceiver(WeightTransferEngine):
         self._rounds_seen.add(update_info.round)
         payload, rank = self._payload, self._payload.rank_offset + self.worker
         mine: Exception | None = None
+        target = self._staging if self.mode == "staged" else self._live()
+        if self.mode == "in_place":
+            # From the first byte on, the live weights may be partly this round's.
+            self._mixed = f"round {update_info.round}"
         try:
             if self._transport is not None:
-                done, _ = self._transport.recv_round(self._plan, self.worker, self._staging,
+                done, _ = self._transport.recv_round(self._plan, self.worker, target,
                                                      deadline=deadline)
             else:
                 done, _ = recv_round(self._group, self._plan, self._schedule, self.worker,
-                                     self._staging, deadline=deadline, device=self.device)
+                                     target, deadline=deadline, device=self.device,
+                                     pool=self._pool)
             self._received = set(done)
         except Exception as e:
             mine = e
@@ -487,10 +584,18 @@ class M2NReceiver(WeightTransferEngine):
         else:
             what = f"{why}; this worker received all {len(self._expected)} wire tensors, " \
                    "but another rank failed"
+        what += self._mixed_note()
         err = TransferError(f"{self._name()}: round {update_info.round} failed after "
                             f"{deadline.elapsed():.1f} s: {what}")
         err.received, err.missing = sorted(self._received), missing
         raise err from (verdict or mine)
+
+    def _mixed_note(self) -> str:
+        if self._mixed is None:
+            return ""
+        return (f"; in-place mode: the live weights are now mixed ({self._mixed} wrote part of "
+                f"them, the rest is older), the version stays {self._version!r}; run a new "
+                "complete round before serving them")
 
     def _close_group(self) -> None:
         """Close the group's connections (pending receives included); keep the store.
@@ -510,35 +615,47 @@ class M2NReceiver(WeightTransferEngine):
             _abort(group)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        """Commit the round: copy staging into the live storage, set the version.
+        """Commit the round: staged mode copies staging into the live storage; set the version.
 
         Commits only when every wire tensor the plan sends this worker
         arrived and no rank reported a failure. The copy is in place
-        (``param.data.copy_``), so the live tensors keep their addresses
-        (vLLM's CUDA graphs hold them). The version becomes
-        ``weight_version``, else the round's ``version``.
+        (``param.data.copy_``; in-place mode received into the parameters
+        already), so the live tensors keep their addresses (vLLM's CUDA
+        graphs hold them). The version becomes ``weight_version``, else the
+        round's ``version``.
 
         Raises:
             ValueError: no round started.
             IncompleteRoundError: wire tensors are missing (listed) or the
-                round failed elsewhere; the live storage and the version are
-                unchanged, staging is freed.
+                round failed elsewhere; the version is unchanged. Staged
+                mode: the live storage is unchanged, staging is freed.
+                In-place mode: the message says the live weights are mixed
+                and a new complete round is needed.
         """
-        if self._staging is None:
+        if not self._open:
             raise ValueError(f"{self._name()}: finish_weight_update without start_weight_update")
-        staging, self._staging = self._staging, None
+        staging, self._staging, self._open = self._staging, None, False
         missing = sorted(self._expected - self._received)
-        if missing or self._failed:
+        if missing or self._failed or self._round is None:
             label = f"round {self._round.round}" if self._round else "the round (never received)"
             why = f"{len(missing)} of {len(self._expected)} wire tensors missing {_few(missing)}" \
                 if missing else f"it failed elsewhere ({self._failed})"
+            if self._mixed is None:
+                unchanged = "the live weights are unchanged"
+                if self.mode == "in_place" and self._round is None:
+                    unchanged += " (nothing was received)"
+                tail = f"; version stays {self._version!r}, {unchanged}"
+            else:
+                tail = self._mixed_note()
             raise IncompleteRoundError(
-                f"{self._name()}: {label} is incomplete, not committing: {why}; version stays "
-                f"{self._version!r}", sorted(self._received), missing)
-        live = _unique_params(self.model)
-        with torch.no_grad():
-            for name, t in staging.items():
-                live[name].copy_(t)
+                f"{self._name()}: {label} is incomplete, not committing: {why}{tail}",
+                sorted(self._received), missing)
+        if staging is not None:
+            live = _unique_params(self.model)
+            with torch.no_grad():
+                for name, t in staging.items():
+                    live[name].copy_(t)
+        self._mixed = None
         if weight_version is None and self._round is not None:
             weight_version = self._round.version
         self._version = weight_version
@@ -551,7 +668,7 @@ class M2NReceiver(WeightTransferEngine):
         """
         group, self._group, self._store = self._group, None, None
         transport, self._transport = self._transport, None
-        self._staging = None
+        self._staging, self._open = None, False
         if transport is not None:
             transport.close()
         if group is not None:

@@ -134,6 +134,10 @@ class InitPayload:
         transport: ``"torch_p2p"`` (any backend, any layout) or
             ``"nccl_m2n"`` (GPUs: one ``nccl.m2n.reshard`` per expressible
             wire tensor, torch_p2p for the rest).
+        session: an id the trainer picks per ``trainer_init`` (``""``: none).
+            Every ``update_weights`` of the session carries it, so a worker
+            that a newer init has taken over refuses the older session's
+            calls as *superseded* instead of mixing the two.
     """
 
     master_address: str
@@ -148,6 +152,7 @@ class InitPayload:
     timeout_s: float
     bucket_bytes: int
     transport: str = "torch_p2p"
+    session: str = ""
     schema_version: int = INIT_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -166,6 +171,8 @@ class InitPayload:
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"init payload backend '{self.backend}' is not 'gloo' or 'nccl'")
         check_transport(self.transport, "init payload transport")
+        if not isinstance(self.session, str):
+            raise ValueError(f"init payload field 'session' must be a string, got {self.session!r}")
         if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
             raise ValueError(f"init payload timeout_s must be > 0, got {self.timeout_s!r}")
 
@@ -190,7 +197,8 @@ class InitPayload:
         unknown = sorted(set(data) - names)
         if unknown:
             raise ValueError(f"init payload has unknown fields {unknown}; expected {sorted(names)}")
-        missing = sorted(n for n in names - set(data) if n not in ("schema_version", "transport"))
+        optional = ("schema_version", "transport", "session")
+        missing = sorted(n for n in names - set(data) if n not in optional)
         if missing:
             raise ValueError(f"init payload is missing fields {missing}")
         return cls(**dict(data))

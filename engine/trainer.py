@@ -28,9 +28,11 @@ same bound for the init (rendezvous, agreement, the init RPC).
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import traceback
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -48,6 +50,7 @@ from .session import (
 )
 from .transports.torch_p2p import (
     BucketSchedule,
+    BufferPool,
     TransferError,
     agree_on_plan,
     create_group,
@@ -75,8 +78,9 @@ class M2NTrainerInitInfo(TrainerInitInfo):
             (``send_weights``), not on each wait: every wait of one counts
             down to one deadline. A failed round raises within
             ``timeout_s + REPORT_GRACE_S`` of its start.
-        bucket_bytes: transport bucket size (bytes); peak extra trainer
-            memory is about two buckets.
+        bucket_bytes: transport bucket size (bytes); ``torch_p2p`` keeps one
+            bucket in flight, so the trainer's extra memory is at most about
+            one bucket (plus the local tensors its zero-copy sends still read).
         transport: ``"torch_p2p"`` (default; any backend) or ``"nccl_m2n"``
             (GPUs; set ``group_backend="nccl"`` and ``device``).
         device: where staging buffers live (``"cpu"``, or this rank's ``"cuda:i"``).
@@ -190,6 +194,7 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
         self._round = 0
         self._broken: str | None = None
         self._busy = threading.Lock()
+        self._pool = BufferPool(init_info.device)   # staged send bytes, reused across rounds
 
     @classmethod
     def trainer_init(cls, init_info: M2NTrainerInitInfo, *, client: VLLMWeightSyncClient | None = None,
@@ -225,6 +230,7 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
             backend=info.group_backend, inference=info.destination.spec, manifest=manifest,
             manifest_digest=digest, plan_digest=plan.digest(), timeout_s=info.timeout_s,
             bucket_bytes=info.bucket_bytes, transport=info.transport,
+            session=uuid.uuid4().hex[:16],
         )
         rpc = None
         if info.is_sender:
@@ -264,6 +270,17 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
                              f"nothing can be sent: {listed}")
         return cls(init_info=info, client=client, source=source, plan=plan, payload=payload,
                    group=group, store=store, transport=transport)
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        """Sentences on how this session was decided, for the user to see.
+
+        The destination's (``plan.destination.notes``: how vLLM's dtype and
+        expert placement were chosen), then the source's own ``notes`` when
+        it has them (``bridge_source``: which wire tensors went through
+        Megatron-Bridge's gather, and why). Identical on every rank.
+        """
+        return tuple(self.plan.destination.notes) + tuple(getattr(self.source, "notes", ()) or ())
 
     def send_weights(self, weight_version: str | None = None) -> RoundStats:
         """Run one round on this rank; returns what it sent.
@@ -321,6 +338,7 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
         rpc = None
         sent, error = 0, None
         try:
+            self._check_superseded()
             if self.is_sender:
                 try:
                     _join(*_call_in_thread(self.client.start_weight_update), deadline.at,
@@ -328,7 +346,8 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
                 except TransferError as e:
                     raise TransferError(f"trainer rank 0: {e}") from e
                 rpc = _call_in_thread(self.client.update_weights,
-                                      {"round": self._round, "version": version})
+                                      {"round": self._round, "version": version,
+                                       "session": self.payload.session})
             if self._transport is not None:
                 report = self._transport.send_round(self.plan, rank, self.source.iter_local(),
                                                     deadline=deadline)
@@ -336,7 +355,7 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
             else:
                 sent = send_round(self._group, self.plan, self.schedule, rank,
                                   self.source.iter_local(), deadline=deadline,
-                                  device=self.init_info.device)
+                                  device=self.init_info.device, pool=self._pool)
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             error = f"{type(e).__name__}: {e}"
             # Its frames hold the group and the round's pending work objects;
@@ -350,6 +369,13 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
                          round_id=self._round, error=error, deadline=deadline,
                          on_reported=self._abort_group if error else None)
         except TransferError as e:
+            try:
+                self._check_superseded()
+            except TransferError as superseded:          # the root cause, named first
+                raise TransferError(f"{superseded} (round {self._round}: "
+                                    f"{getattr(e, 'cause', e)})") from e
+            except RuntimeError:
+                pass                                     # the store is gone: report e
             if rpc is not None:
                 rpc[0].join(max(0.0, hard - time.monotonic()))
                 if "error" in rpc[1]:
@@ -365,6 +391,29 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
                                     "workers committed is unknown: check their weight_version")
             _join(*commit, hard, "finish_weight_update")
         return RoundStats(self._round, version, sent, deadline.elapsed())
+
+    def _check_superseded(self) -> None:
+        """Raise if a worker left word that a newer init replaced this session.
+
+        One store round trip (the session store, hosted by trainer rank 0).
+        Raised inside the round, so the end-of-round verdict carries it to
+        every rank.
+
+        Raises:
+            TransferError: the session was superseded (names the new rendezvous).
+        """
+        if self._store is None or not self._store.check(["superseded"]):
+            return
+        try:
+            note = json.loads(self._store.get("superseded"))
+            by = (f" by the session at {note.get('rendezvous')} (worker {note.get('worker')} "
+                  "switched to it)")
+        except (ValueError, RuntimeError, AttributeError):
+            by = ""
+        raise TransferError(f"trainer rank {self.init_info.rank}: this session was superseded"
+                            f"{by}: a newer init_weight_transfer_engine replaced it on the "
+                            "workers; nothing was sent; build a fresh engine with trainer_init "
+                            "to send again")
 
     def _abort_group(self) -> None:
         """Close this rank's group connections (not the store); the engine is broken anyway.

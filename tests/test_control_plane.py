@@ -258,3 +258,75 @@ def test_module_entry_serves_until_terminated():
         if proc.poll() is None:
             proc.kill()
             proc.wait(5)
+
+
+@pytest.mark.timeout(90)
+def test_server_hangups_and_stop_mid_call_leave_no_traceback(ck, capfd):
+    import struct
+
+    server = InferenceServer(CHECKPOINT, INFERENCE, timeout_s=30, start_method="forkserver")
+    tr = None
+    try:
+        url = server.start()
+        client = HTTPClient(url, timeout_s=60)
+        # Saving before any session: a clear refusal, not an AttributeError text.
+        status, doc = post(url + "/m2nkit/save_storage", json.dumps({"dir": "/tmp/x"}).encode())
+        assert status == 400, doc
+        assert doc["error"] == (
+            "save_storage failed on workers [0, 1]: workers 0, 1: ValueError: no storage to "
+            "save yet: it is allocated by init_weight_transfer_engine; call that first"), doc
+        assert "AttributeError" not in doc["error"]
+
+        # A client that hangs up mid-call: update_weights waits for trainers that never
+        # send (about timeout_s), while the client has already reset its connection.
+        tr = Trainers(ck, timeout_s=2.0)
+        assert all(v[0] == "ok" for v in tr.join(client).values())
+        client.start_weight_update()
+        host, port = url[len("http://"):].split(":")
+        body = json.dumps({"update_info": {"round": 1, "version": "v1"}}).encode()
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(b"POST /update_weights HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                      b"application/json\r\nContent-Length: " + str(len(body)).encode()
+                      + b"\r\n\r\n" + body)
+            time.sleep(0.3)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST
+        # The server finished the call (the round failed: nobody sent) and answered nobody.
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 30:
+            try:
+                assert client.weight_versions() == [None, None]
+                break
+            except WeightSyncError as e:                     # busy with the call: 503 or wait
+                assert e.status == 503, e
+        else:
+            raise AssertionError("the server stayed busy")
+
+        # stop() while a call is in flight: workers blocked in a rendezvous nobody hosts.
+        lonely = Trainers(ck, timeout_s=20.0)
+        result = {}
+
+        def call():
+            try:
+                client.init_weight_transfer_engine(lonely.payload)
+                result["ok"] = True
+            except WeightSyncError as e:
+                result["err"] = e
+
+        th = threading.Thread(target=call, daemon=True)
+        th.start()
+        time.sleep(1.0)
+        server.stop()
+        th.join(30)
+        assert not th.is_alive(), "the call hung after stop()"
+        err = result.get("err")
+        assert err is not None, result
+        assert err.status in (503, None), err             # "stopping", or the socket closed
+        if err.status == 503:
+            assert "the server stopped during the call" in str(err), err
+    finally:
+        if tr is not None:
+            tr.close()
+        server.stop()
+    captured = capfd.readouterr()
+    assert "Traceback" not in captured.err and "BrokenPipeError" not in captured.err, captured.err
+    assert "ConnectionResetError" not in captured.err, captured.err

@@ -68,7 +68,7 @@ def server():
 
 
 def _trainer(rank, T, model_dir, trainer, inference, url, port, fault, results, rounds, go,
-             timeout_s, reorder=False, extra=False):
+             timeout_s, reorder=False, extra=False, misorder=False):
     """A trainer process; ``fault`` = (round, wire index, action) or None.
 
     Reports ``("ok", rank, {round, bytes, seconds})`` per round, ``("error",
@@ -103,6 +103,8 @@ def _trainer(rank, T, model_dir, trainer, inference, url, port, fault, results, 
                         time.sleep(3600)
                     elif action == "die":
                         os._exit(17)
+                    elif action == "raise":
+                        raise RuntimeError(f"provider of '{e.name}' broke (disk error)")
                     elif isinstance(action, tuple) and action[0] == "kill":
                         os.kill(action[1], signal.SIGKILL)
                 return e.local_tensor()
@@ -118,6 +120,17 @@ def _trainer(rank, T, model_dir, trainer, inference, url, port, fault, results, 
                                             SourceLayout(),
                                             lambda: torch.zeros(4, dtype=torch.bfloat16)))
         source = ManifestM2NWeightSource(entries, rank=rank)
+        if misorder:                 # the stream, not the manifest, swaps wire tensors 5 and 6
+            plain = source.iter_local
+
+            def swapped():
+                items = plain()
+                for i, item in enumerate(items):
+                    if i == 5:
+                        later = next(items)
+                        yield later
+                    yield item
+            source.iter_local = swapped
         info = M2NTrainerInitInfo(rank=rank, num_trainer_ranks=T,
                                   destination=vllm_destination(ckpt.config, inference),
                                   master_port=port, timeout_s=timeout_s, bucket_bytes=16 << 10)
@@ -173,7 +186,8 @@ def _run_trainers(url, T, trainer, inference, *, model_dir=EXAMPLE, faults=None,
     port = free_port()
     procs = []
     for r in range(T):
-        kwargs = {k: v for k, v in kw.items() if k in ("reorder", "extra") and r in kw.get("ranks", ())}
+        kwargs = {k: v for k, v in kw.items()
+                  if k in ("reorder", "extra", "misorder") and r in kw.get("ranks", ())}
         procs.append(CTX.Process(target=_trainer, daemon=True, kwargs=kwargs, args=(
             r, T, str(model_dir), trainer, inference, url, port, (faults or {}).get(r), results,
             rounds, gos[r], timeout_s)))
@@ -449,3 +463,40 @@ def test_demo_refuses_more_processes_than_one_machine_runs(capsys):
     assert main(["demo", "--trainer", "fsdp:40", "--inference", "vllm:tp=2"]) == 2
     err = capsys.readouterr().err
     assert "needs 42 processes" in err and "at most 32" in err
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fault", ["provider raises", "stream out of order"])
+def test_a_trainer_source_failure_is_named_on_every_rank(server, fault):
+    # Trainer rank 1's provider raises on wire tensor 5 of 25 (or its stream yields
+    # wire tensor 6 before 5). Every rank -- trainers and, through rank 0's error,
+    # the workers -- names trainer rank 1 and its exception text, long before the
+    # deadline; the workers keep their version.
+    from m2nkit.adapters.hf_checkpoint import checkpoint_metas, read_checkpoint
+
+    names = [m.name for m in checkpoint_metas(read_checkpoint(EXAMPLE), "fsdp:3")]
+    assert len(names) == 25
+    if fault == "provider raises":
+        kw = {"faults": {1: (1, 5, "raise")}}
+        root = (f"first failure reported: trainer rank 1: RuntimeError: provider of "
+                f"'{names[5]}' broke (disk error)")
+    else:
+        kw = {"ranks": (1,), "misorder": True}
+        root = (f"first failure reported: trainer rank 1: TransferError: source yielded "
+                f"'{names[6]}' where the manifest order expects '{names[5]}'")
+    msgs, _, _, _ = _run_trainers(server.url, 3, "fsdp:3", "vllm:tp=2",
+                                  timeout_s=LONG_TIMEOUT, **kw)
+    errors = _errors(msgs)
+    for r in range(3):
+        assert errors[r], msgs[r]
+        e = errors[r][0]
+        assert e["message"].startswith("TransferError"), e
+        assert root in e["message"], e
+        assert "timed out" not in e["message"], e
+        assert e["seconds"] < LONG_TIMEOUT / 2, e          # found at once, not at the deadline
+    # Rank 0 also relays the workers' own errors: they name the same root cause.
+    said = errors[0][0]["message"].split("the inference side said:", 1)
+    assert len(said) == 2, errors[0]
+    for w in (0, 1):
+        assert f"worker {w}" in said[1] and root in said[1], said[1]
+    assert server.weight_versions() == [None, None]

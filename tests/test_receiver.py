@@ -450,3 +450,212 @@ def test_call_order_and_update_info_errors(ck):
         M2NReceiver(INFERENCE, 0)
     r.shutdown()
     r.shutdown()                               # idempotent
+
+
+# --------------------------------------------------------------------------
+# receive modes: staged (copy at commit) and in-place (into the live parameters)
+
+
+def _addresses(receiver: M2NReceiver) -> dict[str, int]:
+    return {n: p.data_ptr() for n, p in receiver.model.named_parameters(remove_duplicate=False)}
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("direct", [None, 64], ids=["tiny-slabs-packed", "direct-64B"])
+@pytest.mark.parametrize("mode", ["staged", "in_place"])
+def test_modes_bit_exact_and_parameter_addresses_never_change(ck, monkeypatch, mode, direct):
+    # direct=64: every slab of 64 B or more travels alone, so zero-copy sends and
+    # receives, the cut of stacked experts and the bounce copies of non-contiguous
+    # regions all run (the tiny model's slabs are all below the default 256 KiB).
+    from m2nkit.engine.transports import torch_p2p
+
+    if direct is not None:
+        monkeypatch.setattr(torch_p2p, "DIRECT_BYTES", direct)
+    dest = vllm_destination(ck.config, INFERENCE)
+    targets = [build_vllm_storage(dest(checkpoint_metas(ck, TRAINER)), w) for w in range(N)]
+    receivers = [M2NReceiver(dest, w, target=targets[w], mode=mode) for w in range(N)]
+    client = InProcessClient(receivers, timeout_s=60)
+    tr = Trainers(ck)
+    try:
+        before = [_addresses(r) for r in receivers]
+        ok(tr.join(client))
+        for k, scale in ((1, 1.0), (2, 3.0)):
+            ok(tr.round(client, k, f"v{k}", scale))
+            assert client.weight_versions() == [f"v{k}"] * N
+            for r in receivers:
+                assert r.model is targets[r.worker] and not r.weights_mixed
+                assert_storage(r, reference(ck, scale, r.worker))
+                # CUDA graphs hold parameter addresses: never reallocated, in either mode.
+                assert _addresses(r) == before[r.worker]
+    finally:
+        tr.close()
+        for r in receivers:
+            r.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_in_place_failed_round_says_the_weights_are_mixed(ck):
+    receivers = [M2NReceiver(vllm_destination(ck.config, INFERENCE), w, mode="in_place")
+                 for w in range(N)]
+    client = InProcessClient(receivers, timeout_s=60)
+    tr = Trainers(ck, timeout_s=30.0)
+    fresh = Trainers(ck, timeout_s=10.0)
+    try:
+        ok(tr.join(client))
+        ok(tr.round(client, 1, "v1", 1.0))
+        out = tr.round(client, 2, "v2", 2.0, fail="raises")
+        err = out["client"][1]
+        assert isinstance(err, WeightSyncError) and sorted(err.errors) == [0, 1]
+        for w, e in err.errors.items():
+            assert "first failure reported: trainer rank 1: source raises" in str(e)
+            assert ("in-place mode: the live weights are now mixed (round 2 wrote part of them, "
+                    "the rest is older), the version stays 'v1'; run a new complete round "
+                    "before serving them") in str(e), e
+        with pytest.raises(WeightSyncError) as fin:
+            client.finish_weight_update("v2")
+        for e in fin.value.errors.values():
+            assert isinstance(e, IncompleteRoundError)
+            assert "not committing" in str(e) and "the live weights are now mixed" in str(e)
+        assert client.weight_versions() == ["v1", "v1"]
+        assert all(r.weights_mixed for r in receivers)
+        # Mixed, really: some tensors already hold round 2's bytes, others round 1's.
+        ref1 = [reference(ck, 1.0, w) for w in range(N)]
+        ref2 = [reference(ck, 2.0, w) for w in range(N)]
+        new = [n for r in receivers for n, t in r.storage.items()
+               if not bitwise_equal(t, ref1[r.worker][n]) and bitwise_equal(t, ref2[r.worker][n])]
+        old = [n for r in receivers for n, t in r.storage.items()
+               if bitwise_equal(t, ref1[r.worker][n]) and not bitwise_equal(t, ref2[r.worker][n])]
+        assert new and old
+        tr.close()
+        # A new complete round (fresh session) makes them whole again.
+        ok(fresh.join(client))
+        ok(fresh.round(client, 3, "v3", 2.0))
+        assert client.weight_versions() == ["v3", "v3"]
+        assert not any(r.weights_mixed for r in receivers)
+        for r in receivers:
+            assert_storage(r, ref2[r.worker])
+    finally:
+        tr.close()
+        fresh.close()
+        for r in receivers:
+            r.shutdown()
+
+
+def test_receive_mode_is_checked(ck):
+    with pytest.raises(ValueError, match=r"mode 'inplace' is not one of \['staged', 'in_place'\]"):
+        M2NReceiver(vllm_destination(ck.config, INFERENCE), 0, mode="inplace")
+
+
+# --------------------------------------------------------------------------
+# a second init while a session is live: it replaces the session
+
+
+class Engines:
+    """T trainer engines (threads) of one session, each with the checkpoint scaled by ``scale``."""
+
+    def __init__(self, ck, client, timeout_s: float = 20.0):
+        from m2nkit.engine.trainer import M2NTrainerInitInfo
+
+        self.ck, self.client, self.scale = ck, client, 1.0
+        port = free_port()
+        self.infos = [M2NTrainerInitInfo(rank=r, num_trainer_ranks=T,
+                                         destination=vllm_destination(ck.config, INFERENCE),
+                                         master_port=port, timeout_s=timeout_s,
+                                         bucket_bytes=16 << 10) for r in range(T)]
+        self.engines: dict = {}
+
+    def _source(self, r):
+        from m2nkit.manifest import ManifestM2NWeightSource
+
+        base = checkpoint_manifest(self.ck, TRAINER, r)
+        src = self
+
+        class Scaled(ManifestM2NWeightSource):
+            def iter_local(self):
+                for name, t in base.iter_local():
+                    yield name, t * src.scale
+        return Scaled(list(base.entries), rank=r)
+
+    def _each(self, fn, timeout_s=60) -> dict:
+        return in_threads({r: (lambda r=r: fn(r)) for r in range(T)}, timeout_s)
+
+    def init(self) -> dict:
+        from m2nkit.engine.trainer import M2NTrainerEngine
+
+        def one(r):
+            self.engines[r] = M2NTrainerEngine.trainer_init(
+                self.infos[r], client=self.client if r == 0 else None, source=self._source(r))
+        return self._each(one)
+
+    def send(self, version: str, scale: float) -> dict:
+        self.scale = scale
+        return self._each(lambda r: self.engines[r].send_weights(version))
+
+    def shutdown(self) -> None:
+        for e in self.engines.values():
+            e.shutdown()
+
+
+def in_threads(fns: dict, timeout_s: float) -> dict:
+    out: dict = {}
+
+    def run(key, fn):
+        try:
+            out[key] = ("ok", fn())
+        except BaseException as e:
+            out[key] = ("err", e)
+
+    threads = [threading.Thread(target=run, args=kv, daemon=True) for kv in fns.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+        assert not t.is_alive(), "a thread hung"
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_second_init_supersedes_the_live_session(ck):
+    receivers = receivers_for(ck)
+    client = InProcessClient(receivers, timeout_s=60)
+    a, b = Engines(ck, client), Engines(ck, client)
+    try:
+        ok(a.init())
+        ok(a.send("a1", 1.0))
+        assert client.weight_versions() == ["a1", "a1"]
+        # Session B inits while A is live: B takes the workers over.
+        ok(b.init())
+        ok(b.send("b1", 2.0))
+        assert client.weight_versions() == ["b1", "b1"]
+        # A's next round fails on every rank, naming the cause, before anything is sent
+        # (found through the session store, well before A's 20 s deadline).
+        t0 = time.monotonic()
+        out = a.send("a2", 3.0)
+        assert time.monotonic() - t0 < 10
+        for r in range(T):
+            kind, e = out[r]
+            assert kind == "err" and isinstance(e, TransferError), out[r]
+            assert "this session was superseded by the session at 127.0.0.1:" \
+                   f"{b.infos[0].master_port}" in str(e), e
+            assert "build a fresh engine with trainer_init" in str(e), e
+        # The workers kept B's round, and B goes on undisturbed.
+        assert client.weight_versions() == ["b1", "b1"]
+        for r in receivers:
+            assert_storage(r, reference(ck, 2.0, r.worker))
+        ok(b.send("b2", 1.0))
+        assert client.weight_versions() == ["b2", "b2"]
+        for r in receivers:
+            assert_storage(r, reference(ck, 1.0, r.worker))
+        # An update_weights that still carries A's session id is refused as superseded.
+        client.start_weight_update()
+        with pytest.raises(WeightSyncError) as e:
+            client.update_weights({"round": 99, "version": "a3",
+                                   "session": a.engines[0].payload.session})
+        assert "superseded by a newer init_weight_transfer_engine" in str(e.value)
+        assert "the older trainer must call trainer_init again" in str(e.value)
+        assert client.weight_versions() == ["b2", "b2"]
+    finally:
+        a.shutdown()
+        b.shutdown()
+        for r in receivers:
+            r.shutdown()

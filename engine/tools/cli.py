@@ -133,6 +133,11 @@ def _precheck(args) -> None:
                         f"got --trainer {args.trainer}")
     if _is_bridge_demo(args) and args.receiver != "stand-in":
         raise UserError("--trainer bridge:... runs with --receiver stand-in only")
+    if _is_megatron_demo(args):  # Megatron-Core trainers (engine/tools/demo_megatron.py)
+        importlib.import_module("m2nkit.engine.tools.demo_megatron").parse_megatron_demo_spec(
+            args.trainer)
+        if args.receiver != "stand-in":
+            raise UserError("--trainer megatron:... runs with --receiver stand-in only")
     ispec = importlib.import_module("m2nkit.adapters.vllm.spec").parse_inference_spec(args.inference)
     if args.command == "plan":
         if args.dump is not None and not args.verify:
@@ -154,6 +159,10 @@ def _precheck(args) -> None:
 
 def _is_bridge_demo(args) -> bool:
     return args.command == "demo" and args.trainer.strip().lower().startswith("bridge:")
+
+
+def _is_megatron_demo(args) -> bool:
+    return args.command == "demo" and args.trainer.strip().lower().startswith("megatron:")
 
 
 # --------------------------------------------------------------------------
@@ -629,6 +638,13 @@ def _run_demo(args, log):
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    if _is_megatron_demo(args):                            # Megatron-Core trainers
+        from m2nkit.engine.tools.demo_megatron import run_megatron_demo
+
+        return run_megatron_demo(args.model, args.trainer, args.inference, rounds=args.rounds,
+                                 timeout_s=args.timeout,
+                                 bucket_bytes=int(args.bucket_mib * (1 << 20)),
+                                 workdir=args.workdir, log=log)
     if _is_bridge_demo(args):                              # Megatron-Bridge trainers
         from m2nkit.engine.tools.demo_bridge import run_bridge_demo
 

@@ -49,7 +49,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["shift", "DemoRound", "DemoResult", "run_demo", "free_port", "MAX_DEMO_PROCESSES"]
+__all__ = ["shift", "DemoRound", "DemoResult", "run_demo", "free_port", "MAX_DEMO_PROCESSES",
+           "wait_reports"]
 
 #: Most processes (trainers + workers) the demo starts on one machine.
 MAX_DEMO_PROCESSES = 32
@@ -113,6 +114,10 @@ def _wait_reports(results, count: int, deadline: float, what: str, log, on_error
         got.append(msg)
         last = time.monotonic()
     return got
+
+
+#: Public name of :func:`_wait_reports` for the other demos (``demo_bridge.py``).
+wait_reports = _wait_reports
 
 
 def shift(t: torch.Tensor, round_index: int) -> torch.Tensor:

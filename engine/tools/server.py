@@ -118,6 +118,9 @@ def _worker_main(conn, destination: Any, worker: int) -> None:
     def save(path: str) -> str:
         from safetensors.torch import save_file
 
+        if receiver.model is None:
+            raise ValueError(f"worker {worker}: no storage to save yet: it is allocated by "
+                             "init_weight_transfer_engine; call that first")
         # Aliases share storage, which safetensors refuses: save unique names.
         save_file({n: p.detach().contiguous() for n, p in receiver.model.named_parameters()}, path)
         return path
@@ -207,6 +210,7 @@ class InferenceServer:
         self._seq = 0
         self._lock = threading.Lock()
         self._httpd: ThreadingHTTPServer | None = None
+        self._stopping = False
         self._thread: threading.Thread | None = None
         self.url: str | None = None
 
@@ -229,6 +233,7 @@ class InferenceServer:
                 ``start_timeout_s`` (everything started is stopped).
         """
         ctx = mp.get_context(self.start_method)
+        self._stopping = False
         try:
             for w in range(self.num_workers):
                 parent, child = ctx.Pipe()
@@ -239,7 +244,7 @@ class InferenceServer:
                 self._procs.append(p)
                 self._conns.append(parent)
             self._gather(0, "startup", self.start_timeout_s)
-            self._httpd = ThreadingHTTPServer((self.host, self.port), _handler(self))
+            self._httpd = _QuietHTTPServer((self.host, self.port), _handler(self))
             self._httpd.daemon_threads = True
             self._thread = threading.Thread(target=self._httpd.serve_forever, args=(0.1,),
                                             name="m2nkit-http", daemon=True)
@@ -252,7 +257,11 @@ class InferenceServer:
         return self.url
 
     def stop(self) -> None:
-        """Stop serving, ask every worker to stop, then terminate/kill and join. Idempotent."""
+        """Stop serving, ask every worker to stop, then terminate/kill and join. Idempotent.
+
+        A call in flight meanwhile answers 503 ("the server is stopping"), never a traceback.
+        """
+        self._stopping = True
         if self._httpd is not None:
             self._httpd.shutdown()
             self._httpd.server_close()
@@ -353,6 +362,8 @@ class InferenceServer:
                 when another call held the workers for ``timeout_s``.
         """
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        if self._stopping:
+            raise WeightSyncError(f"{cmd}: the server is stopping", status=503)
         if not self._lock.acquire(timeout=timeout_s):
             raise WeightSyncError(f"{cmd}: another call kept the workers busy for {timeout_s:g} s",
                                   status=503)
@@ -363,7 +374,18 @@ class InferenceServer:
                     conn.send((self._seq, cmd, arg if per_worker is None else per_worker[w]))
                 except (OSError, ValueError):
                     pass                            # dead: _gather names it (sentinel)
-            return self._gather(self._seq, cmd, timeout_s)
+            try:
+                return self._gather(self._seq, cmd, timeout_s)
+            except WeightSyncError:
+                if self._stopping:
+                    raise WeightSyncError(f"{cmd}: the server stopped during the call",
+                                          status=503) from None
+                raise
+            except (OSError, ValueError, EOFError, IndexError) as e:
+                if self._stopping:                  # stop() closed the pipes under us
+                    raise WeightSyncError(f"{cmd}: the server stopped during the call",
+                                          status=503) from None
+                raise WeightSyncError(f"{cmd}: lost the workers: {e}", status=500) from None
         finally:
             self._lock.release()
 
@@ -389,6 +411,22 @@ class InferenceServer:
 
 # --------------------------------------------------------------------------
 # HTTP
+
+
+class _QuietHTTPServer(ThreadingHTTPServer):
+    """``ThreadingHTTPServer`` that prints no traceback when a client hangs up.
+
+    A client that disconnects mid-call, or a ``stop()`` that closes the
+    socket under a handler, is normal for this server; anything else is
+    still reported (one line, not a traceback).
+    """
+
+    def handle_error(self, request, client_address) -> None:
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ConnectionError, OSError)):
+            return
+        print(f"m2nkit server: request from {client_address[0]}:{client_address[1]} failed: "
+              f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
 
 
 def _http_error(status: int, message: str) -> WeightSyncError:
@@ -436,11 +474,15 @@ def _handler(server: InferenceServer):
 
         def _reply(self, status: int, doc: dict) -> None:
             body = json.dumps(doc).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            try:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                self.wfile.flush()
+            except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError):
+                self.close_connection = True        # the client left mid-call: nobody to tell
 
         def _answer(self, method: str) -> dict:
             route = self.path

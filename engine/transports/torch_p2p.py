@@ -9,13 +9,15 @@ trainer that already runs FSDP or Megatron keeps its own world untouched.
 
 Wire tensors are cut into *buckets*: consecutive tensors in manifest order,
 closed once some rank would send or receive ``bucket_bytes``. Within a
-bucket every (trainer, worker) pair exchanges at most one message: the
-trainer packs its slabs for that worker into one staging buffer, straight
-from the provider's local tensor; the worker unpacks each slab straight into
-its vLLM-layout parameter. Both sides derive bucket boundaries and message
-layouts from the plan alone, so no sizes are exchanged. Two buckets are in
-flight at a time (pack the next while the last is on the wire), so a
-trainer's extra memory stays near two buckets, not one model.
+bucket a slab of ``DIRECT_BYTES`` or more is a message of its own (cut where
+that makes it contiguous on both sides), sent straight from the provider's
+local tensor and received straight into the worker's parameter where its
+region is contiguous there (zero-copy), through a bounce copy otherwise; the
+smaller slabs of a (trainer, worker) pair share one packed message. Both
+sides derive bucket boundaries and message layouts from the plan alone
+(cached on it), so no sizes are exchanged. One bucket is in flight at a
+time and staged bytes come from a ``BufferPool`` kept across rounds, so a
+rank's extra memory stays within about one bucket, not one model.
 
 Every wait of a round counts down to one ``Deadline`` set when the round
 starts (``m2nkit.engine.deadline``), so waits never add up: a dead or stalled
@@ -32,7 +34,7 @@ import hashlib
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Mapping, NamedTuple
 
 import numpy as np
 import torch
@@ -49,6 +51,9 @@ __all__ = [
     "rank_label",
     "BucketSchedule",
     "link_slabs",
+    "BufferPool",
+    "DIRECT_BYTES",
+    "region_is_contiguous",
     "agree_on_plan",
     "send_round",
     "recv_round",
@@ -295,13 +300,250 @@ def link_slabs(plan: Plan, wires: range, *, src: int | None = None,
     return out
 
 
+#: A slab of at least this many bytes travels as a message of its own: sent
+#: straight from the trainer's local tensor where its region is contiguous
+#: there, received straight into the worker's parameter where its region is
+#: contiguous there (no copy on either side). Smaller slabs of one (trainer,
+#: worker) pair and bucket share one packed message: one copy each way costs
+#: less than a message each. Both sides derive which is which from the plan.
+DIRECT_BYTES = 256 << 10
+
+
+def region_is_contiguous(shape: tuple[int, ...], region: tuple[slice, ...]) -> bool:
+    """Whether ``t[region]`` of a C-contiguous ``t`` of ``shape`` is one contiguous run.
+
+    True when every dim after the first partial one is whole and every dim
+    before it has extent 1 (unit-step slices, as ``Slab`` regions are).
+    """
+    ext = [min(s.stop, n) - s.start for s, n in zip(region, shape)]
+    k = len(shape)
+    while k > 0 and ext[k - 1] == shape[k - 1]:
+        k -= 1                     # trailing whole dims
+    return all(e <= 1 for e in ext[:max(k - 1, 0)])
+
+
+def _aligned(n: int) -> int:
+    """``n`` rounded up to 16 bytes: carve-outs of a pool start where any dtype can be viewed."""
+    return (n + 15) & ~15
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a 1-D uint8 view (same storage)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+class BufferPool:
+    """Staging bytes of one rank, reused across buckets and rounds (grow-only).
+
+    A transport takes ``reserve(n)`` at the start of a bucket, once the
+    previous bucket's messages are done with it, and carves the bucket's
+    packed messages and bounce copies out of it. The pool grows to the
+    largest bucket's need and stays there, so after the first round no
+    bucket allocates (no page faults on fresh buffers); ``nbytes`` is what
+    it holds. One pool per engine or receiver; not thread-safe.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self._buf = torch.empty(0, dtype=torch.uint8, device=self.device)
+
+    @property
+    def nbytes(self) -> int:
+        return self._buf.numel()
+
+    def reserve(self, n: int) -> torch.Tensor:
+        """At least ``n`` bytes (a uint8 tensor); earlier views must be out of use."""
+        if n > self._buf.numel():
+            self._buf = torch.empty(0, dtype=torch.uint8, device=self.device)  # free first
+            self._buf = torch.empty(n, dtype=torch.uint8, device=self.device)
+        return self._buf
+
+    def release(self) -> None:
+        """Drop the bytes (a later ``reserve`` allocates again)."""
+        self._buf = torch.empty(0, dtype=torch.uint8, device=self.device)
+
+
+def _dst_shapes(plan: Plan) -> dict[tuple[int, str], tuple[int, ...]]:
+    """``{(worker, vLLM name): local shape}`` of the plan's destination (cached on the plan)."""
+    cached = plan.__dict__.get("_m2nkit_dst_shapes")
+    if cached is None:
+        cached = {(p.worker, p.name): tuple(p.shape) for p in plan.destination.params}
+        plan.__dict__["_m2nkit_dst_shapes"] = cached
+    return cached
+
+
+def _split_direct(plan: Plan, wi: int, slab: Slab) -> list[Slab]:
+    """A large slab as messages contiguous on both sides where the plan's shapes allow.
+
+    A slab of stacked experts ``[4, I, H]`` is contiguous neither in the
+    trainer's ``[4, 2I, H]`` shard nor in vLLM's ``[E, I, H]`` parameter,
+    but each expert's ``[1, I, H]`` is, in both: the slab is cut along its
+    leading dims (the fewest that give contiguous parts), while each part
+    keeps ``DIRECT_BYTES`` or more. Computed from the plan alone (the
+    manifest's local shape, the destination's parameter shape), so the
+    trainer and the worker cut alike; where no cut works, the slab stays
+    whole and the side that is not contiguous copies.
+    """
+    src_shape = plan.wires[wi].meta.local_shape(slab.src)
+    dst_shape = _dst_shapes(plan).get((slab.dst, slab.param))
+    ext = [b - a for a, b in slab.box]
+    if not ext:
+        return [slab]
+    for k in range(len(ext)):
+        outer = int(np.prod(ext[:k])) if k else 1
+        if slab.nbytes // outer < DIRECT_BYTES:
+            break
+
+        def sub(region_start, shape):
+            region = tuple(slice(s, s + (1 if d < k else e))
+                           for d, (s, e) in enumerate(zip(region_start, ext)))
+            return shape is None or region_is_contiguous(shape, region)
+
+        if sub(slab.dst_start, dst_shape) and (src_shape is None or sub(slab.src_start,
+                                                                          src_shape)):
+            if k == 0:
+                return [slab]
+            parts = []
+            for idx in np.ndindex(*ext[:k]):
+                idx = tuple(int(i) for i in idx)
+                parts.append(slab._replace(
+                    box=tuple((a + i, a + i + 1) for (a, _), i in zip(slab.box[:k], idx))
+                    + tuple(slab.box[k:]),
+                    src_start=tuple(s + i for s, i in zip(slab.src_start[:k], idx))
+                    + tuple(slab.src_start[k:]),
+                    dst_start=tuple(s + i for s, i in zip(slab.dst_start[:k], idx))
+                    + tuple(slab.dst_start[k:]),
+                    nbytes=slab.nbytes // outer))
+            return parts
+    return [slab]
+
+
+def _messages(plan: Plan, items: list[tuple[int, Slab]]):
+    """One pair's messages of one bucket: ``(packed [(wi, slab, offset)], packed bytes,
+    direct [(wi, slab)])``; the packed message (when not empty) goes first, then
+    each direct part (:func:`_split_direct`), in ``link_slabs`` order: both
+    sides number them alike."""
+    packed, direct, at = [], [], 0
+    for wi, slab in items:
+        if slab.nbytes >= DIRECT_BYTES:
+            direct.extend((wi, part) for part in _split_direct(plan, wi, slab))
+        else:
+            packed.append((wi, slab, at))
+            at += slab.nbytes
+    return packed, at, direct
+
+
+class _SendBucket(NamedTuple):
+    """One trainer rank's bucket, prepared once per plan: see :func:`_send_layout`."""
+
+    rows: dict          # wire index -> [(dst, src region, packed offset or -1, nbytes, tag)]
+    packed: dict        # dst -> (bytes, tag, slab count) of its packed message
+    need: int           # pool bytes: packed messages + expected bounce copies (aligned)
+
+
+class _RecvBucket(NamedTuple):
+    """One worker's bucket, prepared once per plan: see :func:`_recv_layout`."""
+
+    # (src, tag, nbytes, direct row or None, packed rows); a row is
+    # (vLLM name, region in it, dtype, offset in the message, bytes)
+    msgs: list
+    need: int           # pool bytes of the packed messages (bounce copies come on top)
+
+
+def _cached(plan: Plan, key, build):
+    cache = plan.__dict__.setdefault("_m2nkit_p2p_layouts", {})
+    if key not in cache:
+        cache[key] = build()
+    return cache[key]
+
+
+def _send_layout(plan: Plan, schedule: BucketSchedule, rank: int) -> list[_SendBucket]:
+    """Trainer ``rank``'s messages of every bucket, with their tags (cached on the plan).
+
+    Tags number each (trainer, worker) pair's messages through the round:
+    per bucket the packed message first, then each direct part, as
+    :func:`_recv_layout` numbers them on the worker.
+    """
+    def build():
+        out, tags = [], {}
+        for k in range(len(schedule)):
+            rows: dict[int, list] = {}
+            packed_msgs: dict[int, tuple] = {}
+            need = 0
+            for dst, items in sorted(link_slabs(plan, schedule.wires(k), src=rank).items()):
+                packed, nbytes, direct = _messages(plan, items)
+                t = tags.get(dst, 0)
+                if nbytes:
+                    packed_msgs[dst] = (nbytes, t, len(packed))
+                    need += _aligned(nbytes)
+                    t += 1
+                    for wi, slab, at in packed:
+                        rows.setdefault(wi, []).append((dst, slab.src_region, at, slab.nbytes, -1))
+                for wi, slab in direct:
+                    shape = plan.wires[wi].meta.local_shape(rank)
+                    if shape is None or not region_is_contiguous(shape, slab.src_region):
+                        need += _aligned(slab.nbytes)       # expected to need a bounce copy
+                    rows.setdefault(wi, []).append((dst, slab.src_region, -1, slab.nbytes, t))
+                    t += 1
+                tags[dst] = t
+            out.append(_SendBucket(rows, packed_msgs, need))
+        return out
+
+    return _cached(plan, ("send", rank, schedule.bounds), build)
+
+
+def _recv_layout(plan: Plan, schedule: BucketSchedule, worker: int) -> list[_RecvBucket]:
+    """Worker ``worker``'s messages of every bucket, with their tags (cached on the plan)."""
+    def build():
+        out, tags = [], {}
+        for k in range(len(schedule)):
+            msgs, need = [], 0
+            for src, items in sorted(link_slabs(plan, schedule.wires(k), dst=worker).items()):
+                packed, nbytes, direct = _messages(plan, items)
+                t = tags.get(src, 0)
+                if nbytes:
+                    rows = [(slab.param, slab.dst_region, plan.wires[wi].meta.dtype, at,
+                             slab.nbytes) for wi, slab, at in packed]
+                    msgs.append((src, t, nbytes, None, rows))
+                    need += _aligned(nbytes)
+                    t += 1
+                for wi, slab in direct:
+                    msgs.append((src, t, slab.nbytes,
+                                 (slab.param, slab.dst_region, plan.wires[wi].meta.dtype, 0,
+                                  slab.nbytes), None))
+                    t += 1
+                tags[src] = t
+            out.append(_RecvBucket(msgs, need))
+        return out
+
+    return _cached(plan, ("recv", worker, schedule.bounds), build)
+
+
+def _post(group, op: str, buf: torch.Tensor, peer: int, tag: int, what: str):
+    try:
+        return (group.send if op == "send" else group.recv)([buf], peer, tag)
+    except RuntimeError as e:
+        raise TransferError(f"{what} failed: {_reason(e)}") from e
+
+
 def send_round(group, plan: Plan, schedule: BucketSchedule, rank: int,
                stream: Iterable[tuple[str, torch.Tensor]], *, timeout_s: float | None = None,
-               deadline: Deadline | None = None, device: torch.device | str = "cpu") -> int:
+               deadline: Deadline | None = None, device: torch.device | str = "cpu",
+               pool: BufferPool | None = None) -> int:
     """Send this trainer rank's slabs of one round. Returns bytes sent.
 
     ``stream`` is the rank's ``iter_local()``: one ``(name, local tensor)``
     per owned wire tensor in manifest order; each provider runs once.
+    Per bucket and worker: one packed message of the small slabs, and one
+    message per slab of ``DIRECT_BYTES`` or more (cut where that makes it
+    contiguous on both sides, :func:`_split_direct`), sent from the local
+    tensor itself when its region is contiguous there (zero-copy), else
+    from a bounce copy. One bucket is in flight at a time: the next
+    bucket's providers run only once this one's sends are done, so a rank
+    holds at most one bucket of staged bytes plus the local tensors its
+    zero-copy sends still read. ``pool`` (kept by the caller across rounds)
+    holds the staged bytes; without one a fresh pool serves this round.
+
     Every send is waited for until ``deadline`` (the round's), else
     ``timeout_s`` seconds from the call; a provider that returns after the
     deadline ends the round here too.
@@ -312,26 +554,25 @@ def send_round(group, plan: Plan, schedule: BucketSchedule, rank: int,
             failed or was not done by the deadline (names the worker and bucket).
     """
     deadline = Deadline.of(deadline, timeout_s)
+    pool = pool if pool is not None else BufferPool(device)
     it = iter(stream)
-    in_flight: list[tuple[object, str]] = []
+    in_flight: list[tuple[object, str, object]] = []
     sent = 0
     T = plan.num_trainer_ranks
-    for k in range(len(schedule)):
-        wires = schedule.wires(k)
-        links = link_slabs(plan, wires, src=rank)
-        buffers = {dst: torch.empty(sum(s.nbytes for _, s in items), dtype=torch.uint8,
-                                    device=device)
-                   for dst, items in links.items()}
-        # Each slab's offset in its message follows the packing order of
-        # ``link_slabs`` (the receiver unpacks in that order), while local
-        # tensors arrive in manifest order.
-        by_wire: dict[int, list] = {}
-        for dst, items in links.items():
-            at = 0
-            for wi, slab in items:
-                by_wire.setdefault(wi, []).append((dst, slab, at))
-                at += slab.nbytes
-        for wi in wires:
+    for k, bucket in enumerate(_send_layout(plan, schedule, rank)):
+        # One bucket in flight: this one's sends end before the next is staged.
+        for work, what, _ in in_flight:
+            wait_work(work, deadline, what)
+        in_flight = []
+        arena = pool.reserve(bucket.need)
+        cursor = 0
+        packed_buf: dict[int, torch.Tensor] = {}
+        left: dict[int, int] = {}
+        for dst, (nbytes, _, count) in bucket.packed.items():
+            packed_buf[dst] = arena[cursor:cursor + nbytes]
+            cursor += _aligned(nbytes)
+            left[dst] = count
+        for wi in schedule.wires(k):
             wp = plan.wires[wi]
             if not wp.meta.holds(rank):
                 continue
@@ -339,22 +580,32 @@ def send_round(group, plan: Plan, schedule: BucketSchedule, rank: int,
             if deadline.expired():
                 raise TransferError(f"trainer rank {rank}: the source's local tensor of '{wp.name}' "
                                     f"came after {deadline.describe()}; the round is over")
-            for dst, slab, at in by_wire.get(wi, ()):
-                piece = local[slab.src_region]
-                buffers[dst][at:at + slab.nbytes].view(wp.meta.dtype).view(piece.shape).copy_(piece)
-        # Keep at most one earlier bucket in flight: wait for it now.
-        for work, what in in_flight:
-            wait_work(work, deadline, what)
-        in_flight = []
-        for dst, buf in buffers.items():
-            what = f"trainer rank {rank}: send of bucket {k} to worker {dst}"
-            try:
-                work = group.send([buf], T + dst, k)
-            except RuntimeError as e:
-                raise TransferError(f"{what} failed: {str(e).splitlines()[0]}") from e
-            in_flight.append((work, what))
-            sent += buf.numel()
-    for work, what in in_flight:
+            for dst, region, at, nbytes, tag in bucket.rows.get(wi, ()):
+                piece = local[region]
+                if at >= 0:                                   # into the packed message
+                    packed_buf[dst][at:at + nbytes].view(wp.meta.dtype).view(
+                        piece.shape).copy_(piece)
+                    left[dst] -= 1
+                    if left[dst]:
+                        continue
+                    buf, tag, keep = packed_buf[dst], bucket.packed[dst][1], None
+                    what = f"trainer rank {rank}: send of bucket {k} (packed) to worker {dst}"
+                else:
+                    keep = piece
+                    if piece.is_contiguous():
+                        buf = _flat_bytes(piece)              # zero-copy
+                    else:
+                        if cursor + nbytes <= arena.numel():
+                            buf = arena[cursor:cursor + nbytes]
+                            cursor += _aligned(nbytes)
+                        else:                                 # a local tensor with odd strides
+                            buf = torch.empty(nbytes, dtype=torch.uint8, device=arena.device)
+                        buf.view(wp.meta.dtype).view(piece.shape).copy_(piece)
+                    what = f"trainer rank {rank}: send of bucket {k} ('{wp.name}') to worker {dst}"
+                in_flight.append((_post(group, "send", buf, T + dst, tag, what), what, keep))
+                sent += nbytes if at < 0 else buf.numel()
+            del local
+    for work, what, _ in in_flight:
         wait_work(work, deadline, what)
     leftover = next(it, None)
     if leftover is not None:
@@ -363,63 +614,85 @@ def send_round(group, plan: Plan, schedule: BucketSchedule, rank: int,
     return sent
 
 
-def _post_receives(group, plan: Plan, schedule: BucketSchedule, k: int, worker: int, device):
-    """Post worker ``worker``'s receives of bucket ``k``: ``[(src, slabs, buffer, work, what)]``.
+def _post_receives(group, plan: Plan, bucket: _RecvBucket, k: int, worker: int,
+                   storage: Mapping[str, torch.Tensor], pool: BufferPool):
+    """Post worker ``worker``'s receives of bucket ``k``: ``[(work, what, unpack, nbytes)]``.
 
-    A module function, not a closure over ``group``: a failed round's
-    traceback holds this frame, and ``traceback.clear_frames`` can drop a
-    frame's locals but not the cells of a closure, which would keep the
-    group (and its sockets) alive.
+    ``unpack`` is ``None`` for a message received straight into its
+    parameter, else ``(buffer, rows)`` (:class:`_RecvBucket`) to copy out once it
+    arrived. A module function, not a closure over ``group``: a failed
+    round's traceback holds this frame, and ``traceback.clear_frames`` can
+    drop a frame's locals but not the cells of a closure, which would keep
+    the group (and its sockets) alive.
     """
     me = plan.num_trainer_ranks + worker
-    links = link_slabs(plan, schedule.wires(k), dst=worker)
+    targets = []
+    need = bucket.need
+    for src, tag, nbytes, direct, packed in bucket.msgs:
+        if direct is None:
+            targets.append(None)
+            continue
+        view = storage[direct[0]][direct[1]]
+        if view.is_contiguous():
+            targets.append(_flat_bytes(view))                 # zero-copy
+        else:
+            targets.append(None)
+            need += _aligned(nbytes)
+    arena = pool.reserve(need)
+    cursor = 0
     posted = []
-    for src, rows in sorted(links.items()):
-        n = sum(slab.nbytes for _, slab in rows)
-        buf = torch.empty(n, dtype=torch.uint8, device=device)
+    for (src, tag, nbytes, direct, packed), target in zip(bucket.msgs, targets):
         what = f"worker {worker} (rank {me}): receive of bucket {k} from trainer rank {src}"
-        try:
-            work = group.recv([buf], src, k)
-        except RuntimeError as e:
-            raise TransferError(f"{what} failed: {_reason(e)}") from e
-        posted.append((src, rows, buf, work, what))
+        unpack = None
+        if target is None:
+            target = arena[cursor:cursor + nbytes]
+            cursor += _aligned(nbytes)
+            unpack = (target, packed if direct is None else [direct])
+        posted.append((_post(group, "recv", target, src, tag, what), what, unpack, nbytes))
     return posted
 
 
 def recv_round(group, plan: Plan, schedule: BucketSchedule, worker: int,
                storage: Mapping[str, torch.Tensor], *, timeout_s: float | None = None,
-               deadline: Deadline | None = None,
-               device: torch.device | str = "cpu") -> tuple[set[str], int]:
+               deadline: Deadline | None = None, device: torch.device | str = "cpu",
+               pool: BufferPool | None = None) -> tuple[set[str], int]:
     """Receive this worker's slabs of one round straight into ``storage``.
+
+    ``storage`` maps vLLM names to the tensors written: the live
+    parameters (in-place) or a staging copy. A slab of ``DIRECT_BYTES`` or
+    more whose region is contiguous in its parameter is received into the
+    parameter itself (zero-copy); the others land in ``pool``'s bytes and
+    are copied out. One bucket is posted at a time, so the staged bytes are
+    at most one bucket's; ``pool`` (kept by the caller across rounds) is
+    reused, a fresh one serves this round without it.
 
     Returns ``(names of wire tensors fully received, bytes received)``.
     Every receive is waited for until ``deadline`` (the round's), else
     ``timeout_s`` seconds from the call. On failure raises
     ``TransferError`` (naming the trainer rank and bucket) whose
     ``received`` attribute lists the wire tensors that did arrive whole and
-    ``missing`` the others; the next bucket's receives stay posted, so the
+    ``missing`` the others; the bucket's other receives stay posted, so the
     caller aborts the group.
     """
     deadline = Deadline.of(deadline, timeout_s)
+    pool = pool if pool is not None else BufferPool(device)
     expected = {plan.wires[wi].name for wi in range(len(plan.wires))
                 if plan.wires[wi].sends_to(worker)}
     done: set[str] = set()
     got = 0
     try:
-        pending = _post_receives(group, plan, schedule, 0, worker, device) if len(schedule) else []
-        for k in range(len(schedule)):
-            current = pending
-            pending = _post_receives(group, plan, schedule, k + 1, worker, device) \
-                if k + 1 < len(schedule) else []
-            for src, rows, buf, work, what in current:
+        for k, bucket in enumerate(_recv_layout(plan, schedule, worker)):
+            posted = _post_receives(group, plan, bucket, k, worker, storage, pool)
+            for work, what, unpack, nbytes in posted:
                 wait_work(work, deadline, what)
-                c = 0
-                for wi, slab in rows:
-                    dst = storage[slab.param][slab.dst_region]
-                    n = slab.nbytes
-                    dst.copy_(buf[c:c + n].view(plan.wires[wi].meta.dtype).view(dst.shape))
-                    c += n
-                got += buf.numel()
+                got += nbytes
+                if unpack is None:
+                    continue
+                buf, rows = unpack
+                for param, region, dtype, at, n in rows:
+                    dst = storage[param][region]
+                    dst.copy_(buf[at:at + n].view(dtype).view(dst.shape))
+            del posted
             for wi in schedule.wires(k):
                 name = plan.wires[wi].name
                 if name in expected:
@@ -526,6 +799,9 @@ def finish_round(store, rank: int, world_size: int, *, num_trainer_ranks: int, r
         names = [label + ": ", label.split(" (")[0] + ": "]     # "worker 0 (rank 2)", "worker 0"
         while any(msg.startswith(n) for n in names):         # said once, in front
             msg = msg[len(next(n for n in names if msg.startswith(n))):]
+        kind, sep, rest = msg.partition(": ")                # "TransferError: trainer rank 1: ..."
+        if sep and kind.isidentifier() and any(rest.startswith(n) for n in names):
+            msg = f"{kind}: {rest[len(next(n for n in names if rest.startswith(n))):]}"
         if len(msg) > _REPORT_CHARS:
             msg = msg[:_REPORT_CHARS] + " ..."
         return f"{label}: {msg}"
