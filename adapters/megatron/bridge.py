@@ -39,7 +39,18 @@ Any other mapping kind (a subclass with its own transform, a Bridge for an
 architecture with other fused layouts) goes through that task's own
 ``megatron_to_hf``, which gathers; the tensors it returns are replicas on
 the ranks that hold them. :attr:`BridgeSource.gathered` names every wire
-tensor that goes this way and why.
+tensor that goes this way and why, and :attr:`BridgeSource.notes` says it in
+sentences (``M2NTrainerEngine.notes`` carries them to the user). A
+*grouped-export* mapping (``is_grouped_export``: one HF tensor holds every
+expert, and Bridge stacks the per-expert outputs of ``megatron_to_hf`` in its
+own export loop, ``model_bridge.py`` ``_accumulate_grouped_export``; GPT-OSS's
+expert mappings) has no such fallback: ``mode="tasks"`` refuses it, naming
+``mode="export"``.
+
+HF tensors the family's wire carries with permuted dims
+(``HFNaming.permuted``: GPT-OSS's stacked ``experts.gate_up_proj [E, H,
+2*I]`` is the wire's ``experts.gate_up_proj.weight [E, 2*I, H]``) are sent
+as the permuted view of what Bridge yields.
 
 ``mode="export"``: ``export_hf_weights(model, cpu=True)`` is the provider,
 for any architecture Bridge knows and m2nkit has a family for. Every rank
@@ -54,7 +65,13 @@ Both the export and the fallback tasks are *streams* of collective calls.
 Every rank runs the same calls at the same point of the manifest order
 (before the first wire tensor that needs them on any rank), whether or not
 it owns that tensor, and runs what is left when its iteration ends, so the
-ranks' collectives line up as Bridge's own export loop does. The names,
+ranks' collectives line up as Bridge's own export loop does. With the
+``torch_p2p`` transport this cannot deadlock although each rank reaches a
+step at its own point of the send loop (the argument is in docs/bridge.md,
+checked by tests/integration/test_bridge_round.py); ``nccl_m2n`` would issue
+its reshards and Bridge's collectives in different orders on different ranks,
+so the trainer engine refuses a source with
+:attr:`BridgeSource.collectives_while_iterating` there. The names,
 shapes and dtypes a stream yields are learnt once, when the source is
 built, by running it once (one export): what Bridge yields is only known
 by running it.
@@ -163,6 +180,22 @@ class _Names:
             if m:
                 return f"{m['prefix']}.{wire_leaf}", int(m["e"]), k, n
         return None
+
+    def permuted(self, hf_name: str) -> tuple[str, tuple[int, ...]] | None:
+        """``(wire, order)`` of an HF tensor the wire carries with its dims permuted, else ``None``.
+
+        The family's ``HFNaming.permuted`` (GPT-OSS: Bridge exports
+        ``...experts.gate_up_proj [E, H, 2*I]`` as transformers stores it;
+        the wire is ``...experts.gate_up_proj.weight [E, 2*I, H]`` =
+        ``permute(0, 2, 1)``).
+        """
+        if hf_name in self.wires:
+            return None
+        leaf = self.family.hf.permuted_leaf(hf_name)
+        if leaf is None:
+            return None
+        wire_leaf, order = self.family.hf.permuted[leaf]
+        return hf_name[: -len(leaf)] + wire_leaf, tuple(order)
 
     def ignored(self, hf_name: str) -> bool:
         """A tied ``lm_head`` Bridge may emit beside the embedding (the same tensor)."""
@@ -342,6 +375,8 @@ class _StreamPlan:
     last_step: dict[str, int] = field(default_factory=dict)
     #: (wire, expert) -> parts seen on this rank (stacked wires)
     expert_parts: dict[tuple[str, int], set] = field(default_factory=dict)
+    #: HF name -> dim order of its wire tensor (``_Names.permuted``)
+    permute: dict[str, tuple[int, ...]] = field(default_factory=dict)
     steps: int = 0
 
 
@@ -350,6 +385,15 @@ def _dry_run(stream: _Stream, names: _Names, what: str) -> _StreamPlan:
     for i, out in enumerate(stream.start()):
         plan.steps = i + 1
         for hf_name, t in out.items():
+            perm = names.permuted(hf_name)
+            if perm is not None:  # one whole tensor, its dims in the wire's order
+                wire, order = perm
+                names.check(wire, what)
+                plan.permute[hf_name] = order
+                plan.outputs.setdefault(i, []).append((hf_name, wire, None, 0, 1))
+                plan.seen[wire] = (t.dtype, tuple(t.permute(order).shape))
+                plan.last_step[wire] = i
+                continue
             ex = names.expert(hf_name)
             if ex is None:
                 if names.ignored(hf_name):
@@ -382,6 +426,10 @@ class BridgeSource(ManifestM2NWeightSource):
             wire tensor in ``"export"`` mode; the fallback kinds in
             ``"tasks"`` mode), identical on every rank.
         collective_free: wire names sent straight from local tensors.
+        collectives_while_iterating: ``iter_local()`` runs Bridge's
+            collectives (``"export"`` mode, fallback tasks); see
+            docs/bridge.md for why ``torch_p2p`` interleaves them safely
+            and ``nccl_m2n`` cannot (the engine refuses that pairing).
     """
 
     def __init__(self, entries, *, rank, mode, gathered, stream, stream_plan, complete_at,
@@ -390,6 +438,9 @@ class BridgeSource(ManifestM2NWeightSource):
         self.mode = mode
         self.gathered = dict(gathered)
         self.collective_free = tuple(e.name for e in entries if e.name not in self.gathered)
+        #: whether ``iter_local()`` runs Bridge's collectives (export mode, fallback tasks);
+        #: the trainer engine refuses such a source with the nccl_m2n transport
+        self.collectives_while_iterating = stream is not None
         self._stream = stream
         self._plan = stream_plan
         self._complete_at = complete_at  # wire -> last stream step any rank needs for it
@@ -428,7 +479,8 @@ class BridgeSource(ManifestM2NWeightSource):
                         f"produce '{hf_name}' at step {step} on rank {self.rank} this time "
                         "(it did when the source was built); the model changed shape")
                 if e is None:
-                    p["dense"][wire] = t
+                    order = self._plan.permute.get(hf_name)
+                    p["dense"][wire] = t if order is None else t.permute(order)
                 elif self._assigned.get((wire, e)) == self.rank:
                     p["experts"].setdefault(wire, {}).setdefault(e, {})[k] = t
             del out
@@ -547,7 +599,9 @@ def bridge_source(bridge: Any, model_chunks: Any, mode: str = "tasks", *,
             m2nkit family (before any collective, naming it); a tensor
             Bridge produces that the family table has no wire tensor for;
             a wire tensor of the table no rank holds; ranks disagreeing on
-            a dtype or shape (every rank raises the same message).
+            a dtype or shape; in ``"tasks"`` mode a grouped-export mapping
+            (GPT-OSS's experts: use ``"export"``). Every rank raises the
+            same message, naming the rank that found it.
     """
     if mode not in MODES:
         raise BridgeSourceError(f"bridge_source: mode {mode!r} is not one of {', '.join(MODES)}")
@@ -570,6 +624,15 @@ def bridge_source(bridge: Any, model_chunks: Any, mode: str = "tasks", *,
             tasks = bridge.get_conversion_tasks(chunks)
             hold, fallback = _tasks_holding(tasks, names, _chunk_config(chunks),
                                             frozenset(gather))
+            grouped = sorted({type(t.mapping).__name__ for t in fallback
+                              if getattr(t.mapping, "is_grouped_export", False)})
+            if grouped:
+                raise BridgeSourceError(
+                    f"mode='tasks' cannot send {', '.join(grouped)}: a grouped-export mapping "
+                    "(one HF tensor holds every expert; Bridge stacks the per-expert outputs of "
+                    "its megatron_to_hf inside its own export loop, model_bridge.py "
+                    "_accumulate_grouped_export) with no layout m2nkit knows; use "
+                    "bridge_source(..., mode='export')")
             if fallback:
                 stream = _tasks_stream(fallback)
                 for t in fallback:

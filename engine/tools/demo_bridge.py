@@ -353,8 +353,8 @@ def run_bridge_demo(model: str, trainer: str, inference: str, *, mode: str = "ta
         config = ckpt.config
         destination = vllm_destination(config, ispec)  # refuses an unknown family here
         made = "megatron_source" if mode == MEGATRON_SOURCE else f"bridge_source mode={mode!r}"
-        log(f"model {ckpt.architecture} from {model_dir}; {T} Megatron-Bridge trainer ranks "
-            f"({tspec}, {made}) -> {ispec.num_workers} workers ({ispec})")
+        log(f"model {ckpt.architecture} from {model_dir}; {T} Megatron trainer ranks loaded "
+            f"by Megatron-Bridge ({tspec}, {made}) -> {ispec.num_workers} workers ({ispec})")
         ctx = mp.get_context(start_method)
         server = InferenceServer(model_dir, str(ispec), timeout_s=4 * timeout_s,
                                  start_method=start_method)
@@ -393,8 +393,8 @@ def run_bridge_demo(model: str, trainer: str, inference: str, *, mode: str = "ta
             joined = collect("the Bridge trainers to join the transfer group", T)
             manifest, notes = next(m[3] for m in joined if m[1] == 0)
             plan, _ = plan_from_manifest(manifest, destination)
-            result = DemoResult(str(model), str(tspec) + f" ({mode})", str(ispec),
-                                plan.nbytes_min)
+            label = str(tspec) + ("" if mode == MEGATRON_SOURCE else f" ({mode})")
+            result = DemoResult(str(model), label, str(ispec), plan.nbytes_min)
             log(f"{T} trainers built and joined in {time.monotonic() - t_init:.1f} s; "
                 f"{len(plan.wires)} wire tensors, {plan.num_slabs} slabs")
             for note in notes:

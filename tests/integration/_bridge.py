@@ -37,9 +37,12 @@ class Case:
     tp: int = 1
     pp: int = 1
     ep: int = 1
-    #: ``"tasks"``, ``"export"``, or ``"gather"`` (tasks mode with :data:`GATHER` forced
-    #: through Bridge's own ``megatron_to_hf``)
+    #: ``"tasks"``, ``"export"``, ``"gather"`` (tasks mode with :data:`GATHER` forced
+    #: through Bridge's own ``megatron_to_hf``), or ``"refuse:<mode>"`` (that mode must be
+    #: refused with ``BridgeSourceError``; its message is written instead)
     modes: tuple[str, ...] = ("tasks", "export")
+    #: expert tensor-parallel size (``None``: tp, megatron-core's default)
+    etp: int | None = None
 
 
 #: mapping kinds the ``"gather"`` mode sends through Bridge's fallback path
@@ -86,46 +89,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_megatron(tp: int, pp: int, ep: int) -> None:
-    """(Re)initialise megatron-core's model-parallel groups on the live gloo world."""
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+def init_megatron(tp: int, pp: int, ep: int, etp: int | None = None) -> None:
+    """(Re)initialise megatron-core's model-parallel groups (the demo's own helper)."""
+    from m2nkit.engine.tools.demo_bridge import init_megatron as init
 
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
-                                             pipeline_model_parallel_size=pp,
-                                             expert_model_parallel_size=ep,
-                                             expert_tensor_parallel_size=tp if ep > 1 else None)
-    # CPU: the inference RNG tracker's fork() needs no CUDA RNG state
-    model_parallel_cuda_manual_seed(0, inference_rng_tracker=True, force_reset_rng=True)
+    init(tp, pp, ep, etp)
 
 
-def build_bridge_model(ckpt: str, tp: int, pp: int, ep: int):
-    """``(bridge, model chunks)``: the checkpoint built and loaded through Bridge, local layer spec."""
-    from megatron.bridge import AutoBridge
-    from megatron.bridge.models.gpt_provider import local_layer_spec
+def build_bridge_model(ckpt: str, tp: int, pp: int, ep: int, etp: int | None = None):
+    """``(bridge, model chunks)`` through Bridge on CPU (the demo's own helper)."""
+    from m2nkit.engine.tools.demo_bridge import build_bridge_model as build
 
-    bridge = AutoBridge.from_hf_pretrained(ckpt)
-    provider = bridge.to_megatron_provider(load_weights=False)
-    provider.tensor_model_parallel_size = tp
-    provider.pipeline_model_parallel_size = pp
-    provider.expert_model_parallel_size = ep
-    provider.expert_tensor_parallel_size = tp if provider.num_moe_experts else None
-    provider.sequence_parallel = False
-    provider.transformer_layer_spec = local_layer_spec  # no TransformerEngine on CPU
-    if provider.num_moe_experts:
-        provider.moe_token_dispatcher_type = "allgather"  # alltoall touches CUDA streams
-    for flag in ("moe_permute_fusion", "moe_grouped_gemm", "gradient_accumulation_fusion",
-                 "masked_softmax_fusion", "bias_activation_fusion", "persist_layer_norm",
-                 "apply_rope_fusion"):
-        setattr(provider, flag, False)
-    provider.use_cpu_initialization = True
-    provider.pipeline_dtype = torch.bfloat16
-    provider.finalize()
-    model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
-    bridge.load_hf_weights(model)
-    return bridge, model
+    return build(ckpt, tp, pp, ep, etp)
 
 
 def run_case(case: Case, rank: int, out: Path) -> None:
@@ -136,9 +111,19 @@ def run_case(case: Case, rank: int, out: Path) -> None:
     import torch.distributed as dist
 
     world = dist.get_world_size()
-    init_megatron(case.tp, case.pp, case.ep)
-    bridge, model = build_bridge_model(case.ckpt, case.tp, case.pp, case.ep)
+    init_megatron(case.tp, case.pp, case.ep, case.etp)
+    bridge, model = build_bridge_model(case.ckpt, case.tp, case.pp, case.ep, case.etp)
     for mode in case.modes:
+        if mode.startswith("refuse:"):
+            from m2nkit.adapters.megatron.bridge import BridgeSourceError
+
+            try:
+                bridge_source(bridge, model, mode=mode.partition(":")[2])
+                msg = "not refused"
+            except BridgeSourceError as e:
+                msg = str(e)
+            (out / f"{case.label}.{mode.replace(':', '-')}.r{rank}.txt").write_text(msg)
+            continue
         t0 = time.monotonic()
         src = (bridge_source(bridge, model, gather=GATHER) if mode == "gather"
                else bridge_source(bridge, model, mode=mode))

@@ -52,7 +52,14 @@ MATRIX = [
     ("tiny-qwen3-moe", 1, 1, 2, ("tasks", "export")),
     ("tiny-qwen3-moe", 2, 1, 2, ("tasks", "export", "gather")),
     ("tiny-qwen3-moe", 2, 2, 1, ("tasks",)),
+    # GPT-OSS: stacked experts in HF's [E, in, out] order, attention sinks, biases (etp 1:
+    # megatron-core refuses MoE biases with etp > 1); Bridge's expert mappings are grouped
+    # exports (tasks mode refuses them, naming mode='export')
+    ("tiny-gpt-oss", 2, 1, 2, ("export", "refuse:tasks")),
 ]
+
+#: expert tensor-parallel size where megatron-core's default (tp) does not apply
+ETP = {"tiny-gpt-oss": 1}
 
 SPECS = {"dense": ("vllm:tp=2", "vllm:tp=4"), "moe": ("vllm:tp=2", "vllm:tp=2,ep")}
 
@@ -91,8 +98,8 @@ def ran(tiny_checkpoints, tmp_path_factory):
                                        num_attention_heads=4, num_key_value_heads=2,
                                        vocab_size=128, architectures=["MistralForCausalLM"]),
                          out / "tiny-mistral")
-    cases = [Case(_label(n, tp, pp, ep), str(tiny_checkpoints(n)), tp, pp, ep, modes)
-             for n, tp, pp, ep, modes in MATRIX]
+    cases = [Case(_label(n, tp, pp, ep), str(tiny_checkpoints(n)), tp, pp, ep, modes,
+                  ETP.get(n)) for n, tp, pp, ep, modes in MATRIX]
     seconds = launch(WORLD, cases, out, TIMEOUT_S, extra=_refusal)
     print(f"bridge oracle: {len(cases)} cases on {WORLD} ranks in {seconds:.0f} s")
     return out, {c.label: c for c in cases}
@@ -102,6 +109,9 @@ def _wire_reference(name: str, shape, exported: dict) -> torch.Tensor:
     """The wire tensor from Bridge's export: as is, or its per-expert tensors stacked."""
     if name in exported:
         return exported[name]
+    stacked = name.removesuffix(".weight")
+    if stacked in exported:  # GPT-OSS: transformers' [E, in, out]; the wire is [E, out, in]
+        return exported[stacked].permute(0, 2, 1)
     m = re.fullmatch(r"(.*)\.experts\.(gate_up_proj|down_proj)\.weight", name)
     assert m, f"Bridge's export has no '{name}'"
     prefix, leaf = m.groups()
@@ -153,9 +163,16 @@ def test_wire_tensors_equal_bridge_export_and_rounds_equal_vllm_reference(ran, l
 
     config = AutoConfig.from_pretrained(case.ckpt)
     for mode in case.modes:
+        if mode.startswith("refuse:"):
+            texts = {(out / f"{label}.{mode.replace(':', '-')}.r{r}.txt").read_text()
+                     for r in range(WORLD)}
+            assert len(texts) == 1, texts  # every rank, the same message
+            msg = texts.pop()
+            assert "mode='tasks' cannot send GPTOSSMLP" in msg and "mode='export'" in msg, msg
+            continue
         metas = _check(out, case, mode, exported)
         streams = {r: torch.load(out / f"{label}.{mode}.r{r}.pt")["locals"] for r in range(WORLD)}
-        for spec in SPECS["moe" if "moe" in label else "dense"]:
+        for spec in SPECS["moe" if "moe" in label or "gpt-oss" in label else "dense"]:
             dest = destination_layout(config, metas, spec)
             plan = build_plan(metas, WORLD, dest)
             assert plan.problems == [], (label, mode, spec, plan.problems[:3])
