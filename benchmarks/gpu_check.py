@@ -10,9 +10,13 @@ checkpoint) after every round, and once more after a round that sends
 everything through ``torch_p2p`` alone, for comparison. Prints a table.
 
     python benchmarks/gpu_check.py                 # GPU machine, < 5 minutes
-    python benchmarks/gpu_check.py --dry-run       # any machine, no GPU: plans, an
-                                                   # in-process byte check, and the
-                                                   # nccl.m2n descriptors if it imports
+    python benchmarks/gpu_check.py --vllm-serve also   # + vllm serve RL loop, < 10 minutes
+    python benchmarks/gpu_check.py --vllm-serve only   # the vllm serve loop alone
+    python benchmarks/gpu_check.py --dry-run [--vllm-serve also]
+                                                   # any machine, no GPU: plans, an
+                                                   # in-process byte check, the
+                                                   # nccl.m2n descriptors if it imports,
+                                                   # the serve command line
 
 ``--dry-run`` does everything that needs no GPU: it builds each scenario's
 plan, prints which tensors each transport would carry (and why not
@@ -29,8 +33,31 @@ detected"), so each rank gets its own ``NCCL_HOSTID`` (with
 ``NCCL_SOCKET_IFNAME=lo``, ``NCCL_IB_DISABLE=1``) and NCCL treats the ranks
 as separate hosts talking over its socket transport. That is
 experimental — if nccl.m2n does not run that way, the scenario fails with
-NCCL's message and the table says so. Exit status: 0 all verified, 1 a
-failure, 2 bad arguments or nothing could run.
+NCCL's message and the table says so.
+
+``--vllm-serve also|only`` checks m2nkit inside a real vLLM server, RL style.
+It writes a small Qwen3 checkpoint v0 (head_dim 64, with a word-level
+tokenizer ``t0 .. t511``: the machine has no network) and v1 (another seed:
+every tensor differs), starts ``vllm serve v0 --weight-transfer-config
+'{"backend": "m2nkit"}'`` with ``VLLM_SERVER_DEV_MODE=1`` (the weight-transfer,
+``/pause``, ``/weight_checker`` and ``/collective_rpc`` routes) in its own
+process group, and then: generates (greedy, a fixed prompt) and takes vLLM's
+per-parameter sha256 (``/weight_checker``); ``/pause``; sends v1 in one m2nkit
+round from ``--serve-trainer`` processes (CPU, gloo), trainer rank 0 driving
+the server with vLLM's ``HTTPVLLMWeightSyncClient``; ``/resume``; generates
+again. Pass when the tokens changed, the served version is ``v1``, every
+parameter's checksum changed, and after vLLM reloads v1 itself
+(``/collective_rpc`` ``reload_weights``, its own loader, in place) every
+checksum equals what m2nkit's round left and generation gives the same
+tokens. The server is stopped (its process group, SIGTERM then SIGKILL) on
+every exit path, SIGTERM to this script included; its output is in
+``--serve-log``.
+
+Time: ``--total-timeout`` (570 s) bounds the whole GPU run; with
+``--vllm-serve also`` the scenarios leave the last 300 s to the serve check,
+and a watchdog 30 s after the bound stops the server and every child and
+exits 1. Exit status: 0 all verified, 1 a failure, 2 bad arguments or
+nothing could run.
 """
 
 from __future__ import annotations
@@ -298,7 +325,10 @@ def _row(text, world, placement, results, T):
         [f"rank {r} round {k}: {b}" for r, k, b in bad]
 
 
-def gpu_run(ckpt_dir: str, scenarios, args) -> bool:
+def gpu_run(ckpt_dir: str, scenarios, args, end: float | None = None) -> bool:
+    """The nccl_m2n scenarios on the GPU(s); none runs past ``end`` (``time.monotonic``)."""
+    import copy
+
     import torch
 
     from m2nkit.engine.transports.nccl_m2n import import_nccl_m2n
@@ -328,9 +358,15 @@ def gpu_run(ckpt_dir: str, scenarios, args) -> bool:
             envs = [{"NCCL_HOSTID": f"m2nkit-gpu-check-rank{r}", "NCCL_SOCKET_IFNAME": "lo",
                      "NCCL_IB_DISABLE": "1"} for r in range(world)]
             placement = f"{world} ranks on {gpus} GPU(s), NCCL_HOSTID per rank"
+        left = args.scenario_timeout if end is None else end - time.monotonic()
+        if left < 30:
+            rows.append((text, world, placement, *["-"] * 7, "SKIPPED (--total-timeout)"))
+            continue
+        bounded = copy.copy(args)
+        bounded.scenario_timeout = min(args.scenario_timeout, left)
         with tempfile.TemporaryDirectory() as out:
             t0 = time.perf_counter()
-            results = _run_scenario(text, tspec, ispec, ckpt_dir, devices, envs, args, out)
+            results = _run_scenario(text, tspec, ispec, ckpt_dir, devices, envs, bounded, out)
             row, problems = _row(text, world, placement, results, tspec.num_ranks)
             print(f"{text}: {time.perf_counter() - t0:.1f} s")
         rows.append(row)
@@ -348,6 +384,9 @@ def gpu_run(ckpt_dir: str, scenarios, args) -> bool:
     for n in notes:
         print(n)
     ran = [r for r in rows if not str(r[-1]).startswith("SKIPPED")]
+    if any(str(r[-1]) == "SKIPPED (--total-timeout)" for r in rows):
+        print("some scenarios did not run: --total-timeout would have passed")
+        ok = False
     if not ran:
         print("nothing ran: every scenario needs more GPUs (try --share-gpu auto)")
         return False
@@ -355,6 +394,412 @@ def gpu_run(ckpt_dir: str, scenarios, args) -> bool:
         print("every worker byte matches vLLM's loaders")
         return True
     return False
+
+
+# --------------------------------------------------------------------------
+# vllm serve with the m2nkit plugin: an RL-style loop (generate, update, generate)
+
+#: Name the server registers the model under (``--served-model-name``).
+SERVE_MODEL_NAME = "m2nkit-gpu-check"
+#: The served model: tiny Qwen3 with sizes every attention backend takes (head_dim 64).
+SERVE_BASE_MODEL = "tiny-qwen3"
+SERVE_SIZES = {"hidden_size": 256, "head_dim": 64, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "intermediate_size": 512, "vocab_size": 512,
+               "num_hidden_layers": 2, "max_position_embeddings": 1024}
+#: Greedy, fixed prompt: the same weights give the same tokens.
+SERVE_PROMPT = "t17 t3 t101 t42 t7 t250 t9 t64"
+SERVE_MAX_TOKENS = 16
+#: vLLM's flag value selecting the plugin's backend (``vllm/config/weight_transfer.py``).
+WEIGHT_TRANSFER_CONFIG = '{"backend": "m2nkit"}'
+PLUGIN_ENTRY_POINT = ("m2nkit", "m2nkit.adapters.vllm.plugin:register")
+
+
+def write_word_tokenizer(out_dir: Path, vocab_size: int):
+    """A word-level tokenizer over ``t0 .. t{vocab_size-1}`` saved beside the model.
+
+    ``vllm serve`` loads the checkpoint's tokenizer (``AutoTokenizer``); a
+    tiny random checkpoint has none, and the GPU machine has no network. One
+    token per vocabulary id, whitespace-split, so a prompt of ``tN`` words
+    maps to ids ``N`` and the generated ids decode back to ``tN`` words.
+    Returns the tokenizer as transformers reloads it from ``out_dir``.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")      # joins words with spaces
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(out_dir)
+    return AutoTokenizer.from_pretrained(out_dir)
+
+
+def serve_checkpoints(workdir: Path) -> tuple[Path, Path]:
+    """``(v0, v1)``: the served model (seed 0) and the trainer's update (seed 1), both with the tokenizer.
+
+    Raises:
+        RuntimeError: the tokenizer does not round-trip the prompt, or a
+            tensor of v1 equals v0 (the update would not show).
+    """
+    from safetensors.torch import load_file
+
+    from m2nkit.adapters.tiny import save_tiny_checkpoint, tiny_config
+
+    config = tiny_config(SERVE_BASE_MODEL, **SERVE_SIZES)
+    v0 = save_tiny_checkpoint(config, workdir / "serve-v0", seed=0)
+    v1 = save_tiny_checkpoint(config, workdir / "serve-v1", seed=1)
+    for d in (v0, v1):
+        tok = write_word_tokenizer(d, config.vocab_size)
+    ids = tok(SERVE_PROMPT)["input_ids"]
+    if [f"t{i}" for i in ids] != SERVE_PROMPT.split() or tok.decode(ids) != SERVE_PROMPT:
+        raise RuntimeError(f"the word tokenizer does not round-trip {SERVE_PROMPT!r}: ids {ids}, "
+                           f"decoded {tok.decode(ids)!r}")
+    a, b = load_file(str(v0 / "model.safetensors")), load_file(str(v1 / "model.safetensors"))
+    same = sorted(n for n in a if a[n].equal(b[n]))
+    if same or set(a) != set(b):
+        raise RuntimeError(f"v1 must differ from v0 in every tensor; equal: {same[:5]}")
+    return v0, v1
+
+
+def serve_command(model_dir: Path, port: int, tp: int, extra: list[str]) -> list[str]:
+    """The ``vllm serve`` command line: the plugin's backend, small memory, greedy-friendly.
+
+    ``vllm`` next to this Python when it exists (the console script), else
+    ``python -m vllm.entrypoints.cli.main``. ``extra`` (``--serve-arg``)
+    comes last, so it can override any default here.
+    """
+    exe = Path(sys.executable).with_name("vllm")
+    head = [str(exe)] if exe.exists() else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+    return head + ["serve", str(model_dir), "--served-model-name", SERVE_MODEL_NAME,
+                   "--host", "127.0.0.1", "--port", str(port),
+                   "--tensor-parallel-size", str(tp),
+                   "--weight-transfer-config", WEIGHT_TRANSFER_CONFIG,
+                   "--max-model-len", "512", "--max-num-seqs", "4",
+                   "--gpu-memory-utilization", "0.25", "--seed", "0"] + list(extra)
+
+
+def serve_env(base: dict | None = None) -> dict[str, str]:
+    """The server's environment: the weight-transfer routes on, receive mode ``in_place``.
+
+    ``VLLM_SERVER_DEV_MODE=1`` mounts ``/init_weight_transfer_engine`` ...
+    ``/finish_weight_update``, ``/pause``, ``/resume``, ``/weight_checker``
+    and ``/collective_rpc`` (``vllm/entrypoints/launchers/api_server/routers.py``);
+    ``M2NKIT_RECEIVE_MODE=in_place`` (the plugin's default, made explicit:
+    the loop pauses generation around the update); offline, as the GPU
+    machine has no network.
+    """
+    env = dict(os.environ if base is None else base)
+    env.update({"VLLM_SERVER_DEV_MODE": "1", "M2NKIT_RECEIVE_MODE": "in_place",
+                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                "VLLM_NO_USAGE_STATS": "1", "TOKENIZERS_PARALLELISM": "false"})
+    return env
+
+
+def plugin_status() -> tuple[bool, str]:
+    """Whether vLLM and the ``vllm.general_plugins`` entry point ``m2nkit`` are installed (no import)."""
+    import importlib.util
+    from importlib.metadata import entry_points
+
+    found = [(e.name, e.value) for e in entry_points(group="vllm.general_plugins")
+             if e.name == PLUGIN_ENTRY_POINT[0]]
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    if found != [PLUGIN_ENTRY_POINT]:
+        return False, (f"the m2nkit vLLM plugin entry point is not installed (found {found}); "
+                       "run `pip install --no-deps -e .` in vLLM's environment")
+    if not has_vllm:
+        return False, "vLLM is not installed in this environment"
+    return True, f"vLLM installed; plugin entry point {PLUGIN_ENTRY_POINT[1]}"
+
+
+class ServeFailed(RuntimeError):
+    """A step of the serve loop failed; the message names the step."""
+
+
+class _Server:
+    """``vllm serve`` in its own session (process group); ``stop()`` ends that group only."""
+
+    def __init__(self, command: list[str], env: dict, log_path: Path, port: int) -> None:
+        import subprocess
+
+        self.base = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(command, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def wait_ready(self, timeout_s: float) -> float:
+        import requests
+
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout_s:
+            if self.proc.poll() is not None:
+                raise ServeFailed(f"vllm serve exited with code {self.proc.returncode} before it "
+                                  f"was ready; its log ends:\n{self.log_tail()}")
+            try:
+                if requests.get(f"{self.base}/health", timeout=5).status_code == 200:
+                    return time.monotonic() - t0
+            except requests.RequestException:
+                pass
+            time.sleep(1.0)
+        raise ServeFailed(f"vllm serve was not ready within {timeout_s:.0f} s; its log ends:\n"
+                          f"{self.log_tail()}")
+
+    def stop(self) -> None:
+        import signal
+        import subprocess
+
+        if self.proc.poll() is None:
+            for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+                try:
+                    os.killpg(self.proc.pid, sig)      # the session this script started
+                except ProcessLookupError:
+                    break
+                try:
+                    self.proc.wait(wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        self._log.close()
+
+
+def _post(base: str, path: str, body: dict | None = None, timeout: float = 60.0,
+          params: dict | None = None) -> dict:
+    import requests
+
+    r = requests.post(f"{base}/{path}", json=body, params=params, timeout=timeout)
+    if r.status_code != 200:
+        raise ServeFailed(f"POST /{path}: HTTP {r.status_code}: {r.text[:500]}")
+    return r.json() if r.content else {}
+
+
+def _generate(base: str, timeout: float) -> dict:
+    """Greedy completion of :data:`SERVE_PROMPT`: ``{"text", "token_ids", "weight_versions"}``."""
+    out = _post(base, "v1/completions", {
+        "model": SERVE_MODEL_NAME, "prompt": SERVE_PROMPT, "max_tokens": SERVE_MAX_TOKENS,
+        "temperature": 0.0, "ignore_eos": True, "return_token_ids": True,
+        "return_weight_versions": True}, timeout)
+    choice = out["choices"][0]
+    return {"text": choice.get("text"), "token_ids": choice.get("token_ids"),
+            "weight_versions": choice.get("weight_versions")}
+
+
+def _checksums(base: str, timeout: float) -> dict[str, str]:
+    """vLLM's own sha256 of every live parameter, keyed ``dpD:ppP:pcpC:tpT:name`` (``/weight_checker``)."""
+    return _post(base, "weight_checker", {"action": "checksum"}, timeout)["checksums"]
+
+
+def _send_update(base: str, v1: Path, trainer: str, inference: str, timeout_s: float,
+                 end: float) -> list[str]:
+    """Trainer processes send ``v1`` in one m2nkit round, rank 0 driving the server with vLLM's
+    ``HTTPVLLMWeightSyncClient``; returns one line per rank.
+
+    ``timeout_s`` is the trainers' own deadline (``M2NTrainerInitInfo.timeout_s``,
+    per init and per round); the processes are killed at ``end``
+    (``time.monotonic``) at the latest.
+
+    Raises:
+        ServeFailed: a trainer failed (its rank and error) or hung.
+    """
+    import multiprocessing as mp
+    import queue
+
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    from m2nkit.adapters.trainer_spec import parse_trainer_spec
+    from m2nkit.engine.tools.demo_vllm import trainer_main
+
+    T = parse_trainer_spec(trainer).num_ranks
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    client = HTTPVLLMWeightSyncClient(base, timeout=timeout_s)
+    procs = [ctx.Process(target=trainer_main, daemon=True, name=f"gpu-check-trainer-{r}",
+                         args=(r, T, [str(v1)], trainer, inference, client if r == 0 else None,
+                               port, timeout_s, results))
+             for r in range(T)]
+    for p in procs:
+        p.start()
+    lines, done = [], 0
+    # Spawning imports torch (tens of seconds), then the init and the round.
+    wait_s = min(2 * timeout_s + 60, end - time.monotonic())
+    deadline = time.monotonic() + wait_s
+    try:
+        while done < T:
+            try:
+                kind, rank, a, b = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise ServeFailed(f"the trainers did not finish within {wait_s:.0f} s "
+                                  f"({len(lines)} rounds reported)") from None
+            if kind == "error":
+                raise ServeFailed(f"trainer rank {rank} failed: {a}\n{b}")
+            if kind == "round":
+                lines.append(f"trainer rank {rank}: {_fmt_bytes(b[0])} in {_fmt_s(b[1])}")
+            if kind == "done":
+                done += 1
+    finally:
+        for p in procs:          # processes this script started; stop only them
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    return lines
+
+
+def serve_loop(base: str, v1: Path, trainer: str, inference: str, timeout_s: float,
+               end: float, log=print) -> list[str]:
+    """The RL-style loop against a ready server at ``base``; returns what failed (empty: passed).
+
+    1. generate (greedy, fixed prompt) and take vLLM's checksums of v0;
+    2. ``/pause``, one m2nkit round sending v1 from trainer processes through
+       vLLM's ``HTTPVLLMWeightSyncClient``, ``/resume``;
+    3. generate again: the tokens must change, the served version be ``v1``;
+    4. checksums: every parameter must have changed;
+    5. vLLM reloads v1 itself (``/collective_rpc`` ``reload_weights`` with
+       ``weights_path``: its own loader, in place, ``model_loader/reload/inplace.py``):
+       every checksum must equal the ones m2nkit's round left, and generation
+       gives the same tokens.
+
+    Every call waits at most ``timeout_s`` and nothing runs past ``end``
+    (``time.monotonic``).
+
+    Raises:
+        ServeFailed: an HTTP call failed (route, status, body) or ``end`` passed.
+    """
+    def t() -> float:
+        left = end - time.monotonic()
+        if left < 2:
+            raise ServeFailed("--total-timeout passed during the vllm serve loop")
+        return min(timeout_s, left)
+
+    bad: list[str] = []
+    before = _generate(base, t())
+    sums0 = _checksums(base, t())
+    log(f"  v0: {len(sums0)} parameters; greedy tokens {before['token_ids']}")
+    _post(base, "pause", params={"mode": "wait"}, timeout=t())
+    t0 = time.perf_counter()
+    for line in _send_update(base, v1, trainer, inference, t(), end):
+        log(f"  {line}")
+    log(f"  m2nkit round v0 -> v1 from {trainer} in {time.perf_counter() - t0:.1f} s "
+        "(trainer start included)")
+    _post(base, "resume", timeout=t())
+    after = _generate(base, t())
+    log(f"  v1: greedy tokens {after['token_ids']}; weight_versions {after['weight_versions']}")
+    if (after["token_ids"], after["text"]) == (before["token_ids"], before["text"]):
+        bad.append("generation did not change after the update")
+    served = _get_json(f"{base}/weight_info", t()).get("weight_version")
+    if served != "v1":
+        bad.append(f"the served weight_version is {served!r}, expected 'v1'")
+    sums1 = _checksums(base, t())
+    if set(sums1) != set(sums0):
+        bad.append(f"the parameter set changed: {sorted(set(sums1) ^ set(sums0))[:5]}")
+    unchanged = sorted(n for n in sums1 if sums0.get(n) == sums1[n])
+    if unchanged:
+        bad.append(f"{len(unchanged)} parameters kept their v0 bytes: {unchanged[:5]}")
+    _post(base, "pause", params={"mode": "wait"}, timeout=t())
+    budget = t()
+    _post(base, "collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(v1)},
+                                   "timeout": budget}, timeout=budget + 5)
+    _post(base, "resume", timeout=t())
+    sums2 = _checksums(base, t())
+    differ = sorted(n for n in set(sums1) | set(sums2) if sums1.get(n) != sums2.get(n))
+    if differ:
+        bad.append(f"{len(differ)} parameters differ from vLLM's own load of v1: {differ[:5]}")
+    else:
+        log(f"  all {len(sums2)} parameters equal vLLM's own load of v1 (sha256 per parameter)")
+    again = _generate(base, t())
+    if (again["token_ids"], again["text"]) != (after["token_ids"], after["text"]):
+        bad.append(f"generation after vLLM's own load of v1 ({again['token_ids']}) differs from "
+                   f"after m2nkit's update ({after['token_ids']})")
+    return bad
+
+
+def _get_json(url: str, timeout: float) -> dict:
+    import requests
+
+    r = requests.get(url, timeout=timeout)
+    if r.status_code != 200:
+        raise ServeFailed(f"GET {url}: HTTP {r.status_code}: {r.text[:300]}")
+    return r.json()
+
+
+def prepare_serve(workdir: Path, args, log=print) -> dict:
+    """Everything of the serve check that needs no GPU; returns its plan.
+
+    Writes v0 and v1 (with the tokenizer), checks the plugin is installed,
+    plans the round ``--serve-trainer`` -> ``vllm:tp=--serve-tp`` and byte-checks
+    it in-process (:func:`dry_run` on v1), and builds the server's command
+    line and environment. Keys: ``v0, v1, trainer, inference, port, command,
+    env_changes`` (the variables set on top of this environment), ``ok`` (the
+    byte check passed), ``plugin_ok``, ``plugin`` (what :func:`plugin_status` said).
+    """
+    from m2nkit.adapters.trainer_spec import parse_trainer_spec
+    from m2nkit.adapters.vllm import parse_inference_spec
+
+    v0, v1 = serve_checkpoints(workdir)
+    inference = f"vllm:tp={args.serve_tp}"
+    tspec, ispec = parse_trainer_spec(args.serve_trainer), parse_inference_spec(inference)
+    plugin_ok, plugin = plugin_status()
+    log(f"vllm serve check: {SERVE_BASE_MODEL} at head_dim 64 ({v0.name}, {v1.name}: every "
+        f"tensor differs), trainers {tspec} -> {ispec}; {plugin}")
+    # The round goes over torch_p2p on a gloo group (trainers on CPU): slab by slab, no m2n.
+    ok = dry_run(str(v1), [(f"{tspec}/{ispec}", tspec, ispec)], None)
+    port = _free_port()
+    env = serve_env({})
+    return {"v0": v0, "v1": v1, "trainer": str(tspec), "inference": str(ispec), "port": port,
+            "command": serve_command(v0, port, args.serve_tp, args.serve_arg or []),
+            "env_changes": env, "ok": ok, "plugin_ok": plugin_ok, "plugin": plugin}
+
+
+#: The server being checked, so the watchdog can stop it (see :func:`main`).
+_ACTIVE_SERVER: list = []
+
+
+def run_serve(plan: dict, args, end: float, log=print) -> bool:
+    """Start ``vllm serve`` (``plan``), run :func:`serve_loop`, always stop the server.
+
+    Nothing runs past ``end`` (``time.monotonic``). The server's output goes
+    to ``--serve-log``; its last lines are printed when the check fails.
+    Returns True when every check passed.
+    """
+    import shlex
+
+    if not plan["plugin_ok"]:
+        log(f"vllm serve check: FAILED before starting: {plan['plugin']}")
+        return False
+    started = time.monotonic()
+    log_path = Path(args.serve_log)
+    log("vllm serve check: " + " ".join(f"{k}={v}" for k, v in plan["env_changes"].items()) + " "
+        + shlex.join(plan["command"]))
+    server = _Server(plan["command"], serve_env(), log_path, plan["port"])
+    _ACTIVE_SERVER.append(server)
+    try:
+        ready = server.wait_ready(min(args.serve_start_timeout, max(end - time.monotonic() - 60, 5)))
+        log(f"  server ready in {ready:.0f} s (log: {log_path})")
+        bad = serve_loop(server.base, plan["v1"], plan["trainer"], plan["inference"],
+                         args.timeout, end, log)
+    except ServeFailed as e:
+        bad = [str(e)]
+    except Exception as e:  # noqa: BLE001 - reported, then the server is stopped
+        bad = [f"{type(e).__name__}: {e}\n{traceback.format_exc()}"]
+    finally:
+        server.stop()
+        _ACTIVE_SERVER.remove(server)
+    took = time.monotonic() - started
+    if bad:
+        log(f"vllm serve check: FAILED after {took:.0f} s")
+        for b in bad:
+            log(f"  {b}")
+        log(f"  server log {log_path}, last lines:\n{server.log_tail(25)}")
+        return False
+    log(f"vllm serve check: ok in {took:.0f} s: generation changed after the update and every "
+        "live parameter equals vLLM's own load of v1")
+    return True
 
 
 def _table(title, head, rows) -> None:
@@ -382,17 +827,61 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--bucket-bytes", type=int, default=1 << 20, help="torch_p2p bucket size")
     p.add_argument("--share-gpu", choices=("auto", "no"), default="auto",
                    help="auto: put several ranks on one GPU when there are too few (experimental)")
+    g = p.add_argument_group("vllm serve with the m2nkit plugin (RL loop: generate, update, generate)")
+    g.add_argument("--vllm-serve", choices=("no", "also", "only"), default="no",
+                   help="also: after the scenarios; only: instead of them (no nccl.m2n needed)")
+    g.add_argument("--serve-trainer", default="fsdp:2",
+                   help="checkpoint trainer spec of the processes that send the update")
+    g.add_argument("--serve-tp", type=int, default=1, help="vllm serve --tensor-parallel-size")
+    g.add_argument("--serve-arg", action="append", metavar="ARG",
+                   help="extra vllm serve argument, repeatable, last wins "
+                        "(e.g. --serve-arg=--enforce-eager)")
+    g.add_argument("--serve-start-timeout", type=float, default=300.0,
+                   help="seconds the server may take to answer /health")
+    g.add_argument("--serve-log", default=str(Path(tempfile.gettempdir())
+                                              / "m2nkit-gpu-check-vllm-serve.log"),
+                   help="where the server's output goes")
+    p.add_argument("--total-timeout", type=float, default=570.0,
+                   help="hard bound on the whole GPU run in seconds: nothing starts after it, and "
+                        "30 s later a watchdog stops the server and every child and exits 1")
     return p
 
 
+#: Seconds of --total-timeout kept for the serve check when the scenarios run first.
+SERVE_RESERVE_S = 300.0
+
+
+def _watchdog(total_s: float) -> None:
+    """After ``total_s``: stop the server and this script's children, exit 1 (a hard bound)."""
+    import multiprocessing as mp
+    import threading
+
+    def fire() -> None:
+        print(f"gpu_check: --total-timeout {total_s - 30:g} s passed 30 s ago; stopping the "
+              "server and this script's processes", file=sys.stderr, flush=True)
+        for server in list(_ACTIVE_SERVER):
+            server.stop()
+        for child in mp.active_children():   # only processes this script started
+            child.kill()
+        os._exit(EXIT_FAILED)
+
+    timer = threading.Timer(total_s, fire)
+    timer.daemon = True
+    timer.start()
+
+
 def main(argv: list[str] | None = None) -> int:
+    started = time.monotonic()
     p = _parser()
     args = p.parse_args(argv)
-    for name in ("timeout", "scenario_timeout", "rounds", "bucket_bytes"):
+    for name in ("timeout", "scenario_timeout", "rounds", "bucket_bytes", "serve_tp",
+                 "serve_start_timeout", "total_timeout"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     try:
         scenarios = [(t, *_parse_scenario(t)) for t in (args.scenario or DEFAULT_SCENARIOS)]
+        if args.vllm_serve != "no":
+            _parse_scenario(f"{args.serve_trainer}/vllm:tp={args.serve_tp}")
     except ValueError as e:
         p.error(str(e))
     from transformers.utils import logging as hf_logging
@@ -403,22 +892,41 @@ def main(argv: list[str] | None = None) -> int:
     if args.model not in BUILTIN_TINY_MODELS:
         p.error(f"--model {args.model!r} is not a built-in tiny model; choose from "
                 f"{sorted(BUILTIN_TINY_MODELS)}")
+    run_scenarios = args.vllm_serve != "only"
     try:
         m2n, _ = import_nccl_m2n()
         no_m2n = None
     except NcclM2NUnavailableError as e:
-        if not args.dry_run:          # the GPU run needs it; say so before any work
+        if not args.dry_run and run_scenarios:   # the GPU run needs it; say so before any work
             print(f"gpu_check: {e}", file=sys.stderr)
             return EXIT_USAGE
         m2n, no_m2n = None, str(e)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = str(save_tiny_checkpoint(args.model, Path(tmp) / args.model, seed=0))
-        ok = dry_run(ckpt, scenarios, m2n)
+        ok, ckpt, serve = True, None, None
+        if run_scenarios:
+            ckpt = str(save_tiny_checkpoint(args.model, Path(tmp) / args.model, seed=0))
+            ok = dry_run(ckpt, scenarios, m2n)
+        if args.vllm_serve != "no":
+            serve = prepare_serve(Path(tmp), args)
+            ok &= serve["ok"]
         if args.dry_run:
-            print("skipped (--dry-run): the GPU run (one process per rank, nccl.m2n reshards "
-                  "and torch_p2p over NCCL); run without --dry-run on a GPU machine")
+            if run_scenarios:
+                print("skipped (--dry-run): the GPU run (one process per rank, nccl.m2n reshards "
+                      "and torch_p2p over NCCL); run without --dry-run on a GPU machine")
+            if serve is not None:
+                import shlex
+
+                print("vllm serve plan: " + " ".join(f"{k}={v}" for k, v in
+                                                     serve["env_changes"].items())
+                      + " " + shlex.join(serve["command"]))
+                print("skipped (--dry-run): vllm serve (start it, generate, pause, m2nkit round "
+                      f"{serve['trainer']} -> {serve['inference']} through HTTPVLLMWeightSyncClient, "
+                      "resume, generate, compare with vLLM's own load of v1); run with "
+                      "--vllm-serve on a GPU machine")
+                if not serve["plugin_ok"]:
+                    print(f"note: the serve check would fail here: {serve['plugin']}")
             if no_m2n:
                 print(f"skipped: the nccl.m2n descriptors, because {no_m2n}")
             print("dry run: every worker byte matches vLLM's loaders" if ok else
@@ -429,7 +937,18 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():
             print("no CUDA device here: only --dry-run can run", file=sys.stderr)
             return EXIT_USAGE
-        return EXIT_OK if gpu_run(ckpt, scenarios, args) and ok else EXIT_FAILED
+        end = started + args.total_timeout
+        _watchdog(args.total_timeout + 30 - (time.monotonic() - started))
+        if serve is not None:          # SIGTERM: unwind, so the server is stopped
+            import signal
+
+            signal.signal(signal.SIGTERM, lambda *_: sys.exit(EXIT_FAILED))
+        if run_scenarios:
+            reserve = SERVE_RESERVE_S if serve is not None else 0.0
+            ok &= gpu_run(ckpt, scenarios, args, end - reserve)
+        if serve is not None:
+            ok &= run_serve(serve, args, end)
+        return EXIT_OK if ok else EXIT_FAILED
 
 
 if __name__ == "__main__":

@@ -2,16 +2,23 @@
 
 It builds each scenario's plan, routes the tensors, executes the plan in
 this process and compares every worker byte with vLLM's loaders; where
-``nccl.m2n`` imports it also builds the real descriptors. What it cannot do
-here (the GPU run, and the descriptors without ``m2nkit[nccl]``) it names as
-skipped. The GPU run itself is covered by the CUDA-only test at the bottom of
-``tests/test_nccl_m2n.py``, which runs the script without ``--dry-run``.
+``nccl.m2n`` imports it also builds the real descriptors. With
+``--vllm-serve also`` it prepares the ``vllm serve`` RL loop: writes the
+served checkpoint and the update (every tensor different, a tokenizer that
+round-trips the prompt), byte-checks the update's plan and prints the server's
+command line and environment. What it cannot do here (the GPU run, the
+server, and the descriptors without ``m2nkit[nccl]``) it names as skipped.
+The GPU run itself is covered by the CUDA-only test at the bottom of
+``tests/test_nccl_m2n.py``, which runs the script without ``--dry-run``; the
+integration test here checks the printed command line with vLLM's own
+``vllm serve`` argument parser.
 """
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -39,16 +46,22 @@ def _gpu_check(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=150)
 
 
+SERVE_ROW = "fsdp:2 -> vllm:tp=1,dp=1"     # the serve check's round (--serve-trainer, --serve-tp)
+
+
 def test_dry_run_plans_checks_bytes_and_names_what_it_skipped():
     args = [a for s in SCENARIOS for a in ("--scenario", s)]
-    proc = _gpu_check("--dry-run", *args)
+    proc = _gpu_check("--dry-run", "--vllm-serve", "also", *args)
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr
     rows = {line.split("|")[0].strip(): [c.strip() for c in line.split("|")]
             for line in out.splitlines() if " -> vllm:" in line and "|" in line}
-    assert set(rows) == {s.replace("/", " -> ") for s in SCENARIOS}, out
+    assert set(rows) == {s.replace("/", " -> ") for s in SCENARIOS} | {SERVE_ROW}, out
     for label, row in rows.items():
         assert row[-1] == "ok", f"{label}: {row}"
+        if label == SERVE_ROW:      # its round is torch_p2p over gloo: no descriptors
+            assert row[4] == "skipped", row
+            continue
         assert int(row[2]) > 0, f"{label}: no tensor routed to nccl_m2n: {row}"
         assert row[4] == (f"{row[2]} checked" if _has_m2n() else "skipped"), row
     # fsdp:2 into tp=2 sends the padded embedding through torch_p2p, and says why.
@@ -56,6 +69,30 @@ def test_dry_run_plans_checks_bytes_and_names_what_it_skipped():
     assert "skipped (--dry-run): the GPU run" in out
     assert ("skipped: the nccl.m2n descriptors" in out) == (not _has_m2n()), out
     assert out.rstrip().endswith("dry run: every worker byte matches vLLM's loaders"), out
+    # The serve loop, prepared: the checkpoints (v1 differs from v0 in every tensor), the
+    # server's environment and command line with the plugin's backend.
+    assert "(serve-v0, serve-v1: every tensor differs)" in out, out
+    (plan,) = [line for line in out.splitlines() if line.startswith("vllm serve plan: ")]
+    env, command = _split_plan(plan)
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["M2NKIT_RECEIVE_MODE"] == "in_place", env
+    assert command[command.index("serve") + 1].endswith("serve-v0"), command
+    flags = dict(zip(command[command.index("serve") + 2::2], command[command.index("serve") + 3::2]))
+    assert flags["--weight-transfer-config"] == '{"backend": "m2nkit"}', command
+    assert flags["--tensor-parallel-size"] == "1" and flags["--host"] == "127.0.0.1", command
+    assert "skipped (--dry-run): vllm serve (start it, generate, pause, m2nkit round fsdp:2 -> " \
+           "vllm:tp=1,dp=1 through HTTPVLLMWeightSyncClient" in out, out
+
+
+def _split_plan(line: str) -> tuple[dict, list[str]]:
+    """``vllm serve plan: K=V ... CMD`` -> ({K: V}, argv) (shell quoting undone)."""
+    import shlex
+
+    words = shlex.split(line.removeprefix("vllm serve plan: "))
+    env = {}
+    while words and "=" in words[0] and not words[0].startswith(("/", "-")):
+        k, _, v = words.pop(0).partition("=")
+        env[k] = v
+    return env, words
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
@@ -66,3 +103,95 @@ def test_the_gpu_run_is_refused_without_cuda_with_a_reason():
               else "gpu_check: the nccl_m2n transport needs nccl.m2n")
     assert reason in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_serve_options_are_checked_before_any_work():
+    proc = _gpu_check("--dry-run", "--vllm-serve", "only", "--serve-trainer", "fsdp:x")
+    assert proc.returncode == 2 and "trainer spec" in proc.stderr, proc.stderr
+    proc = _gpu_check("--dry-run", "--vllm-serve", "only", "--serve-tp", "0")
+    assert proc.returncode == 2 and "--serve-tp must be > 0" in proc.stderr, proc.stderr
+
+
+_PARSE_WITH_VLLM = r"""
+import json, runpy, sys
+from pathlib import Path
+gpu_check = runpy.run_path(sys.argv[1])
+command = gpu_check["serve_command"](Path("/models/v0"), 8123, 2, ["--enforce-eager"])
+from vllm.entrypoints.cli.serve import ServeSubcommand
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+parser = FlexibleArgumentParser(prog="vllm")
+ServeSubcommand().subparser_init(parser.add_subparsers(dest="subcommand"))
+args = parser.parse_args(command[command.index("serve"):])
+args.model = args.model_tag          # as ServeSubcommand.cmd does
+engine = AsyncEngineArgs.from_cli_args(args)
+print(json.dumps({"model": engine.model, "tp": engine.tensor_parallel_size,
+                  "backend": engine.weight_transfer_config.backend,
+                  "served": engine.served_model_name, "eager": engine.enforce_eager,
+                  "port": args.port, "host": args.host,
+                  "gpu_memory_utilization": engine.gpu_memory_utilization}))
+"""
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_the_serve_command_line_is_what_vllm_serve_parses():
+    """vLLM 0.33's own ``vllm serve`` parser reads the command gpu_check would start."""
+    import json
+    import os
+
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_LOGGING_LEVEL="ERROR")
+    proc = subprocess.run([sys.executable, "-c", _PARSE_WITH_VLLM, str(GPU_CHECK)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=280, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got == {"model": "/models/v0", "tp": 2, "backend": "m2nkit",
+                   "served": ["m2nkit-gpu-check"], "eager": True, "port": 8123,
+                   "host": "127.0.0.1", "gpu_memory_utilization": 0.25}
+
+
+def _gpu_check_module() -> dict:
+    import runpy
+
+    return runpy.run_path(str(GPU_CHECK), run_name="gpu_check")   # stdlib imports only
+
+
+def test_the_server_process_group_is_stopped_when_it_never_becomes_ready(tmp_path):
+    """What the serve check does with a server that hangs: a named timeout, then the whole
+    process group it started (the server and its children) is gone."""
+    import os
+    import signal
+
+    g = _gpu_check_module()
+    # A "server" that never answers /health and has a child of its own, as vllm serve does.
+    script = ("import subprocess, sys, time; "
+              "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+              "print('child', c.pid, flush=True); time.sleep(120)")
+    server = g["_Server"]([sys.executable, "-c", script], dict(os.environ), tmp_path / "log",
+                          g["_free_port"]())
+    try:
+        with pytest.raises(g["ServeFailed"], match=r"vllm serve was not ready within 3 s; its "
+                                                   r"log ends:\nchild \d+"):
+            server.wait_ready(3.0)
+    finally:
+        server.stop()
+    assert server.proc.returncode == -signal.SIGTERM
+    child = int((tmp_path / "log").read_text().split()[1])
+    with pytest.raises(ProcessLookupError):     # the server's own child went with its group
+        for _ in range(100):                    # (reaped by init within moments)
+            os.kill(child, 0)
+            time.sleep(0.1)
+
+
+def test_a_server_that_exits_early_is_reported_with_its_log(tmp_path):
+    import os
+
+    g = _gpu_check_module()
+    server = g["_Server"]([sys.executable, "-c", "print('no such model: /x'); raise SystemExit(3)"],
+                          dict(os.environ), tmp_path / "log", g["_free_port"]())
+    try:
+        with pytest.raises(g["ServeFailed"], match=r"vllm serve exited with code 3 before it was "
+                                                   r"ready; its log ends:\nno such model: /x"):
+            server.wait_ready(60.0)
+    finally:
+        server.stop()
