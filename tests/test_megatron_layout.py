@@ -153,3 +153,19 @@ def test_split_the_model_cannot_take_names_the_value():
         _plan("meta-llama__Llama-3.1-70B", "megatron:tp=3,pp=4", "vllm:tp=8")
     with pytest.raises(ValueError, match="has no Megatron-Core names"):
         _plan("google__gemma-2-2b-it", "megatron:tp=2", "vllm:tp=2")
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--trainer", "megatron:tp=2,pp=2,first=1"], "the demo builds even pipeline stages; first="),
+    (["--trainer", "megatron:tp=2,pp=2", "--receiver", "vllm"],
+     "--trainer megatron:... runs with --receiver stand-in only"),
+    (["--trainer", "megatron:tp=2,vpp=2"], "vpp > 1 needs pp > 1"),
+])
+def test_megatron_demo_refuses_in_one_line(capsys, extra, match):
+    """``m2nkit demo --trainer megatron:...`` refuses before starting anything: exit 2, one line."""
+    from m2nkit.engine.tools.cli import main
+
+    code = main(["demo", "--model", "tiny-qwen3", "--inference", "vllm:tp=2", *extra])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert match in err and len(err.splitlines()) == 1, err

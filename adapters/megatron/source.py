@@ -33,7 +33,12 @@ Refused on every rank before any traffic (:class:`MegatronSourceError`):
 a chunk list that does not match ``virtual_pipeline_model_parallel_size``;
 a parameter no ``MEGATRON_NAMES`` row maps; an HF tensor of the config
 that no row produces; a process-group size that disagrees with the model
-config; groups not in Megatron's default order; context parallelism.
+config; groups not in Megatron's default order; context parallelism or
+GTP weight rematerialisation; a ``rank=`` that is not the default group's.
+Most of these are seen by some ranks only (a stage's parameters, one rank's
+chunk list), so the ranks exchange their verdicts once, at construction
+(one ``all_gather_object`` over the default group), and every rank raises
+the same message naming the ranks that refused and why.
 """
 
 from __future__ import annotations
@@ -47,7 +52,6 @@ import torch
 from m2nkit.manifest import M2NManifestEntry, ManifestM2NWeightSource, PieceLayout
 
 from ..families import family_for
-from ..families.table import Family
 from .layout import (EXPERT_FC1, EXPERT_FC2, MegatronLayoutError, MegatronParallel, WireRule,
                      match_megatron, match_wire, megatron_templates, wire_pieces)
 
@@ -120,29 +124,66 @@ class _Groups:
     members: dict[str, tuple[int, ...]]
 
 
-def _groups(pg_collection: Any) -> _Groups:
-    """This rank's process groups (sizes and members), from pg_collection or parallel_state."""
+#: ``_Groups`` key -> ``ProcessGroupCollection`` attribute (megatron-core 0.19.2
+#: ``process_groups_config.py``; ``use_mpu_process_groups`` fills each from the
+#: ``parallel_state`` getter named in :func:`_groups`).
+PG_ATTRS = (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("cp", "cp"), ("ep", "ep"),
+            ("etp", "expt_tp"), ("edp", "expt_dp"))
+
+
+def _groups(pg_collection: Any, moe: bool) -> _Groups:
+    """This rank's process groups (sizes and members), from pg_collection or parallel_state.
+
+    ``parallel_state``: ``get_tensor_model_parallel_group``,
+    ``get_pipeline_model_parallel_group``, ``get_data_parallel_group(
+    with_context_parallel=False, with_gtp_remat=False)`` (the replica group,
+    as ``ProcessGroupCollection.use_mpu_process_groups`` fills ``dp``),
+    ``get_context_parallel_group``, ``get_expert_model_parallel_group``,
+    ``get_expert_tensor_parallel_group``, ``get_expert_data_parallel_group(
+    with_gtp_remat=False)`` (``expt_dp``).
+
+    A ``pg_collection`` without ``cp`` means no context parallelism; one
+    without the expert groups is accepted for a dense model (its expert grid
+    is then the dense one: ep 1, etp = tp, edp = dp, as megatron-core builds it).
+
+    Raises:
+        MegatronSourceError: ``pg_collection`` lacks ``tp``, ``pp`` or ``dp``,
+            or an expert group of a MoE model (names the attribute).
+    """
     import torch.distributed as dist
 
+    me = dist.get_rank()
     if pg_collection is not None:
-        get = {k: getattr(pg_collection, a, None) for k, a in
-               (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("cp", "cp"), ("ep", "ep"),
-                ("etp", "expt_tp"), ("edp", "expt_dp"))}
+        get = {}
+        for k, a in PG_ATTRS:
+            g = getattr(pg_collection, a, None)
+            if g is None and (k in ("tp", "pp", "dp") or (moe and k in ("ep", "etp", "edp"))):
+                raise MegatronSourceError(
+                    f"megatron_source: pg_collection has no '{a}' process group; give a "
+                    "ProcessGroupCollection with tp, pp, dp" + (", ep, expt_tp, expt_dp"
+                                                                 if moe else "")
+                    + " (e.g. ProcessGroupCollection.use_mpu_process_groups())")
+            get[k] = g
     else:
         from megatron.core import parallel_state as ps
 
         get = {"tp": ps.get_tensor_model_parallel_group(),
                "pp": ps.get_pipeline_model_parallel_group(),
-               "dp": ps.get_data_parallel_group(with_context_parallel=False),
+               "dp": ps.get_data_parallel_group(with_context_parallel=False,
+                                                with_gtp_remat=False),
                "cp": ps.get_context_parallel_group(),
-               "ep": ps.get_expert_model_parallel_group(),
-               "etp": ps.get_expert_tensor_parallel_group(),
-               "edp": ps.get_expert_data_parallel_group()}
-    members = {}
-    for k, g in get.items():
-        members[k] = (dist.get_rank(),) if g is None else tuple(dist.get_process_group_ranks(g))
-    return _Groups(dist.get_rank(), dist.get_world_size(), {k: len(v) for k, v in members.items()},
-                   members)
+               "ep": ps.get_expert_model_parallel_group(check_initialized=False),
+               "etp": ps.get_expert_tensor_parallel_group(check_initialized=False),
+               "edp": ps.get_expert_data_parallel_group(check_initialized=False,
+                                                        with_gtp_remat=False)}
+    members = {k: (me,) if g is None else tuple(dist.get_process_group_ranks(g))
+               for k, g in get.items()}
+    if not moe:  # dense: absent expert groups are the dense grid's
+        if get["etp"] is None:
+            members["etp"] = members["tp"]
+        if get["edp"] is None:
+            members["edp"] = members["dp"]
+    return _Groups(me, dist.get_world_size(), {k: len(v) for k, v in members.items()}, members)
 
 
 def _check_grid(par: MegatronParallel, g: _Groups) -> None:
@@ -205,9 +246,10 @@ def megatron_source(
 ) -> MegatronSource:
     """An ``M2NWeightSource`` over a live Megatron-Core ``GPTModel`` (every chunk of this rank).
 
-    Call it on every trainer rank with the model chunks as the trainer holds
-    them (``get_model`` / Bridge ``provide_distributed_model``: a list, one
-    per virtual pipeline stage; DDP and ``Float16Module`` wrappers are fine).
+    Call it on every trainer rank (every rank of the default process group)
+    with the model chunks as the trainer holds them (``get_model`` / Bridge
+    ``provide_distributed_model``: a list, one per virtual pipeline stage;
+    DDP and ``Float16Module`` wrappers are fine).
 
     Args:
         model_chunks: this rank's ``GPTModel`` chunks (or one model).
@@ -217,21 +259,60 @@ def megatron_source(
         dtype: the wire dtype of parameters; default: the config's HF dtype
             (what a checkpoint stores and vLLM loads). Buffers keep their own
             dtype (``router.expert_bias`` stays fp32).
-        pg_collection: a megatron-core ``ProcessGroupCollection``; default:
-            ``parallel_state``'s groups.
-        rank: this rank (default: the default process group's rank).
+        pg_collection: a megatron-core ``ProcessGroupCollection`` (attributes
+            ``tp``, ``pp``, ``dp``, ``cp``, ``ep``, ``expt_tp``, ``expt_dp``);
+            default: ``parallel_state``'s groups.
+        rank: this rank; when given it must be the default group's rank
+            (the source's pieces are read from the real groups).
 
     Returns:
         A :class:`MegatronSource`; its metadata is a pure function of the
         configs and the group sizes, identical on every rank.
 
     Raises:
-        MegatronSourceError (a ``ValueError``), the same on every rank,
-        before any traffic (module docstring lists the cases; each message
-        names the tensor, the size or the group and what would be valid).
+        MegatronSourceError (a ``ValueError``): the same error on every rank,
+            before any traffic, naming the rank(s) that found the problem and
+            each one's cause (module docstring lists the cases). The ranks
+            agree with one ``all_gather_object`` of their verdicts over the
+            default group, at construction only; the metadata itself needs
+            no collective. An unexpected exception on one rank is reported the
+            same way (chained on that rank), so no rank is left waiting.
     """
     import torch.distributed as dist
 
+    if not (dist.is_available() and dist.is_initialized()):
+        raise MegatronSourceError("megatron_source: torch.distributed is not initialised; call "
+                                  "it on every Megatron rank after initialize_model_parallel")
+    try:
+        src, err, why = _build(model_chunks, config, dtype, pg_collection, rank), None, None
+    except MegatronSourceError as e:
+        src, err, why = None, e, str(e).removeprefix("megatron_source: ")
+    except Exception as e:  # noqa: BLE001 - every rank must hear of it, not wait for it
+        src, err, why = None, e, f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+    verdicts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, why)
+    bad = [(r, v) for r, v in enumerate(verdicts) if v is not None]
+    if bad:
+        raise MegatronSourceError(_refusal(bad, len(verdicts))) from err
+    return src
+
+
+def _refusal(bad: list[tuple[int, str]], world: int) -> str:
+    """One message for every rank: which ranks refused and each distinct cause (first 3)."""
+    ranks = [r for r, _ in bad]
+    causes: dict[str, list[int]] = {}
+    for r, why in bad:
+        causes.setdefault(why, []).append(r)
+    shown = [f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {why}"
+             for why, rs in list(causes.items())[:3]]
+    more = f" (and {len(causes) - 3} more causes)" if len(causes) > 3 else ""
+    return (f"megatron_source: refused by rank{'s' if len(ranks) > 1 else ''} "
+            f"{', '.join(map(str, ranks))} of {world} (every rank raises this, before any "
+            f"traffic): " + "; ".join(shown) + more)
+
+
+def _build(model_chunks, config, dtype, pg_collection, rank) -> MegatronSource:
+    """:func:`megatron_source` on this rank alone (raises what this rank finds)."""
     chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
     if not chunks:
         raise MegatronSourceError("megatron_source: no model chunks given")
@@ -251,7 +332,16 @@ def megatron_source(
             f"virtual_pipeline_model_parallel_size={vpp}: pass one GPTModel per virtual "
             f"pipeline stage ({vpp}), in vp_stage order")
 
-    g = _groups(pg_collection)
+    moe = bool(getattr(mcfg, "num_moe_experts", None))
+    for k in ("gtp_weight_remat_size", "expert_gtp_weight_remat_size"):
+        if (getattr(mcfg, k, 1) or 1) > 1:
+            raise MegatronSourceError(
+                f"megatron_source: {k}={getattr(mcfg, k)} shards weights over a further axis "
+                "(megatron-core model_parallel_config.py); only 1 is supported")
+    g = _groups(pg_collection, moe)
+    if rank is not None and rank != g.rank:
+        raise MegatronSourceError(f"megatron_source: rank={rank!r} was given, but this process "
+                                  f"is rank {g.rank} of the default process group; omit rank=")
     declared = {"tp": mcfg.tensor_model_parallel_size, "pp": mcfg.pipeline_model_parallel_size,
                 "cp": getattr(mcfg, "context_parallel_size", 1) or 1,
                 "ep": getattr(mcfg, "expert_model_parallel_size", 1) or 1,
@@ -277,7 +367,7 @@ def megatron_source(
             f"megatron_source: tp*dp*pp = {par.tp}*{par.dp}*{par.pp} = {par.world} ranks, but "
             f"the default process group has {g.world}; every trainer rank must be a Megatron rank")
     _check_grid(par, g)
-    me = g.rank if rank is None else rank
+    me = g.rank
     stage = next(p for (p, _, _), r in par.ranks["dense"].items() if r == me)
 
     # --- this rank's tensors, by wire name (global layers from layer_number)

@@ -856,7 +856,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="replicated:N, fsdp:N, hsdp:R,S (trainers holding checkpoint shards), or "
                            "fsdp2:dp_shard=N[,dp_replicate=R][,tp=T] (real FSDP2 trainers taking an "
                            "AdamW step each round), or bridge:tp=T,pp=P[,ep=E] (Megatron-Bridge "
-                           "trainers, see --bridge-mode) (default fsdp:4)")
+                           "trainers, see --bridge-mode), or megatron:tp=T,pp=P[,vpp=V][,ep=E]"
+                           "[,etp=X] (Megatron-Core GPTModels loaded by Bridge, sent with "
+                           "megatron_source) (default fsdp:4)")
     demo.add_argument("--inference", default="vllm:tp=2,dp=1", help="vllm:tp=T[,dp=D][,ep][,placement=P][,all2all=B][,dtype=X] "
                            "(default vllm:tp=2,dp=1)")
     demo.add_argument("--rounds", type=int, default=2, help="update rounds, weights changed each round (default 2)")
