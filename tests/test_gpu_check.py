@@ -116,7 +116,7 @@ _PARSE_WITH_VLLM = r"""
 import json, runpy, sys
 from pathlib import Path
 gpu_check = runpy.run_path(sys.argv[1])
-command = gpu_check["serve_command"](Path("/models/v0"), 8123, 2, ["--enforce-eager"])
+command = gpu_check["serve_command"](Path(sys.argv[2]), 8123, 2, ["--enforce-eager"])
 from vllm.entrypoints.cli.serve import ServeSubcommand
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -135,17 +135,21 @@ print(json.dumps({"model": engine.model, "tp": engine.tensor_parallel_size,
 
 @pytest.mark.integration
 @pytest.mark.timeout(300)
-def test_the_serve_command_line_is_what_vllm_serve_parses():
-    """vLLM 0.33's own ``vllm serve`` parser reads the command gpu_check would start."""
+def test_the_serve_command_line_is_what_vllm_serve_parses(tmp_path):
+    """vLLM 0.33's own ``vllm serve`` parser reads the command gpu_check would start
+    (the model directory must exist: vLLM takes anything else for a Hub repo id)."""
     import json
     import os
 
+    model = tmp_path / "v0"
+    model.mkdir()
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_LOGGING_LEVEL="ERROR")
-    proc = subprocess.run([sys.executable, "-c", _PARSE_WITH_VLLM, str(GPU_CHECK)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-c", _PARSE_WITH_VLLM, str(GPU_CHECK), str(model)],
+                          cwd=ROOT,
                           capture_output=True, text=True, timeout=280, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got == {"model": "/models/v0", "tp": 2, "backend": "m2nkit",
+    assert got == {"model": str(model), "tp": 2, "backend": "m2nkit",
                    "served": ["m2nkit-gpu-check"], "eager": True, "port": 8123,
                    "host": "127.0.0.1", "gpu_memory_utilization": 0.25}
 

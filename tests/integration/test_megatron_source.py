@@ -45,6 +45,8 @@ CASES = [
     ("tp4", "tiny-llama", 2, dict(tp=4), ("vllm:tp=1", "vllm:tp=2", "vllm:tp=4")),
     ("pp2vpp2", "tiny-qwen3", 4, dict(pp=2, vpp=2), ("vllm:tp=2",)),
     ("pp2uneven", "tiny-llama", 4, dict(pp=2, first=1, last=3), ("vllm:tp=2",)),
+    # Qwen2: the fused QKV bias, interleaved per query group like the weight
+    ("tp2qwen2", "tiny-qwen2", 2, dict(tp=2), ("vllm:tp=1", "vllm:tp=4")),
 ]
 
 
@@ -148,6 +150,11 @@ def test_layouts_have_the_shapes_they_claim(dumped):
     m = metas("pp2vpp2")
     assert {p.rank for p in m["model.layers.2.self_attn.q_proj.weight"].pieces} == {0, 1}
     assert {p.rank for p in m["model.layers.1.self_attn.q_proj.weight"].pieces} == {2, 3}
+    # Qwen2 tp2 (dp 2): each tp rank holds one query group's k bias, replicated over dp
+    kb = metas("tp2qwen2")["model.layers.0.self_attn.k_proj.bias"]
+    half = kb.shape[0] // 2
+    assert sorted((p.box[0], p.rank) for p in kb.pieces) == [
+        ((0, half), 0), ((0, half), 2), ((half, 2 * half), 1), ((half, 2 * half), 3)]
     # uneven: layer 0 alone on stage 0, layers 1..3 on stage 1
     m = metas("pp2uneven")
     assert {p.rank for p in m["model.layers.1.mlp.down_proj.weight"].pieces} == {2, 3}

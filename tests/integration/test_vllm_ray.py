@@ -214,7 +214,7 @@ def _trainer(rank, ray_address, namespace, actor_names, checkpoints, port, resul
             from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
 
             ray.init(address=ray_address, namespace=namespace, include_dashboard=False,
-                     log_to_driver=False)
+                     log_to_driver=False, _node_ip_address=LOOPBACK)
             client = RayVLLMWeightSyncClient([ray.get_actor(n) for n in actor_names])
         except BaseException as e:  # noqa: BLE001 - reported to the test
             results.put(("error", rank, f"joining Ray: {type(e).__name__}: {e}", None))
@@ -258,6 +258,10 @@ def _run_trainers(ray_address, actor_names, checkpoints) -> dict:
 # Fixtures
 
 
+#: Test processes talk over loopback only; left alone, Ray picks the machine's
+#: outward address for its node (and the trainer cannot always reach it).
+LOOPBACK = "127.0.0.1"
+
 #: No idle Python workers started ahead of the actors: they would only add load.
 RAY_SYSTEM_CONFIG = {"prestart_worker_first_driver": False, "enable_worker_prestart": False}
 
@@ -280,7 +284,7 @@ def ray_cluster():
             try:
                 ctx = ray.init(address="local", num_cpus=NUM_ACTORS + 2, include_dashboard=False,
                                namespace=NAMESPACE, log_to_driver=False,
-                               _system_config=RAY_SYSTEM_CONFIG)
+                               _node_ip_address=LOOPBACK, _system_config=RAY_SYSTEM_CONFIG)
                 break
             except Exception:
                 ray.shutdown()
