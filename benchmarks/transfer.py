@@ -181,7 +181,11 @@ def _run_rank(method: str, rank: int, cfg: dict) -> dict:
     if method == "floor":
         buffers = raw_floor_buffers(plan, rank)
     elif is_trainer:
-        local = list(checkpoint_manifest(ck, tspec, rank).iter_local())
+        # clone(): the shard in anonymous memory, every page written, as a
+        # trainer holds its weights. The provider's tensors can still be
+        # backed by the checkpoint's memory map, whose pages would only come
+        # in when round 1 reads them and be counted as the transfer's memory.
+        local = [(name, t.clone()) for name, t in checkpoint_manifest(ck, tspec, rank).iter_local()]
     else:
         storage = allocate_storage(plan.destination, rank - T)
     ck.close()  # drop the safetensors memory maps: only the shard stays resident

@@ -8,19 +8,23 @@ The trainer-side engine talks to workers only through the four calls of
   in its own thread (the receives of one round must run concurrently, and
   concurrently with the trainer's send). Every join has a timeout, so a
   receiver stuck in a collective is an error, not a hang.
-* ``HTTPClient`` speaks vLLM's weight-transfer routes
-  (``vllm/entrypoints/serve/dev/rlhf/api_router.py``; served here by
+* ``HTTPClient`` speaks vLLM's weight-transfer routes (vLLM 0.33
+  ``vllm/entrypoints/rl/online/api_router.py``; served here by
   ``m2nkit.engine.tools.server``) with the standard library only, so using it
-  adds no dependency:
+  adds no dependency. vLLM's own ``HTTPVLLMWeightSyncClient`` works as well
+  (``requests``); what this one adds: no dependency, the server's error text
+  in the exception (vLLM's raises ``requests.HTTPError``, whose message has
+  only the status line), and ``get_world_size``/``weight_versions``:
 
-  ====================================  ===========================================
-  ``POST /init_weight_transfer_engine``  ``{"init_info": InitPayload.to_json()}``
-  ``POST /start_weight_update``          ``{}`` (vLLM adds ``is_checkpoint_format``)
-  ``POST /update_weights``               ``{"update_info": {"round": k, "version": v}}``
-  ``POST /finish_weight_update``         ``{"weight_version": v}``
-  ``GET /get_world_size``                -> ``{"world_size": N}``
-  ``GET /weight_version``                -> ``{"versions": [v per worker]}`` (m2nkit)
-  ====================================  ===========================================
+  =========================================  =============================================================
+  ``POST /init_weight_transfer_engine``      ``{"init_info": InitPayload.to_json()}``
+  ``POST /start_weight_update``              ``{}`` (vLLM's client: no body)
+  ``POST /update_weights``                   ``{"update_info": {"round": k, "version": v, "session": s}}``
+  ``POST /finish_weight_update``             ``{"weight_version": v}``
+  ``POST /shutdown_weight_transfer_engine``  no body: each worker drops its group
+  ``GET /get_world_size``                    -> ``{"world_size": N}`` (``?include_dp=`` accepted)
+  ``GET /weight_version``                    -> ``{"versions": [v per worker]}`` (m2nkit)
+  =========================================  =============================================================
 
   Errors come back as HTTP 400 (bad input, plan mismatch) or 500
   (transfer failure) with ``{"error": "..."}``.
@@ -125,6 +129,9 @@ class InProcessClient:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._fan_out("finish_weight_update", lambda r: r.finish_weight_update(weight_version))
 
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._fan_out("shutdown_weight_transfer_engine", lambda r: r.shutdown())
+
     def get_world_size(self) -> int:
         return len(self.receivers)
 
@@ -182,6 +189,9 @@ class HTTPClient:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._request("POST", "/finish_weight_update", {"weight_version": weight_version})
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._request("POST", "/shutdown_weight_transfer_engine")
 
     def get_world_size(self) -> int:
         return int(self._request("GET", "/get_world_size")["world_size"])

@@ -78,17 +78,22 @@ from m2nkit.engine.transports.torch_p2p import (
     create_group,
     finish_round,
     recv_round,
+    refuse_rendezvous,
 )
 from m2nkit.manifest.destination import DestinationLayout
 from m2nkit.manifest.protocol import WeightTransferEngine, WeightTransferUpdateInfo
 
 __all__ = ["M2NUpdateInfo", "IncompleteRoundError", "SupersededError", "M2NReceiver",
-           "build_vllm_storage", "RECEIVE_MODES"]
+           "build_vllm_storage", "RECEIVE_MODES", "refuse_unparsed_payload"]
 
 #: ``M2NReceiver(mode=...)``: copy at commit, or receive into the live parameters.
 RECEIVE_MODES = ("staged", "in_place")
 
 _LIST_AT_MOST = 40  # wire names quoted in one error message
+
+#: Seconds a worker that refuses an unparseable init payload spends at most
+#: telling the trainers' rendezvous store why (``_refuse_unparsed``).
+REFUSAL_CONNECT_S = 5.0
 
 
 class IncompleteRoundError(TransferError):
@@ -316,21 +321,32 @@ class M2NReceiver(WeightTransferEngine):
     def parse_init_info(self, init_dict: Mapping[str, Any]) -> InitPayload:
         """``InitPayload.from_json`` with this worker named in the error.
 
+        A payload refused here cannot be joined: when its rendezvous fields
+        are readable, the refusal is also written into the trainers' store
+        (:func:`refuse_unparsed_payload`, at most ``REFUSAL_CONNECT_S``), so
+        every trainer rank raises it at once instead of at its rendezvous
+        timeout.
+
         Raises:
             ValueError: not a dict, a missing or unknown field, a bad value
                 (the message names the field).
         """
         try:
             payload = InitPayload.from_json(init_dict)
+            for name in ("master_address", "inference", "manifest_digest", "plan_digest"):
+                if not isinstance(getattr(payload, name), str):
+                    raise ValueError(f"init payload field '{name}' must be a string, "
+                                     f"got {getattr(payload, name)!r}")
+            if not isinstance(payload.manifest, Mapping):
+                raise ValueError("init payload field 'manifest' must be an object")
         except (TypeError, ValueError) as e:
-            raise ValueError(f"{self._name()}: {e}") from None
-        for name in ("master_address", "inference", "manifest_digest", "plan_digest"):
-            if not isinstance(getattr(payload, name), str):
-                raise ValueError(f"{self._name()}: init payload field '{name}' must be a string, "
-                                 f"got {getattr(payload, name)!r}")
-        if not isinstance(payload.manifest, Mapping):
-            raise ValueError(f"{self._name()}: init payload field 'manifest' must be an object")
+            message = f"{self._name()}: {e}"
+            self._refuse_unparsed(init_dict, message)
+            raise ValueError(message) from None
         return payload
+
+    def _refuse_unparsed(self, init_dict: Any, message: str) -> None:
+        refuse_unparsed_payload(init_dict, self.worker, message)
 
     def _session_plan(self, payload: InitPayload) -> Plan:
         """Every check that needs no peer; returns the plan this worker rebuilt."""
@@ -408,7 +424,7 @@ class M2NReceiver(WeightTransferEngine):
         self.shutdown()
         store, group = create_group(payload.master_address, payload.master_port, rank,
                                     payload.world_size, timeout_s=max(deadline.left(), 1.0),
-                                    backend=payload.backend)
+                                    backend=payload.backend, session=payload.session)
         try:
             agree_on_plan(group, rank, payload.world_size, plan, deadline=deadline)
             # nccl_m2n: the communicator over the same ranks (collective).
@@ -453,7 +469,7 @@ class M2NReceiver(WeightTransferEngine):
         try:
             _, group = create_group(payload.master_address, payload.master_port, rank,
                                     payload.world_size, timeout_s=max(deadline.left(), 1.0),
-                                    backend=payload.backend)
+                                    backend=payload.backend, session=payload.session)
             agree_on_plan(group, rank, payload.world_size, None, error=message,
                           deadline=deadline)
         except (TransferError, ValueError):
@@ -684,3 +700,35 @@ def _abort(group) -> None:
         group.abort()
     except RuntimeError:
         pass
+
+
+def refuse_unparsed_payload(init_dict: Any, worker: int, message: str) -> bool:
+    """Tell the trainers waiting at a payload's rendezvous why worker ``worker`` will not come.
+
+    For a worker engine whose ``parse_init_info`` refused ``init_dict``
+    (``message``, naming the worker and the field): a payload that does not
+    parse cannot be joined, so the trainers would wait out their rendezvous.
+    When its rendezvous fields (``master_address``, ``master_port``,
+    ``session``) are readable, the refusal goes into that store
+    (``torch_p2p.refuse_rendezvous``) and every trainer rank raises
+    ``PlanMismatchError`` quoting it at once. Bounded by
+    ``REFUSAL_CONNECT_S`` (the trainers' store may not be up yet) and by the
+    payload's ``timeout_s``. Returns whether the refusal was written; never
+    raises. ``M2NReceiver.parse_init_info`` calls it; other worker engines
+    (the vLLM plugin) should too.
+    """
+    if not isinstance(init_dict, Mapping):
+        return False
+    host, port = init_dict.get("master_address"), init_dict.get("master_port")
+    offset, session = init_dict.get("rank_offset"), init_dict.get("session", "")
+    if not isinstance(host, str) or isinstance(port, bool) or not isinstance(port, int) \
+            or not 0 < port < 65536 or not isinstance(session, str):
+        return False
+    who = (f"worker {worker} (rank {offset + worker})"
+           if isinstance(offset, int) and not isinstance(offset, bool) and offset > 0
+           else f"worker {worker}")
+    timeout = init_dict.get("timeout_s")
+    bound = REFUSAL_CONNECT_S
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0:
+        bound = min(bound, float(timeout))
+    return refuse_rendezvous(host, port, who, message, timeout_s=bound, session=session)

@@ -51,6 +51,7 @@ from .session import (
 from .transports.torch_p2p import (
     BucketSchedule,
     BufferPool,
+    PlanMismatchError,
     TransferError,
     agree_on_plan,
     create_group,
@@ -205,12 +206,16 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
         payload while joining the group. One deadline of ``timeout_s``,
         set on entry, bounds the rendezvous, the agreement and the init
         RPC; it returns or raises within ``timeout_s + REPORT_GRACE_S``.
+        A worker that refuses the payload before it could join (it does not
+        parse), or an init RPC that fails on rank 0, ends every rank's
+        rendezvous at once (``torch_p2p.create_group``) with that reason.
 
         Raises:
             ValueError: a plan with problems (on every rank, after the
                 ranks agreed on it).
             PlanMismatchError: ranks disagree or a worker refused (on every
-                rank, naming the first differing wire tensor or the reason).
+                rank, naming the first differing wire tensor or the worker
+                and its reason), or rank 0's init RPC failed.
             TransferError: the deadline passed (rendezvous, agreement or the
                 init RPC), naming what was waited for.
         """
@@ -220,6 +225,15 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
             raise ValueError("trainer_init needs a source (an M2NWeightSource)")
         if info.is_sender and client is None:
             raise ValueError("trainer rank 0 needs a client to drive the inference side")
+        if info.transport == "nccl_m2n" and getattr(source, "collectives_while_iterating", False):
+            # nccl_m2n joins each wire tensor's reshard without asking the source on ranks
+            # that hold none of it, so the source's own collectives would be issued in a
+            # different order on different ranks (NCCL: a deadlock); docs/bridge.md.
+            raise ValueError(f"trainer rank {info.rank}: this source runs collectives while it "
+                             "is iterated (Megatron-Bridge's export or gather), which the "
+                             "nccl_m2n transport cannot interleave safely; use "
+                             "transport='torch_p2p', or a source without them "
+                             "(bridge_source in mode='tasks' with no fallback kinds)")
         metas = list(source.metadata)
         manifest = manifest_to_json(metas, info.num_trainer_ranks)
         plan, digest = plan_from_manifest(manifest, info.destination)
@@ -235,12 +249,22 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
         rpc = None
         if info.is_sender:
             rpc = _call_in_thread(client.init_weight_transfer_engine, payload.to_json())
+
+        def rpc_refused() -> str | None:
+            # Rank 0: the init RPC already failed (a worker refused, the
+            # server is unreachable): every rank stops waiting for the workers.
+            if rpc is None or rpc[0].is_alive() or "error" not in rpc[1]:
+                return None
+            e = rpc[1]["error"]
+            return f"init_weight_transfer_engine failed: {type(e).__name__}: {e}"
+
         store = group = None
         try:
             # The store's own timeout also bounds later store calls: keep a floor.
             store, group = create_group(info.master_address, info.master_port, info.rank,
                                         payload.world_size, timeout_s=max(deadline.left(), 1.0),
-                                        backend=info.group_backend)
+                                        backend=info.group_backend, session=payload.session,
+                                        watch=rpc_refused)
             agree_on_plan(group, info.rank, payload.world_size, plan, deadline=deadline)
             transport = None
             if not plan.problems:
@@ -253,8 +277,10 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
             _release(group)
             store = group = None
             if isinstance(e, TransferError) and rpc is not None and not rpc[0].is_alive() \
-                    and "error" in rpc[1]:
-                raise TransferError(f"{e}; the inference side said: {rpc[1]['error']}") from e
+                    and "error" in rpc[1] and "init_weight_transfer_engine failed" not in str(e):
+                # Same class (a refusal stays a PlanMismatchError), with the RPC's word added.
+                kind = type(e) if type(e) in (TransferError, PlanMismatchError) else TransferError
+                raise kind(f"{e}; the inference side said: {rpc[1]['error']}") from e
             raise
         try:
             if rpc is not None:

@@ -350,7 +350,8 @@ def test_trainer_stall_or_death_mid_round_fails_everyone_and_keeps_the_version(
         for b in burners:
             b.kill()
             b.wait(10)
-    assert [any(k == "ok" and p["round"] == 1 for k, p in msgs[r]) for r in range(3)] == [True] * 3
+    assert [any(k == "ok" and p["round"] == 1 for k, p in msgs[r]) for r in range(3)] == \
+        [True] * 3, msgs
     # Every other trainer raises within the bound, naming the root cause: rank 1.
     _assert_failed_within_bound(msgs, (0, 2), "trainer rank 1 sent no report", timeout_s)
     if action == "die":

@@ -659,3 +659,79 @@ def test_second_init_supersedes_the_live_session(ck):
         b.shutdown()
         for r in receivers:
             r.shutdown()
+
+
+class _AddsField:
+    """A client that adds ``extra`` to the init payload (a newer trainer's field, say)."""
+
+    def __init__(self, inner: InProcessClient, extra: dict) -> None:
+        self.inner, self.extra = inner, extra
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.inner.init_weight_transfer_engine({**init_info, **self.extra})
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("extra,words", [
+    ({"colour": "red"}, "init payload has unknown fields ['colour']"),
+    ({"world_size": "four"}, "init payload field 'world_size' must be a positive int, got 'four'"),
+])
+def test_payload_a_worker_cannot_parse_fails_every_trainer_at_once(ck, extra, words):
+    # Both workers refuse the payload before they could join its group. Every
+    # trainer rank (rank 1 too, which has no RPC to hear it from) raises at
+    # once, long before its 40 s init deadline, with each worker's own reason;
+    # the workers stay as they were.
+    receivers = receivers_for(ck)
+    eng = Engines(ck, _AddsField(InProcessClient(receivers, timeout_s=60), extra),
+                  timeout_s=40.0)
+    try:
+        t0 = time.monotonic()
+        out = eng.init()
+        took = time.monotonic() - t0
+        for r in range(T):
+            kind, e = out[r]
+            assert kind == "err" and isinstance(e, PlanMismatchError), out[r]
+            msg = str(e)
+            assert msg.startswith(f"rank {r}: "), msg
+            for w in range(N):
+                assert (f"worker {w} (rank {T + w}) refused the session: worker {w}: "
+                        f"{words}") in msg, msg
+            assert msg.endswith("nothing was sent") or "the inference side said" in msg, msg
+        assert took < 15, f"the trainers learned the refusal only after {took:.1f} s"
+        for r in receivers:
+            assert r.weight_version is None and r.plan is None
+    finally:
+        eng.shutdown()
+        for r in receivers:
+            r.shutdown()
+
+
+@pytest.mark.parametrize("bucket_bytes", [4 << 10, 16 << 10, 100 << 10])
+def test_no_bucket_holds_more_than_bucket_bytes_for_any_rank(ck, bucket_bytes):
+    # Issue 8: a rank's staged bytes stay within one bucket. Per bucket, the bytes
+    # each trainer sends and each worker receives, summed here from the slabs
+    # themselves, never pass bucket_bytes unless the bucket is one wire tensor;
+    # and a bucket closes only when the next tensor would pass it.
+    plan, _ = plan_from_manifest(manifest_to_json(checkpoint_metas(ck, TRAINER), T),
+                                 vllm_destination(ck.config, INFERENCE))
+    sched = BucketSchedule.build(plan, bucket_bytes)
+    assert sched.bounds[0] == 0 and sched.bounds[-1] == len(plan.wires)
+
+    def per_rank(wires) -> int:
+        send, recv = [0] * T, [0] * N
+        for wi in wires:
+            for s in plan.wires[wi].slabs():
+                send[s.src] += s.nbytes
+                recv[s.dst] += s.nbytes
+        return max(send + recv)
+
+    sizes = [per_rank(sched.wires(k)) for k in range(len(sched))]
+    over = [k for k in range(len(sched)) if sizes[k] > bucket_bytes and len(sched.wires(k)) > 1]
+    assert not over, [(k, sizes[k]) for k in over]
+    for k in range(len(sched) - 1):      # closed only because the next tensor would not fit
+        nxt = range(sched.bounds[k], sched.bounds[k + 1] + 1)
+        assert per_rank(nxt) > bucket_bytes or per_rank(sched.wires(k + 1)[:1]) == 0, k
+    assert len(sched) > 2                # the sizes above really cut this model

@@ -564,7 +564,8 @@ def build_cpu_worker(checkpoint: str | os.PathLike, spec: InferenceSpec, worker:
                               all2all_backend=spec.all2all)
     vllm_config = VllmConfig(model_config=model_config, parallel_config=parallel,
                              device_config=DeviceConfig(device="cpu"),
-                             load_config=LoadConfig(load_format="safetensors"),
+                             load_config=LoadConfig(load_format="safetensors",
+                                                    use_tqdm_on_load=False),
                              weight_transfer_config=WeightTransferConfig(backend=BACKEND))
     with set_current_vllm_config(vllm_config):
         with set_default_torch_dtype(model_config.dtype), torch.device("cpu"):

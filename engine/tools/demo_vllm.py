@@ -219,7 +219,9 @@ def _host_main(conn, authkey: bytes, timeout_s: float) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     exit_with_parent()
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # ERROR: vLLM's CPU platform warns on every model build about a GPU-only
+    # cache setting ("Reset SSM cache type ..."), which says nothing here.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:

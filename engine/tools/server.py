@@ -3,9 +3,12 @@
 It stands in for a vLLM server where vLLM cannot run (no GPU): each worker
 is a separate process holding one ``M2NReceiver`` and its vLLM-layout
 storage, as a vLLM worker would, and a stdlib ``ThreadingHTTPServer``
-exposes vLLM's weight-transfer routes (``vllm/entrypoints/serve/dev/rlhf/
-api_router.py``; bodies in ``m2nkit.engine.clients``), fanning each call
-out to every worker at once. What it adds over vLLM is only what tests
+exposes vLLM's weight-transfer routes (vLLM 0.33
+``vllm/entrypoints/rl/online/api_router.py``; bodies in
+``m2nkit.engine.clients``), fanning each call out to every worker at once.
+vLLM's own ``HTTPVLLMWeightSyncClient``
+(``vllm/distributed/weight_transfer/clients.py``) drives it as it drives a
+vLLM server: ``tests/integration/test_vllm_http_client.py``. What it adds over vLLM is only what tests
 need: ``GET /weight_version`` (every worker's committed version) and
 ``POST /m2nkit/save_storage`` (each worker writes its live storage to a
 safetensors file, to be compared with ``reference_load``).
@@ -131,6 +134,7 @@ def _worker_main(conn, destination: Any, worker: int) -> None:
         "start_weight_update": lambda a: receiver.start_weight_update(),
         "update_weights": lambda a: receiver.update_weights(a),
         "finish_weight_update": lambda a: receiver.finish_weight_update(a),
+        "shutdown_weight_transfer_engine": lambda a: receiver.shutdown(),
         "weight_version": lambda a: receiver.weight_version,
         "save_storage": save,
     }
@@ -434,11 +438,15 @@ def _http_error(status: int, message: str) -> WeightSyncError:
 
 
 #: POST route -> (body field, allowed types, required). The worker command
-#: has the route's name. ``/start_weight_update`` reads no field: vLLM sends
-#: ``{"is_checkpoint_format": bool}``, which is accepted and ignored.
+#: has the route's name. ``/start_weight_update`` and
+#: ``/shutdown_weight_transfer_engine`` read no field: vLLM 0.33's
+#: ``HTTPVLLMWeightSyncClient`` posts them without a body (older vLLM sent
+#: ``{"is_checkpoint_format": bool}``, which is accepted and ignored), and
+#: ``/finish_weight_update`` without a body when it has no version.
 _POST_ROUTES: dict[str, tuple[str | None, tuple[type, ...], bool]] = {
     "/init_weight_transfer_engine": ("init_info", (dict,), True),
     "/start_weight_update": (None, (), False),
+    "/shutdown_weight_transfer_engine": (None, (), False),
     "/update_weights": ("update_info", (dict, list), True),
     "/finish_weight_update": ("weight_version", (str, type(None)), False),
     "/m2nkit/save_storage": ("dir", (str,), True),
@@ -485,7 +493,9 @@ def _handler(server: InferenceServer):
                 self.close_connection = True        # the client left mid-call: nobody to tell
 
         def _answer(self, method: str) -> dict:
-            route = self.path
+            # vLLM's GET /get_world_size takes ?include_dp=...: every worker
+            # here is one (dp * tp) rank, so both answers are the worker count.
+            route = self.path.split("?", 1)[0]
             if method == "GET" and route == "/get_world_size":
                 return {"world_size": server.num_workers}
             if method == "GET" and route == "/weight_version":

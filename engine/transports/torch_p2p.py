@@ -47,6 +47,7 @@ __all__ = [
     "TransferError",
     "PlanMismatchError",
     "create_group",
+    "refuse_rendezvous",
     "wait_work",
     "rank_label",
     "BucketSchedule",
@@ -69,22 +70,133 @@ class PlanMismatchError(TransferError):
     """Ranks disagree on the manifest or plan; nothing was moved."""
 
 
+#: Store keys of the rendezvous, under the group's prefix (one fresh store per
+#: group): the ranks that arrived, the session rank 0 hosts, and the refusals
+#: of ranks that will not come (``slots/<n>``: their texts).
+_ARRIVED, _SESSION = "rendezvous/arrived", "rendezvous/session"
+_REFUSALS, _SLOTS = "rendezvous/refusals", "rendezvous/slots"
+
+
+def _refusals(store) -> list[str]:
+    """The refusals written so far (slots whose text is in; at least one once counted)."""
+    out = []
+    for i in range(1, store.add(_SLOTS, 0) + 1):
+        key = f"{_SLOTS}/{i}"
+        if store.check([key]):
+            out.append(store.get(key).decode())
+    return out
+
+
+def _write_refusal(store, text: str) -> None:
+    # The text is in before it is counted: a reader that sees the count finds it.
+    n = store.add(_SLOTS, 1)
+    store.set(f"{_SLOTS}/{n}", text)
+    store.add(_REFUSALS, 1)
+
+
+def refuse_rendezvous(host: str, port: int, who: str, message: str, *, timeout_s: float,
+                      session: str = "", prefix: str = "m2nkit") -> bool:
+    """Tell the ranks waiting in :func:`create_group` at ``host:port`` that ``who`` will not come.
+
+    For a rank that refuses a session before it could join (a worker whose
+    init payload does not parse): each rank waiting in ``create_group``
+    there then raises ``PlanMismatchError`` quoting ``who`` and ``message``
+    at once, instead of at its rendezvous timeout. ``session`` is the
+    refused payload's session id: the refusal is written only if rank 0
+    hosts that session there (so a late refusal cannot end a newer session
+    on the same port). Connects as a client for at most ``timeout_s`` (the
+    store may not be listening yet). Returns whether it was written; never
+    raises.
+    """
+    try:
+        store = dist.TCPStore(host, port, None, False, timedelta(seconds=max(timeout_s, 0.1)),
+                              wait_for_workers=False)
+        store = dist.PrefixStore(prefix, store)
+        if store.get(_SESSION).decode() != session:
+            return False
+        _write_refusal(store, f"{who} refused the session: {message}")
+        return True
+    except Exception:  # noqa: BLE001 - best effort: the refusal is also raised locally
+        return False
+
+
+def _await_arrivals(store, rank: int, world_size: int, deadline: Deadline,
+                    watch: Callable[[], str | None] | None) -> None:
+    """Store-level rendezvous before the group is built: every rank arrived, or a refusal.
+
+    ``ProcessGroupGloo``'s own rendezvous blocks until every rank came or its
+    timeout passed, and nothing can interrupt it; waiting here first lets a
+    refusal (:func:`refuse_rendezvous`, or ``watch()`` returning a reason on
+    this rank) end every rank's wait at once; after the first refusal a rank
+    waits at most ``REPORT_GRACE_S / 2`` for the other missing ranks' own,
+    so each is named. Rank 0 hosts the store: on a refusal it stays (at most
+    ``REPORT_GRACE_S``, within the deadline) until the ranks that arrived
+    have read it.
+    """
+    arrived, refusals, read = _ARRIVED, _REFUSALS, _ARRIVED + "/read"
+    store.add(arrived, 1)
+    pause = 0.002
+    while True:
+        error = None
+        if store.add(refusals, 0):
+            # Give the other ranks that will not come (usually every worker
+            # refuses alike) a moment to say so, so each is named.
+            until = time.monotonic() + min(0.5 * REPORT_GRACE_S, max(deadline.left(), 0.0))
+            while store.add(refusals, 0) + store.add(arrived, 0) < world_size \
+                    and time.monotonic() < until:
+                time.sleep(0.01)
+            error = PlanMismatchError(f"rank {rank}: {'; '.join(_refusals(store))}; "
+                                      "nothing was sent")
+        elif store.add(arrived, 0) >= world_size:
+            return
+        else:
+            reason = watch() if watch is not None else None
+            if reason is not None:
+                _write_refusal(store, f"rank {rank} refused the session: {reason}")
+                error = PlanMismatchError(f"rank {rank}: {reason}; nothing was sent")
+            elif deadline.expired():
+                raise TransferError(f"rank {rank}: only {store.add(arrived, 0)} of {world_size} "
+                                    f"ranks arrived by {deadline.describe()}")
+        if error is not None:
+            store.add(read, 1)
+            if rank == 0:
+                until = time.monotonic() + min(REPORT_GRACE_S, max(deadline.left(), 0.5))
+                while store.add(read, 0) < store.add(arrived, 0) and time.monotonic() < until:
+                    time.sleep(0.01)
+            raise error
+        time.sleep(min(pause, max(deadline.left(), 0.0)))
+        pause = min(pause * 2, 0.02)
+
+
 def create_group(host: str, port: int, rank: int, world_size: int, *, timeout_s: float,
-                 backend: str = "gloo", prefix: str = "m2nkit"):
+                 backend: str = "gloo", prefix: str = "m2nkit", session: str = "",
+                 watch: Callable[[], str | None] | None = None):
     """Join a stateless process group of ``world_size`` ranks.
 
     Rank 0 hosts the ``TCPStore`` at ``host:port``. Gloo binds to ``host``
     (use 127.0.0.1 on one machine). Returns ``(store, group)``.
 
+    Before the group is built every rank waits in the store until all
+    ``world_size`` ranks arrived, so a rank that will not come can say why:
+    a refusal written with :func:`refuse_rendezvous` for rank 0's
+    ``session`` (a worker whose init payload did not parse), or ``watch()``
+    on this rank returning a reason (trainer rank 0: its init RPC failed),
+    ends every rank's wait at once with ``PlanMismatchError`` quoting it.
+
     Raises:
+        PlanMismatchError: a rank refused the session (quotes it).
         TransferError: the rendezvous did not complete within ``timeout_s``.
         ValueError: an unknown backend.
     """
     timeout = timedelta(seconds=timeout_s)
+    deadline = Deadline(timeout_s)
     try:
         store = dist.TCPStore(host, port, world_size, rank == 0, timeout,
                               wait_for_workers=False)
         store = dist.PrefixStore(prefix, store)
+        if rank == 0:
+            store.set(_SESSION, session)
+        _await_arrivals(store, rank, world_size, deadline, watch)
         if backend == "gloo":
             opts = dist.ProcessGroupGloo._Options()
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
@@ -96,6 +208,8 @@ def create_group(host: str, port: int, rank: int, world_size: int, *, timeout_s:
             group = dist.ProcessGroupNCCL(store, rank, world_size, opts)
         else:
             raise ValueError(f"unknown backend '{backend}'; use 'gloo' or 'nccl'")
+    except TransferError:
+        raise
     except (RuntimeError, dist.DistStoreError) as e:
         raise TransferError(f"rank {rank}: rendezvous at {host}:{port} for {world_size} ranks "
                             f"failed within {timeout_s:g} s: {e}") from e
@@ -243,9 +357,11 @@ def agree_on_plan(group, rank: int, world_size: int, plan: Plan | None, *,
 class BucketSchedule:
     """Bucket boundaries over ``plan.wires``: ``bounds[k]`` to ``bounds[k+1]``.
 
-    A bucket closes once some trainer would send, or some worker receive,
-    at least ``bucket_bytes`` in it; a single larger tensor is a bucket of
-    its own. Derived from the plan alone, so every rank agrees.
+    A bucket closes *before* the wire tensor that would make some trainer
+    send, or some worker receive, more than ``bucket_bytes`` in it, so no
+    rank stages more than one bucket; a single tensor larger than that is a
+    bucket of its own (its large slabs travel zero-copy). Derived from the
+    plan alone, so every rank agrees.
     """
 
     bounds: tuple[int, ...]
@@ -259,16 +375,20 @@ class BucketSchedule:
         send = np.zeros(plan.num_trainer_ranks, dtype=np.int64)
         recv = np.zeros(plan.num_workers, dtype=np.int64)
         for i, w in enumerate(plan.wires):
-            if len(w.table):
-                nb = w.slab_nbytes()
-                send += np.bincount(w.table[:, SlabTable.SRC], weights=nb,
-                                    minlength=len(send)).astype(np.int64)
-                recv += np.bincount(w.table[:, SlabTable.DST], weights=nb,
-                                    minlength=len(recv)).astype(np.int64)
-            if max(send.max(initial=0), recv.max(initial=0)) >= bucket_bytes:
-                bounds.append(i + 1)
+            if not len(w.table):
+                continue
+            nb = w.slab_nbytes()
+            s = np.bincount(w.table[:, SlabTable.SRC], weights=nb,
+                            minlength=len(send)).astype(np.int64)
+            r = np.bincount(w.table[:, SlabTable.DST], weights=nb,
+                            minlength=len(recv)).astype(np.int64)
+            if bounds[-1] < i and (send.any() or recv.any()) and \
+                    max((send + s).max(initial=0), (recv + r).max(initial=0)) > bucket_bytes:
+                bounds.append(i)                      # close before it would exceed
                 send[:] = 0
                 recv[:] = 0
+            send += s
+            recv += r
         if bounds[-1] != len(plan.wires):
             bounds.append(len(plan.wires))
         return cls(tuple(bounds), bucket_bytes)
