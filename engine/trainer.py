@@ -56,6 +56,7 @@ from .transports.torch_p2p import (
     agree_on_plan,
     create_group,
     finish_round,
+    wait_verdict_seen,
     send_round,
 )
 
@@ -453,7 +454,15 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
         del group
 
     def shutdown(self) -> None:
-        """Drop the transport, the process group and the store (idempotent)."""
+        """Drop the transport, the process group and the store (idempotent).
+
+        Trainer rank 0 hosts the session store: after a successful round it
+        first waits (at most ``REPORT_GRACE_S``) until every rank has read
+        that round's verdict, so no rank still polling it loses the store.
+        """
+        if (self._store is not None and self.init_info.rank == 0 and self._round > 0
+                and self._broken is None and self.payload is not None):
+            wait_verdict_seen(self._store, self._round, self.payload.world_size, REPORT_GRACE_S)
         transport, self._transport = self._transport, None
         if transport is not None:
             transport.close()

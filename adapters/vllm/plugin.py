@@ -73,7 +73,7 @@ from m2nkit.adapters.vllm.builder import vllm_destination
 from m2nkit.adapters.vllm.dtype import model_dtype
 from m2nkit.adapters.vllm.spec import ALL2ALL_BACKENDS, InferenceSpec
 from m2nkit.engine.deadline import Deadline
-from m2nkit.engine.receiver import M2NReceiver, M2NUpdateInfo
+from m2nkit.engine.receiver import M2NReceiver, M2NUpdateInfo, refuse_unparsed_payload
 from m2nkit.engine.session import InitPayload, plan_from_manifest
 from m2nkit.engine.transports.torch_p2p import PlanMismatchError, agree_on_plan, create_group
 
@@ -271,11 +271,19 @@ class M2NVLLMEngine(WeightTransferEngine):
         return mine if mine is not None else self._version
 
     def parse_init_info(self, init_dict: Mapping[str, Any]) -> InitPayload:
-        """``InitPayload.from_json``; ``ValueError`` names the field and this worker."""
+        """``InitPayload.from_json``; ``ValueError`` names the field and this worker.
+
+        A payload that does not parse cannot be joined: its refusal is also
+        written into the trainers' rendezvous store when the payload names
+        one (``refuse_unparsed_payload``), so they fail at once, quoting it,
+        instead of waiting out their rendezvous.
+        """
         try:
             return InitPayload.from_json(init_dict)
         except (TypeError, ValueError) as e:
-            raise ValueError(f"{self.identity}: {e}") from None
+            message = f"{self.identity}: {e}"
+            refuse_unparsed_payload(init_dict, self.worker, message)
+            raise ValueError(message) from None
 
     def parse_update_info(self, update_dict: Mapping[str, Any]) -> M2NUpdateInfo:
         """``{"round": k, "version": v}``; ``ValueError`` names the field and this worker."""

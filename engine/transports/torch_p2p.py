@@ -828,6 +828,28 @@ def recv_round(group, plan: Plan, schedule: BucketSchedule, worker: int,
 _REPORT_CHARS = 400
 
 
+def wait_verdict_seen(store, round_id, world_size: int, timeout_s: float) -> bool:
+    """On the store's host, before the store goes: wait until all ``world_size``
+    ranks have read round ``round_id``'s verdict (``finish_round`` counts them).
+
+    Without it the host (trainer rank 0) can return from its last round and
+    shut down while a slower rank still polls the verdict, which then fails
+    that rank's successful round with "the session store stopped answering".
+    Returns whether every rank read it within ``timeout_s`` (seconds); never
+    raises: a rank that died is the next session's problem, not this one's.
+    """
+    key = f"verdict/{round_id}/read"
+    until = time.monotonic() + timeout_s
+    try:
+        while store.add(key, 0) < world_size:
+            if time.monotonic() >= until:
+                return False
+            time.sleep(0.01)
+    except RuntimeError:
+        return False
+    return True
+
+
 def finish_round(store, rank: int, world_size: int, *, num_trainer_ranks: int, round_id,
                  error: str | None, deadline: Deadline | None = None,
                  timeout_s: float | None = None, grace_s: float = REPORT_GRACE_S,
@@ -897,6 +919,9 @@ def finish_round(store, rank: int, world_size: int, *, num_trainer_ranks: int, r
             time.sleep(min(pause, stop - now))
             pause = min(pause * 2, 0.05)
         if reported >= world_size and not failed:
+            # Seen: the store's host (trainer rank 0) keeps it up at shutdown
+            # until every rank got here (wait_verdict_seen).
+            store.add(prefix + "read", 1)
             return
         for r in range(world_size):
             key = prefix + f"rank{r}"
