@@ -130,6 +130,23 @@ def shift(t: torch.Tensor, round_index: int) -> torch.Tensor:
     return (t.float() + 0.5 * round_index).to(t.dtype)
 
 
+def demo_checkpoint(model: str, out: Path, log) -> Path:
+    """``--model``: a built-in tiny model, saved (seed 0) to ``out``, or a checkpoint directory.
+
+    Raises:
+        ValueError: ``model`` is neither (the message lists the tiny models).
+    """
+    from m2nkit.adapters.tiny import BUILTIN_TINY_MODELS, save_tiny_checkpoint
+
+    if model in BUILTIN_TINY_MODELS:
+        log(f"building the tiny checkpoint {model} (transformers, seed 0)")
+        return save_tiny_checkpoint(model, out, seed=0)
+    if Path(model).is_dir():
+        return Path(model)
+    raise ValueError(f"--model '{model}' is neither a built-in tiny model "
+                     f"({', '.join(sorted(BUILTIN_TINY_MODELS))}) nor a checkpoint directory")
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now."""
     with socket.socket() as s:
@@ -368,7 +385,6 @@ def run_demo(model: str, trainer: str, inference: str, *, rounds: int = 2, timeo
             wrong after a round (names the worker and tensors).
     """
     from m2nkit.adapters.hf_checkpoint import full_checkpoint_tensors, read_checkpoint
-    from m2nkit.adapters.tiny import BUILTIN_TINY_MODELS, save_tiny_checkpoint
     from m2nkit.adapters.trainer_spec import parse_trainer_spec
     from m2nkit.adapters.vllm import parse_inference_spec, reference_load
     from m2nkit.engine.local import bitwise_equal
@@ -391,14 +407,7 @@ def run_demo(model: str, trainer: str, inference: str, *, rounds: int = 2, timeo
     tmp = tempfile.TemporaryDirectory(prefix="m2nkit-demo-") if workdir is None else None
     work = Path(workdir or tmp.name)
     try:
-        if model in BUILTIN_TINY_MODELS:
-            log(f"building the tiny checkpoint {model} (transformers, seed 0)")
-            model_dir = save_tiny_checkpoint(model, work / model, seed=0)
-        elif Path(model).is_dir():
-            model_dir = Path(model)
-        else:
-            raise ValueError(f"--model '{model}' is neither a built-in tiny model "
-                             f"({', '.join(sorted(BUILTIN_TINY_MODELS))}) nor a checkpoint directory")
+        model_dir = demo_checkpoint(model, work / model, log)
         ckpt = read_checkpoint(model_dir)
         if not ckpt.has_data:
             raise ValueError(f"--model {model_dir} has only a config; the demo needs tensor data")

@@ -320,11 +320,11 @@ def run_bridge_demo(model: str, trainer: str, inference: str, *, mode: str = "ta
             bytes or version differ from Bridge's export after a round.
     """
     from m2nkit.adapters.hf_checkpoint import read_checkpoint
-    from m2nkit.adapters.tiny import BUILTIN_TINY_MODELS, save_tiny_checkpoint
     from m2nkit.adapters.vllm import parse_inference_spec, reference_load, vllm_destination
     from m2nkit.engine.local import bitwise_equal
     from m2nkit.engine.session import plan_from_manifest
     from m2nkit.engine.tools.demo import (MAX_DEMO_PROCESSES, DemoResult, DemoRound,
+                                          demo_checkpoint,
                                           free_port, wait_reports)
     from m2nkit.engine.tools.server import InferenceServer
 
@@ -341,14 +341,7 @@ def run_bridge_demo(model: str, trainer: str, inference: str, *, mode: str = "ta
     tmp = tempfile.TemporaryDirectory(prefix="m2nkit-demo-") if workdir is None else None
     work = Path(workdir or tmp.name)
     try:
-        if model in BUILTIN_TINY_MODELS:
-            log(f"building the tiny checkpoint {model} (transformers, seed 0)")
-            model_dir = save_tiny_checkpoint(model, work / model, seed=0)
-        elif Path(model).is_dir():
-            model_dir = Path(model)
-        else:
-            raise ValueError(f"--model '{model}' is neither a built-in tiny model "
-                             f"({', '.join(sorted(BUILTIN_TINY_MODELS))}) nor a checkpoint directory")
+        model_dir = demo_checkpoint(model, work / model, log)
         ckpt = read_checkpoint(model_dir)
         config = ckpt.config
         destination = vllm_destination(config, ispec)  # refuses an unknown family here

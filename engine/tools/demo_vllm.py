@@ -559,11 +559,10 @@ def run_vllm_demo(model: str, trainer: str, inference: str, *, rounds: int = 2,
     import tempfile
 
     from m2nkit.adapters.hf_checkpoint import checkpoint_metas, read_checkpoint
-    from m2nkit.adapters.tiny import BUILTIN_TINY_MODELS, save_tiny_checkpoint
     from m2nkit.adapters.trainer_spec import parse_trainer_spec
     from m2nkit.adapters.vllm import parse_inference_spec, vllm_destination
     from m2nkit.engine.session import plan_from_manifest
-    from m2nkit.engine.tools.demo import MAX_DEMO_PROCESSES, DemoResult, free_port
+    from m2nkit.engine.tools.demo import MAX_DEMO_PROCESSES, DemoResult, demo_checkpoint, free_port
     from m2nkit.manifest.serialize import manifest_to_json
 
     if rounds < 1:
@@ -579,14 +578,7 @@ def run_vllm_demo(model: str, trainer: str, inference: str, *, rounds: int = 2,
     tmp = tempfile.TemporaryDirectory(prefix="m2nkit-demo-vllm-") if workdir is None else None
     work = Path(workdir or tmp.name)
     try:
-        if model in BUILTIN_TINY_MODELS:
-            log(f"building the tiny checkpoint {model} (transformers, seed 0)")
-            v0 = save_tiny_checkpoint(model, work / "v0", seed=0)
-        elif Path(model).is_dir():
-            v0 = Path(model)
-        else:
-            raise ValueError(f"--model '{model}' is neither a built-in tiny model "
-                             f"({', '.join(sorted(BUILTIN_TINY_MODELS))}) nor a checkpoint directory")
+        v0 = demo_checkpoint(model, work / "v0", log)
         ckpt = read_checkpoint(v0)
         if not ckpt.has_data:
             raise ValueError(f"--model {v0} has only a config; the demo needs tensor data")

@@ -12,7 +12,6 @@ oracle the tests compare against in the parent process.
 from __future__ import annotations
 
 import os
-import socket
 import time
 import traceback
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+
 
 #: torch.distributed calls counted while a source is iterated (top level only).
 COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
@@ -81,12 +81,6 @@ class CountCalls:
 
         for n, f in self._saved.items():
             setattr(dist, n, f)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_megatron(tp: int, pp: int, ep: int, etp: int | None = None) -> None:
@@ -178,32 +172,8 @@ def rank_main(rank: int, world: int, port: int, cases: list, out: str, timeout_s
 
 def launch(world: int, cases: list, out: Path, timeout_s: float, extra=None) -> float:
     """Run ``world`` ranks of :func:`rank_main`; wall seconds. Fails with the first rank's error."""
-    import multiprocessing as mp
+    from tests.integration._megatron import run_ranks
 
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    start = time.monotonic()
-    procs = [ctx.Process(target=rank_main, args=(r, world, port, cases, str(out), timeout_s,
-                                                 extra), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = start + timeout_s
-    try:
-        for p in procs:
-            p.join(max(0.1, deadline - time.monotonic()))
-    finally:
-        alive = [p for p in procs if p.is_alive()]
-        for p in alive:
-            p.kill()
-        for p in procs:
-            p.join()
-    errors = sorted(out.glob("error.r*.txt"))
-    if errors:
-        raise AssertionError(f"{errors[0].name}:\n{errors[0].read_text()[-4000:]}")
-    if alive:
-        raise AssertionError(f"ranks {[procs.index(p) for p in alive]} still running after "
-                             f"{timeout_s} s")
-    bad = [r for r, p in enumerate(procs) if p.exitcode != 0]
-    if bad:
-        raise AssertionError(f"ranks {bad} exited with {[procs[r].exitcode for r in bad]}")
-    return time.monotonic() - start
+    return run_ranks(world, rank_main,
+                     lambda r, port: (r, world, port, cases, str(out), timeout_s, extra),
+                     out, timeout_s)

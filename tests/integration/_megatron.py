@@ -13,7 +13,6 @@ vLLM's reference loaders.
 from __future__ import annotations
 
 import os
-import socket
 import time
 import traceback
 from dataclasses import dataclass
@@ -21,6 +20,8 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+
+from m2nkit.engine.tools.demo import free_port
 
 
 @dataclass(frozen=True)
@@ -36,12 +37,6 @@ class Layout:
     etp: int | None = None
     first: int | None = None   # num_layers_in_first_pipeline_stage
     last: int | None = None    # num_layers_in_last_pipeline_stage
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_megatron(c: Layout) -> None:
@@ -148,13 +143,26 @@ def launch(world: int, work, out: Path, timeout_s: float) -> float:
         AssertionError: a rank failed (its traceback), hung past ``timeout_s``
             (killed) or exited non-zero.
     """
+    return run_ranks(world, rank_main, lambda r, port: (r, world, port, work, str(out), timeout_s),
+                     out, timeout_s)
+
+
+def run_ranks(world: int, target, args_of, out: Path, timeout_s: float) -> float:
+    """Spawn ``target(*args_of(rank, port))`` for every rank (``port``: a free one for the
+    group), wait at most ``timeout_s``, kill what is left; wall seconds.
+
+    A rank reports a failure by writing ``out/error.r{rank}.txt``.
+
+    Raises:
+        AssertionError: a rank wrote an error (the first one is quoted), hung past
+            ``timeout_s`` (killed) or exited non-zero.
+    """
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     port = free_port()
     start = time.monotonic()
-    procs = [ctx.Process(target=rank_main, args=(r, world, port, work, str(out), timeout_s),
-                         daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=target, args=args_of(r, port), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     deadline = start + timeout_s

@@ -22,7 +22,6 @@ trainer rank even though vLLM's client drops the server's error text; and
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from pathlib import Path
@@ -30,18 +29,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from m2nkit.engine.tools.demo import free_port
+
 from _procs import ensure_forkserver
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 CHECKPOINT = Path(__file__).resolve().parents[2] / "examples" / "tiny-qwen3-moe"
 TRAINER, INFERENCE, T, N = "fsdp:2", "vllm:tp=2", 2, 2
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def in_threads(fns: dict, timeout_s: float) -> dict:
