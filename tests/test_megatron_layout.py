@@ -169,3 +169,37 @@ def test_megatron_demo_refuses_in_one_line(capsys, extra, match):
     err = capsys.readouterr().err.strip()
     assert code == 2, err
     assert match in err and len(err.splitlines()) == 1, err
+
+
+def test_an_empty_pipeline_stage_is_refused():
+    """megatron-core refuses a stage without layers (``num_layers_in_first_pipeline_stage``
+    "must be larger than 0"); so does the dry run, instead of planning one."""
+    with pytest.raises(MegatronLayoutError, match="pipeline stage 0 would hold no layers"):
+        stage_layers(4, 2, first=0)
+    with pytest.raises(MegatronLayoutError, match="pipeline stage 0 would hold no layers"):
+        stage_layers(2, 3, first=0, last=1)
+
+
+@pytest.mark.parametrize("trainer, match", [
+    ("megatron:pp=2,vpp=2", "pipeline stage 0 holds 1 layers, not divisible by vpp=2"),
+    ("megatron:tp=3", "128 is not divisible by 3"),
+    ("megatron:pp=3", "pipeline stage 0 would hold no layers"),
+    ("bridge:tp=3", "128 is not divisible by 3"),
+])
+def test_megatron_demo_checks_the_model_before_starting_trainers(trainer, match):
+    """Sizes the tiny model (2 layers, 8 heads, hidden 128) cannot take fail with exit 2
+    and one error line before any trainer process starts, as ``m2nkit plan`` refuses
+    them, not later inside megatron-core with exit 1."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from m2nkit.engine.tools.cli import main; "
+            f"sys.exit(main(['demo', '--model', 'tiny-qwen3', '--trainer', {trainer!r}, "
+            "'--no-baseline']))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out
+    errors = [line for line in out.splitlines() if line.startswith("m2nkit: error:")]
+    assert len(errors) == 1 and match in errors[0], out
+    assert "trainer processes" not in out and "Traceback" not in out, out

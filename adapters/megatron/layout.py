@@ -290,6 +290,12 @@ def stage_layers(num_layers: int, pp: int, vpp: int = 1, *, first: int | None = 
     if last is not None:
         counts[-1] = l_
     for p, c in enumerate(counts):
+        if c == 0:
+            # megatron-core TransformerConfig: num_layers_in_first/last_pipeline_stage
+            # "must be larger than 0"; a middle stage cannot be empty either
+            raise MegatronLayoutError(
+                f"pipeline stage {p} would hold no layers ({num_layers} layers over pp={pp}, "
+                f"first stage {first}, last stage {last}); megatron-core refuses an empty stage")
         if c % vpp:
             raise MegatronLayoutError(f"pipeline stage {p} holds {c} layers, not divisible by "
                                       f"vpp={vpp}")

@@ -14,7 +14,7 @@ Layers: even stages (``L/pp``, ``L/(pp*vpp)`` per chunk); ``first``/``last``
 are ``num_layers_in_first/last_pipeline_stage``. When ``L`` does not split
 evenly and neither is given, the first and last stages share what the
 middle stages (``ceil(L/pp)`` each) leave (Qwen3-235B-A22B's 94 layers over
-pp=8: 11, 12 x 6, 11), and the plan says so. The padded vocabulary is
+pp=8: 11, 12 x 6, 11), a default of m2nkit's, not a Megatron rule: pass first=/last= to plan what your trainer runs. The padded vocabulary is
 ``make_vocab_size_divisible_by=128`` times ``tp`` (Megatron-LM's default);
 padding rows are never sent, so only the split points depend on it.
 """

@@ -345,6 +345,18 @@ def run_bridge_demo(model: str, trainer: str, inference: str, *, mode: str = "ta
         ckpt = read_checkpoint(model_dir)
         config = ckpt.config
         destination = vllm_destination(config, ispec)  # refuses an unknown family here
+        # The dry run's rules refuse, in one line and before any process starts,
+        # what megatron-core would refuse later inside the trainers (heads or
+        # layers that the sizes do not divide, an empty stage, chunks per stage).
+        from m2nkit.adapters.hf_checkpoint import checkpoint_metas
+        from m2nkit.adapters.trainer_spec import parse_trainer_spec
+
+        checkpoint_metas(ckpt, parse_trainer_spec("megatron:" + trainer.partition(":")[2]))
+        layers, split = config.num_hidden_layers, tspec.par.pp * tspec.par.vpp
+        if layers % split:   # the trainers build even stages (no first=/last=)
+            raise ValueError(f"trainer spec '{trainer}': the demo builds even pipeline stages, and "
+                             f"{layers} layers do not split over pp*vpp={split}; pick sizes that "
+                             f"divide {layers} (m2nkit plan takes first=/last= for uneven stages)")
         made = "megatron_source" if mode == MEGATRON_SOURCE else f"bridge_source mode={mode!r}"
         log(f"model {ckpt.architecture} from {model_dir}; {T} Megatron trainer ranks loaded "
             f"by Megatron-Bridge ({tspec}, {made}) -> {ispec.num_workers} workers ({ispec})")
