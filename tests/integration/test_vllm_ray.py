@@ -210,7 +210,7 @@ def _trainer(rank, ray_address, namespace, actor_names, checkpoints, port, resul
     client = None
     if rank == 0:
         try:
-            import ray
+            ray = _import_ray_on_loopback()
             from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
 
             ray.init(address=ray_address, namespace=namespace, include_dashboard=False,
@@ -259,8 +259,24 @@ def _run_trainers(ray_address, actor_names, checkpoints) -> dict:
 
 
 #: Test processes talk over loopback only; left alone, Ray picks the machine's
-#: outward address for its node (and the trainer cannot always reach it).
+#: outward address for its node (and the trainer cannot always reach it), and
+#: ``_node_ip_address="127.0.0.1"`` alone does not stop it: Ray 2.60 turns a
+#: loopback address back into that outward one (``resolve_ip_for_localhost``)
+#: unless its cluster mode is off, as on macOS and Windows
+#: (``ray_constants.ENABLE_RAY_CLUSTER``, read when ray is imported).
 LOOPBACK = "127.0.0.1"
+RAY_LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def _import_ray_on_loopback():
+    import os
+
+    os.environ.update(RAY_LOOPBACK_ENV)
+    import ray
+
+    assert not ray._private.ray_constants.ENABLE_RAY_CLUSTER, \
+        "ray was imported before its loopback setting"
+    return ray
 
 #: No idle Python workers started ahead of the actors: they would only add load.
 RAY_SYSTEM_CONFIG = {"prestart_worker_first_driver": False, "enable_worker_prestart": False}
@@ -274,7 +290,7 @@ def ray_cluster():
     on a machine loaded by other test runs that can pass, so a failed start
     is retried once after ``ray.shutdown()``.
     """
-    import ray
+    ray = _import_ray_on_loopback()
     from ray import cloudpickle
 
     # Ray workers cannot import this test module by name: ship its actor class by value.
