@@ -569,8 +569,8 @@ def run_vllm_demo(model: str, trainer: str, inference: str, *, rounds: int = 2,
         raise ValueError(f"--rounds must be >= 1, got {rounds}")
     tspec, ispec = parse_trainer_spec(trainer), parse_inference_spec(inference)
     if tspec.kind == "fsdp2":
-        raise ValueError("--receiver vllm runs checkpoint trainers (fsdp:N, fsdp:RxS, ...); "
-                         "fsdp2: trainers run with --receiver stand-in")
+        raise ValueError("--receiver vllm runs checkpoint trainers (replicated:N, fsdp:N, "
+                         "hsdp:R,S); fsdp2: trainers run with --receiver stand-in")
     T, N = tspec.num_ranks, ispec.num_workers
     if T + N > MAX_DEMO_PROCESSES:
         raise ValueError(f"{trainer} -> {inference} needs {T + N} processes; the demo runs at most "
