@@ -135,15 +135,17 @@ def init_megatron(tp: int, pp: int, ep: int = 1, etp: int | None = None, vpp: in
 
 
 def build_bridge_model(ckpt: str | os.PathLike, tp: int, pp: int, ep: int = 1,
-                       etp: int | None = None, vpp: int = 1):
+                       etp: int | None = None, vpp: int = 1, *, first: int | None = None,
+                       last: int | None = None):
     """``(bridge, model chunks)``: ``ckpt`` built and loaded through Megatron-Bridge on CPU.
 
     ``AutoBridge.from_hf_pretrained(ckpt)``, its ``to_megatron_provider``
     with the parallel sizes, megatron-core's local layer spec (Bridge
     ``models/gpt_provider.py`` ``local_layer_spec``; no TransformerEngine),
     the fusions that need CUDA kernels off, ``provide_distributed_model``
-    and ``load_hf_weights``. Collective over the default group (call after
-    :func:`init_megatron` with the same sizes).
+    and ``load_hf_weights``. ``first``/``last``: megatron-core's
+    ``num_layers_in_first/last_pipeline_stage`` (uneven stages). Collective
+    over the default group (call after :func:`init_megatron` with the same sizes).
     """
     import torch
     from megatron.bridge import AutoBridge
@@ -154,6 +156,8 @@ def build_bridge_model(ckpt: str | os.PathLike, tp: int, pp: int, ep: int = 1,
     provider.tensor_model_parallel_size = tp
     provider.pipeline_model_parallel_size = pp
     provider.virtual_pipeline_model_parallel_size = vpp if vpp > 1 else None  # a chunk per vp stage
+    provider.num_layers_in_first_pipeline_stage = first
+    provider.num_layers_in_last_pipeline_stage = last
     provider.expert_model_parallel_size = ep
     provider.expert_tensor_parallel_size = (etp or tp) if provider.num_moe_experts else None
     provider.sequence_parallel = False

@@ -11,11 +11,9 @@ oracle the tests compare against in the parent process.
 
 from __future__ import annotations
 
-import os
+import functools
 import time
-import traceback
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -135,45 +133,16 @@ def run_case(case: Case, rank: int, out: Path) -> None:
     dist.barrier()
 
 
-def rank_main(rank: int, world: int, port: int, cases: list, out: str, timeout_s: float,
-              extra=None) -> None:
-    """One trainer process: every case in order; on failure write the traceback and exit 1."""
-    from m2nkit.adapters.megatron.compat import enable_cpu
-
-    enable_cpu()
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    import logging
-
-    logging.disable(logging.WARNING)
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=timeout_s))
-    outp = Path(out)
-    try:
-        for case in cases:
-            run_case(case, rank, outp)
-        if extra is not None:
-            extra(rank, outp)
-    except BaseException:
-        (outp / f"error.r{rank}.txt").write_text(traceback.format_exc())
-        raise
-    finally:
-        from megatron.core import parallel_state
-
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
+def run_cases(cases: list, extra, rank: int, out: Path) -> None:
+    """``work`` for ``_megatron.rank_main``: every case in order, then ``extra(rank, out)``."""
+    for case in cases:
+        run_case(case, rank, out)
+    if extra is not None:
+        extra(rank, out)
 
 
 def launch(world: int, cases: list, out: Path, timeout_s: float, extra=None) -> float:
-    """Run ``world`` ranks of :func:`rank_main`; wall seconds. Fails with the first rank's error."""
-    from tests.integration._megatron import run_ranks
+    """Run ``world`` ranks of :func:`run_cases`; wall seconds. Fails with the first rank's error."""
+    from tests.integration._megatron import launch as launch_ranks
 
-    return run_ranks(world, rank_main,
-                     lambda r, port: (r, world, port, cases, str(out), timeout_s, extra),
-                     out, timeout_s)
+    return launch_ranks(world, functools.partial(run_cases, cases, extra), out, timeout_s)

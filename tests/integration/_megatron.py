@@ -40,48 +40,17 @@ class Layout:
 
 
 def init_megatron(c: Layout) -> None:
-    """(Re)initialise megatron-core's model-parallel groups on the live gloo world."""
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    """(Re)initialise megatron-core's model-parallel groups on the live gloo world (the demo's)."""
+    from m2nkit.engine.tools.demo_bridge import init_megatron as init
 
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=c.tp, pipeline_model_parallel_size=c.pp,
-        virtual_pipeline_model_parallel_size=c.vpp if c.vpp > 1 else None,
-        expert_model_parallel_size=c.ep, expert_tensor_parallel_size=c.etp)
-    # CPU: the inference RNG tracker's fork() needs no CUDA RNG state
-    model_parallel_cuda_manual_seed(0, inference_rng_tracker=True, force_reset_rng=True)
+    init(c.tp, c.pp, c.ep, c.etp, c.vpp)
 
 
 def build_model(c: Layout):
-    """``(bridge, model chunks)``: the checkpoint built and loaded through Bridge, local layer spec."""
-    from megatron.bridge import AutoBridge
-    from megatron.bridge.models.gpt_provider import local_layer_spec
+    """``(bridge, model chunks)``: the checkpoint built and loaded through Bridge (the demo's)."""
+    from m2nkit.engine.tools.demo_bridge import build_bridge_model
 
-    bridge = AutoBridge.from_hf_pretrained(c.ckpt)
-    provider = bridge.to_megatron_provider(load_weights=False)
-    provider.tensor_model_parallel_size = c.tp
-    provider.pipeline_model_parallel_size = c.pp
-    provider.virtual_pipeline_model_parallel_size = c.vpp if c.vpp > 1 else None
-    provider.num_layers_in_first_pipeline_stage = c.first
-    provider.num_layers_in_last_pipeline_stage = c.last
-    provider.expert_model_parallel_size = c.ep
-    provider.expert_tensor_parallel_size = (c.etp or c.tp) if provider.num_moe_experts else None
-    provider.sequence_parallel = False
-    provider.transformer_layer_spec = local_layer_spec  # no TransformerEngine on CPU
-    if provider.num_moe_experts:
-        provider.moe_token_dispatcher_type = "allgather"  # alltoall touches CUDA streams
-    for flag in ("moe_permute_fusion", "moe_grouped_gemm", "gradient_accumulation_fusion",
-                 "masked_softmax_fusion", "bias_activation_fusion", "persist_layer_norm",
-                 "apply_rope_fusion"):
-        setattr(provider, flag, False)
-    provider.use_cpu_initialization = True
-    provider.pipeline_dtype = torch.bfloat16
-    provider.finalize()
-    model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
-    bridge.load_hf_weights(model)
-    return bridge, model
+    return build_bridge_model(c.ckpt, c.tp, c.pp, c.ep, c.etp, c.vpp, first=c.first, last=c.last)
 
 
 def dump_source(c: Layout, rank: int, out: Path) -> None:
