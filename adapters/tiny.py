@@ -117,7 +117,8 @@ def tiny_config(name: str, **overrides):
 
 
 def save_tiny_checkpoint(config_or_name, out_dir, *, seed: int = 0,
-                         max_shard_size: str | int | None = None) -> Path:
+                         max_shard_size: str | int | None = None,
+                         dtype: torch.dtype = torch.bfloat16) -> Path:
     """Build a randomly initialised model and save it as safetensors.
 
     Args:
@@ -127,6 +128,9 @@ def save_tiny_checkpoint(config_or_name, out_dir, *, seed: int = 0,
         seed: torch seed for the random weights.
         max_shard_size: pass e.g. ``"50KB"`` for a sharded checkpoint with
             ``model.safetensors.index.json``.
+        dtype: the dtype the weights are saved in (and ``config.json``'s
+            ``dtype``); ``torch.float32`` gives an fp32 checkpoint, which
+            vLLM's ``dtype=auto`` serves in bf16.
 
     Returns:
         ``out_dir`` as a ``Path``.
@@ -135,7 +139,7 @@ def save_tiny_checkpoint(config_or_name, out_dir, *, seed: int = 0,
 
     config = tiny_config(config_or_name) if isinstance(config_or_name, str) else config_or_name
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     with torch.no_grad():
         # Norm weights start at exactly 1.0 and biases at 0: randomise them so
         # a norm sent to the wrong place is caught by a byte comparison

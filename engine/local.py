@@ -4,8 +4,9 @@ This is the executor behind ``m2nkit plan --verify`` and the planner tests:
 it proves a plan moves the right bytes to the right places before any
 process group exists. It follows the transports' rules — each rank's source
 is read once per round in manifest order, one local tensor at a time, and
-slabs are copied from the local tensor straight into the destination
-region, never through a full tensor.
+slabs travel in the transport's own messages (``torch_p2p``'s buckets,
+packing, zero-copy targets and casts), copied in memory instead of sent,
+never through a full tensor.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import torch
 
 from m2nkit.manifest.destination import DestinationLayout
 
-from .plan import Plan, next_local
+from .plan import Plan
+from .transports.torch_p2p import exchange_in_process
 
 __all__ = ["allocate_storage", "execute_plan", "bitwise_equal"]
 
@@ -46,7 +48,13 @@ def execute_plan(
     local_streams: Mapping[int, Iterable[tuple[str, torch.Tensor]]],
     storage: Mapping[int, Mapping[str, torch.Tensor]],
 ) -> None:
-    """Copy every slab of ``plan`` from trainer-local tensors into worker storage.
+    """Move every slab of ``plan`` from trainer-local tensors into worker storage, in-process.
+
+    Runs the ``torch_p2p`` transport's own message path
+    (``torch_p2p.exchange_in_process``): the same buckets, packed and
+    direct messages, zero-copy targets and casts into the parameters'
+    dtype as a real round, with a byte copy in place of each send and
+    receive. So what passes here passes the transport's receive path too.
 
     Args:
         plan: the plan.
@@ -60,25 +68,7 @@ def execute_plan(
             early, or a local tensor does not hold the rank's pieces
             (names the rank and tensor).
     """
-    iters = {r: iter(s) for r, s in local_streams.items()}
-    for wp in plan.wires:
-        local: dict[int, torch.Tensor] = {}
-        for rank in wp.owners:
-            it = iters.get(rank)
-            if it is None:
-                raise ValueError(f"no local stream for trainer rank {rank}, an owner of "
-                                 f"'{wp.name}'")
-            local[rank] = next_local(it, wp, rank)
-        if wp.skipped:
-            continue
-        for slab in wp.slabs():
-            storage[slab.dst][slab.param][slab.dst_region] = local[slab.src][slab.src_region]
-        local.clear()
-    for rank, it in iters.items():
-        extra = next(it, None)
-        if extra is not None:
-            raise ValueError(f"trainer rank {rank} yielded '{extra[0]}' after the last "
-                             "tensor of the manifest")
+    exchange_in_process(plan, local_streams, storage, error=ValueError)
 
 
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

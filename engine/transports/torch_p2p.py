@@ -58,6 +58,7 @@ __all__ = [
     "agree_on_plan",
     "send_round",
     "recv_round",
+    "exchange_in_process",
     "finish_round",
 ]
 
@@ -559,6 +560,7 @@ class _SendBucket(NamedTuple):
     rows: dict          # wire index -> [(dst, src region, packed offset or -1, nbytes, tag)]
     packed: dict        # dst -> (bytes, tag, slab count) of its packed message
     need: int           # pool bytes: packed messages + expected bounce copies (aligned)
+    wires: tuple        # (first, end) wire indices of the bucket
 
 
 class _RecvBucket(NamedTuple):
@@ -606,7 +608,8 @@ def _send_layout(plan: Plan, schedule: BucketSchedule, rank: int) -> list[_SendB
                     rows.setdefault(wi, []).append((dst, slab.src_region, -1, slab.nbytes, t))
                     t += 1
                 tags[dst] = t
-            out.append(_SendBucket(rows, packed_msgs, need))
+            out.append(_SendBucket(rows, packed_msgs, need,
+                                   (schedule.bounds[k], schedule.bounds[k + 1])))
         return out
 
     return _cached(plan, ("send", rank, schedule.bounds), build)
@@ -646,6 +649,71 @@ def _post(group, op: str, buf: torch.Tensor, peer: int, tag: int, what: str):
         raise TransferError(f"{what} failed: {_reason(e)}") from e
 
 
+class _Send(NamedTuple):
+    """One message a trainer rank posts: to worker ``dst`` with ``tag``, the bytes ``buf``."""
+
+    dst: int
+    tag: int
+    buf: torch.Tensor   # 1-D uint8: a view of the local tensor (zero-copy) or of the pool
+    keep: object        # what a zero-copy ``buf`` reads from: alive until the send is done
+    what: str           # names the message in errors
+    nbytes: int         # bytes the round's count adds for it
+
+
+def _bucket_sends(plan: Plan, bucket: _SendBucket, k: int, rank: int, it, arena: torch.Tensor,
+                  deadline: Deadline | None, error: type[Exception] = TransferError):
+    """Trainer ``rank``'s messages of bucket ``k``, each yielded as soon as it is complete.
+
+    Pulls the rank's local tensors of the bucket from ``it`` (its
+    ``iter_local()``) one at a time, in manifest order; packs the small
+    slabs into the pool bytes ``arena`` (``bucket.need`` of them) and
+    yields each direct slab from the local tensor itself where it is
+    contiguous there. The one message layout both :func:`send_round` and
+    :func:`exchange_in_process` post.
+    """
+    cursor = 0
+    packed_buf: dict[int, torch.Tensor] = {}
+    left: dict[int, int] = {}
+    for dst, (nbytes, _, count) in bucket.packed.items():
+        packed_buf[dst] = arena[cursor:cursor + nbytes]
+        cursor += _aligned(nbytes)
+        left[dst] = count
+    for wi in range(*bucket.wires):
+        wp = plan.wires[wi]
+        if not wp.meta.holds(rank):
+            continue
+        local = next_local(it, wp, rank, error=error)
+        if deadline is not None and deadline.expired():
+            raise TransferError(f"trainer rank {rank}: the source's local tensor of '{wp.name}' "
+                                f"came after {deadline.describe()}; the round is over")
+        for dst, region, at, nbytes, tag in bucket.rows.get(wi, ()):
+            piece = local[region]
+            if at >= 0:                                   # into the packed message
+                packed_buf[dst][at:at + nbytes].view(wp.meta.dtype).view(
+                    piece.shape).copy_(piece)
+                left[dst] -= 1
+                if left[dst]:
+                    continue
+                buf, tag = packed_buf[dst], bucket.packed[dst][1]
+                yield _Send(dst, tag, buf, None,
+                            f"trainer rank {rank}: send of bucket {k} (packed) to worker {dst}",
+                            buf.numel())
+                continue
+            if piece.is_contiguous():
+                buf = _flat_bytes(piece)                  # zero-copy
+            else:
+                if cursor + nbytes <= arena.numel():
+                    buf = arena[cursor:cursor + nbytes]
+                    cursor += _aligned(nbytes)
+                else:                                     # a local tensor with odd strides
+                    buf = torch.empty(nbytes, dtype=torch.uint8, device=arena.device)
+                buf.view(wp.meta.dtype).view(piece.shape).copy_(piece)
+            yield _Send(dst, tag, buf, piece,
+                        f"trainer rank {rank}: send of bucket {k} ('{wp.name}') to worker {dst}",
+                        nbytes)
+        del local
+
+
 def send_round(group, plan: Plan, schedule: BucketSchedule, rank: int,
                stream: Iterable[tuple[str, torch.Tensor]], *, timeout_s: float | None = None,
                deadline: Deadline | None = None, device: torch.device | str = "cpu",
@@ -658,7 +726,9 @@ def send_round(group, plan: Plan, schedule: BucketSchedule, rank: int,
     message per slab of ``DIRECT_BYTES`` or more (cut where that makes it
     contiguous on both sides, :func:`_split_direct`), sent from the local
     tensor itself when its region is contiguous there (zero-copy), else
-    from a bounce copy. One bucket is in flight at a time: the next
+    from a bounce copy. Every message is in the wire dtype (the manifest's);
+    a worker whose parameter has another dtype casts on its side
+    (:func:`recv_round`). One bucket is in flight at a time: the next
     bucket's providers run only once this one's sends are done, so a rank
     holds at most one bucket of staged bytes plus the local tensors its
     zero-copy sends still read. ``pool`` (kept by the caller across rounds)
@@ -685,46 +755,10 @@ def send_round(group, plan: Plan, schedule: BucketSchedule, rank: int,
             wait_work(work, deadline, what)
         in_flight = []
         arena = pool.reserve(bucket.need)
-        cursor = 0
-        packed_buf: dict[int, torch.Tensor] = {}
-        left: dict[int, int] = {}
-        for dst, (nbytes, _, count) in bucket.packed.items():
-            packed_buf[dst] = arena[cursor:cursor + nbytes]
-            cursor += _aligned(nbytes)
-            left[dst] = count
-        for wi in schedule.wires(k):
-            wp = plan.wires[wi]
-            if not wp.meta.holds(rank):
-                continue
-            local = next_local(it, wp, rank, error=TransferError)
-            if deadline.expired():
-                raise TransferError(f"trainer rank {rank}: the source's local tensor of '{wp.name}' "
-                                    f"came after {deadline.describe()}; the round is over")
-            for dst, region, at, nbytes, tag in bucket.rows.get(wi, ()):
-                piece = local[region]
-                if at >= 0:                                   # into the packed message
-                    packed_buf[dst][at:at + nbytes].view(wp.meta.dtype).view(
-                        piece.shape).copy_(piece)
-                    left[dst] -= 1
-                    if left[dst]:
-                        continue
-                    buf, tag, keep = packed_buf[dst], bucket.packed[dst][1], None
-                    what = f"trainer rank {rank}: send of bucket {k} (packed) to worker {dst}"
-                else:
-                    keep = piece
-                    if piece.is_contiguous():
-                        buf = _flat_bytes(piece)              # zero-copy
-                    else:
-                        if cursor + nbytes <= arena.numel():
-                            buf = arena[cursor:cursor + nbytes]
-                            cursor += _aligned(nbytes)
-                        else:                                 # a local tensor with odd strides
-                            buf = torch.empty(nbytes, dtype=torch.uint8, device=arena.device)
-                        buf.view(wp.meta.dtype).view(piece.shape).copy_(piece)
-                    what = f"trainer rank {rank}: send of bucket {k} ('{wp.name}') to worker {dst}"
-                in_flight.append((_post(group, "send", buf, T + dst, tag, what), what, keep))
-                sent += nbytes if at < 0 else buf.numel()
-            del local
+        for msg in _bucket_sends(plan, bucket, k, rank, it, arena, deadline):
+            in_flight.append((_post(group, "send", msg.buf, T + msg.dst, msg.tag, msg.what),
+                              msg.what, msg.keep))
+            sent += msg.nbytes
     for work, what, _ in in_flight:
         wait_work(work, deadline, what)
     leftover = next(it, None)
@@ -732,6 +766,68 @@ def send_round(group, plan: Plan, schedule: BucketSchedule, rank: int,
         raise TransferError(f"trainer rank {rank}: source yielded '{leftover[0]}' after the last "
                             "wire tensor of the manifest")
     return sent
+
+
+class _Recv(NamedTuple):
+    """One message a worker posts: from trainer rank ``src`` with ``tag``, into ``target``."""
+
+    src: int
+    tag: int
+    target: torch.Tensor  # 1-D uint8: the parameter's own bytes (zero-copy) or pool bytes
+    unpack: object        # None (landed already) or (target, rows) to copy out with a cast
+    nbytes: int           # the message's size: the slabs' bytes in the wire dtype
+    what: str
+
+
+def _recv_targets(plan: Plan, bucket: _RecvBucket, k: int, worker: int,
+                  storage: Mapping[str, torch.Tensor], pool: BufferPool) -> list[_Recv]:
+    """Where worker ``worker``'s messages of bucket ``k`` land.
+
+    A direct message lands in its parameter's own bytes only when its
+    region is contiguous there *and* the parameter has the wire dtype:
+    messages carry the wire dtype (the sender's), so a parameter in another
+    dtype (an fp32 wire into a bf16 worker) would take a different number
+    of bytes than are sent. Every other message lands in pool bytes and is
+    cast into its parameter by ``copy_`` (:func:`_unpack`): the cast
+    ``param.data.copy_(loaded_weight)`` that vLLM's weight loaders apply
+    (vLLM ``model_executor/layers/linear.py``, ``weight_loader``;
+    ``model_loader/weight_utils.py``, ``default_weight_loader``).
+    """
+    me = plan.num_trainer_ranks + worker
+    views = []
+    need = bucket.need
+    for src, tag, nbytes, direct, packed in bucket.msgs:
+        view = None
+        if direct is not None:
+            param = storage[direct[0]]
+            if param.dtype == direct[2]:
+                view = param[direct[1]]
+                if not view.is_contiguous():
+                    view = None
+            if view is None:
+                need += _aligned(nbytes)
+        views.append(view)
+    arena = pool.reserve(need)
+    cursor = 0
+    out = []
+    for (src, tag, nbytes, direct, packed), view in zip(bucket.msgs, views):
+        what = f"worker {worker} (rank {me}): receive of bucket {k} from trainer rank {src}"
+        if view is not None:
+            out.append(_Recv(src, tag, _flat_bytes(view), None, nbytes, what))  # zero-copy
+            continue
+        target = arena[cursor:cursor + nbytes]
+        cursor += _aligned(nbytes)
+        out.append(_Recv(src, tag, target, (target, packed if direct is None else [direct]),
+                         nbytes, what))
+    return out
+
+
+def _unpack(storage: Mapping[str, torch.Tensor], unpack) -> None:
+    """Copy a received message's slabs into their parameters (casting to the parameter's dtype)."""
+    buf, rows = unpack
+    for param, region, dtype, at, n in rows:
+        dst = storage[param][region]
+        dst.copy_(buf[at:at + n].view(dtype).view(dst.shape))
 
 
 def _post_receives(group, plan: Plan, bucket: _RecvBucket, k: int, worker: int,
@@ -745,31 +841,8 @@ def _post_receives(group, plan: Plan, bucket: _RecvBucket, k: int, worker: int,
     drop a frame's locals but not the cells of a closure, which would keep
     the group (and its sockets) alive.
     """
-    me = plan.num_trainer_ranks + worker
-    targets = []
-    need = bucket.need
-    for src, tag, nbytes, direct, packed in bucket.msgs:
-        if direct is None:
-            targets.append(None)
-            continue
-        view = storage[direct[0]][direct[1]]
-        if view.is_contiguous():
-            targets.append(_flat_bytes(view))                 # zero-copy
-        else:
-            targets.append(None)
-            need += _aligned(nbytes)
-    arena = pool.reserve(need)
-    cursor = 0
-    posted = []
-    for (src, tag, nbytes, direct, packed), target in zip(bucket.msgs, targets):
-        what = f"worker {worker} (rank {me}): receive of bucket {k} from trainer rank {src}"
-        unpack = None
-        if target is None:
-            target = arena[cursor:cursor + nbytes]
-            cursor += _aligned(nbytes)
-            unpack = (target, packed if direct is None else [direct])
-        posted.append((_post(group, "recv", target, src, tag, what), what, unpack, nbytes))
-    return posted
+    return [(_post(group, "recv", r.target, r.src, r.tag, r.what), r.what, r.unpack, r.nbytes)
+            for r in _recv_targets(plan, bucket, k, worker, storage, pool)]
 
 
 def recv_round(group, plan: Plan, schedule: BucketSchedule, worker: int,
@@ -780,11 +853,13 @@ def recv_round(group, plan: Plan, schedule: BucketSchedule, worker: int,
 
     ``storage`` maps vLLM names to the tensors written: the live
     parameters (in-place) or a staging copy. A slab of ``DIRECT_BYTES`` or
-    more whose region is contiguous in its parameter is received into the
-    parameter itself (zero-copy); the others land in ``pool``'s bytes and
-    are copied out. One bucket is posted at a time, so the staged bytes are
-    at most one bucket's; ``pool`` (kept by the caller across rounds) is
-    reused, a fresh one serves this round without it.
+    more whose region is contiguous in its parameter, and whose parameter
+    has the wire dtype, is received into the parameter itself (zero-copy);
+    the others land in ``pool``'s bytes and are copied out, cast to the
+    parameter's dtype as vLLM's loaders cast (:func:`_recv_targets`). One
+    bucket is posted at a time, so the staged bytes are at most one
+    bucket's; ``pool`` (kept by the caller across rounds) is reused, a
+    fresh one serves this round without it.
 
     Returns ``(names of wire tensors fully received, bytes received)``.
     Every receive is waited for until ``deadline`` (the round's), else
@@ -806,12 +881,8 @@ def recv_round(group, plan: Plan, schedule: BucketSchedule, worker: int,
             for work, what, unpack, nbytes in posted:
                 wait_work(work, deadline, what)
                 got += nbytes
-                if unpack is None:
-                    continue
-                buf, rows = unpack
-                for param, region, dtype, at, n in rows:
-                    dst = storage[param][region]
-                    dst.copy_(buf[at:at + n].view(dtype).view(dst.shape))
+                if unpack is not None:
+                    _unpack(storage, unpack)
             del posted
             for wi in schedule.wires(k):
                 name = plan.wires[wi].name
@@ -822,6 +893,88 @@ def recv_round(group, plan: Plan, schedule: BucketSchedule, worker: int,
         e.missing = sorted(expected - done)
         raise
     return done, got
+
+
+def exchange_in_process(plan: Plan, streams: Mapping[int, Iterable[tuple[str, torch.Tensor]]],
+                        storage: Mapping[int, Mapping[str, torch.Tensor]], *,
+                        schedule: BucketSchedule | None = None,
+                        error: type[Exception] = ValueError) -> int:
+    """Run one round of ``plan`` inside this process through torch_p2p's own messages.
+
+    Every trainer rank's messages are built exactly as :func:`send_round`
+    builds them and every worker's receives exactly as :func:`recv_round`
+    posts them (same buckets, packing, direct cuts, zero-copy targets and
+    casts), bucket by bucket; each receive takes the message of its
+    ``(trainer rank, worker, tag)`` with a plain byte copy instead of a
+    process group. So ``m2nkit plan --verify`` runs the receive path the
+    transport runs, and a message whose sizes disagree between its two
+    sides (which gloo aborts on: "Received data size doesn't match expected
+    size") fails here too.
+
+    Args:
+        plan: the plan.
+        streams: trainer rank -> its ``iter_local()`` stream (manifest order).
+        storage: worker -> ``{vLLM name: tensor}`` written in place.
+        schedule: buckets (default ``BucketSchedule.build(plan)``).
+        error: raised for a stream out of manifest order, of the wrong
+            shape or dtype, or that yields more than the manifest.
+
+    Returns:
+        Bytes received by all workers.
+
+    Raises:
+        ``error``: as above (names the rank and the tensor).
+        TransferError: a message whose two sides disagree on its size or
+            that one side never posts (an m2nkit bug; names both ends).
+    """
+    schedule = schedule if schedule is not None else BucketSchedule.build(plan)
+    T = plan.num_trainer_ranks
+    its = {}
+    for r in range(T):
+        if r in streams:
+            its[r] = iter(streams[r])
+    pools = {r: BufferPool() for r in range(T)}
+    recv_pools = {w: BufferPool() for w in range(plan.num_workers)}
+    send_layouts = {r: _send_layout(plan, schedule, r) for r in range(T)}
+    recv_layouts = {w: _recv_layout(plan, schedule, w) for w in range(plan.num_workers)}
+    got = 0
+    for k in range(len(schedule)):
+        sent: dict[tuple[int, int, int], _Send] = {}
+        for r in range(T):
+            bucket = send_layouts[r][k]
+            owned = [plan.wires[wi].name for wi in schedule.wires(k)
+                     if plan.wires[wi].meta.holds(r)]
+            if not owned:
+                continue
+            if r not in its:
+                raise error(f"no local stream for trainer rank {r}, an owner of '{owned[0]}'")
+            arena = pools[r].reserve(bucket.need)
+            for msg in _bucket_sends(plan, bucket, k, r, its[r], arena, None, error):
+                sent[(r, msg.dst, msg.tag)] = msg
+        for w in range(plan.num_workers):
+            if w not in storage:
+                continue
+            for rv in _recv_targets(plan, recv_layouts[w][k], k, w, storage[w], recv_pools[w]):
+                msg = sent.pop((rv.src, w, rv.tag), None)
+                if msg is None or msg.buf.numel() != rv.target.numel():
+                    size = "nothing" if msg is None else f"{msg.buf.numel()} bytes"
+                    raise TransferError(f"{rv.what} (tag {rv.tag}) expects "
+                                        f"{rv.target.numel()} bytes; the trainer sends {size}")
+                rv.target.copy_(msg.buf)
+                got += rv.nbytes
+                if rv.unpack is not None:
+                    _unpack(storage[w], rv.unpack)
+        stray = [key for key in sent if key[1] in storage]
+        if stray:
+            r, w, tag = stray[0]
+            raise TransferError(f"trainer rank {r}: send of bucket {k} to worker {w} (tag {tag}) "
+                                "has no matching receive")
+    for r, it in its.items():
+        extra = next(it, None)
+        if extra is not None:
+            raise error(f"trainer rank {r} yielded '{extra[0]}' after the last tensor of "
+                        "the manifest")
+    return got
 
 
 #: Longest quote of one rank's report inside another rank's error (characters).
