@@ -14,7 +14,9 @@ never from m2nkit.
 
 Cases: dense with KV heads < tp (Llama, 2 KV heads, tp=4: vLLM replicates
 them), MoE with EP (Qwen3-MoE, tp=2 + ep: whole experts per worker), tied
-embeddings (Qwen3 tied: ``lm_head.weight`` is ``embed_tokens.weight``). Plus
+embeddings (Qwen3 tied: ``lm_head.weight`` is ``embed_tokens.weight``), and
+an fp32 checkpoint that vLLM serves in bf16 with slabs above and below
+``DIRECT_BYTES`` (issue 21: the direct receive must cast too). Plus
 the refusal of a live model that differs from m2nkit's table (a padded
 expert tensor on one worker): every trainer rank fails naming the worker,
 the parameter and both shapes, and nothing moves. And the
@@ -38,7 +40,13 @@ CASES = [  # (tiny model, vLLM layout, what it covers)
     ("tiny-llama", "vllm:tp=4", "dense, 2 KV heads < tp=4"),
     ("tiny-qwen3-moe", "vllm:tp=2,ep", "MoE with expert parallelism"),
     ("tiny-qwen3-tied", "vllm:tp=2", "tied embeddings"),
+    # issue 21: an fp32 checkpoint served in bf16 (vLLM's dtype=auto); q_proj slabs are
+    # 512 KiB (received through a cast, not straight into the bf16 parameter), norms packed
+    ("fp32-llama-h512", "vllm:tp=2", "fp32 wire into bf16 parameters"),
 ]
+#: Checkpoints beyond the built-in tiny models: name -> (tiny model, config overrides, dtype).
+WIDER = {"fp32-llama-h512": ("tiny-llama", {"hidden_size": 512, "num_attention_heads": 32,
+                                            "head_dim": 16}, "float32")}
 ROUND_TIMEOUT_S = 90.0
 
 
@@ -57,13 +65,23 @@ def host():
 @pytest.fixture(scope="module")
 def versions(tmp_path_factory, tiny_checkpoints):
     """``versions(name) -> (v0, v1)``: seed 0 (shared fixture) and seed 1 of the same config."""
-    from m2nkit.adapters.tiny import save_tiny_checkpoint
+    import torch
+
+    from m2nkit.adapters.tiny import save_tiny_checkpoint, tiny_config
 
     root = tmp_path_factory.mktemp("v1")
     made = {}
 
     def get(name):
-        if name not in made:
+        if name in made:
+            return made[name]
+        if name in WIDER:
+            base, overrides, dtype = WIDER[name]
+            config = tiny_config(base, **overrides)
+            made[name] = tuple(save_tiny_checkpoint(config, root / f"{name}-seed{seed}", seed=seed,
+                                                    dtype=getattr(torch, dtype))
+                               for seed in (0, 1))
+        else:
             made[name] = (tiny_checkpoints(name), save_tiny_checkpoint(name, root / name, seed=1))
         return made[name]
 
@@ -126,6 +144,12 @@ def test_round_into_live_vllm_model_equals_fresh_vllm_load(host, versions, name,
     if name == "tiny-qwen3-tied":
         tied = host.client.collective_rpc(_tied_storage)
         assert tied == [True, True]
+    if name in WIDER:   # vLLM served the fp32 checkpoint in bf16: the round had to cast
+        assert host.client.collective_rpc(_param_dtypes) == [["torch.bfloat16"]] * len(started)
+
+
+def _param_dtypes(state) -> list[str]:
+    return sorted({str(p.dtype) for p in state["model"].parameters()})
 
 
 def _tied_storage(state) -> bool:
