@@ -1,0 +1,598 @@
+"""The destination layout traced from vLLM's own weight loaders (needs vLLM installed).
+
+m2nkit's family tables restate vLLM's loaders by hand; this module asks the
+loaders themselves. For each worker of an inference spec it builds vLLM's
+model class for the served config on the meta device, as that worker would
+(stand-in parallel state: sizes and ranks only), and runs the model's real
+``load_weights`` over fake checkpoint tensors that carry only a name, a
+shape and a dtype. vLLM's own tracing classes record what the loaders do
+(``vllm/distributed/weight_transfer/sharded_rdt_fake.py``, vLLM 0.33.0:
+``FakeRDTTensor`` appends each view op of ``SUPPORTED_OPS`` to an op chain
+and fails on any other op; ``BakeSink.accept_copy`` records every ``copy_``
+into a parameter with the destination view's offset, shape and strides).
+Each recorded copy becomes an m2nkit ``Binding``: the op chain, replayed on
+the wire tensor's global shape, must select a *box* of it in its own axis
+order (``narrow``, slices with step 1, integer indices, ``chunk``/``unbind``
+with their trailing index, and views that only add or drop unit dims); the
+destination view must be a box of the parameter. A chain that is not such a
+box (a transpose, a strided slice, a reshape that mixes dims) is refused
+with :class:`TraceError`, naming the wire tensor, the parameter and the op:
+never a guess.
+
+Parameters that some loader wrote only in part keep their unwritten
+elements as ``zero_boxes`` (vocab padding: vLLM's ``VocabParallelEmbedding``
+loader zero-fills the rows past the vocabulary, a ``fill_`` the fake cannot
+see); a parameter no loader wrote at all stays declared and unbound, so the
+planner's coverage proof names it. Wire tensors no worker takes are
+``skipped`` (a tied ``lm_head.weight``).
+
+Wire names are Hugging Face checkpoint names; the re-fused stacked experts
+(``...mlp.experts.gate_up_proj.weight`` ``[E, 2*I, H]``) are handed to vLLM
+under the name transformers 5 keeps them by in memory
+(``...mlp.experts.gate_up_proj``), which vLLM 0.33.0's fused-MoE loader
+takes whole (``layers/fused_moe/routed_experts.py``, ``load_weights``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from m2nkit.manifest import Binding, DestinationLayout, DestinationParam, ParamMeta
+
+from .spec import InferenceSpec, parse_inference_spec
+
+__all__ = ["TraceError", "TracedCopy", "Feed", "per_expert_feeds", "trace_worker", "trace_destination", "chain_box",
+           "view_region", "vllm_checkpoint_name", "merge_copies"]
+
+#: Stacked-expert wire names whose vLLM checkpoint name drops ``.weight``.
+_STACKED = (".experts.gate_up_proj.weight", ".experts.down_proj.weight")
+
+_SKIPPED = "vLLM 0.33.0's load_weights writes none of it on any worker (traced)"
+
+
+class TraceError(ValueError):
+    """A loader did something to a wire tensor that is not a box: names tensor, parameter, op."""
+
+
+def vllm_checkpoint_name(wire_name: str) -> str:
+    """The name vLLM's ``load_weights`` is handed for wire tensor ``wire_name``.
+
+    Every wire name is the checkpoint's own, except m2nkit's stacked experts
+    (``<layer>.mlp.experts.gate_up_proj.weight``), which vLLM takes under
+    transformers 5's in-memory name ``<layer>.mlp.experts.gate_up_proj``.
+    """
+    if wire_name.endswith(_STACKED):
+        return wire_name[: -len(".weight")]
+    return wire_name
+
+
+@dataclass(frozen=True)
+class TracedCopy:
+    """One ``copy_`` a loader made: ``box`` of wire tensor ``name`` into ``region`` of ``param``.
+
+    ``box`` and ``region`` are half-open ``((lo, hi), ...)`` boxes of the
+    wire tensor's global shape and of the parameter's local shape, of equal
+    rank and equal extents per dim.
+    """
+
+    name: str
+    param: str
+    box: tuple[tuple[int, int], ...]
+    region: tuple[tuple[int, int], ...]
+
+
+# --------------------------------------------------------------------------
+# op chains -> boxes
+# --------------------------------------------------------------------------
+
+def chain_box(name: str, shape: Sequence[int], ops: Iterable[tuple]) -> tuple[tuple, list[int]]:
+    """Replay a ``FakeRDTTensor`` op chain on a tensor of ``shape``: the box it selects.
+
+    Returns ``(box, kept)``: ``box`` is one ``(lo, hi)`` per dim of
+    ``shape``; ``kept[j]`` is the dim of ``shape`` that dim ``j`` of the
+    chain's result comes from (``-1`` for a unit dim a view inserted).
+
+    Raises:
+        TraceError: an op that does not keep the result a box of the tensor
+            in its axis order (names ``name`` and the op).
+    """
+    start = [0] * len(shape)
+    ext = list(shape)
+    cur: list[int] = list(range(len(shape)))    # result dim -> source dim (-1: inserted)
+    pending = None                              # a multi-return op awaiting its index
+
+    def size(j):
+        return 1 if cur[j] < 0 else ext[cur[j]]
+
+    def refuse(op, why):
+        raise TraceError(f"wire tensor '{name}': vLLM's loader applies {op} ({why}); m2nkit "
+                         "carries only loaders that take a box of the tensor in its own axis order")
+
+    def norm(d, n):
+        return d + n if d < 0 else d
+
+    for op, args, kwargs in ops:
+        kw = dict(kwargs)
+        if pending is not None:
+            kind, dim, chunks = pending
+            pending = None
+            if op != "__getitem__" or len(args) != 1 or not isinstance(args[0], int):
+                refuse(op, f"after {kind}, expected the index of one output")
+            i = args[0]
+            src = cur[dim]
+            if kind == "unbind":
+                if src >= 0:
+                    start[src] += i
+                    ext[src] = 1
+                del cur[dim]
+            elif src < 0:                   # one chunk of an inserted unit dim: itself
+                pass
+            else:
+                n = ext[src]
+                c = -(-n // chunks)
+                lo = min(i * c, n)
+                start[src] += lo
+                ext[src] = min(c, n - lo)
+            continue
+        if op == "narrow":
+            d, s, length = (list(args) + [kw.get("dim"), kw.get("start"), kw.get("length")])[:3]
+            d = norm(d, len(cur))
+            if cur[d] < 0:
+                refuse(op, "narrow of an inserted dim")
+            start[cur[d]] += s
+            ext[cur[d]] = length
+        elif op == "chunk":
+            chunks = args[0] if args else kw["chunks"]
+            d = norm(args[1] if len(args) > 1 else kw.get("dim", 0), len(cur))
+            pending = ("chunk", d, chunks)
+        elif op == "unbind":
+            d = norm(args[0] if args else kw.get("dim", 0), len(cur))
+            pending = ("unbind", d, None)
+        elif op == "__getitem__":
+            idx = args[0] if isinstance(args[0], tuple) else (args[0],)
+            j = 0
+            out = []
+            for k in idx:
+                if k is Ellipsis:
+                    rest = len(cur) - j - sum(1 for x in idx if x is not Ellipsis and x is not None)
+                    out.extend(cur[j:j + rest])
+                    j += rest
+                elif k is None:
+                    out.append(-1)
+                elif isinstance(k, int):
+                    src = cur[j]
+                    k = norm(k, size(j))
+                    if src >= 0:
+                        start[src] += k
+                        ext[src] = 1
+                    j += 1
+                elif isinstance(k, slice):
+                    n = size(j)
+                    a, b, step = k.indices(n)
+                    if step != 1:
+                        refuse(f"__getitem__ with step {step}", "a strided slice")
+                    src = cur[j]
+                    if src >= 0:
+                        start[src] += a
+                        ext[src] = max(b - a, 0)
+                    out.append(src)
+                    j += 1
+                else:
+                    refuse(f"__getitem__[{type(k).__name__}]", "advanced indexing")
+            out.extend(cur[j:])
+            cur = out
+        elif op in ("view", "reshape", "flatten", "squeeze", "unsqueeze", "contiguous"):
+            if op == "contiguous":
+                continue
+            if op in ("view", "reshape"):
+                target = args[0] if len(args) == 1 and isinstance(args[0], (tuple, list)) \
+                    else args
+                if any(isinstance(t, torch.dtype) for t in target):
+                    refuse(op, "a dtype view")
+                target = list(target)
+                n = math.prod(size(j) for j in range(len(cur)))
+                if -1 in target:
+                    known = math.prod(t for t in target if t != -1)
+                    target[target.index(-1)] = n // known if known else 0
+            elif op == "flatten":
+                target = [math.prod(size(j) for j in range(len(cur)))] if len(cur) > 1 \
+                    else [size(0)] if cur else [1]
+                if sum(1 for j in range(len(cur)) if size(j) != 1) > 1:
+                    refuse(op, "a flatten of several non-unit dims")
+            elif op == "squeeze":
+                dims = [norm(d, len(cur)) for d in (args if args else range(len(cur)))]
+                if len(args) == 1 and isinstance(args[0], (tuple, list)):
+                    dims = [norm(d, len(cur)) for d in args[0]]
+                target = [size(j) for j in range(len(cur)) if not (j in dims and size(j) == 1)]
+            else:
+                d = args[0] if args else kw["dim"]
+                d = d + len(cur) + 1 if d < 0 else d
+                target = [size(j) for j in range(len(cur))]
+                target.insert(d, 1)
+            # Only unit dims may come or go: the non-unit sizes stay, in order.
+            have = [(j, size(j)) for j in range(len(cur)) if size(j) != 1]
+            want = [t for t in target if t != 1]
+            if [s for _, s in have] != want:
+                refuse(f"{op}{tuple(args)}", "a reshape that mixes dims")
+            it = iter(cur[j] for j, _ in have)
+            cur = [next(it) if t != 1 else -1 for t in target]
+        else:
+            refuse(op, "not a slice")
+    if pending is not None:
+        refuse(pending[0], "its outputs are never indexed")
+    return tuple((s, s + e) for s, e in zip(start, ext)), cur
+
+
+def view_region(param_shape: Sequence[int], offset: int, shape: Sequence[int],
+                stride: Sequence[int]) -> tuple[tuple, list[int]]:
+    """Which box of a C-contiguous parameter of ``param_shape`` a strided view covers.
+
+    ``offset``, ``shape`` and ``stride`` are the view's (elements). Returns
+    ``(region, dims)``: one ``(lo, hi)`` per parameter dim, and for each dim
+    of the view the parameter dim it runs along (``-1`` for a unit dim).
+
+    Raises:
+        ValueError: the view is not a box of the parameter in its axis order.
+    """
+    pstride = [math.prod(param_shape[k + 1:]) for k in range(len(param_shape))]
+    lo = []
+    rem = offset
+    for s in pstride:
+        q, rem = divmod(rem, s) if s else (0, rem)
+        lo.append(q)
+    ext = [1] * len(param_shape)
+    dims = []
+    last = -1
+    for n, st in zip(shape, stride):
+        if n == 1:
+            dims.append(-1)
+            continue
+        k = next((k for k in range(len(param_shape))
+                  if pstride[k] == st and param_shape[k] != 1 and k > last), None)
+        if k is None or ext[k] != 1:
+            raise ValueError(f"view (offset {offset}, shape {tuple(shape)}, stride "
+                             f"{tuple(stride)}) is not a box of a {tuple(param_shape)} tensor")
+        ext[k] = n
+        dims.append(k)
+        last = k
+    region = tuple((a, a + e) for a, e in zip(lo, ext))
+    if any(b > n for (_, b), n in zip(region, param_shape)):
+        raise ValueError(f"view (offset {offset}, shape {tuple(shape)}) runs past a "
+                         f"{tuple(param_shape)} tensor")
+    return region, dims
+
+
+def _pair(name: str, param: str, box: tuple, kept: list[int], region: tuple,
+          dims: list[int]) -> TracedCopy:
+    """Align the source box and the parameter region dim for dim (same rank, same order)."""
+    if len(box) != len(region):
+        raise TraceError(f"wire tensor '{name}' (rank {len(box)}) lands in parameter '{param}' "
+                         f"of rank {len(region)}; m2nkit binds boxes of equal rank only")
+    src = [k for k in kept if k >= 0 and box[k][1] - box[k][0] != 1]
+    dst = [k for k in dims if k >= 0 and region[k][1] - region[k][0] != 1]
+    if src != dst:
+        raise TraceError(f"wire tensor '{name}' lands in parameter '{param}' with its dims "
+                         f"{src} on the parameter's dims {dst}: a transpose, which m2nkit "
+                         "does not bind")
+    for k, ((a, b), (c, d)) in enumerate(zip(box, region)):
+        if b - a != d - c:
+            raise TraceError(f"wire tensor '{name}' box {box} and parameter '{param}' region "
+                             f"{region} differ in extent on dim {k}")
+    return TracedCopy(name, param, box, region)
+
+
+# --------------------------------------------------------------------------
+# one worker
+# --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Feed:
+    """One fake checkpoint tensor handed to ``load_weights``: a box of a wire tensor.
+
+    ``name`` is the checkpoint name vLLM is handed, ``shape`` its shape;
+    its element ``i`` is the wire tensor's element at ``offset`` plus ``i``
+    placed along ``dims`` (``dims[j]``: the wire dim of dim ``j``; the other
+    wire dims are fixed at ``offset``). A whole wire tensor is ``offset`` 0
+    and ``dims`` ``0..rank-1``; expert ``e``'s gate part of stacked
+    ``[E, 2*Im, H]`` experts is ``[Im, H]`` at ``(e, 0, 0)`` along ``(1, 2)``.
+    """
+
+    name: str
+    wire: ParamMeta
+    shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    dims: tuple[int, ...]
+
+    @classmethod
+    def whole(cls, meta: ParamMeta, name: str | None = None) -> "Feed":
+        return cls(name or vllm_checkpoint_name(meta.name), meta, tuple(meta.shape),
+                   (0,) * len(meta.shape), tuple(range(len(meta.shape))))
+
+    def to_wire(self, box: tuple, kept: list[int]) -> tuple[tuple, list[int]]:
+        """A box of this feed (and its result dims) as a box of the wire tensor."""
+        out = [(o, o + 1) for o in self.offset]
+        for j, (lo, hi) in enumerate(box):
+            d = self.dims[j]
+            out[d] = (self.offset[d] + lo, self.offset[d] + hi)
+        return tuple(out), [self.dims[k] if k >= 0 else -1 for k in kept]
+
+
+def per_expert_feeds(meta: ParamMeta, patterns: dict[str, str]) -> list[Feed] | None:
+    """Stacked wire experts as the per-expert checkpoint tensors they are fused from.
+
+    ``patterns``: part -> on-disk pattern (``{prefix}``, ``{e}``), the
+    family's ``experts_on_disk``. ``None`` when ``meta`` is not a stacked
+    expert tensor or a part has no pattern.
+    """
+    from ..experts import expert_name
+    from ..families.table import TRANSFORMERS_FUSED_EXPERTS
+
+    for leaf, parts in TRANSFORMERS_FUSED_EXPERTS.values():
+        if not meta.name.endswith("." + leaf) or any(p not in patterns for p in parts):
+            continue
+        prefix = meta.name[: -len("." + leaf)].removesuffix(".experts")
+        E, rows, cols = meta.shape
+        R = rows // len(parts)
+        return [Feed(expert_name(patterns[part], prefix, e), meta, (R, cols), (e, k * R, 0),
+                     (1, 2))
+                for e in range(E) for k, part in enumerate(parts)]
+    return None
+
+
+def trace_worker(model: torch.nn.Module, feeds: Sequence[Feed],
+                 vllm_config: Any = None) -> tuple[list[TracedCopy], set[str]]:
+    """Run ``model.load_weights`` on fake checkpoint tensors; every copy as a :class:`TracedCopy`.
+
+    ``model`` is vLLM's model object of one worker, built on the meta device
+    (its parameters are not written). Each parameter's ``weight_loader``
+    (vLLM's ``default_weight_loader`` where it has none, as
+    ``AutoWeightsLoader`` falls back to) is wrapped for the call so each
+    copy is attributed to its parameter, then restored.
+
+    Returns:
+        ``(copies, touched)``: the copies in wire coordinates, and the
+        parameters whose loader copied nothing into them (an empty slice:
+        a worker whose vocabulary rows are all padding).
+
+    Raises:
+        TraceError: a loader op that is not a box, a broadcasting copy, or a
+            loader vLLM cannot run on fake tensors.
+    """
+    from vllm.distributed.weight_transfer.sharded_rdt_fake import BakeSink, FakeRDTTensor
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    sink = BakeSink()
+    params = dict(model.named_parameters())
+    saved: list[tuple[torch.nn.Parameter, Any, bool]] = []
+    for pname, p in params.items():
+        inner = getattr(p, "weight_loader", None)
+        had = inner is not None
+        inner = inner or default_weight_loader
+
+        @functools.wraps(inner)
+        def stamp(*args, _name=pname, _inner=inner, **kwargs):
+            sink.current = (_name, _name)
+            try:
+                return _inner(*args, **kwargs)
+            finally:
+                sink.current = None
+
+        saved.append((p, getattr(p, "weight_loader", None), had))
+        p.weight_loader = stamp
+    by_name = {f.name: f for f in feeds}
+    fakes = [(f.name, FakeRDTTensor(f.name, torch.Size(f.shape), f.wire.dtype,
+                                    torch.device("meta"), sink=sink)) for f in feeds]
+    try:
+        with _config_context(vllm_config), torch.no_grad():
+            model.load_weights(iter(fakes))
+    except NotImplementedError as e:      # vLLM's _UnsupportedFakeOp
+        raise TraceError(f"{type(model).__name__}: vLLM's loaders cannot be traced: {e}") \
+            from None
+    except (RuntimeError, KeyError, AttributeError, ValueError, IndexError) as e:
+        # A loader that needs data or a checkpoint layout the wire does not
+        # have (GPT-OSS's loader reads its stacked experts in the on-disk
+        # [E, in, out] order): no trace, never a guess.
+        raise TraceError(f"{type(model).__name__}: vLLM's load_weights failed on the fake "
+                         f"wire tensors ({type(e).__name__}: {e}); use the family table "
+                         "(--layout tables)") from None
+    finally:
+        for p, loader, had in saved:
+            if had:
+                p.weight_loader = loader
+            else:
+                del p.weight_loader
+    out = []
+    touched: set[str] = set()
+    for pname, copies in sink.copies_by_layer.items():
+        pshape = tuple(params[pname].shape)
+        for c in copies:
+            if math.prod(c.shape) == 0:     # a worker past the vocabulary: no rows
+                touched.add(pname)
+                continue
+            src_name, ops = c.src
+            feed = by_name[src_name]
+            box, kept = feed.to_wire(*chain_box(src_name, feed.shape, ops))
+            try:
+                region, dims = view_region(pshape, c.offset, c.shape, c.stride)
+            except ValueError as e:
+                raise TraceError(f"wire tensor '{feed.wire.name}' into parameter '{pname}': "
+                                 f"{e}") from None
+            out.append(_pair(feed.wire.name, pname, box, kept, region, dims))
+    return out, touched
+
+
+def merge_copies(copies: Iterable[TracedCopy]) -> list[TracedCopy]:
+    """Coalesce copies that tile one box: the fewest bindings for the same bytes.
+
+    Loaders copy per expert and per shard (gate rows, then up rows); two
+    copies of one wire tensor into one parameter merge when their boxes
+    touch along one dim and their regions touch the same way, all other
+    dims equal. Repeated to a fixed point, so a worker's whole experts
+    ``[E/ep, 2*Im, H]`` become one binding, as the family tables declare it.
+    """
+    groups: dict[tuple[str, str], list[TracedCopy]] = {}
+    for c in copies:
+        groups.setdefault((c.name, c.param), []).append(c)
+    out = []
+    for items in groups.values():
+        changed = True
+        while changed and len(items) > 1:
+            changed = False
+            for k in range(len(items[0].box)):
+                items.sort(key=lambda c: tuple(c.box[j] for j in range(len(c.box)) if j != k)
+                           + (c.box[k],))
+                merged = [items[0]]
+                for c in items[1:]:
+                    m = merged[-1]
+                    same = all(m.box[j] == c.box[j] and m.region[j] == c.region[j]
+                               for j in range(len(c.box)) if j != k)
+                    if same and m.box[k][1] == c.box[k][0] and m.region[k][1] == c.region[k][0]:
+                        merged[-1] = TracedCopy(
+                            m.name, m.param,
+                            m.box[:k] + ((m.box[k][0], c.box[k][1]),) + m.box[k + 1:],
+                            m.region[:k] + ((m.region[k][0], c.region[k][1]),) + m.region[k + 1:])
+                        changed = True
+                    else:
+                        merged.append(c)
+                items = merged
+        out.extend(items)
+    return out
+
+
+def _config_context(vllm_config):
+    if vllm_config is None:
+        import contextlib
+
+        return contextlib.nullcontext()
+    from vllm.config import set_current_vllm_config
+
+    return set_current_vllm_config(vllm_config)
+
+
+def _uncovered(shape: tuple[int, ...], regions: list[tuple]) -> tuple[tuple, ...]:
+    """Boxes of a ``shape`` tensor no region covers (a cell grid at every region edge)."""
+    import itertools
+
+    if not regions:
+        return (tuple((0, n) for n in shape),)
+    cuts = [sorted({0, n, *(r[k][0] for r in regions), *(r[k][1] for r in regions)})
+            for k, n in enumerate(shape)]
+    out = []
+    for cell in itertools.product(*[list(zip(c[:-1], c[1:])) for c in cuts]):
+        if not any(all(a <= lo and hi <= b for (lo, hi), (a, b) in zip(cell, r))
+                   for r in regions):
+            out.append(cell)
+    return tuple(out)
+
+
+def _experts_on_disk(config_dir: str) -> dict[str, str]:
+    """The family table's per-expert on-disk patterns, where m2nkit has a table (else none)."""
+    import json
+
+    from ..families import UnsupportedArchitecture, family_for
+
+    try:
+        return dict(family_for(json.loads(Path(config_dir, "config.json").read_text()))
+                    .hf.experts_on_disk)
+    except UnsupportedArchitecture:
+        return {}
+
+
+def _build_meta_model(config_dir: str, spec: InferenceSpec, worker: int):
+    """vLLM's model object of ``worker`` on the meta device, with its ``VllmConfig``."""
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    from vllm.config import (DeviceConfig, LoadConfig, ModelConfig, ParallelConfig, VllmConfig,
+                             set_current_vllm_config)
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    from .plugin import StandInGroups   # stand-in parallel state (sizes and ranks only)
+
+    tp_rank, dp_index = spec.tp_rank(worker), spec.dp_index(worker)
+    StandInGroups(spec.tp, tp_rank, spec.dp, dp_index, spec.ep).install()
+    model_config = ModelConfig(model=config_dir, tokenizer=config_dir, skip_tokenizer_init=True,
+                               dtype=spec.dtype, enforce_eager=True, seed=0)
+    parallel = ParallelConfig(tensor_parallel_size=spec.tp, data_parallel_size=spec.dp,
+                              data_parallel_rank=dp_index, rank=tp_rank,
+                              enable_expert_parallel=spec.ep,
+                              expert_placement_strategy=spec.placement,
+                              all2all_backend=spec.all2all)
+    vllm_config = VllmConfig(model_config=model_config, parallel_config=parallel,
+                             device_config=DeviceConfig(device="cpu"),
+                             load_config=LoadConfig(load_format="safetensors"))
+    with set_current_vllm_config(vllm_config):
+        with set_default_torch_dtype(model_config.dtype), torch.device("meta"):
+            model = initialize_model(vllm_config=vllm_config)
+    return model, vllm_config
+
+
+def trace_destination(config: Any, wire: Sequence[ParamMeta],
+                      spec: InferenceSpec | str) -> DestinationLayout:
+    """The ``DestinationLayout`` of ``spec`` as vLLM's own loaders place ``wire``.
+
+    Args:
+        config: a transformers config (saved to a temporary directory for
+            vLLM's ``ModelConfig``) or the path of a checkpoint directory.
+        wire: the wire tensors (``checkpoint_metas``, ``config_wires``).
+        spec: ``"vllm:tp=T[,dp=D][,ep]..."`` or an ``InferenceSpec``.
+
+    Returns:
+        Every worker's parameters (``named_parameters`` of vLLM's model
+        object: names, local shapes, the dtype vLLM allocates), the bindings
+        traced from its loaders, ``zero_boxes`` for elements a loader leaves
+        unwritten in a parameter it writes, aliases for parameters that
+        share storage, and ``skipped`` for wire tensors no worker takes.
+
+    Raises:
+        TraceError: a loader that is not a box algebra (names tensor,
+            parameter and op).
+        ImportError: vLLM is not installed.
+    """
+    spec = parse_inference_spec(spec) if isinstance(spec, str) else spec
+    with tempfile.TemporaryDirectory(prefix="m2nkit-trace-") as tmp:
+        if isinstance(config, (str, os.PathLike)):
+            config_dir = str(Path(config).resolve())
+        else:
+            config.save_pretrained(tmp)
+            config_dir = tmp
+        params: list[DestinationParam] = []
+        bindings: dict[str, list[Binding]] = {m.name: [] for m in wire}
+        aliases: dict[str, str] = {}
+        experts = _experts_on_disk(config_dir)
+        for w in range(spec.num_workers):
+            model, vllm_config = _build_meta_model(config_dir, spec, w)
+            # Stacked experts go in as the per-expert tensors a checkpoint
+            # holds where the family table names them (vLLM's DeepSeek-V3
+            # loader has no fused-name path), else under the fused name.
+            feeds = [f for m in wire for f in (per_expert_feeds(m, experts) or [Feed.whole(m)])]
+            copies, touched = trace_worker(model, feeds, vllm_config)
+            copies = merge_copies(copies)
+            by_param: dict[str, list[tuple]] = {p: [] for p in touched}
+            for c in copies:
+                by_param.setdefault(c.param, []).append(c.region)
+                bindings[c.name].append(Binding(c.name, w, c.box, c.param,
+                                                tuple(a for a, _ in c.region)))
+            canonical = {}
+            for pname, p in model.named_parameters(remove_duplicate=False):
+                key = id(p)
+                if key in canonical:
+                    aliases[pname] = canonical[key]
+                    continue
+                canonical[key] = pname
+                shape = tuple(p.shape)
+                zero = _uncovered(shape, by_param[pname]) if pname in by_param else ()
+                params.append(DestinationParam(w, pname, p.dtype, shape, zero))
+            del model
+    skipped = {n: _SKIPPED for n, b in bindings.items() if not b}
+    return DestinationLayout(str(spec), spec.num_workers, tuple(params),
+                             {n: tuple(b) for n, b in bindings.items() if b},
+                             skipped=skipped, aliases=aliases,
+                             notes=("layout traced from vLLM's own weight loaders",))
