@@ -32,6 +32,10 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
+# What the config names is the checkpoint's dtype, read alike on the trainer side:
+# it lives with the family tables; vLLM's rule below only starts from it.
+from ..families.sizes import config_dtype
+
 __all__ = ["ModelDtype", "model_dtype", "config_dtype", "PREFERRED_DTYPE"]
 
 #: The platform's preferred dtype m2nkit assumes (see the module docstring).
@@ -62,27 +66,6 @@ class ModelDtype:
 
 def _get(config: Any, key: str) -> Any:
     return config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
-
-
-def _as_dtype(value: Any) -> torch.dtype | None:
-    if isinstance(value, torch.dtype):
-        return value
-    if isinstance(value, str):
-        d = getattr(torch, value.removeprefix("torch."), None)
-        return d if isinstance(d, torch.dtype) else None
-    return None
-
-
-def config_dtype(config: Any) -> torch.dtype | None:
-    """The dtype ``config`` names (``dtype``/``torch_dtype``, then ``text_config``'s), or ``None``."""
-    for cfg in (config, _get(config, "text_config")):
-        if cfg is None:
-            continue
-        for key in ("dtype", "torch_dtype"):
-            d = _as_dtype(_get(cfg, key))
-            if d is not None:
-                return d
-    return None
 
 
 def _level(d: torch.dtype) -> int:

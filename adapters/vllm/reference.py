@@ -28,10 +28,11 @@ import torch
 
 from ..experts import expert_name, group_expert_tensors
 from ..families import family_for
+from ..families.expand import expand
 from ..families.kinds import Geometry
 from ..families.quant import stack_expert_scales
 from ..families.table import Family
-from .destination import check_parallel, expand, is_rotary_cache
+from .destination import check_parallel, is_rotary_cache
 from .dtype import model_dtype
 from .names import DEFAULT_VLLM_VERSION, vllm_names
 from .placement import expert_placement
