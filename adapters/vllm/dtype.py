@@ -14,8 +14,8 @@ With ``--dtype auto`` (the default) vLLM 0.33.0 decides as follows
    ``common_broadcastable_dtype``: the dtype most others cast to losslessly);
    with no files either, float32.
 2. float32 becomes the platform's preferred dtype; a dtype the platform does
-   not support (float16 for Gemma 2/3 and GLM-4, an integer or fp8 dtype)
-   becomes it too.
+   not support (float16 for the model types of :data:`FLOAT16_NOT_SUPPORTED`,
+   an integer or fp8 dtype) becomes it too.
 
 m2nkit plans for a platform whose preferred dtype is bfloat16: NVIDIA GPUs
 of compute capability 8.0 or newer and x86/aarch64 CPUs

@@ -51,7 +51,7 @@ def _stack_experts(family: Family, tensors: Mapping[str, torch.Tensor]) -> dict[
     renamed to their wire name, as vLLM's ``RoutedExperts.load_weights``
     takes them whole. Tensors stored in another dim order than the wire's
     (``HFNaming.permuted``) are permuted into it, as the vLLM loader of
-    such a family does (GPT-OSS: ``permute(0, 2, 1)``).
+    such a family does (a ``permute`` of the order the family gives).
 
     Raises:
         ValueError: a MoE block lacking an expert or a part.
