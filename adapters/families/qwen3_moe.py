@@ -7,7 +7,7 @@ routed experts) when ``L not in mlp_only_layers and num_experts > 0 and
 dense MLP like Qwen3's. The router is handed to
 ``FusedMoEFactory(gate=...)``, so vLLM 0.33 exposes it a second time as
 ``mlp.experts.gate.weight`` (an alias, ``{router_alias}`` in
-``m2nkit.adapters.vllm.names``). vLLM refuses ``tp > num_experts``
+``m2nkit.adapters.families.vllm_names``). vLLM refuses ``tp > num_experts``
 (``Qwen3MoeSparseMoeBlock``). Shared experts
 (``shared_expert_intermediate_size > 0``) are not in this table.
 

@@ -41,7 +41,7 @@ class Param:
 
     Attributes:
         name: vLLM parameter name; ``{L}`` = layer index, ``{experts}`` = the
-            version-dependent experts path (``m2nkit.adapters.vllm.names``).
+            version-dependent experts path (``m2nkit.adapters.families.vllm_names``).
         kind: its shard kind (:mod:`.kinds`: ``COLUMN``, ``QKV``, ...).
         dims: symbolic global shape of each feeding wire tensor (``"H"``,
             ``"nh*hd"``, see ``Sizes``). For ``QKV``: only the dims after the

@@ -90,7 +90,9 @@ def open_safetensors(file: Path):
 
 
 def read_headers(file: Path, handles: dict[Path, Any]) -> dict[str, Header]:
-    """The headers of one safetensors file: name -> file, shape, dtype (its handle kept in ``handles``).
+    """The headers of one safetensors file: name -> file, shape, dtype.
+
+    The open handle is kept in ``handles`` for later reads.
 
     Raises:
         CheckpointError: an unreadable header or a dtype outside :data:`SAFETENSORS_DTYPES`.

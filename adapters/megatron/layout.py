@@ -100,7 +100,7 @@ RULES = (REPLICATED, COLUMN, ROW, VOCAB, QKV, GATED_FC1, EXPERT_FC1, EXPERT_FC2)
 
 @dataclass(frozen=True)
 class MegatronName:
-    """One row of a family's Megatron name table (:mod:`.names`): Megatron tensor(s) -> wire tensor(s).
+    """One row of a family's Megatron name table (:mod:`.names`): Megatron tensor -> wire tensor(s).
 
     Attributes:
         megatron: the Megatron-Core name template, or several spellings of
