@@ -19,6 +19,13 @@ module reads them from there, and ``config.json`` with ``json``:
   model skips (multi-token-prediction layers), as the published checkpoints
   store them.
 
+Which tensors a config has is the family table expanded for it by
+:mod:`m2nkit.adapters.families.expand`, the same expansion
+``destination_layout`` binds, so the two cannot disagree on a layer count,
+a condition or a tied ``lm_head``. Nothing here imports the vLLM side:
+the model dtype is the one the config names
+(:func:`m2nkit.adapters.families.sizes.config_dtype`), not vLLM's choice.
+
 The result is exactly what the meta-model path gives (names, shapes, order;
 dtypes where transformers allocates what checkpoints store), for every
 family's tiny models and every real config in ``examples/configs``
@@ -44,10 +51,10 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 
 from .experts import expert_name
+from .families.expand import Expanded, expand
 from .families.quant import FP8, QuantizedWires, scale_name
-from .families.sizes import Sizes
-from .families.table import Family, Param
-from .vllm.dtype import config_dtype
+from .families.sizes import Sizes, config_dtype
+from .families.table import Family
 
 __all__ = ["ConfigJson", "read_config_json", "TableWire", "table_wires", "skipped_layer_wires"]
 
@@ -122,31 +129,16 @@ class TableWire:
     stacked: tuple[str, ...] = ()
 
 
-def _layer_params(family: Family) -> tuple[list[Param], list[Param], list[Param]]:
-    """The table split into non-layer params before the layers, layer params, and the rest."""
-    table = family.params
-    first = next((i for i, p in enumerate(table) if "{L}" in p.name), len(table))
-    return ([p for p in table[:first] if "{L}" not in p.name],
-            [p for p in table if "{L}" in p.name],
-            [p for p in table[first:] if "{L}" not in p.name])
+def _feeds(ex: Expanded, s: Sizes, dtype: torch.dtype
+           ) -> Iterator[tuple[str, tuple[int, ...], torch.dtype]]:
+    """``(wire name, shape, dtype)`` of every wire tensor of an expanded table, in its order.
 
-
-def _feeds(family: Family, config: Any, s: Sizes, params: Sequence[Param], layer: int | None,
-           dtype: torch.dtype) -> Iterator[tuple[str, tuple[int, ...], torch.dtype]]:
-    """``(wire name, shape, dtype)`` of every wire tensor feeding ``params`` at ``layer``.
-
-    Skips parameters whose condition is false and a tied ``lm_head`` (the
-    files do not need to hold it), as ``destination_layout`` does.
+    The expansion (:func:`m2nkit.adapters.families.expand.expand`, the one
+    ``destination_layout`` uses) has already left out parameters whose
+    condition is false and a tied ``lm_head`` (the files need not hold it).
     """
-    for p in params:
-        if p.when is not None and not family.conditions[p.when](config, layer):
-            continue
-        if p.tied_to is not None and s.tied:
-            continue
-        dims = s.resolve(p.dims)
-        for wire, part in p.feeds:
-            name = wire if layer is None else wire.replace("{L}", str(layer))
-            yield name, p.kind.wire_shape(dims, part, s), p.dtype or dtype
+    for wire, (_, p, part) in ex.feeds.items():
+        yield wire, p.kind.wire_shape(s.resolve(p.dims), part, s), p.dtype or dtype
 
 
 def _memory_path(family: Family, name: str) -> str:
@@ -224,11 +216,7 @@ def table_wires(family: Family, config: Any, s: Sizes | None = None) -> list[Tab
     """
     s = family.sizes(config) if s is None else s
     dtype = _model_dtype(config)
-    pre, layered, post = _layer_params(family)
-    feeds = list(_feeds(family, config, s, pre, None, dtype))
-    for layer in range(s.layers):
-        feeds += _feeds(family, config, s, layered, layer, dtype)
-    feeds += _feeds(family, config, s, post, None, dtype)
+    feeds = list(_feeds(expand(family, config, s, quantized=False), s, dtype))
     stacked = {f".{wire_leaf}": parts for wire_leaf, parts in family.hf.fused_experts.values()}
     out = []
     for name, shape, dt in _in_module_order(family, feeds, lambda f: f[0]):
@@ -254,7 +242,6 @@ def skipped_layer_wires(family: Family, config: Any, s: Sizes | None = None,
     s = family.sizes(config) if s is None else s
     dtype = _model_dtype(config)
     hf = family.hf
-    _, layered, _ = _layer_params(family)
     out: list[TableWire] = []
 
     def add(name: str, shape: tuple[int, ...], dt: torch.dtype, quantized: bool) -> None:
@@ -267,7 +254,8 @@ def skipped_layer_wires(family: Family, config: Any, s: Sizes | None = None,
     for layer in spec.layers(config):
         for leaf, dims in spec.extras:
             add(f"model.layers.{layer}.{leaf}", s.resolve(dims), dtype, False)
-        feeds = list(_feeds(family, config, s, layered, layer, dtype))
+        feeds = list(_feeds(expand(family, config, s, quantized=False, layers=(layer,)), s,
+                            dtype))
         for name, shape, dt in _in_module_order(family, feeds, lambda f: f[0]):
             quantized = bool(quant) and quant.matches(name)
             fused = next(((leaf, parts) for leaf, (wire_leaf, parts) in hf.fused_experts.items()

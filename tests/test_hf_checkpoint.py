@@ -241,7 +241,7 @@ def spy(monkeypatch):
         log.opens.append(str(filename))
         return _SpyHandle(real_safe_open(filename, framework=framework, device=device), log)
 
-    monkeypatch.setattr(hf_checkpoint, "safe_open", opener)
+    monkeypatch.setattr(hf_checkpoint.files, "safe_open", opener)  # where open_safetensors looks it up
     return log
 
 

@@ -138,6 +138,106 @@ def _violations_in(found: set[str], forbidden) -> list[str]:
     return sorted(i for i in found if any(_under(i, f) for f in forbidden))
 
 
+# --------------------------------------------------------------------------
+# file-level rules inside adapters/
+
+#: Trainer-side adapters: they read a trainer's weights (or a checkpoint standing in for
+#: them) and must not depend on what vLLM does with them (adapters/vllm/).
+TRAINER_SIDE = ("m2nkit.adapters.fsdp2", "m2nkit.adapters.hf_checkpoint",
+                "m2nkit.adapters.config_wires", "m2nkit.adapters.megatron",
+                "m2nkit.adapters.trainer_spec", "m2nkit.adapters.tensor_parallel")
+
+
+def _adapter_modules(*prefixes: str) -> list[Path]:
+    return [p for p in _modules("adapters")
+            if any(_under(_module_name(p), x) for x in prefixes)]
+
+
+def test_families_never_import_megatron():
+    """families <- megatron: the Megatron names live with the Megatron adapter, which
+    imports the families; a family module knows nothing of Megatron."""
+    families = _adapter_modules("m2nkit.adapters.families")
+    assert {"m2nkit.adapters.families.llama", "m2nkit.adapters.families.kinds",
+            "m2nkit.adapters.families.expand"} <= {_module_name(p) for p in families}
+    assert not _violations(families, ["m2nkit.adapters.megatron"])
+    # the other direction is the intended one
+    assert "m2nkit.adapters.families.llama" in _imports(ROOT / "adapters" / "megatron" / "names.py")
+
+
+def test_the_trainer_side_imports_no_vllm_side_rule():
+    """What trainer and vLLM sides share (the family tables and their expander, vLLM's
+    version names for the tables, a config's dtype) lives in families/; vLLM's own rules
+    (what it allocates, how it places experts) stay in adapters/vllm/."""
+    trainer = _adapter_modules(*TRAINER_SIDE)
+    names = {_module_name(p) for p in trainer}
+    assert {"m2nkit.adapters.fsdp2.source", "m2nkit.adapters.hf_checkpoint.checkpoint",
+            "m2nkit.adapters.config_wires", "m2nkit.adapters.megatron.source",
+            "m2nkit.adapters.trainer_spec"} <= names
+    assert not _violations(trainer, ["m2nkit.adapters.vllm"])
+
+
+def _adapter_graph() -> dict[str, set[str]]:
+    """adapters module -> the adapters modules it imports (``from a import b`` counts as
+    ``a.b`` when that is a module, else ``a``; lazy imports included)."""
+    paths = {_module_name(p): p for p in _modules("adapters")}
+    graph = {}
+    for name, path in paths.items():
+        deps = set()
+        for imported in _imports(path):
+            while imported and imported not in paths:
+                imported = imported.rpartition(".")[0]
+            if imported and imported != name:
+                deps.add(imported)
+        graph[name] = deps
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles_among_adapters_modules():
+    graph = _adapter_graph()
+    assert "m2nkit.adapters.fsdp2.lora" in graph["m2nkit.adapters.fsdp2.source"]  # sees edges
+    assert _cycles(graph) == []
+
+
+def test_the_cycle_check_sees_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
 def test_tools_use_only_public_names_of_the_library():
     """The CLI, demo, stand-in server, baseline and benchmarks import no private
     (``_name``) from m2nkit: what they need is public API."""

@@ -83,7 +83,7 @@ from .table import (TRANSFORMERS_FUSED_EXPERTS, Family, HFNaming, Param, Skipped
                     alias, kv_heads, merged_feeds)
 
 __all__ = ["ARCHITECTURE", "HF_NAMES", "EXPERTS_ON_DISK", "VLLM_PARAMS", "CONDITIONS",
-           "TINY_MODELS", "MEGATRON_NAMES", "FAMILY", "MlaSizes", "is_moe_layer", "mtp_layer",
+           "TINY_MODELS", "FAMILY", "MlaSizes", "is_moe_layer", "mtp_layer",
            "mtp_layers", "MTP_EXTRAS"]
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
@@ -399,15 +399,9 @@ TINY_MODELS = {
                                             _TINY_DERIVED),
 }
 
-MEGATRON_NAMES: tuple = ()
-"""Megatron-Core parameter names -> wire tensors (``linear_q_down_proj`` ->
-``q_a_proj``, ``linear_kv_down_proj`` -> ``kv_a_proj_with_mqa``, ...): empty
-until the Megatron adapter fills it."""
-
 FAMILY = Family(
     ARCHITECTURE, HF_NAMES, VLLM_PARAMS, sizes, CONDITIONS,
-    tiny=TINY_MODELS, megatron_names=MEGATRON_NAMES,
-    vllm_source="vllm/model_executor/models/deepseek_v2.py", module=__name__,
+    tiny=TINY_MODELS, vllm_source="vllm/model_executor/models/deepseek_v2.py", module=__name__,
     num_expert_group=_n_group, skip=mtp_layer,
     skipped_layers=SkippedLayers(mtp_layers, MTP_EXTRAS),
 )

@@ -41,7 +41,7 @@ from .sizes import base_sizes, cfg_get
 from .table import Family, HFNaming, Param, TinyModel, qkv_feeds
 
 __all__ = ["ARCHITECTURE", "HF_NAMES", "VLLM_PARAMS", "CONDITIONS", "TINY_MODELS",
-           "MEGATRON_NAMES", "FAMILY", "attention_params", "layer_norm_params", "sizes_of"]
+           "FAMILY", "attention_params", "layer_norm_params", "sizes_of"]
 
 ARCHITECTURE = "Gemma2ForCausalLM"
 
@@ -117,12 +117,8 @@ def sizes(config: Any):
 #: Tiny test models (``m2nkit.adapters.tiny``): tied, as every Gemma 2 is.
 TINY_MODELS = {"tiny-gemma2": TinyModel("gemma2", {"tie_word_embeddings": True})}
 
-MEGATRON_NAMES: tuple = ()
-"""Megatron-Core parameter names -> wire tensors: empty until the Megatron
-adapter fills it."""
-
 FAMILY = Family(
     ARCHITECTURE, HF_NAMES, VLLM_PARAMS, sizes, CONDITIONS, tiny=TINY_MODELS,
-    megatron_names=MEGATRON_NAMES, vllm_source="vllm/model_executor/models/gemma2.py",
+    vllm_source="vllm/model_executor/models/gemma2.py",
     module=__name__,
 )

@@ -27,7 +27,7 @@ from .llama import dense_mlp_params
 from .table import Family, HFNaming, Param, TinyModel
 
 __all__ = ["ARCHITECTURE", "HF_NAMES", "VLLM_PARAMS", "CONDITIONS", "TINY_MODELS",
-           "MEGATRON_NAMES", "FAMILY"]
+           "FAMILY"]
 
 ARCHITECTURE = "Gemma3ForCausalLM"
 
@@ -61,12 +61,8 @@ def sizes(config: Any):
 #: Tiny test models (``m2nkit.adapters.tiny``): tied, as the published ones are.
 TINY_MODELS = {"tiny-gemma3": TinyModel("gemma3_text", {"tie_word_embeddings": True})}
 
-MEGATRON_NAMES: tuple = ()
-"""Megatron-Core parameter names -> wire tensors: empty until the Megatron
-adapter fills it."""
-
 FAMILY = Family(
     ARCHITECTURE, HF_NAMES, VLLM_PARAMS, sizes, CONDITIONS, tiny=TINY_MODELS,
-    megatron_names=MEGATRON_NAMES, vllm_source="vllm/model_executor/models/gemma3.py",
+    vllm_source="vllm/model_executor/models/gemma3.py",
     module=__name__,
 )

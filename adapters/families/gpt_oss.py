@@ -74,7 +74,7 @@ from .sizes import base_sizes, cfg_get
 from .table import Family, HFNaming, Param, TinyModel, alias, head_dim, kv_heads, qkv_feeds
 
 __all__ = ["ARCHITECTURE", "HF_NAMES", "VLLM_PARAMS", "CONDITIONS", "TINY_MODELS",
-           "MEGATRON_NAMES", "FAMILY", "MXFP4_REFUSAL", "MXFP4_NOTE"]
+           "FAMILY", "MXFP4_REFUSAL", "MXFP4_NOTE"]
 
 ARCHITECTURE = "GptOssForCausalLM"
 
@@ -242,12 +242,8 @@ TINY_MODELS = {
         "num_key_value_heads": _fixed(4), "num_local_experts": _fixed(4)}),
 }
 
-MEGATRON_NAMES: tuple = ()
-"""Megatron-Core parameter names -> wire tensors: empty until the Megatron
-adapter fills it."""
-
 FAMILY = Family(
     ARCHITECTURE, HF_NAMES, VLLM_PARAMS, sizes, CONDITIONS, (_kv_heads_per_rank, _expert_parallel),
-    tiny=TINY_MODELS, megatron_names=MEGATRON_NAMES,
-    vllm_source="vllm/model_executor/models/gpt_oss.py", module=__name__, notes=notes,
+    tiny=TINY_MODELS, vllm_source="vllm/model_executor/models/gpt_oss.py", module=__name__,
+    notes=notes,
 )

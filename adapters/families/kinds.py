@@ -38,16 +38,27 @@ worker order (10 experts over ep=4: 0-2, 3-5, 6-7, 8-9), round robin gives
 worker ``w`` experts ``w, w+ep, w+2*ep, ...``. Whether vLLM really uses
 round robin is decided by ``m2nkit.adapters.vllm.placement``; :class:`Geometry`
 takes the placement in effect.
+
+The kind objects are also the one shard-kind vocabulary of the trainer side:
+Megatron-Core's name tables (``m2nkit.adapters.megatron.names``) tag each
+tensor with ``REPLICATED``, ``COLUMN``, ``ROW``, ``VOCAB`` or ``QKV`` where
+Megatron splits it in the same way, and ``m2nkit.adapters.megatron.layout``
+applies Megatron's own rule for each (its vocabulary padding, its fused QKV
+interleaved per query group), never the vLLM methods above. Splits only
+Megatron makes (gated ``linear_fc1``, experts over etp) are kinds of that
+module. Importing this module pulls in no torch (the ``megatron:`` spec
+parser reaches it before any tensor exists).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # annotations only: importing the kinds pulls in no torch (the
+    import torch   # megatron: spec parser names its tensors with them, before torch)
 
-from .sizes import Sizes
+    from .sizes import Sizes
 
 __all__ = [
     "VOCAB_PADDING", "padded_vocab", "expert_ids", "Geometry", "Kind",

@@ -20,8 +20,8 @@ from .table import (COLWISE, ROWWISE, Family, HFNaming, Param, TinyModel, TPPlan
                     kv_heads, merged_feeds, qkv_feeds)
 
 __all__ = ["ARCHITECTURE", "HF_NAMES", "VLLM_PARAMS", "CONDITIONS", "TINY_MODELS",
-           "MEGATRON_NAMES", "FAMILY", "dense_mlp_params", "megatron_names", "ATTENTION", "MLP",
-           "ATTENTION_TP", "MLP_TP", "EMBEDDINGS_TP", "TP_PLAN"]
+           "FAMILY", "dense_mlp_params", "ATTENTION", "MLP", "ATTENTION_TP", "MLP_TP",
+           "EMBEDDINGS_TP", "TP_PLAN"]
 
 ARCHITECTURE = "LlamaForCausalLM"
 
@@ -129,81 +129,8 @@ def sizes(config: Any):
 #: Tiny test models (``m2nkit.adapters.tiny``).
 TINY_MODELS = {"tiny-llama": TinyModel("llama")}
 
-def megatron_names(*, qk_norm: bool = False, mlp: str | None = MLP,
-                   moe: str | None = None) -> tuple:
-    """Megatron-Core ``GPTModel`` names -> wire tensors, for Llama and the families built on it.
-
-    Local layer spec names first, TransformerEngine spec names second
-    (megatron-core ``models/gpt/gpt_layer_specs.py``; the same pairs as
-    Megatron-Bridge's ``LlamaBridge``/``Qwen3Bridge``/``Qwen3MoEBridge``
-    ``mapping_registry``). ``{L}`` is the layer index in the Megatron
-    name (local to a pipeline chunk) and the global layer in the wire name;
-    the live source maps one to the other through each layer's
-    ``layer_number``. Biases (``linear_qkv.bias``: Megatron ``add_qkv_bias``;
-    ``linear_proj.bias``, ``linear_fc1/fc2.bias``: ``add_bias_linear``) are
-    listed and sent when the model has them.
-
-    Args:
-        qk_norm: Qwen3's ``q_norm``/``k_norm`` (Megatron ``q_layernorm``/``k_layernorm``).
-        mlp: HF prefix of a dense layer's MLP (``None``: no dense layers).
-        moe: HF prefix of a MoE layer's block (``model.layers.{L}.mlp``;
-            Mixtral ``model.layers.{L}.block_sparse_moe``): router and stacked
-            experts (``SequentialMLP`` ``local_experts.{i}``, ``TEGroupedMLP``
-            ``weight{i}``).
-    """
-    from ..megatron.layout import (EXPERT_FC1, EXPERT_FC2, GATED_FC1, QKV as M_QKV,
-                                   REPLICATED as M_REP, ROW as M_ROW, VOCAB as M_VOCAB,
-                                   MegatronName as N)
-
-    d = "decoder.layers.{L}"
-    at = f"{d}.self_attention"
-    qkv = {p: f"{A}.{p}_proj.weight" for p in "qkv"}
-    out = [
-        N("embedding.word_embeddings.weight", M_VOCAB, "model.embed_tokens.weight"),
-        N((f"{d}.input_layernorm.weight", f"{at}.linear_qkv.layer_norm_weight"), M_REP,
-          "model.layers.{L}.input_layernorm.weight", norm=True),
-        N(f"{at}.linear_qkv.weight", M_QKV, qkv),
-        N(f"{at}.linear_qkv.bias", M_QKV, {p: f"{A}.{p}_proj.bias" for p in "qkv"}),
-    ]
-    if qk_norm:
-        out += [N(f"{at}.q_layernorm.weight", M_REP, f"{A}.q_norm.weight", norm=True),
-                N(f"{at}.k_layernorm.weight", M_REP, f"{A}.k_norm.weight", norm=True)]
-    out += [
-        N(f"{at}.linear_proj.weight", M_ROW, f"{A}.o_proj.weight"),
-        N(f"{at}.linear_proj.bias", M_REP, f"{A}.o_proj.bias"),
-        N((f"{d}.pre_mlp_layernorm.weight", f"{d}.mlp.linear_fc1.layer_norm_weight"), M_REP,
-          "model.layers.{L}.post_attention_layernorm.weight", norm=True),
-    ]
-    if mlp is not None:
-        out += [
-            N(f"{d}.mlp.linear_fc1.weight", GATED_FC1,
-              {"gate": f"{mlp}.gate_proj.weight", "up": f"{mlp}.up_proj.weight"}),
-            N(f"{d}.mlp.linear_fc1.bias", GATED_FC1,
-              {"gate": f"{mlp}.gate_proj.bias", "up": f"{mlp}.up_proj.bias"}),
-            N(f"{d}.mlp.linear_fc2.weight", M_ROW, f"{mlp}.down_proj.weight"),
-            N(f"{d}.mlp.linear_fc2.bias", M_REP, f"{mlp}.down_proj.bias"),
-        ]
-    if moe is not None:
-        ex = f"{d}.mlp.experts"
-        out += [
-            N(f"{d}.mlp.router.weight", M_REP, f"{moe}.gate.weight"),
-            N((f"{ex}.local_experts.{{i}}.linear_fc1.weight", f"{ex}.linear_fc1.weight{{i}}"),
-              EXPERT_FC1, f"{moe}.experts.gate_up_proj.weight"),
-            N((f"{ex}.local_experts.{{i}}.linear_fc2.weight", f"{ex}.linear_fc2.weight{{i}}"),
-              EXPERT_FC2, f"{moe}.experts.down_proj.weight"),
-        ]
-    out += [
-        N("decoder.final_layernorm.weight", M_REP, "model.norm.weight", norm=True),
-        N("output_layer.weight", M_VOCAB, "lm_head.weight"),
-    ]
-    return tuple(out)
-
-
-#: Megatron-Core names -> wire tensors (:func:`megatron_names`).
-MEGATRON_NAMES: tuple = megatron_names()
-
 FAMILY = Family(
     ARCHITECTURE, HF_NAMES, VLLM_PARAMS, sizes, CONDITIONS, tiny=TINY_MODELS,
-    megatron_names=MEGATRON_NAMES, vllm_source="vllm/model_executor/models/llama.py",
+    vllm_source="vllm/model_executor/models/llama.py",
     module=__name__, tp_plan=TP_PLAN,
 )

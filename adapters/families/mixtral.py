@@ -20,13 +20,13 @@ from typing import Any
 
 from .kinds import QKV, REPLICATED, ROW, VOCAB, W13, W2
 from .llama import ATTENTION as A
-from .llama import ATTENTION_TP, EMBEDDINGS_TP, megatron_names
+from .llama import ATTENTION_TP, EMBEDDINGS_TP
 from .sizes import base_sizes, cfg_get
 from .table import (TRANSFORMERS_FUSED_EXPERTS, Family, HFNaming, Param, TinyModel, TPPlan,
                     alias, kv_heads, qkv_feeds)
 
 __all__ = ["ARCHITECTURE", "HF_NAMES", "EXPERTS_ON_DISK", "VLLM_PARAMS", "CONDITIONS",
-           "TINY_MODELS", "MEGATRON_NAMES", "FAMILY", "TP_PLAN"]
+           "TINY_MODELS", "FAMILY", "TP_PLAN"]
 
 ARCHITECTURE = "MixtralForCausalLM"
 
@@ -92,12 +92,8 @@ def sizes(config: Any):
 #: Tiny test models (``m2nkit.adapters.tiny``).
 TINY_MODELS = {"tiny-mixtral": TinyModel("mixtral")}
 
-#: Megatron-Core names -> wire tensors: Llama's attention, every layer a MoE block
-#: ``block_sparse_moe`` (Megatron-Bridge ``MixtralBridge``).
-MEGATRON_NAMES: tuple = megatron_names(mlp=None, moe="model.layers.{L}.block_sparse_moe")
-
 FAMILY = Family(
     ARCHITECTURE, HF_NAMES, VLLM_PARAMS, sizes, CONDITIONS, tiny=TINY_MODELS,
-    megatron_names=MEGATRON_NAMES, vllm_source="vllm/model_executor/models/mixtral.py",
+    vllm_source="vllm/model_executor/models/mixtral.py",
     module=__name__, tp_plan=TP_PLAN,
 )

@@ -15,12 +15,12 @@ from typing import Any
 
 from .kinds import QKV, REPLICATED, ROW, VOCAB
 from .llama import ATTENTION as A
-from .llama import TP_PLAN, dense_mlp_params, megatron_names
+from .llama import TP_PLAN, dense_mlp_params
 from .sizes import base_sizes, cfg_get
 from .table import Family, HFNaming, Param, TinyModel, kv_heads, qkv_feeds
 
 __all__ = ["ARCHITECTURE", "HF_NAMES", "VLLM_PARAMS", "CONDITIONS", "TINY_MODELS",
-           "MEGATRON_NAMES", "FAMILY"]
+           "FAMILY"]
 
 ARCHITECTURE = "Qwen2ForCausalLM"
 
@@ -65,12 +65,8 @@ def _head_dim(config: Any) -> int:
 #: ``head_dim``; keep it equal to what vLLM uses when sizes are overridden.
 TINY_MODELS = {"tiny-qwen2": TinyModel("qwen2", derived={"head_dim": _head_dim})}
 
-#: Megatron-Core names -> wire tensors: Llama's (q/k/v biases are ``linear_qkv.bias``,
-#: Megatron ``add_qkv_bias``; Megatron-Bridge ``Qwen2Bridge``).
-MEGATRON_NAMES: tuple = megatron_names()
-
 FAMILY = Family(
     ARCHITECTURE, HF_NAMES, VLLM_PARAMS, sizes, CONDITIONS, tiny=TINY_MODELS,
-    megatron_names=MEGATRON_NAMES, vllm_source="vllm/model_executor/models/qwen2.py",
+    vllm_source="vllm/model_executor/models/qwen2.py",
     module=__name__, tp_plan=TP_PLAN,  # Llama's: the same modules
 )

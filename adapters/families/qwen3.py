@@ -16,12 +16,12 @@ from typing import Any
 from .kinds import QKV, REPLICATED, ROW, VOCAB
 from .llama import ATTENTION as A
 from .llama import TP_PLAN as LLAMA_TP_PLAN
-from .llama import dense_mlp_params, megatron_names
+from .llama import dense_mlp_params
 from .sizes import base_sizes, cfg_get
 from .table import Family, HFNaming, Param, TinyModel, kv_heads, qkv_feeds
 
 __all__ = ["ARCHITECTURE", "HF_NAMES", "VLLM_PARAMS", "CONDITIONS", "TINY_MODELS",
-           "MEGATRON_NAMES", "FAMILY", "attention_params", "TP_PLAN"]
+           "FAMILY", "attention_params", "TP_PLAN"]
 
 ARCHITECTURE = "Qwen3ForCausalLM"
 
@@ -92,12 +92,8 @@ TINY_MODELS = {
     "tiny-qwen3-tied": TinyModel("qwen3", {"tie_word_embeddings": True}),
 }
 
-#: Megatron-Core names -> wire tensors: Llama's plus ``q_layernorm``/``k_layernorm``
-#: (Megatron-Bridge ``Qwen3Bridge``).
-MEGATRON_NAMES: tuple = megatron_names(qk_norm=True)
-
 FAMILY = Family(
     ARCHITECTURE, HF_NAMES, VLLM_PARAMS, sizes, CONDITIONS, tiny=TINY_MODELS,
-    megatron_names=MEGATRON_NAMES, vllm_source="vllm/model_executor/models/qwen3.py",
+    vllm_source="vllm/model_executor/models/qwen3.py",
     module=__name__, tp_plan=TP_PLAN,
 )

@@ -7,7 +7,7 @@ routed experts) when ``L not in mlp_only_layers and num_experts > 0 and
 dense MLP like Qwen3's. The router is handed to
 ``FusedMoEFactory(gate=...)``, so vLLM 0.33 exposes it a second time as
 ``mlp.experts.gate.weight`` (an alias, ``{router_alias}`` in
-``m2nkit.adapters.vllm.names``). vLLM refuses ``tp > num_experts``
+``m2nkit.adapters.families.vllm_names``). vLLM refuses ``tp > num_experts``
 (``Qwen3MoeSparseMoeBlock``). Shared experts
 (``shared_expert_intermediate_size > 0``) are not in this table.
 
@@ -26,14 +26,14 @@ from typing import Any
 
 from .kinds import REPLICATED, VOCAB, W13, W2
 from .llama import MLP as M
-from .llama import dense_mlp_params, megatron_names
+from .llama import dense_mlp_params
 from .qwen3 import CONDITIONS as QWEN3_CONDITIONS
 from .qwen3 import TP_PLAN, attention_params, o_proj_bias_differs
 from .sizes import base_sizes, cfg_get
 from .table import TRANSFORMERS_FUSED_EXPERTS, Family, HFNaming, Param, TinyModel, alias
 
 __all__ = ["ARCHITECTURE", "HF_NAMES", "EXPERTS_ON_DISK", "VLLM_PARAMS", "CONDITIONS",
-           "TINY_MODELS", "MEGATRON_NAMES", "FAMILY", "is_moe_layer"]
+           "TINY_MODELS", "FAMILY", "is_moe_layer"]
 
 ARCHITECTURE = "Qwen3MoeForCausalLM"
 
@@ -130,15 +130,9 @@ TINY_MODELS = {
     "tiny-qwen3-moe": TinyModel("qwen3_moe", {"decoder_sparse_step": 1, "mlp_only_layers": []}),
 }
 
-#: Megatron-Core names -> wire tensors: Qwen3's attention, MoE layers' router and
-#: stacked experts, dense layers' (``mlp_only_layers``) gated MLP (Megatron-Bridge
-#: ``Qwen3MoEBridge``).
-MEGATRON_NAMES: tuple = megatron_names(qk_norm=True, moe=M)
-
 FAMILY = Family(
     ARCHITECTURE, HF_NAMES, VLLM_PARAMS, sizes, CONDITIONS, (_tp_within_experts,),
-    tiny=TINY_MODELS, megatron_names=MEGATRON_NAMES,
-    vllm_source="vllm/model_executor/models/qwen3_moe.py", module=__name__,
+    tiny=TINY_MODELS, vllm_source="vllm/model_executor/models/qwen3_moe.py", module=__name__,
     # Qwen3's (dense layers' MLP: intermediate_size counts only when some layer is dense);
     # experts and routers stay whole on each TP rank
     tp_plan=replace(TP_PLAN, divides={"nkv": None, "nh": None, "I": "dense_layer"}),

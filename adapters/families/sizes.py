@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 import torch
 
-__all__ = ["Sizes", "base_sizes", "cfg_get"]
+__all__ = ["Sizes", "base_sizes", "cfg_get", "config_dtype"]
 
 
 def cfg_get(config: Any, *keys: str, default: Any = ...) -> Any:
@@ -30,6 +30,39 @@ def cfg_get(config: Any, *keys: str, default: Any = ...) -> Any:
     if default is ...:
         raise ValueError(f"model config has none of {list(keys)}")
     return default
+
+
+def _as_dtype(value: Any) -> torch.dtype | None:
+    if isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str):
+        d = getattr(torch, value.removeprefix("torch."), None)
+        return d if isinstance(d, torch.dtype) else None
+    return None
+
+
+def config_dtype(config: Any) -> torch.dtype | None:
+    """The dtype ``config`` names (``dtype``/``torch_dtype``, then ``text_config``'s), or ``None``.
+
+    What the checkpoint stores, as transformers 5 reads it (any torch dtype
+    name, ``"torch."`` prefix or not). Both sides read it: the config-only
+    wire list builds its tensors in it (``m2nkit.adapters.config_wires``),
+    and vLLM's ``auto`` rule starts from it (``m2nkit.adapters.vllm.dtype``,
+    which decides what vLLM allocates). :attr:`Sizes.dtype` is the narrower
+    reading of the family tables (the float names only, no ``text_config``).
+    """
+    for cfg in (config, _get(config, "text_config")):
+        if cfg is None:
+            continue
+        for key in ("dtype", "torch_dtype"):
+            d = _as_dtype(_get(cfg, key))
+            if d is not None:
+                return d
+    return None
+
+
+def _get(config: Any, key: str) -> Any:
+    return config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
 
 
 _DTYPES = {

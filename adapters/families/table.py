@@ -4,10 +4,13 @@ A family module is data first: the names transformers gives the family's
 tensors (:class:`HFNaming`), the vLLM parameters with the shard kind of
 each and the wire tensors that feed them (a tuple of :class:`Param`), the
 conditions that decide which parameters a config has, the tiny test models
-(:class:`TinyModel`), and a room for trainer-side names. :class:`Family`
-bundles them; the registry hands it to the adapters (``hf_checkpoint``,
-``tiny``, ``vllm``), which hold no family knowledge of their own. Nothing
-here moves data.
+(:class:`TinyModel`), and how trainers apply tensor parallelism
+(:class:`TPPlan`). :class:`Family` bundles them; the registry hands it to
+the adapters (``hf_checkpoint``, ``config_wires``, ``fsdp2``, ``tiny``,
+``vllm``), which hold no family knowledge of their own. Megatron-Core's
+names for a family's tensors belong to the Megatron adapter
+(``m2nkit.adapters.megatron.names``), which reads the families, never the
+reverse. Nothing here moves data.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ class Param:
 
     Attributes:
         name: vLLM parameter name; ``{L}`` = layer index, ``{experts}`` = the
-            version-dependent experts path (``m2nkit.adapters.vllm.names``).
+            version-dependent experts path (``m2nkit.adapters.families.vllm_names``).
         kind: its shard kind (:mod:`.kinds`: ``COLUMN``, ``QKV``, ...).
         dims: symbolic global shape of each feeding wire tensor (``"H"``,
             ``"nh*hd"``, see ``Sizes``). For ``QKV``: only the dims after the
@@ -452,8 +455,6 @@ class Family:
             None`` (``spec`` has ``tp``, ``dp``, ``ep``; a message names the
             config value and the rule).
         tiny: tiny test model name (``"tiny-llama"``) -> ``TinyModel``.
-        megatron_names: trainer-side (Megatron-Core) name rules; empty until
-            the Megatron adapter fills them.
         vllm_source: the vLLM model file the table restates.
         module: the module defining the family (for messages).
         skip: ``(config, wire name) -> reason or None``: wire tensors a
@@ -487,7 +488,6 @@ class Family:
     conditions: Mapping[str, Callable[[Any, int | None], bool]] = field(default_factory=dict)
     checks: tuple[Callable[[Sizes, Any], str | None], ...] = ()
     tiny: Mapping[str, TinyModel] = field(default_factory=dict)
-    megatron_names: tuple = ()
     vllm_source: str = ""
     module: str = ""
     skip: Callable[[Any, str], str | None] | None = None

@@ -23,8 +23,17 @@ Rules, each restated from megatron-core 0.19.2 (file named per function):
 * experts (:func:`local_expert_range`);
 * rank grids (:class:`MegatronParallel`, :meth:`MegatronParallel.ranks`);
 * pipeline layer assignment (:func:`stage_layers`);
-* name tables (:class:`MegatronName`; families fill ``MEGATRON_NAMES``) and
-  the pieces of one wire tensor (:func:`wire_pieces`).
+* name tables (:class:`MegatronName`; one table per family in
+  :mod:`m2nkit.adapters.megatron.names`) and the pieces of one wire tensor
+  (:func:`wire_pieces`).
+
+Kinds. A row names how its tensor is split with the families' shard kinds
+(``REPLICATED``, ``COLUMN``, ``ROW``, ``VOCAB``, ``QKV`` of
+``m2nkit.adapters.families.kinds``, the one vocabulary of both sides) where
+Megatron splits it in the same way, and with the kinds below for the splits
+only Megatron makes (``GATED_FC1``, ``EXPERT_FC1``, ``EXPERT_FC2``). The
+rules applied to them are Megatron's own, stated in this module; the
+kinds' vLLM methods are never called here.
 """
 
 from __future__ import annotations
@@ -37,11 +46,13 @@ from typing import Any, Mapping, Sequence
 
 from m2nkit.manifest.pieces import Box, Piece, PieceLayout
 
+from ..families.kinds import COLUMN, QKV, REPLICATED, ROW, VOCAB
+
 __all__ = [
-    "REPLICATED", "COLUMN", "ROW", "VOCAB", "QKV", "GATED_FC1", "EXPERT_FC1", "EXPERT_FC2",
-    "RULES", "MegatronName", "Run", "qkv_row_runs", "fc1_row_runs", "padded_vocab_size",
-    "vocab_rows", "local_expert_range", "stage_layers", "MegatronParallel", "WireRule",
-    "match_wire", "match_megatron", "wire_pieces", "wire_stage", "megatron_templates", "MegatronLayoutError",
+    "MegatronKind", "GATED_FC1", "EXPERT_FC1", "EXPERT_FC2", "RULES", "MegatronName", "Run",
+    "qkv_row_runs", "fc1_row_runs", "padded_vocab_size", "vocab_rows", "local_expert_range",
+    "stage_layers", "MegatronParallel", "WireRule", "match_wire", "match_megatron", "wire_pieces",
+    "wire_stage", "megatron_templates", "MegatronLayoutError",
 ]
 
 
@@ -51,31 +62,45 @@ class MegatronLayoutError(ValueError):
 
 # --------------------------------------------------------------------------
 # rule names (how a Megatron tensor is split over its ranks)
+#
+# The families' kinds, as Megatron applies them (rules in _pieces):
+#   REPLICATED  the whole tensor on every rank of its stage (norms, router, ``expert_bias``)
+#   COLUMN      ``ColumnParallelLinear``: rows split evenly over tp (megatron-core
+#               ``tensor_parallel/layers.py``, ``partition_dim=0``)
+#   ROW         ``RowParallelLinear``: columns (dim 1) split evenly over tp; its bias is whole
+#   VOCAB       ``VocabParallelEmbedding`` / ``output_layer``: ``Vp/tp`` rows per rank,
+#               padding not sent
+#   QKV         ``linear_qkv``: rows interleaved per query group, then column-parallel
 
-#: the whole tensor on every rank of its stage (norms, router, ``expert_bias``)
-REPLICATED = "replicated"
-#: ``ColumnParallelLinear``: rows split evenly over tp (megatron-core
-#: ``tensor_parallel/layers.py``, ``partition_dim=0``)
-COLUMN = "column"
-#: ``RowParallelLinear``: columns (dim 1) split evenly over tp; its bias is whole
-ROW = "row"
-#: ``VocabParallelEmbedding`` / ``output_layer``: ``Vp/tp`` rows per rank, padding not sent
-VOCAB = "vocab"
-#: ``linear_qkv``: rows interleaved per query group, then column-parallel
-QKV = "qkv"
+
+@dataclass(frozen=True, eq=False)
+class MegatronKind:
+    """A split only Megatron makes (the families' kinds cover the others).
+
+    Attributes:
+        name: its name in tables and messages (``"gated_fc1"``).
+    """
+
+    name: str
+
+    def __repr__(self) -> str:
+        return f"<megatron kind {self.name}>"
+
+
 #: gated ``linear_fc1``: ``[gate_r; up_r]`` per tp rank (``partition_stride=2``)
-GATED_FC1 = "gated_fc1"
+GATED_FC1 = MegatronKind("gated_fc1")
 #: an expert's gated ``linear_fc1`` split over etp, stacked by global expert
-EXPERT_FC1 = "expert_fc1"
+EXPERT_FC1 = MegatronKind("expert_fc1")
 #: an expert's ``linear_fc2`` (row-parallel over etp), stacked by global expert
-EXPERT_FC2 = "expert_fc2"
+EXPERT_FC2 = MegatronKind("expert_fc2")
 
+#: Every kind a :class:`MegatronName` may name.
 RULES = (REPLICATED, COLUMN, ROW, VOCAB, QKV, GATED_FC1, EXPERT_FC1, EXPERT_FC2)
 
 
 @dataclass(frozen=True)
 class MegatronName:
-    """One row of a family's ``MEGATRON_NAMES``: Megatron tensor name(s) -> wire tensor(s).
+    """One row of a family's Megatron name table (:mod:`.names`): Megatron tensor -> wire tensor(s).
 
     Attributes:
         megatron: the Megatron-Core name template, or several spellings of
@@ -85,7 +110,7 @@ class MegatronName:
             ``{L}`` is the layer index as the module tree numbers it (local
             to the chunk); ``{i}`` a local expert index (SequentialMLP
             ``local_experts.{i}`` / TEGroupedMLP ``weight{i}``).
-        rule: one of :data:`RULES`.
+        rule: one of :data:`RULES` (a kind object; ``rule.name`` in messages).
         wire: the wire name template (``{L}`` = the global layer), or for
             ``QKV`` / ``GATED_FC1`` a mapping part -> wire template
             (``q``/``k``/``v``[/``gate``]; ``gate``/``up``), stored as a
@@ -111,20 +136,20 @@ class MegatronName:
     def __post_init__(self) -> None:
         names = (self.megatron,) if isinstance(self.megatron, str) else tuple(self.megatron)
         object.__setattr__(self, "megatron", names)
-        if self.rule not in RULES:
+        if not any(self.rule is r for r in RULES):
             raise MegatronLayoutError(f"Megatron name {names[0]!r}: rule {self.rule!r} is not "
-                                      f"one of {', '.join(RULES)}")
+                                      f"one of {', '.join(r.name for r in RULES)}")
         parts = {QKV: ({"q", "k", "v"}, {"q", "gate", "k", "v"}), GATED_FC1: ({"gate", "up"},)}
         if self.rule in parts:
             if isinstance(self.wire, str) or set(dict(self.wire)) not in parts[self.rule]:
                 raise MegatronLayoutError(
-                    f"Megatron name {names[0]!r}: rule {self.rule!r} needs wire parts "
+                    f"Megatron name {names[0]!r}: rule {self.rule.name!r} needs wire parts "
                     f"{' or '.join(sorted(map(str, parts[self.rule])))}, got {self.wire!r}")
             # hashable: the tables are cached by value
             object.__setattr__(self, "wire", tuple(dict(self.wire).items()))
         elif not isinstance(self.wire, str):
-            raise MegatronLayoutError(f"Megatron name {names[0]!r}: rule {self.rule!r} feeds "
-                                      f"one wire tensor, got parts {self.wire!r}")
+            raise MegatronLayoutError(f"Megatron name {names[0]!r}: rule {self.rule.name!r} "
+                                      f"feeds one wire tensor, got parts {self.wire!r}")
 
     @property
     def wires(self) -> dict[str | None, str]:
@@ -538,7 +563,7 @@ def wire_pieces(rule: WireRule, shape: Sequence[int], par: MegatronParallel, *,
     """
     e, part = rule.entry, rule.part
     shape = tuple(shape)
-    where = f"wire tensor '{wire}' (Megatron {e.megatron[0]!r}, rule {e.rule})"
+    where = f"wire tensor '{wire}' (Megatron {e.megatron[0]!r}, rule {e.rule.name})"
     try:
         pieces = _pieces(e.rule, part, shape, par, _stage(par, e, rule.layer), sizes)
     except MegatronLayoutError as err:
@@ -550,7 +575,7 @@ def _rows_box(a: int, b: int, shape: tuple[int, ...]) -> Box:
     return ((a, b),) + tuple((0, n) for n in shape[1:])
 
 
-def _pieces(rule: str, part: str | None, shape: tuple[int, ...], par: MegatronParallel,
+def _pieces(rule: Any, part: str | None, shape: tuple[int, ...], par: MegatronParallel,
             stage: int, s: Mapping[str, int]) -> list[Piece]:
     out: list[Piece] = []
     nd = len(shape)

@@ -31,7 +31,7 @@ local shard only; local experts stacked (a copy of this rank's experts).
 
 Refused on every rank before any traffic (:class:`MegatronSourceError`):
 a chunk list that does not match ``virtual_pipeline_model_parallel_size``;
-a parameter no ``MEGATRON_NAMES`` row maps; an HF tensor of the config
+a parameter no row of the family's name table (:mod:`.names`) maps; an HF tensor of the config
 that no row produces; a process-group size that disagrees with the model
 config; groups not in Megatron's default order; context parallelism or
 GTP weight rematerialisation; a ``rank=`` that is not the default group's.
@@ -54,6 +54,7 @@ from m2nkit.manifest import M2NManifestEntry, ManifestM2NWeightSource, PieceLayo
 from ..families import family_for
 from .layout import (EXPERT_FC1, EXPERT_FC2, MegatronLayoutError, MegatronParallel, WireRule,
                      match_megatron, match_wire, megatron_templates, wire_pieces)
+from .names import megatron_names, table_name
 
 __all__ = ["MegatronSourceError", "MegatronSource", "megatron_source", "chunk_layers"]
 
@@ -322,9 +323,11 @@ def _build(model_chunks, config, dtype, pg_collection, rank) -> MegatronSource:
         family = family_for(config)
     except ValueError as e:
         raise MegatronSourceError(f"megatron_source: {e}") from None
-    if not family.megatron_names:
+    names = megatron_names(family)
+    table = table_name(family)
+    if not names:
         raise MegatronSourceError(f"megatron_source: {family.architecture} has no Megatron-Core "
-                                  f"names (MEGATRON_NAMES in {family.module})")
+                                  f"names (no table in {table})")
     vpp = getattr(mcfg, "virtual_pipeline_model_parallel_size", None) or 1
     if len(chunks) != vpp:
         raise MegatronSourceError(
@@ -371,7 +374,6 @@ def _build(model_chunks, config, dtype, pg_collection, rank) -> MegatronSource:
     stage = next(p for (p, _, _), r in par.ranks["dense"].items() if r == me)
 
     # --- this rank's tensors, by wire name (global layers from layer_number)
-    names = tuple(family.megatron_names)
     tied = bool(getattr(models[-1], "share_embeddings_and_output_weights", False))
     mine: dict[tuple[MegatronNameKey, int | None], list[_Local]] = {}
     for v, model in enumerate(models):
@@ -393,7 +395,7 @@ def _build(model_chunks, config, dtype, pg_collection, rank) -> MegatronSource:
                     continue  # rotary caches, routing statistics: not weights
                 raise MegatronSourceError(
                     f"megatron_source: parameter '{name}' (rank {me}, chunk {v}) has no mapping "
-                    f"in {family.module}.MEGATRON_NAMES; known names: "
+                    f"in {table}; known names: "
                     f"{', '.join(megatron_templates(names))}")
             entry, local_layer, expert = hit
             if name == "output_layer.weight" and tied:
@@ -424,7 +426,7 @@ def _build(model_chunks, config, dtype, pg_collection, rank) -> MegatronSource:
         if rule is None:
             raise MegatronSourceError(
                 f"megatron_source: HF tensor '{w.name}' of the config has no Megatron-Core name "
-                f"in {family.module}.MEGATRON_NAMES; no Megatron tensor would send it")
+                f"in {table}; no Megatron tensor would send it")
         try:
             lay = wire_pieces(rule, w.shape, par, sizes=sizes, wire=w.name)
         except MegatronLayoutError as e:

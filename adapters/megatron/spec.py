@@ -111,14 +111,14 @@ class _Rules:
     names: tuple
     sizes: tuple
     architecture: str
-    module: str
+    table: str
 
     def layout(self, name: str, shape: tuple[int, ...]):
         rule = match_wire(self.names, name)
         if rule is None:
             raise ValueError(
-                f"wire tensor '{name}' has no Megatron-Core name in {self.module}."
-                "MEGATRON_NAMES, so a megatron trainer spec cannot lay it out")
+                f"wire tensor '{name}' has no Megatron-Core name in {self.table}, so a "
+                "megatron trainer spec cannot lay it out")
         # every layer of one stage has the same pieces: one layout per (row, part, stage, shape)
         return self._stage_layout(rule.entry, rule.part, wire_stage(rule, self.par), shape)
 
@@ -138,21 +138,23 @@ def megatron_wire_rules(mspec: MegatronSpec, config: Any, label: str):
             with them); sizes the Megatron rules cannot split (heads, the
             MLP, experts, layers; names the value); an unsupported architecture.
     """
-    from ..families import ARCHITECTURES, family, family_for
+    from ..families import family_for
+    from .names import MEGATRON_NAMES, megatron_names, table_name
 
     fam = family_for(config)
-    if not fam.megatron_names:
-        having = sorted(a for a in ARCHITECTURES if family(a).megatron_names)
+    names = megatron_names(fam)
+    if not names:
+        having = sorted(MEGATRON_NAMES)
         raise ValueError(f"trainer spec '{label}': {fam.architecture} has no Megatron-Core names "
-                         f"(MEGATRON_NAMES in {fam.module}); families with them: "
+                         f"(no table in {table_name(fam)}); families with them: "
                          f"{', '.join(having)}")
     s = fam.sizes(config)
     try:
         par = mspec.layers_for(s.layers)
     except MegatronLayoutError as e:
         raise ValueError(f"trainer spec '{label}': {e}") from None
-    rules = _Rules(par, tuple(fam.megatron_names),
-                   (("nh", s.nh), ("ng", s.nkv), ("hd", s.hd)), fam.architecture, fam.module)
+    rules = _Rules(par, names, (("nh", s.nh), ("ng", s.nkv), ("hd", s.hd)), fam.architecture,
+                   table_name(fam))
     return lambda name: _WireKey(name, rules)
 
 

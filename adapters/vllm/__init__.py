@@ -10,7 +10,8 @@ it restates). This package holds only what is the same for every family:
 * ``placement.py``: which expert placement vLLM really uses (a round-robin
   request falls back to linear unless the model has expert groups, ...);
 * ``dtype.py``: the dtype vLLM allocates parameters in (``--dtype``, ``auto``);
-* ``names.py``: vLLM parameter names that change between vLLM versions;
+* ``names.py``: vLLM parameter names that change between vLLM versions (the
+  table lives with the family tables, ``families/vllm_names.py``);
 * ``destination.py``: ``destination_layout``, a family + a spec -> the
   ``DestinationLayout`` the planner intersects with the trainer's layout;
 * ``builder.py``: ``vllm_destination``, a config + a spec packed as the

@@ -5,7 +5,9 @@ zero-filled vocab padding rows) and, per wire tensor, the bindings that say
 which box of the wire tensor lands where in which parameter. It knows no
 model family and no sharding rule of its own: the family module
 (``m2nkit.adapters.families.<family>``) says which parameters exist and
-which wire tensors feed them, the shard kinds
+which wire tensors feed them (expanded for the config by
+``m2nkit.adapters.families.expand``, the expander the trainer side uses
+too; ``expand`` and ``Expanded`` are re-exported here), the shard kinds
 (``m2nkit.adapters.families.kinds``) say what each worker holds of each.
 It never invents a filler: a parameter no wire tensor feeds stays declared
 and unbound, so the planner's coverage proof reports it.
@@ -18,7 +20,6 @@ second.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -26,12 +27,12 @@ import torch
 from m2nkit.manifest import Binding, DestinationLayout, DestinationParam, ParamMeta
 
 from ..families import family_for
+from ..families.expand import Expanded, expand
 from ..families.kinds import Geometry
-from ..families.quant import quantized_params
 from ..families.sizes import Sizes
-from ..families.table import Family, Param
+from ..families.table import Family
+from ..families.vllm_names import DEFAULT_VLLM_VERSION, vllm_names
 from .dtype import model_dtype
-from .names import DEFAULT_VLLM_VERSION, vllm_names
 from .placement import expert_placement
 from .spec import InferenceSpec, parse_inference_spec
 
@@ -40,10 +41,6 @@ __all__ = ["destination_layout", "expand", "Expanded", "check_parallel", "check_
 _ROTARY = re.compile(r"(^|\.)rotary_emb\.(inv_freq|cos_cached|sin_cached)$")
 _PER_EXPERT = re.compile(r"^(.*\.experts)\.\d+\.")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-
-#: Why a tied ``lm_head.weight`` moves nothing.
-_TIED = ("tie_word_embeddings=True: vLLM ties {name} to {canonical} and skips this checkpoint "
-         "tensor (models/utils.py, AutoWeightsLoader aliased params)")
 
 
 # --------------------------------------------------------------------------
@@ -92,87 +89,6 @@ def check_parallel(family: Family, s: Sizes, ex: "Expanded", spec: InferenceSpec
     also = f" (also: {'; '.join(bad[1:])})" if len(bad) > 1 else ""
     raise ValueError(
         f"{family.architecture} cannot be laid out as {spec}: {bad[0]}; {hint}{also}")
-
-
-# --------------------------------------------------------------------------
-# Table expansion: concrete parameter names and the wire tensors feeding them
-# --------------------------------------------------------------------------
-
-@dataclass
-class Expanded:
-    """A family table expanded for one config and vLLM version.
-
-    Attributes:
-        params: ``(vLLM name, table entry)`` of every parameter that exists,
-            in vLLM's ``named_parameters()`` order.
-        feeds: wire name -> ``(vLLM name, table entry, part)``.
-        absent: wire name -> why its parameter does not exist for this config.
-        skipped: wire name -> why vLLM skips it (tied ``lm_head.weight``).
-        aliases: vLLM name -> the parameter sharing its storage.
-    """
-
-    params: list[tuple[str, Param]]
-    feeds: dict[str, tuple[str, Param, Any]]
-    absent: dict[str, str]
-    skipped: dict[str, str]
-    aliases: dict[str, str]
-
-
-def _fill(template: str, layer: int | None, names: dict) -> str | None:
-    keys = dict(names, L=layer)
-    if any(v is None and "{" + k + "}" in template for k, v in keys.items()):
-        return None
-    return template.format(**keys)
-
-
-def expand(family: Family, config: Any, s: Sizes, names: dict) -> Expanded:
-    """Expand ``family``'s table for ``config``: one entry per layer and parameter.
-
-    ``names`` is the vLLM version's name entry (``names.vllm_names``) that
-    fills placeholders like ``{experts}``. Non-layer parameters before the
-    first layered one come first, then every layer, then the rest (vLLM's
-    module order).
-    """
-    out = Expanded([], {}, {}, {}, {})
-    table = quantized_params(family, config)  # + fp8 weight_scale_inv where quantized
-    layered = [p for p in table if "{L}" in p.name]
-    first = next((i for i, p in enumerate(table) if "{L}" in p.name), len(table))
-    pre = [p for p in table[:first] if "{L}" not in p.name]
-    post = [p for p in table[first:] if "{L}" not in p.name]
-
-    def add(p: Param, layer: int | None) -> None:
-        name = _fill(p.name, layer, names)
-        exists = p.when is None or family.conditions[p.when](config, layer)
-        if p.tied_to is not None and s.tied:
-            canonical = _fill(p.tied_to, layer, names)
-            out.aliases[name] = canonical
-            for wire, _ in p.feeds:
-                out.skipped[_fill(wire, layer, names)] = _TIED.format(name=name,
-                                                                      canonical=canonical)
-            return
-        if not exists:
-            where = "" if layer is None else f" in layer {layer}"
-            for wire, _ in p.feeds:
-                out.absent[_fill(wire, layer, names)] = (
-                    f"it would feed {name}, which {family.architecture} does not have{where} "
-                    f"(condition '{p.when}' is false for this config)")
-            return
-        out.params.append((name, p))
-        for wire, part in p.feeds:
-            out.feeds[_fill(wire, layer, names)] = (name, p, part)
-        for alias in p.aliases:
-            a = _fill(alias, layer, names)
-            if a is not None:
-                out.aliases[a] = name
-
-    for p in pre:
-        add(p, None)
-    for layer in range(s.layers):
-        for p in layered:
-            add(p, layer)
-    for p in post:
-        add(p, None)
-    return out
 
 
 def _quantization_config(config: Any) -> Any:

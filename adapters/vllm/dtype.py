@@ -14,8 +14,8 @@ With ``--dtype auto`` (the default) vLLM 0.33.0 decides as follows
    ``common_broadcastable_dtype``: the dtype most others cast to losslessly);
    with no files either, float32.
 2. float32 becomes the platform's preferred dtype; a dtype the platform does
-   not support (float16 for Gemma 2/3 and GLM-4, an integer or fp8 dtype)
-   becomes it too.
+   not support (float16 for the model types of :data:`FLOAT16_NOT_SUPPORTED`,
+   an integer or fp8 dtype) becomes it too.
 
 m2nkit plans for a platform whose preferred dtype is bfloat16: NVIDIA GPUs
 of compute capability 8.0 or newer and x86/aarch64 CPUs
@@ -31,6 +31,10 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 import torch
+
+# What the config names is the checkpoint's dtype, read alike on the trainer side:
+# it lives with the family tables; vLLM's rule below only starts from it.
+from ..families.sizes import config_dtype
 
 __all__ = ["ModelDtype", "model_dtype", "config_dtype", "PREFERRED_DTYPE"]
 
@@ -62,27 +66,6 @@ class ModelDtype:
 
 def _get(config: Any, key: str) -> Any:
     return config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
-
-
-def _as_dtype(value: Any) -> torch.dtype | None:
-    if isinstance(value, torch.dtype):
-        return value
-    if isinstance(value, str):
-        d = getattr(torch, value.removeprefix("torch."), None)
-        return d if isinstance(d, torch.dtype) else None
-    return None
-
-
-def config_dtype(config: Any) -> torch.dtype | None:
-    """The dtype ``config`` names (``dtype``/``torch_dtype``, then ``text_config``'s), or ``None``."""
-    for cfg in (config, _get(config, "text_config")):
-        if cfg is None:
-            continue
-        for key in ("dtype", "torch_dtype"):
-            d = _as_dtype(_get(cfg, key))
-            if d is not None:
-                return d
-    return None
 
 
 def _level(d: torch.dtype) -> int:

@@ -28,10 +28,11 @@ import torch
 
 from ..experts import expert_name, group_expert_tensors
 from ..families import family_for
+from ..families.expand import expand
 from ..families.kinds import Geometry
 from ..families.quant import stack_expert_scales
 from ..families.table import Family
-from .destination import check_parallel, expand, is_rotary_cache
+from .destination import check_parallel, is_rotary_cache
 from .dtype import model_dtype
 from .names import DEFAULT_VLLM_VERSION, vllm_names
 from .placement import expert_placement
@@ -50,7 +51,7 @@ def _stack_experts(family: Family, tensors: Mapping[str, torch.Tensor]) -> dict[
     renamed to their wire name, as vLLM's ``RoutedExperts.load_weights``
     takes them whole. Tensors stored in another dim order than the wire's
     (``HFNaming.permuted``) are permuted into it, as the vLLM loader of
-    such a family does (GPT-OSS: ``permute(0, 2, 1)``).
+    such a family does (a ``permute`` of the order the family gives).
 
     Raises:
         ValueError: a MoE block lacking an expert or a part.

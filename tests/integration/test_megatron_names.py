@@ -1,4 +1,5 @@
-"""The families' ``MEGATRON_NAMES`` against Megatron-Bridge 0.6.2's own mapping registries.
+"""The Megatron name tables (``m2nkit.adapters.megatron.names``) against Megatron-Bridge 0.6.2's
+own mapping registries.
 
 Every Megatron-Core name a family lists (local and TransformerEngine spellings,
 at layer 3 and local expert 5) that Bridge's registry resolves must resolve to
@@ -37,14 +38,14 @@ def _stacked(hf: str) -> str:
 def test_megatron_names_resolve_like_bridge(arch):
     import importlib
 
-    from m2nkit.adapters.families import family
     from m2nkit.adapters.megatron.compat import enable_cpu
+    from m2nkit.adapters.megatron.names import megatron_names
 
     enable_cpu()
     mod, cls = BRIDGES[arch]
     registry = getattr(importlib.import_module(mod), cls)().mapping_registry()
     unresolved = []
-    for entry in family(arch).megatron_names:
+    for entry in megatron_names(arch):
         want = {p: w.replace("{L}", "3") for p, w in entry.wires.items()}
         for template in entry.megatron:
             name = template.replace("{L}", "3").replace("{i}", "5")

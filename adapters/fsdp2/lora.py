@@ -39,12 +39,13 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 
-from .fsdp2 import FSDP2SourceError, _live, _Param
-from .families.table import Family
+from ..families.table import Family
+from .errors import FSDP2SourceError
+from .params import Weight, is_dtensor, live
 
 __all__ = ["LoraMerge", "plan_lora_merge", "adapter_param_ids", "ADAPTER_SUBMODULES"]
 
@@ -72,8 +73,8 @@ class _Target:
     module: str                       # the LoRA layer's name (named_modules)
     layer: torch.nn.Module            # the peft LoraLayer
     adapters: tuple[str, ...]         # merged in this order
-    weight: _Param
-    bias: _Param | None               # merged too when an adapter has lora_bias
+    weight: Weight
+    bias: Weight | None               # merged too when an adapter has lora_bias
     gather: dict[tuple[str, str], bool] = field(default_factory=dict)  # (adapter, A|B|Bb)
 
 
@@ -86,7 +87,7 @@ class LoraMerge:
     gathered tensors after the round.
     """
 
-    def __init__(self, targets: Sequence[_Target], boxes: Callable[[_Param], dict | None]):
+    def __init__(self, targets: Sequence[_Target], boxes: Callable[[Weight], dict | None]):
         self._targets = tuple(targets)
         self._boxes = boxes
         self._full: dict[tuple[int, str, str], torch.Tensor] = {}
@@ -94,7 +95,7 @@ class LoraMerge:
         self._by_param.update({id(t.bias.param): (t, "bias") for t in self._targets
                                if t.bias is not None})
 
-    def merges(self, x: _Param) -> bool:
+    def merges(self, x: Weight) -> bool:
         """Whether wire tensor ``x`` is a base weight or bias this merge changes."""
         hit = self._by_param.get(id(x.param))
         return hit is not None and bool(hit[0].adapters) and (
@@ -112,7 +113,7 @@ class LoraMerge:
     def release(self) -> None:
         self._full = {}
 
-    def merged(self, x: _Param, local: torch.Tensor, rank: int) -> torch.Tensor:
+    def merged(self, x: Weight, local: torch.Tensor, rank: int) -> torch.Tensor:
         """``local`` (this rank's box of base weight or bias ``x``) with every adapter merged."""
         t, what = self._by_param[id(x.param)]
         boxes = self._boxes(x)
@@ -137,7 +138,7 @@ class LoraMerge:
         if t.gather[(a, part)]:
             return self._full[(id(t.layer), a, part)]
         mod, attr = _parts(t, a)[part]
-        return _live(mod, attr, f"{t.module}.{part}", _is_dtensor(getattr(mod, attr)))
+        return live(mod, attr, f"{t.module}.{part}", is_dtensor(getattr(mod, attr)))
 
 
 def _has_lora_bias(t: _Target) -> bool:
@@ -162,14 +163,8 @@ def _delta(B: torch.Tensor, A: torch.Tensor, scaling: float) -> torch.Tensor:
     return out.to(dtype) if cast else out
 
 
-def _is_dtensor(t: object) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
-
-
 def _full_tensor(p: torch.Tensor) -> torch.Tensor:
-    if not _is_dtensor(p):
+    if not is_dtensor(p):
         return p.detach()
     full = p.full_tensor()
     wait = getattr(full, "wait", None)  # AsyncCollectiveTensor
@@ -188,8 +183,8 @@ def adapter_param_ids(model: torch.nn.Module) -> set[int]:
     return ids
 
 
-def plan_lora_merge(model: torch.nn.Module, params: Sequence[_Param], family: Family,
-                    known: set[str], boxes: Callable[[_Param], dict | None]) -> LoraMerge | None:
+def plan_lora_merge(model: torch.nn.Module, params: Sequence[Weight], family: Family,
+                    known: set[str], boxes: Callable[[Weight], dict | None]) -> LoraMerge | None:
     """The merge of every LoRA layer of ``model`` (``None`` when it has none), checked.
 
     Args:
@@ -257,7 +252,7 @@ def plan_lora_merge(model: torch.nn.Module, params: Sequence[_Param], family: Fa
     return LoraMerge(targets, boxes)
 
 
-def _choose_gathers(t: _Target, boxes: Callable[[_Param], dict | None]) -> None:
+def _choose_gathers(t: _Target, boxes: Callable[[Weight], dict | None]) -> None:
     """Which of ``A``, ``B``, ``B.bias`` to gather: decided from every rank's boxes alike.
 
     ``A`` unless every rank holds it whole; ``B`` (``B.bias``) unless on every
@@ -269,8 +264,8 @@ def _choose_gathers(t: _Target, boxes: Callable[[_Param], dict | None]) -> None:
     for a in t.adapters:
         for part, (mod, attr) in _parts(t, a).items():
             p = getattr(mod, attr)
-            x = _Param(f"{t.module}.{part}", "", mod, attr, p)
-            mine = boxes(x) if _is_dtensor(p) else None
+            x = Weight(f"{t.module}.{part}", "", mod, attr, p)
+            mine = boxes(x) if is_dtensor(p) else None
             shape = tuple(int(n) for n in p.shape)
             whole = tuple((0, n) for n in shape)
             if mine is None:

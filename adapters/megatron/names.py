@@ -1,0 +1,143 @@
+"""Megatron-Core parameter names -> wire tensors: one table per model family.
+
+A Megatron-Core ``GPTModel`` names its tensors its own way
+(``decoder.layers.{L}.self_attention.linear_qkv.weight``) and fuses some
+(``linear_qkv``: q, k and v; ``linear_fc1``: gate and up); the wire carries
+Hugging Face tensors. Each row here (:class:`~.layout.MegatronName`) says which
+wire tensor(s) one Megatron tensor holds and by which split
+(:mod:`.layout`), so the live source, the ``megatron:`` dry-run spec and
+the Bridge checks read one table.
+
+The tables live with the Megatron adapter, which imports the families for
+their HF names (``m2nkit.adapters.families.llama``: ``ATTENTION``, ``MLP``),
+never the reverse: a family module knows nothing of Megatron. The split
+kinds are the families' (``REPLICATED``, ``ROW``, ``VOCAB``, ``QKV`` of
+``m2nkit.adapters.families.kinds``) plus the splits only Megatron makes
+(``GATED_FC1``, ``EXPERT_FC1``, ``EXPERT_FC2`` of :mod:`.layout`).
+
+Families with a table: Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral (the
+families Megatron-Bridge 0.6.2 builds with these names:
+``LlamaBridge``, ``Qwen2Bridge``, ``Qwen3Bridge``, ``Qwen3MoEBridge``,
+``MixtralBridge`` ``mapping_registry``; ``tests/integration/test_megatron_names.py``
+holds them against Bridge's registries). The others (GPT-OSS, Gemma 2/3,
+DeepSeek-V3) have none yet: a Megatron trainer of them is refused with a
+message naming the families that have one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..families.kinds import QKV, REPLICATED, ROW, VOCAB
+from ..families.llama import ATTENTION, MLP
+from .layout import EXPERT_FC1, EXPERT_FC2, GATED_FC1, MegatronName
+
+__all__ = ["gpt_model_names", "LLAMA", "QWEN2", "QWEN3", "QWEN3_MOE", "MIXTRAL",
+           "MEGATRON_NAMES", "megatron_names", "table_name"]
+
+
+def gpt_model_names(*, qk_norm: bool = False, mlp: str | None = MLP,
+                    moe: str | None = None) -> tuple[MegatronName, ...]:
+    """Megatron-Core ``GPTModel`` names -> wire tensors, for Llama and the families built on it.
+
+    Local layer spec names first, TransformerEngine spec names second
+    (megatron-core ``models/gpt/gpt_layer_specs.py``; the same pairs as
+    Megatron-Bridge's ``LlamaBridge``/``Qwen3Bridge``/``Qwen3MoEBridge``
+    ``mapping_registry``). ``{L}`` is the layer index in the Megatron
+    name (local to a pipeline chunk) and the global layer in the wire name;
+    the live source maps one to the other through each layer's
+    ``layer_number``. Biases (``linear_qkv.bias``: Megatron ``add_qkv_bias``;
+    ``linear_proj.bias``, ``linear_fc1/fc2.bias``: ``add_bias_linear``) are
+    listed and sent when the model has them.
+
+    Args:
+        qk_norm: Qwen3's ``q_norm``/``k_norm`` (Megatron ``q_layernorm``/``k_layernorm``).
+        mlp: HF prefix of a dense layer's MLP (``None``: no dense layers).
+        moe: HF prefix of a MoE layer's block (``model.layers.{L}.mlp``;
+            Mixtral ``model.layers.{L}.block_sparse_moe``): router and stacked
+            experts (``SequentialMLP`` ``local_experts.{i}``, ``TEGroupedMLP``
+            ``weight{i}``).
+    """
+    N = MegatronName
+    A = ATTENTION
+    d = "decoder.layers.{L}"
+    at = f"{d}.self_attention"
+    qkv = {p: f"{A}.{p}_proj.weight" for p in "qkv"}
+    out = [
+        N("embedding.word_embeddings.weight", VOCAB, "model.embed_tokens.weight"),
+        N((f"{d}.input_layernorm.weight", f"{at}.linear_qkv.layer_norm_weight"), REPLICATED,
+          "model.layers.{L}.input_layernorm.weight", norm=True),
+        N(f"{at}.linear_qkv.weight", QKV, qkv),
+        N(f"{at}.linear_qkv.bias", QKV, {p: f"{A}.{p}_proj.bias" for p in "qkv"}),
+    ]
+    if qk_norm:
+        out += [N(f"{at}.q_layernorm.weight", REPLICATED, f"{A}.q_norm.weight", norm=True),
+                N(f"{at}.k_layernorm.weight", REPLICATED, f"{A}.k_norm.weight", norm=True)]
+    out += [
+        N(f"{at}.linear_proj.weight", ROW, f"{A}.o_proj.weight"),
+        N(f"{at}.linear_proj.bias", REPLICATED, f"{A}.o_proj.bias"),
+        N((f"{d}.pre_mlp_layernorm.weight", f"{d}.mlp.linear_fc1.layer_norm_weight"), REPLICATED,
+          "model.layers.{L}.post_attention_layernorm.weight", norm=True),
+    ]
+    if mlp is not None:
+        out += [
+            N(f"{d}.mlp.linear_fc1.weight", GATED_FC1,
+              {"gate": f"{mlp}.gate_proj.weight", "up": f"{mlp}.up_proj.weight"}),
+            N(f"{d}.mlp.linear_fc1.bias", GATED_FC1,
+              {"gate": f"{mlp}.gate_proj.bias", "up": f"{mlp}.up_proj.bias"}),
+            N(f"{d}.mlp.linear_fc2.weight", ROW, f"{mlp}.down_proj.weight"),
+            N(f"{d}.mlp.linear_fc2.bias", REPLICATED, f"{mlp}.down_proj.bias"),
+        ]
+    if moe is not None:
+        ex = f"{d}.mlp.experts"
+        out += [
+            N(f"{d}.mlp.router.weight", REPLICATED, f"{moe}.gate.weight"),
+            N((f"{ex}.local_experts.{{i}}.linear_fc1.weight", f"{ex}.linear_fc1.weight{{i}}"),
+              EXPERT_FC1, f"{moe}.experts.gate_up_proj.weight"),
+            N((f"{ex}.local_experts.{{i}}.linear_fc2.weight", f"{ex}.linear_fc2.weight{{i}}"),
+              EXPERT_FC2, f"{moe}.experts.down_proj.weight"),
+        ]
+    out += [
+        N("decoder.final_layernorm.weight", REPLICATED, "model.norm.weight", norm=True),
+        N("output_layer.weight", VOCAB, "lm_head.weight"),
+    ]
+    return tuple(out)
+
+
+#: Llama (Megatron-Bridge ``LlamaBridge``).
+LLAMA = gpt_model_names()
+#: Qwen2: Llama's; its q/k/v biases are ``linear_qkv.bias`` (Megatron
+#: ``add_qkv_bias``; Megatron-Bridge ``Qwen2Bridge``).
+QWEN2 = gpt_model_names()
+#: Qwen3: Llama's plus ``q_layernorm``/``k_layernorm`` (Megatron-Bridge ``Qwen3Bridge``).
+QWEN3 = gpt_model_names(qk_norm=True)
+#: Qwen3-MoE: Qwen3's attention, MoE layers' router and stacked experts, dense
+#: layers' (``mlp_only_layers``) gated MLP (Megatron-Bridge ``Qwen3MoEBridge``).
+QWEN3_MOE = gpt_model_names(qk_norm=True, moe=MLP)
+#: Mixtral: Llama's attention, every layer a MoE block ``block_sparse_moe``
+#: (Megatron-Bridge ``MixtralBridge``).
+MIXTRAL = gpt_model_names(mlp=None, moe="model.layers.{L}.block_sparse_moe")
+
+#: ``config.architectures[0]`` -> the name of its table in this module.
+_TABLES = {
+    "LlamaForCausalLM": "LLAMA",
+    "Qwen2ForCausalLM": "QWEN2",
+    "Qwen3ForCausalLM": "QWEN3",
+    "Qwen3MoeForCausalLM": "QWEN3_MOE",
+    "MixtralForCausalLM": "MIXTRAL",
+}
+
+#: ``config.architectures[0]`` -> its Megatron-Core names; a family absent has none.
+MEGATRON_NAMES: dict[str, tuple[MegatronName, ...]] = {a: globals()[t] for a, t in _TABLES.items()}
+
+
+def megatron_names(family: Any) -> tuple[MegatronName, ...]:
+    """The Megatron-Core names of ``family`` (a ``Family`` or an architecture); ``()``: none."""
+    return MEGATRON_NAMES.get(getattr(family, "architecture", family), ())
+
+
+def table_name(family: Any) -> str:
+    """Where ``family``'s table is, for messages (``m2nkit.adapters.megatron.names.QWEN3``);
+    for a family without one, this module."""
+    table = _TABLES.get(getattr(family, "architecture", family))
+    return f"{__name__}.{table}" if table else __name__
