@@ -82,6 +82,31 @@ def test_layout_equals_reference_with_dp(model, tp, dp, ep):
             assert t.dtype == ref[name].dtype and torch.equal(_bits(t), _bits(ref[name])), name
 
 
+@pytest.mark.parametrize("model", ["tiny-deepseek-v3", "tiny-deepseek-v3-fp8"])
+@pytest.mark.parametrize("spec,whole", [
+    ("vllm:tp=2,dp=2,ep", True),                               # sequence-parallel MoE
+    ("vllm:tp=2,dp=2,ep,all2all=flashinfer_all2allv", False),  # a backend that is not
+    ("vllm:tp=2,dp=2", False),                                 # no EP
+    ("vllm:tp=2,ep", False),                                   # dp = 1
+])
+def test_shared_experts_are_whole_under_sequence_parallel_moe(model, spec, whole):
+    # vLLM 0.33.0 builds DeepseekV2MoE's shared experts with disable_tp when
+    # ParallelConfig.use_sequence_parallel_moe (default all2all backend, EP,
+    # tp > 1, dp > 1): the table missed it until the traced layout
+    # (tests/integration/test_vllm_trace.py) disagreed.
+    ck = _ckpt(model)
+    cfg = _config(model)
+    H, Is = cfg["hidden_size"], cfg["moe_intermediate_size"] * cfg["n_shared_experts"]
+    layout = destination_layout(ck.config, ck.params, spec)
+    shapes = {(p.worker, p.name): p.shape for p in layout.params}
+    gate_up = "model.layers.1.mlp.shared_experts.gate_up_proj.weight"
+    down = "model.layers.1.mlp.shared_experts.down_proj.weight"
+    split = 1 if whole else 2                                  # tp = 2
+    for w in range(layout.num_workers):
+        assert shapes[(w, gate_up)] == (2 * Is // split, H)
+        assert shapes[(w, down)] == (H, Is // split)
+
+
 def test_fp8_and_bf16_params_as_vllm_allocates_them():
     """fp8 weights + fp32 scales where vLLM quantizes; router, norms, embeddings in bf16;
     e_score_correction_bias fp32 in both (vLLM DeepseekV2MoE)."""

@@ -77,7 +77,8 @@ from typing import Any
 
 import torch
 
-from .kinds import COLUMN, MERGED, REPLICATED, REPLICATED_MERGED, ROW, VOCAB, W13, W2
+from .kinds import (COLUMN, MERGED, REPLICATED, REPLICATED_MERGED, ROW, SHARED_MERGED, SHARED_ROW,
+                    VOCAB, W13, W2)
 from .sizes import Sizes, base_sizes, cfg_get
 from .table import (TRANSFORMERS_FUSED_EXPERTS, Family, HFNaming, Param, SkippedLayers, TinyModel,
                     alias, kv_heads, merged_feeds)
@@ -176,11 +177,12 @@ VLLM_PARAMS: tuple[Param, ...] = (
           dtype=torch.float32,
           aliases=(f"{M}.experts.gate.e_score_correction_bias",
                    f"{M}.{{experts}}.e_score_correction_bias")),
-    Param(f"{M}.shared_experts.gate_up_proj.weight", MERGED, ("Is", "H"), when="shared_experts",
+    Param(f"{M}.shared_experts.gate_up_proj.weight", SHARED_MERGED, ("Is", "H"),
+          when="shared_experts",
           feeds=merged_feeds(f"{M}.shared_experts.gate_proj.weight",
                              f"{M}.shared_experts.up_proj.weight"),
           aliases=(f"{SHARED_ALIAS}.gate_up_proj.weight",), quantized=True),
-    Param(f"{M}.shared_experts.down_proj.weight", ROW, ("H", "Is"), when="shared_experts",
+    Param(f"{M}.shared_experts.down_proj.weight", SHARED_ROW, ("H", "Is"), when="shared_experts",
           aliases=(f"{SHARED_ALIAS}.down_proj.weight",), quantized=True),
     Param(f"{M}.{{experts}}.w13_weight", W13, ("E", "2*Im", "H"), when="moe_layer",
           feeds=((f"{M}.experts.gate_up_proj.weight", None),), quantized=True),

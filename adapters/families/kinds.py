@@ -52,7 +52,7 @@ parser reaches it before any tensor exists).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # annotations only: importing the kinds pulls in no torch (the
@@ -66,7 +66,7 @@ __all__ = [
     "ExpertsRows", "ExpertsBiasOnce", "EXPERT_ROWS", "EXPERT_BIAS_ONCE",
     "ReplicatedMerged",
     "REPLICATED", "COLUMN", "ROW", "QKV", "MERGED", "VOCAB", "W13", "W2",
-    "REPLICATED_MERGED", "KINDS",
+    "REPLICATED_MERGED", "KINDS", "SHARED_MERGED", "SHARED_ROW", "SEQUENCE_PARALLEL_ALL2ALL",
 ]
 
 #: vLLM pads the vocab of VocabParallelEmbedding/ParallelLMHead to a multiple
@@ -76,6 +76,16 @@ VOCAB_PADDING = 64
 Box = tuple[tuple[int, int], ...]
 #: ``(box of the wire tensor, offset of its first element in the local parameter)``.
 Placed = tuple[Box, tuple[int, ...]]
+
+
+#: vLLM 0.33.0 all2all backends that run MoE sequence-parallel with EP, tp > 1 and
+#: dp > 1 (``ParallelConfig.use_sequence_parallel_moe``, ``vllm/config/parallel.py``),
+#: plus ``naive`` and ``pplx``, which vLLM replaces by ``allgather_reducescatter``
+#: (``ParallelConfig.__post_init__``).
+SEQUENCE_PARALLEL_ALL2ALL = frozenset({
+    "allgather_reducescatter", "deepep_high_throughput", "deepep_low_latency", "deepep_v2",
+    "flashinfer_nvlink_one_sided", "passthrough", "mori_high_throughput", "mori_low_latency",
+    "nixl_ep", "naive", "pplx"})
 
 
 def padded_vocab(V: int) -> int:
@@ -110,6 +120,12 @@ class Geometry:
         im_local: ``Im/moe_tp`` rows of gate (and of up) per expert.
         sizes: the model sizes the geometry was made from (for kinds whose
             parts are sized by family symbols, :class:`ReplicatedMerged`).
+        sequence_parallel_moe: vLLM runs its MoE blocks sequence-parallel
+            (``ParallelConfig.use_sequence_parallel_moe``, vLLM 0.33.0
+            ``vllm/config/parallel.py``: an all2all backend of
+            :data:`SEQUENCE_PARALLEL_ALL2ALL`, expert parallelism, tp > 1 and
+            dp > 1); the dense layers inside a MoE block are then built
+            unsharded (:class:`SharedExperts`).
     """
 
     worker: int
@@ -132,14 +148,16 @@ class Geometry:
     experts: range
     im_local: int
     sizes: Sizes | None = None
+    sequence_parallel_moe: bool = False
 
     @classmethod
     def of(cls, s: Sizes, tp: int, dp: int, ep: bool, worker: int,
-           placement: str = "linear") -> "Geometry":
+           placement: str = "linear", all2all: str = "allgather_reducescatter") -> "Geometry":
         """The geometry of ``worker`` for model sizes ``s`` and vLLM ``tp``/``dp``/``ep``.
 
         ``placement`` is the expert placement in effect (``"linear"`` or
-        ``"round_robin"``; only read with EP).
+        ``"round_robin"``; only read with EP); ``all2all`` vLLM's
+        ``all2all_backend`` (only whether it runs MoE sequence-parallel).
         """
         W = tp * dp
         if tp >= s.nkv:
@@ -158,6 +176,8 @@ class Geometry:
             V=s.V, vocab_per=padded_vocab(s.V) // tp, H=s.H, E=s.E, Im=s.Im,
             moe_tp=moe_tp, moe_rank=moe_rank, experts=experts, im_local=s.Im // moe_tp,
             sizes=s,
+            sequence_parallel_moe=(all2all in SEQUENCE_PARALLEL_ALL2ALL and bool(ep)
+                                   and tp > 1 and dp > 1),
         )
 
     @property
@@ -709,6 +729,47 @@ EXPERT_BIAS_ONCE = ExpertsBiasOnce()
 REPLICATED_MERGED = ReplicatedMerged()
 
 #: Every shard kind, by name.
+class _SharedExperts:
+    """A dense layer inside a MoE block: split by tp, or whole under sequence-parallel MoE.
+
+    vLLM 0.33.0 builds DeepSeek-V2/V3's shared experts with
+    ``disable_tp=is_sequence_parallel`` (``models/deepseek_v2.py``,
+    ``DeepseekV2MoE.__init__`` -> ``DeepseekV2MLP``), where
+    ``is_sequence_parallel = parallel_config.use_sequence_parallel_moe``:
+    then every worker holds the whole layer. Otherwise the parent kind
+    (merged column or row parallel) applies. Found by comparing the table
+    with vLLM's traced loaders (``adapters/vllm/trace.py``).
+    """
+
+    def _g(self, g: "Geometry") -> "Geometry":
+        return replace(g, tp=1, tp_rank=0) if g.sequence_parallel_moe else g
+
+    def local_shape(self, dims, parts, g):
+        return super().local_shape(dims, parts, self._g(g))
+
+    def boxes(self, shape, part, g):
+        return super().boxes(shape, part, self._g(g))
+
+    def load(self, param, wire, part, g):
+        return super().load(param, wire, part, self._g(g))
+
+
+class SharedMerged(_SharedExperts, Merged):
+    __doc__ = _SharedExperts.__doc__
+    name = "shared_merged"
+    source = "vllm models/deepseek_v2.py DeepseekV2MoE shared_experts (MergedColumnParallelLinear)"
+
+
+class SharedRow(_SharedExperts, Row):
+    __doc__ = _SharedExperts.__doc__
+    name = "shared_row"
+    source = "vllm models/deepseek_v2.py DeepseekV2MoE shared_experts (RowParallelLinear)"
+
+
+SHARED_MERGED = SharedMerged()
+SHARED_ROW = SharedRow()
+
 KINDS: dict[str, Kind] = {k.name: k for k in (REPLICATED, COLUMN, ROW, QKV, MERGED, VOCAB, W13, W2,
+                                              SHARED_MERGED, SHARED_ROW,
                                               REPLICATED_MERGED,
                                               EXPERT_ROWS, EXPERT_BIAS_ONCE)}

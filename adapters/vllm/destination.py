@@ -192,7 +192,8 @@ def destination_layout(
     check_parallel(family, s, ex, spec)
     W, tp = spec.num_workers, spec.tp
     placement = expert_placement(family, config, spec)
-    geo = [Geometry.of(s, tp, spec.dp, spec.ep, w, placement.strategy) for w in range(W)]
+    geo = [Geometry.of(s, tp, spec.dp, spec.ep, w, placement.strategy, spec.all2all)
+           for w in range(W)]
 
     bindings: dict[str, tuple[Binding, ...]] = {}
     placed_by_entry: dict[tuple, tuple] = {}   # (table entry, part) -> (wire shape, boxes per worker)

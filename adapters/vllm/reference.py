@@ -134,7 +134,7 @@ def reference_load(
     ex = expand(family, config, s, vllm_names(vllm_version))
     check_parallel(family, s, ex, spec)
     placement = expert_placement(family, config, spec).strategy
-    g = Geometry.of(s, spec.tp, spec.dp, spec.ep, worker, placement)
+    g = Geometry.of(s, spec.tp, spec.dp, spec.ep, worker, placement, spec.all2all)
     dtype = model_dtype(config, spec.dtype, (t.dtype for t in checkpoint_tensors.values())).dtype
     params = {
         name: torch.full(p.kind.local_shape(s.resolve(p.dims), len(p.feeds), g), fill,

@@ -35,6 +35,7 @@ takes whole (``layers/fused_moe/routed_experts.py``, ``load_weights``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -336,13 +337,17 @@ def per_expert_feeds(meta: ParamMeta, patterns: dict[str, str]) -> list[Feed] | 
     from ..families.table import TRANSFORMERS_FUSED_EXPERTS
 
     for leaf, parts in TRANSFORMERS_FUSED_EXPERTS.values():
-        if not meta.name.endswith("." + leaf) or any(p not in patterns for p in parts):
+        stem = leaf.removesuffix(".weight")
+        # the weight, or its fp8 block scales (``weight_scale_inv``), stacked alike
+        suffix = next((x for x in (".weight", ".weight_scale_inv")
+                       if meta.name.endswith("." + stem + x)), None)
+        if suffix is None or any(p not in patterns for p in parts) or len(meta.shape) != 3:
             continue
-        prefix = meta.name[: -len("." + leaf)].removesuffix(".experts")
+        prefix = meta.name[: -len("." + stem + suffix)].removesuffix(".experts")
         E, rows, cols = meta.shape
         R = rows // len(parts)
-        return [Feed(expert_name(patterns[part], prefix, e), meta, (R, cols), (e, k * R, 0),
-                     (1, 2))
+        return [Feed(expert_name(patterns[part], prefix, e).removesuffix(".weight") + suffix,
+                     meta, (R, cols), (e, k * R, 0), (1, 2))
                 for e in range(E) for k, part in enumerate(parts)]
     return None
 
@@ -397,9 +402,9 @@ def trace_worker(model: torch.nn.Module, feeds: Sequence[Feed],
         raise TraceError(f"{type(model).__name__}: vLLM's loaders cannot be traced: {e}") \
             from None
     except (RuntimeError, KeyError, AttributeError, ValueError, IndexError) as e:
-        # A loader that needs data or a checkpoint layout the wire does not
-        # have (GPT-OSS's loader reads its stacked experts in the on-disk
-        # [E, in, out] order): no trace, never a guess.
+        # A loader that needs data, or a checkpoint layout the wire does not
+        # have (stacked experts read in an on-disk dim order other than the
+        # wire's): no trace, never a guess.
         raise TraceError(f"{type(model).__name__}: vLLM's load_weights failed on the fake "
                          f"wire tensors ({type(e).__name__}: {e}); use the family table "
                          "(--layout tables)") from None
@@ -469,8 +474,6 @@ def merge_copies(copies: Iterable[TracedCopy]) -> list[TracedCopy]:
 
 def _config_context(vllm_config):
     if vllm_config is None:
-        import contextlib
-
         return contextlib.nullcontext()
     from vllm.config import set_current_vllm_config
 
@@ -528,10 +531,34 @@ def _build_meta_model(config_dir: str, spec: InferenceSpec, worker: int):
     vllm_config = VllmConfig(model_config=model_config, parallel_config=parallel,
                              device_config=DeviceConfig(device="cpu"),
                              load_config=LoadConfig(load_format="safetensors"))
-    with set_current_vllm_config(vllm_config):
+    with set_current_vllm_config(vllm_config), _no_fp8_kernel_choice():
         with set_default_torch_dtype(model_config.dtype), torch.device("meta"):
             model = initialize_model(vllm_config=vllm_config)
     return model, vllm_config
+
+
+@contextlib.contextmanager
+def _no_fp8_kernel_choice():
+    """Build fp8 layers without choosing their matmul kernel (the trace never multiplies).
+
+    vLLM 0.33.0's ``Fp8LinearMethod.create_weights``
+    (``layers/quantization/fp8.py``) asks ``init_fp8_linear_kernel`` for a
+    kernel after it made the parameters and their loaders; on a CPU without
+    AMX tiles every candidate declines and it raises. The answer decides
+    only how a forward pass multiplies, so for the meta build it is ``None``;
+    the module attribute is restored on exit.
+    """
+    try:
+        import vllm.model_executor.layers.quantization.fp8 as fp8
+    except ImportError:
+        yield
+        return
+    original = fp8.init_fp8_linear_kernel
+    fp8.init_fp8_linear_kernel = lambda **kwargs: None
+    try:
+        yield
+    finally:
+        fp8.init_fp8_linear_kernel = original
 
 
 def trace_destination(config: Any, wire: Sequence[ParamMeta],
@@ -570,8 +597,8 @@ def trace_destination(config: Any, wire: Sequence[ParamMeta],
         for w in range(spec.num_workers):
             model, vllm_config = _build_meta_model(config_dir, spec, w)
             # Stacked experts go in as the per-expert tensors a checkpoint
-            # holds where the family table names them (vLLM's DeepSeek-V3
-            # loader has no fused-name path), else under the fused name.
+            # holds where a family table names them (not every vLLM loader
+            # has a fused-name path), else under the fused name.
             feeds = [f for m in wire for f in (per_expert_feeds(m, experts) or [Feed.whole(m)])]
             copies, touched = trace_worker(model, feeds, vllm_config)
             copies = merge_copies(copies)

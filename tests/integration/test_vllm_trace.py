@@ -99,7 +99,7 @@ def _canonical(layout):
 MATRIX = [(m, s) for m in ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-tied",
                            "tiny-gemma2", "tiny-gemma3")
           for s in ("vllm:tp=1", "vllm:tp=2", "vllm:tp=4", "vllm:tp=8", "vllm:tp=2,dp=2")] + \
-         [(m, s) for m in ("tiny-qwen3-moe", "tiny-mixtral", "tiny-deepseek-v3",
+         [(m, s) for m in ("tiny-qwen3-moe", "tiny-mixtral", "tiny-deepseek-v3", "tiny-deepseek-v3-fp8",
                            "tiny-deepseek-v3-no-q-lora", "tiny-qwen3-moe-e10")
           for s in ("vllm:tp=1", "vllm:tp=2", "vllm:tp=4", "vllm:tp=8", "vllm:tp=2,ep",
                     "vllm:tp=4,ep", "vllm:tp=8,ep", "vllm:tp=2,dp=2", "vllm:tp=2,dp=2,ep")]
