@@ -269,7 +269,7 @@ def main() -> None:
     from transformers import AutoConfig
 
     from m2nkit.adapters.vllm import reference_load
-    from m2nkit.engine.local import bitwise_equal
+    from m2nkit.engine.in_process import bitwise_equal
     from m2nkit.engine.tools.demo import free_port, wait_reports
     from m2nkit.engine.tools.server import InferenceServer
 

@@ -125,10 +125,10 @@ def _run_rank(rank: int, cfg: dict) -> dict:
 
     from m2nkit.adapters.hf_checkpoint import checkpoint_metas, full_checkpoint_tensors, read_checkpoint
     from m2nkit.adapters.vllm import reference_load, vllm_destination
-    from m2nkit.engine.local import allocate_storage, bitwise_equal
+    from m2nkit.engine.in_process import allocate_storage, bitwise_equal
     from m2nkit.engine.session import plan_from_manifest
-    from m2nkit.engine.transports.torch_p2p import (BucketSchedule, agree_on_plan, create_group,
-                                                    wait_work)
+    from m2nkit.engine.control import agree_on_plan, create_group, wait_work
+    from m2nkit.engine.transports.torch_p2p import BucketSchedule
     from m2nkit.manifest.serialize import manifest_to_json
 
     hf_logging.set_verbosity_error()
@@ -272,7 +272,7 @@ def _send_gathered(method: str, group, plan, rank: int, model, source, timeout_s
     import torch
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from m2nkit.engine.transports.torch_p2p import wait_work
+    from m2nkit.engine.control import wait_work
 
     T, N = plan.num_trainer_ranks, plan.num_workers
     params = dict(model.named_parameters())

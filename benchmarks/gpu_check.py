@@ -121,7 +121,7 @@ def _compare(ck, ispec, plan, worker: int, storage) -> list[str]:
     """Names of this worker's parameters that differ from vLLM's loaders."""
     from m2nkit.adapters.hf_checkpoint import full_checkpoint_tensors
     from m2nkit.adapters.vllm import reference_load
-    from m2nkit.engine.local import bitwise_equal
+    from m2nkit.engine.in_process import bitwise_equal
 
     ref = reference_load(ck.config, full_checkpoint_tensors(ck), ispec, worker)
     got = {k: v.cpu() for k, v in storage.items()}
@@ -138,8 +138,9 @@ def _simulate(ck, tspec, ispec, plan, calls) -> list[str]:
     """Move every m2n wire as its descriptors say and the rest by slabs, in one
     process; return the (worker, param) pairs that differ from vLLM's loaders."""
     from m2nkit.adapters.hf_checkpoint import checkpoint_manifest
-    from m2nkit.engine.local import allocate_storage, execute_plan
-    from m2nkit.engine.transports.nccl_m2n import destination_view, sub_plan
+    from m2nkit.engine.in_process import allocate_storage, execute_plan
+    from m2nkit.engine.transports.nccl_m2n_rules import sub_plan
+    from m2nkit.engine.transports.nccl_m2n_runtime import destination_view
 
     T, N = plan.num_trainer_ranks, plan.num_workers
     storage = {w: allocate_storage(plan.destination, w) for w in range(N)}
@@ -163,8 +164,13 @@ def dry_run(ckpt_dir: str, scenarios, m2n=None) -> bool:
     not import: then no descriptor is built and every tensor, the m2n ones
     included, is moved slab by slab for the byte check.
     """
-    from m2nkit.engine.transports.nccl_m2n import (CARRIER_M2N, CARRIER_P2P, m2n_descriptors,
-                                                   plan_segments, wire_carrier)
+    from m2nkit.engine.transports.nccl_m2n_rules import (
+        CARRIER_M2N,
+        CARRIER_P2P,
+        plan_segments,
+        wire_carrier,
+    )
+    from m2nkit.engine.transports.nccl_m2n_runtime import m2n_descriptors
 
     ok = True
     rows = []
@@ -209,15 +215,16 @@ def _rank_main(cfg: dict) -> None:
         import torch
 
         from m2nkit.adapters.hf_checkpoint import checkpoint_manifest
-        from m2nkit.engine.local import allocate_storage
+        from m2nkit.engine.control import create_group
+        from m2nkit.engine.in_process import allocate_storage
         from m2nkit.engine.transports import torch_p2p
         from m2nkit.engine.transports.nccl_m2n import NcclM2NTransport
 
         tspec, ispec = _parse_scenario(cfg["scenario"])
         dev = torch.device("cuda", cfg["device"])
         torch.cuda.set_device(dev)
-        store, group = torch_p2p.create_group("127.0.0.1", cfg["port"], rank, world,
-                                              timeout_s=cfg["timeout"], backend="nccl")
+        store, group = create_group("127.0.0.1", cfg["port"], rank, world,
+                                    timeout_s=cfg["timeout"], backend="nccl")
         ck, plan = _build(cfg["ckpt"], tspec, ispec)
         T = plan.num_trainer_ranks
         transport = NcclM2NTransport.connect(store, group, rank, world, device=dev,
@@ -331,7 +338,7 @@ def gpu_run(ckpt_dir: str, scenarios, args, end: float | None = None) -> bool:
 
     import torch
 
-    from m2nkit.engine.transports.nccl_m2n import import_nccl_m2n
+    from m2nkit.engine.transports.nccl_m2n_runtime import import_nccl_m2n
 
     gpus = torch.cuda.device_count()
     m2n, core = import_nccl_m2n()
@@ -411,7 +418,7 @@ SERVE_PROMPT = "t17 t3 t101 t42 t7 t250 t9 t64"
 SERVE_MAX_TOKENS = 16
 #: vLLM's flag value selecting the plugin's backend (``vllm/config/weight_transfer.py``).
 WEIGHT_TRANSFER_CONFIG = '{"backend": "m2nkit"}'
-PLUGIN_ENTRY_POINT = ("m2nkit", "m2nkit.adapters.vllm.plugin:register")
+PLUGIN_ENTRY_POINT = ("m2nkit", "m2nkit.engine.plugins.vllm:register")
 
 
 def write_word_tokenizer(out_dir: Path, vocab_size: int):
@@ -887,7 +894,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     from m2nkit.adapters.tiny import BUILTIN_TINY_MODELS, save_tiny_checkpoint
-    from m2nkit.engine.transports.nccl_m2n import NcclM2NUnavailableError, import_nccl_m2n
+    from m2nkit.engine.transports.nccl_m2n_runtime import NcclM2NUnavailableError, import_nccl_m2n
 
     if args.model not in BUILTIN_TINY_MODELS:
         p.error(f"--model {args.model!r} is not a built-in tiny model; choose from "

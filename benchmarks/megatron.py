@@ -110,7 +110,7 @@ def _export_trainer(ctx) -> dict:
     """Bridge's export on every rank; rank 0 sends each full wire tensor to every worker."""
     import torch
 
-    from m2nkit.engine.transports.torch_p2p import wait_work
+    from m2nkit.engine.control import wait_work
 
     index = {wp.name: wi for wi, wp in enumerate(ctx.plan.wires)}
     pending: dict[str, dict] = {}
@@ -157,7 +157,7 @@ def _export_worker(ctx) -> dict:
     """Every wire tensor in full from trainer rank 0, in whatever order it comes; keep the boxes."""
     import torch
 
-    from m2nkit.engine.transports.torch_p2p import wait_work
+    from m2nkit.engine.control import wait_work
     from m2nkit.manifest.pieces import box_slices
 
     worker = ctx.rank - ctx.T
@@ -278,10 +278,10 @@ def _run_rank(rank: int, cfg: dict) -> dict:
     from m2nkit.adapters.hf_checkpoint import (checkpoint_metas, full_checkpoint_tensors,
                                                read_checkpoint)
     from m2nkit.adapters.vllm import reference_load, vllm_destination
-    from m2nkit.engine.local import allocate_storage, bitwise_equal
+    from m2nkit.engine.in_process import allocate_storage, bitwise_equal
     from m2nkit.engine.session import plan_from_manifest
-    from m2nkit.engine.transports.torch_p2p import (BucketSchedule, agree_on_plan, create_group,
-                                                    wait_work)
+    from m2nkit.engine.control import agree_on_plan, create_group, wait_work
+    from m2nkit.engine.transports.torch_p2p import BucketSchedule
     from m2nkit.manifest.serialize import manifest_to_json
 
     T, N, timeout_s = cfg["T"], cfg["N"], cfg["timeout_s"]

@@ -146,10 +146,10 @@ def _run_rank(method: str, rank: int, cfg: dict) -> dict:
     from m2nkit.adapters.trainer_spec import parse_trainer_spec
     from m2nkit.engine.tools.baseline import (create_trainer_group, gather_then_broadcast_round,
                                         raw_floor_buffers, raw_floor_round)
-    from m2nkit.engine.local import allocate_storage, bitwise_equal
+    from m2nkit.engine.in_process import allocate_storage, bitwise_equal
     from m2nkit.engine.session import plan_from_manifest
-    from m2nkit.engine.transports.torch_p2p import (BucketSchedule, agree_on_plan, wait_work,
-                                                    create_group, recv_round, send_round)
+    from m2nkit.engine.control import agree_on_plan, create_group, wait_work
+    from m2nkit.engine.transports.torch_p2p import BucketSchedule, recv_round, send_round
     from m2nkit.manifest.serialize import manifest_to_json
 
     phases["imports"] = time.time()

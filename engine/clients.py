@@ -41,7 +41,7 @@ import urllib.error
 import urllib.request
 from typing import Any, Callable, Sequence
 
-from m2nkit.engine.transports.torch_p2p import PlanMismatchError
+from m2nkit.engine.control import PlanMismatchError
 from m2nkit.manifest.protocol import WeightTransferUpdatePayload
 
 __all__ = ["WeightSyncError", "InProcessClient", "HTTPClient", "error_status"]

@@ -1,4 +1,4 @@
-"""The worker-side receiver: one vLLM worker's end of a ``torch_p2p`` session.
+"""The worker-side receiver: one vLLM worker's end of a transfer session.
 
 A receiver owns one worker's live vLLM-layout storage and commits a version
 only for a *complete* round. Two modes (``mode=``):
@@ -60,26 +60,24 @@ from typing import Any, ClassVar
 
 import torch
 
-from m2nkit.engine.deadline import Deadline
-from m2nkit.engine.plan import Plan
-from m2nkit.engine.session import (
-    DestinationBuilder,
-    InitPayload,
-    check_destination,
-    open_transport,
-    plan_from_manifest,
-)
-from m2nkit.engine.transports.torch_p2p import (
-    BucketSchedule,
-    BufferPool,
+from m2nkit.engine.control import (
     PlanMismatchError,
     TransferError,
     agree_on_plan,
     create_group,
     finish_round,
-    recv_round,
     refuse_rendezvous,
+    release_group,
 )
+from m2nkit.engine.deadline import Deadline
+from m2nkit.engine.plan_types import Plan
+from m2nkit.engine.session import (
+    DestinationBuilder,
+    InitPayload,
+    check_destination,
+    plan_from_manifest,
+)
+from m2nkit.engine.transports.registry import open_transport
 from m2nkit.manifest.destination import DestinationLayout
 from m2nkit.manifest.protocol import WeightTransferEngine, WeightTransferUpdateInfo
 
@@ -215,7 +213,7 @@ def _check_target(module: Any, plan: Plan, worker: int) -> None:
 
 
 class M2NReceiver(WeightTransferEngine):
-    """One vLLM worker's receiver for ``torch_p2p`` sessions.
+    """One vLLM worker's receiver, over any transport of the registry (the payload's).
 
     Args:
         destination: the inference side's layout rules, a
@@ -271,18 +269,16 @@ class M2NReceiver(WeightTransferEngine):
             raise ValueError(f"M2NReceiver mode {mode!r} is not one of {list(RECEIVE_MODES)}")
         self.worker = worker
         self.mode = mode
-        self._pool = BufferPool(device)      # receive bounce bytes, reused across rounds
         self._open = False                   # a round was started and not finished
         self._mixed: str | None = None       # in-place: the round that left mixed weights
         self._rounds_seen: set[int] = set()
         self._version: str | None = None
         self._payload: InitPayload | None = None
         self._plan: Plan | None = None
-        self._schedule: BucketSchedule | None = None
         self._expected: frozenset[str] = frozenset()
         self._store = None
         self._group = None
-        self._transport = None               # NcclM2NTransport, or None for torch_p2p
+        self._transport = None               # the session's Transport (transports/registry.py)
         self._broken: str | None = None      # why the group is unusable
         self._staging: dict[str, torch.Tensor] | None = None
         self._received: set[str] = set()
@@ -419,7 +415,6 @@ class M2NReceiver(WeightTransferEngine):
         if self.model is None:
             self.model = build_vllm_storage(plan.destination, self.worker, self.device)
             self._default_target = (self.model, self.model_config)
-        schedule = BucketSchedule.build(plan, payload.bucket_bytes)
         self._tell_superseded(payload)
         self.shutdown()
         store, group = create_group(payload.master_address, payload.master_port, rank,
@@ -427,16 +422,16 @@ class M2NReceiver(WeightTransferEngine):
                                     backend=payload.backend, session=payload.session)
         try:
             agree_on_plan(group, rank, payload.world_size, plan, deadline=deadline)
-            # nccl_m2n: the communicator over the same ranks (collective).
+            # Collective where the transport needs it (nccl_m2n: its communicator).
             self._transport = open_transport(payload.transport, store, group, rank,
                                              payload.world_size, device=self.device,
                                              timeout_s=payload.timeout_s,
                                              bucket_bytes=payload.bucket_bytes)
         except BaseException:
-            _abort(group)
+            release_group(group)
             raise
         self._store, self._group = store, group
-        self._payload, self._plan, self._schedule = payload, plan, schedule
+        self._payload, self._plan = payload, plan
         self._expected = frozenset(
             w.name for w in plan.wires if w.sends_to(self.worker))
         self._broken = None
@@ -475,8 +470,7 @@ class M2NReceiver(WeightTransferEngine):
         except (TransferError, ValueError):
             pass                  # raised with our own message, or nobody came: refuse anyway
         finally:
-            if group is not None:
-                _abort(group)
+            release_group(group)
 
     # -- rounds -----------------------------------------------------------
 
@@ -560,13 +554,8 @@ class M2NReceiver(WeightTransferEngine):
             # From the first byte on, the live weights may be partly this round's.
             self._mixed = f"round {update_info.round}"
         try:
-            if self._transport is not None:
-                done, _ = self._transport.recv_round(self._plan, self.worker, target,
-                                                     deadline=deadline)
-            else:
-                done, _ = recv_round(self._group, self._plan, self._schedule, self.worker,
-                                     target, deadline=deadline, device=self.device,
-                                     pool=self._pool)
+            done, _ = self._transport.recv_round(self._plan, self.worker, target,
+                                                 deadline=deadline)
             self._received = set(done)
         except Exception as e:
             mine = e
@@ -627,8 +616,7 @@ class M2NReceiver(WeightTransferEngine):
                 transport.close()
             except Exception:  # noqa: BLE001 - best effort while reporting a failure
                 pass
-        if group is not None:
-            _abort(group)
+        release_group(group)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         """Commit the round: staged mode copies staging into the live storage; set the version.
@@ -687,19 +675,7 @@ class M2NReceiver(WeightTransferEngine):
         self._staging, self._open = None, False
         if transport is not None:
             transport.close()
-        if group is not None:
-            _abort(group)
-
-
-def _abort(group) -> None:
-    # A stateless group is not registered with torch.distributed, so
-    # destroy_process_group does not apply. abort() stops this rank's own
-    # work; gloo closes the sockets (and peers see "connection closed") only
-    # when the last reference to the group and its work objects goes.
-    try:
-        group.abort()
-    except RuntimeError:
-        pass
+        release_group(group)
 
 
 def refuse_unparsed_payload(init_dict: Any, worker: int, message: str) -> bool:
@@ -710,7 +686,7 @@ def refuse_unparsed_payload(init_dict: Any, worker: int, message: str) -> bool:
     parse cannot be joined, so the trainers would wait out their rendezvous.
     When its rendezvous fields (``master_address``, ``master_port``,
     ``session``) are readable, the refusal goes into that store
-    (``torch_p2p.refuse_rendezvous``) and every trainer rank raises
+    (``control.refuse_rendezvous``) and every trainer rank raises
     ``PlanMismatchError`` quoting it at once. Bounded by
     ``REFUSAL_CONNECT_S`` (the trainers' store may not be up yet) and by the
     payload's ``timeout_s``. Returns whether the refusal was written; never

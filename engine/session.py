@@ -19,14 +19,16 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, runtime_checkable
 
-from m2nkit.engine.plan import Plan, build_plan
+from m2nkit.engine.plan import build_plan
+from m2nkit.engine.transports.registry import check_transport
 
 if TYPE_CHECKING:
+    from m2nkit.engine.plan_types import Plan
     from m2nkit.manifest.destination import DestinationLayout
     from m2nkit.manifest.meta import ParamMeta
 
-__all__ = ["INIT_SCHEMA_VERSION", "TRANSPORTS", "DestinationBuilder", "check_destination",
-           "check_transport", "InitPayload", "plan_from_manifest"]
+__all__ = ["INIT_SCHEMA_VERSION", "DestinationBuilder", "check_destination", "InitPayload",
+           "plan_from_manifest"]
 
 
 @runtime_checkable
@@ -76,38 +78,6 @@ def check_destination(destination: Any, where: str) -> DestinationBuilder:
     return destination
 
 INIT_SCHEMA_VERSION = 1
-TRANSPORTS = ("torch_p2p", "nccl_m2n")
-
-
-def check_transport(transport: str, where: str) -> str:
-    """Return ``transport`` if this machine can run it.
-
-    Raises:
-        ValueError: an unknown transport, or ``nccl_m2n`` without CUDA
-            (names ``where`` and what would be valid).
-    """
-    import torch
-
-    if transport not in TRANSPORTS:
-        raise ValueError(f"{where} '{transport}' is not one of {list(TRANSPORTS)}")
-    if transport == "nccl_m2n" and not torch.cuda.is_available():
-        raise ValueError(f"{where} 'nccl_m2n' needs CUDA GPUs and this process sees none; "
-                         "use 'torch_p2p' (any backend, gloo on CPU)")
-    return transport
-
-
-def open_transport(transport: str, store, group, rank: int, world_size: int, *, device,
-                   timeout_s: float, bucket_bytes: int):
-    """The ``nccl_m2n`` transport over an existing group, or ``None`` for torch_p2p.
-
-    Collective for ``nccl_m2n``: every rank of the group calls it.
-    """
-    if transport != "nccl_m2n":
-        return None
-    from .transports.nccl_m2n import NcclM2NTransport
-
-    return NcclM2NTransport.connect(store, group, rank, world_size, device=device,
-                                    timeout_s=timeout_s, bucket_bytes=bucket_bytes)
 
 
 @dataclass(frozen=True)
@@ -120,7 +90,8 @@ class InitPayload:
         rank_offset: ``T``, the number of trainer ranks; worker ``w`` joins
             as rank ``T + w``.
         world_size: ``T + N``.
-        backend: ``"gloo"`` or ``"nccl"`` (the ``torch_p2p`` group).
+        backend: ``"gloo"`` or ``"nccl"`` (the session's process group,
+            ``m2nkit.engine.control.create_group``).
         inference: the inference layout the trainer planned for, its
             ``DestinationBuilder.spec`` (``"vllm:tp=2,dp=1"``); a worker
             refuses one that differs from its own.
@@ -131,9 +102,10 @@ class InitPayload:
             every rank: every wait of one counts down to one deadline set
             when it starts (``m2nkit.engine.deadline``).
         bucket_bytes: ``BucketSchedule`` bucket size (bytes).
-        transport: ``"torch_p2p"`` (any backend, any layout) or
-            ``"nccl_m2n"`` (GPUs: one ``nccl.m2n.reshard`` per expressible
-            wire tensor, torch_p2p for the rest).
+        transport: a name of ``m2nkit.engine.transports.registry.TRANSPORTS``:
+            ``"torch_p2p"`` (any backend, any layout) or ``"nccl_m2n"``
+            (GPUs: one ``nccl.m2n.reshard`` per expressible wire tensor,
+            torch_p2p for the rest).
         session: an id the trainer picks per ``trainer_init`` (``""``: none).
             Every ``update_weights`` of the session carries it, so a worker
             that a newer init has taken over refuses the older session's

@@ -39,26 +39,19 @@ from typing import Any, ClassVar
 from m2nkit.manifest.protocol import TrainerInitInfo, TrainerWeightTransferEngine, VLLMWeightSyncClient
 from m2nkit.manifest.serialize import manifest_to_json
 
-from .deadline import REPORT_GRACE_S, Deadline
-from .session import (
-    DestinationBuilder,
-    InitPayload,
-    check_destination,
-    check_transport,
-    open_transport,
-    plan_from_manifest,
-)
-from .transports.torch_p2p import (
-    BucketSchedule,
-    BufferPool,
+from .control import (
     PlanMismatchError,
     TransferError,
     agree_on_plan,
     create_group,
     finish_round,
+    release_group,
     wait_verdict_seen,
-    send_round,
 )
+from .deadline import REPORT_GRACE_S, Deadline
+from .session import DestinationBuilder, InitPayload, check_destination, plan_from_manifest
+from .transports.registry import TRANSPORTS, check_transport, open_transport
+from .transports.torch_p2p import BucketSchedule
 
 __all__ = ["M2NTrainerInitInfo", "M2NTrainerEngine", "RoundStats"]
 
@@ -122,26 +115,6 @@ class RoundStats:
     extra: dict = field(default_factory=dict)
 
 
-def _release(group) -> None:
-    """Abort a stateless group's own work; never raises.
-
-    Its connections close when the last reference to the group and to its
-    pending work objects goes (gloo's ``abort()`` alone leaves the sockets
-    open): callers drop theirs, and clear the frames of a failed round's
-    traceback (``traceback.clear_frames``), which hold its work objects.
-    """
-    if group is None:
-        return
-    for name in ("abort", "shutdown"):
-        fn = getattr(group, name, None)
-        if callable(fn):
-            try:
-                fn()
-                return
-            except RuntimeError:
-                pass
-
-
 def _call_in_thread(fn, *args):
     """Run ``fn(*args)`` in a daemon thread; returns ``(thread, box)`` where box holds result/error."""
     box: dict[str, Any] = {}
@@ -172,7 +145,7 @@ def _join(thread, box, until: float, what: str):
 
 
 class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
-    """Trainer-side m2nkit engine (torch_p2p transport).
+    """Trainer-side m2nkit engine, over any transport of the registry (``init_info.transport``).
 
     Build it with ``trainer_init`` on every trainer rank; call
     ``send_weights()`` on every rank each step; ``shutdown()`` at the end.
@@ -184,19 +157,19 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
     init_info_cls = M2NTrainerInitInfo
 
     def __init__(self, *, init_info: M2NTrainerInitInfo, client: VLLMWeightSyncClient | None,
-                 source, plan, payload: InitPayload, group, store, transport=None) -> None:
+                 source, plan, payload: InitPayload, group, store, transport) -> None:
         super().__init__(client=client, source=source, is_sender=init_info.is_sender)
         self.init_info = init_info
         self.plan = plan
         self.payload = payload
-        self.schedule = BucketSchedule.build(plan, init_info.bucket_bytes)
+        #: torch_p2p's buckets of the plan at ``bucket_bytes`` (for reports; cached on the plan).
+        self.schedule = BucketSchedule.of(plan, init_info.bucket_bytes)
         self._group = group
         self._store = store
-        self._transport = transport  # NcclM2NTransport, or None for torch_p2p
+        self._transport = transport  # a Transport (transports/registry.py); None after shutdown
         self._round = 0
         self._broken: str | None = None
         self._busy = threading.Lock()
-        self._pool = BufferPool(init_info.device)   # staged send bytes, reused across rounds
 
     @classmethod
     def trainer_init(cls, init_info: M2NTrainerInitInfo, *, client: VLLMWeightSyncClient | None = None,
@@ -209,7 +182,7 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
         RPC; it returns or raises within ``timeout_s + REPORT_GRACE_S``.
         A worker that refuses the payload before it could join (it does not
         parse), or an init RPC that fails on rank 0, ends every rank's
-        rendezvous at once (``torch_p2p.create_group``) with that reason.
+        rendezvous at once (``control.create_group``) with that reason.
 
         Raises:
             ValueError: a plan with problems (on every rank, after the
@@ -226,15 +199,7 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
             raise ValueError("trainer_init needs a source (an M2NWeightSource)")
         if info.is_sender and client is None:
             raise ValueError("trainer rank 0 needs a client to drive the inference side")
-        if info.transport == "nccl_m2n" and getattr(source, "collectives_while_iterating", False):
-            # nccl_m2n joins each wire tensor's reshard without asking the source on ranks
-            # that hold none of it, so the source's own collectives would be issued in a
-            # different order on different ranks (NCCL: a deadlock); docs/bridge.md.
-            raise ValueError(f"trainer rank {info.rank}: this source runs collectives while it "
-                             "is iterated (Megatron-Bridge's export or gather), which the "
-                             "nccl_m2n transport cannot interleave safely; use "
-                             "transport='torch_p2p', or a source without them "
-                             "(bridge_source in mode='tasks' with no fallback kinds)")
+        TRANSPORTS[info.transport].check_source(source, info.rank)
         metas = list(source.metadata)
         manifest = manifest_to_json(metas, info.num_trainer_ranks)
         plan, digest = plan_from_manifest(manifest, info.destination)
@@ -268,14 +233,14 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
                                         watch=rpc_refused)
             agree_on_plan(group, info.rank, payload.world_size, plan, deadline=deadline)
             transport = None
-            if not plan.problems:
+            if not plan.problems:       # a plan with problems is refused below, on every rank
                 transport = open_transport(info.transport, store, group, info.rank,
                                            payload.world_size, device=info.device,
                                            timeout_s=info.timeout_s, bucket_bytes=info.bucket_bytes)
         except BaseException as e:
             # Release the group and the store (rank 0's port) so a fresh
             # trainer_init can use the same rendezvous right away.
-            _release(group)
+            release_group(group)
             store = group = None
             if isinstance(e, TransferError) and rpc is not None and not rpc[0].is_alive() \
                     and "error" in rpc[1] and "init_weight_transfer_engine failed" not in str(e):
@@ -287,10 +252,10 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
             if rpc is not None:
                 _join(*rpc, deadline.at + 0.75 * REPORT_GRACE_S, "init_weight_transfer_engine")
         except BaseException:
-            _release(group)
+            release_group(group)
             raise
         if plan.problems:
-            _release(group)
+            release_group(group)
             # Identical on every rank (the plans agreed), so every rank refuses.
             listed = "; ".join(str(p) for p in plan.problems[:5])
             raise ValueError(f"trainer rank {info.rank}: the plan has {len(plan.problems)} problem(s), "
@@ -356,7 +321,7 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
 
     def _send_round(self, weight_version) -> RoundStats:
         deadline = Deadline(self.init_info.timeout_s)
-        # The verdict ends by deadline + 0.65 grace (torch_p2p.finish_round);
+        # The verdict ends by deadline + 0.65 grace (control.finish_round);
         # the RPC joins get to 0.75 of it, the rest is slack for a loaded machine.
         hard = deadline.at + 0.75 * REPORT_GRACE_S
         self._round += 1
@@ -375,14 +340,8 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
                 rpc = _call_in_thread(self.client.update_weights,
                                       {"round": self._round, "version": version,
                                        "session": self.payload.session})
-            if self._transport is not None:
-                report = self._transport.send_round(self.plan, rank, self.source.iter_local(),
-                                                    deadline=deadline)
-                sent = report.m2n_bytes + report.p2p_bytes
-            else:
-                sent = send_round(self._group, self.plan, self.schedule, rank,
-                                  self.source.iter_local(), deadline=deadline,
-                                  device=self.init_info.device, pool=self._pool)
+            sent = self._transport.send_round(self.plan, rank, self.source.iter_local(),
+                                              deadline=deadline).nbytes
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             error = f"{type(e).__name__}: {e}"
             # Its frames hold the group and the round's pending work objects;
@@ -447,10 +406,18 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
 
         Dropping the last reference to the group closes its sockets, so a
         peer blocked on this rank fails at once ("connection closed")
-        instead of at its deadline.
+        instead of at its deadline. The transport holds the group too, so it
+        is closed and dropped first (as the receiver's ``_close_group`` does).
         """
+        transport, self._transport = self._transport, None
+        if transport is not None:
+            try:
+                transport.close()
+            except Exception:  # noqa: BLE001 - best effort while reporting a failure
+                pass
+        del transport
         group, self._group = self._group, None
-        _release(group)
+        release_group(group)
         del group
 
     def shutdown(self) -> None:
@@ -467,5 +434,5 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
         if transport is not None:
             transport.close()
         group, self._group = self._group, None
-        _release(group)
+        release_group(group)
         self._store = None

@@ -55,9 +55,9 @@ def _rank_main(rank: int, ports: tuple[int, int], plan, local, out) -> None:
     """One process: the three rounds on the same groups; results to ``out``."""
     try:
         torch.set_num_threads(1)
-        from m2nkit.engine.local import allocate_storage
-        from m2nkit.engine.transports.torch_p2p import (BucketSchedule, agree_on_plan,
-                                                        create_group, recv_round, send_round)
+        from m2nkit.engine.in_process import allocate_storage
+        from m2nkit.engine.control import agree_on_plan, create_group
+        from m2nkit.engine.transports.torch_p2p import BucketSchedule, recv_round, send_round
 
         _, group = create_group("127.0.0.1", ports[0], rank, T + N, timeout_s=TIMEOUT_S)
         tgroup = None
@@ -178,7 +178,7 @@ def _model_bytes_on_disk() -> int:
 
 
 def _assert_bit_exact(storage: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], what: str):
-    from m2nkit.engine.local import bitwise_equal
+    from m2nkit.engine.in_process import bitwise_equal
 
     assert storage, what
     bad = [k for k in storage if not bitwise_equal(storage[k], ref[k])]

@@ -36,11 +36,11 @@ from m2nkit.adapters.hf_checkpoint import (
 from m2nkit.adapters.vllm import reference_load, vllm_destination
 from m2nkit.engine.clients import HTTPClient, WeightSyncError
 from m2nkit.engine.deadline import REPORT_GRACE_S
-from m2nkit.engine.local import bitwise_equal
+from m2nkit.engine.in_process import bitwise_equal
 from m2nkit.engine.tools.server import InferenceServer
 from m2nkit.engine.session import InitPayload, plan_from_manifest
 from m2nkit.engine.trainer import M2NTrainerEngine, M2NTrainerInitInfo
-from m2nkit.engine.transports.torch_p2p import agree_on_plan, create_group
+from m2nkit.engine.control import agree_on_plan, create_group
 from m2nkit.manifest.protocol import VLLMWeightSyncClient
 from m2nkit.manifest.serialize import manifest_to_json
 

@@ -70,7 +70,7 @@ def test_baseline_moves_what_the_fsdp2_trainer_holds(tmp_path):
     from m2nkit.adapters.fsdp2 import fsdp2_source
     from m2nkit.adapters.hf_checkpoint import read_checkpoint
     from m2nkit.adapters.tiny import tiny_config
-    from m2nkit.engine.local import bitwise_equal
+    from m2nkit.engine.in_process import bitwise_equal
     from m2nkit.engine.tools.baseline import held_stream
 
     if dist.is_initialized():

@@ -243,7 +243,7 @@ def _check_workers(server, tmp_path, round_index, model_dir=EXAMPLE, inference="
     from m2nkit.adapters.hf_checkpoint import full_checkpoint_tensors, read_checkpoint
     from m2nkit.adapters.vllm import reference_load
     from m2nkit.engine.tools.demo import shift
-    from m2nkit.engine.local import bitwise_equal
+    from m2nkit.engine.in_process import bitwise_equal
 
     ck = read_checkpoint(model_dir)
     full = {n: shift(t, round_index) for n, t in full_checkpoint_tensors(ck).items()}

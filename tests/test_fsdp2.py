@@ -44,7 +44,7 @@ from m2nkit.adapters.hf_checkpoint import CheckpointError, full_checkpoint_tenso
 from m2nkit.adapters.module_names import strip_wrappers, wrapper_hint
 from m2nkit.adapters.tiny import tiny_config
 from m2nkit.adapters.vllm import destination_layout, reference_load
-from m2nkit.engine.local import allocate_storage, bitwise_equal, execute_plan
+from m2nkit.engine.in_process import allocate_storage, bitwise_equal, execute_plan
 from m2nkit.engine.plan import build_plan
 from m2nkit.manifest import Replicate, Shard, box_slices, manifest_from_json, manifest_to_json
 

@@ -16,7 +16,7 @@ shards each model once per mesh kind:
 
 Each rank returns its ``fsdp2_source`` manifest and the tensors ``iter_local``
 yields; the parent plans each against every vLLM layout below and runs the
-plan in-process (``engine/local.py``). Every worker parameter is compared bit
+plan in-process (``engine/in_process.py``). Every worker parameter is compared bit
 for bit with the real vLLM loader dump of that layout where one exists
 (``vllm:tp=T`` and ``vllm:tp=T,ep`` of ``tests/data/oracle``), else with
 ``reference_load`` of the same checkpoint (dense ``tp=4``, Mixtral ``tp=4``
@@ -46,7 +46,7 @@ from test_fsdp2 import Case, _free_port, _mesh, _shard
 from m2nkit.adapters.fsdp2 import fsdp2_source
 from m2nkit.adapters.hf_checkpoint import full_checkpoint_tensors, read_checkpoint
 from m2nkit.adapters.vllm import destination_layout, parse_inference_spec, reference_load
-from m2nkit.engine.local import allocate_storage, bitwise_equal, execute_plan
+from m2nkit.engine.in_process import allocate_storage, bitwise_equal, execute_plan
 from m2nkit.engine.plan import build_plan
 from m2nkit.manifest import manifest_from_json, manifest_to_json
 

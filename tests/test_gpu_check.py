@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from m2nkit.engine.transports.nccl_m2n import NcclM2NUnavailableError, import_nccl_m2n
+from m2nkit.engine.transports.nccl_m2n_runtime import NcclM2NUnavailableError, import_nccl_m2n
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_CHECK = ROOT / "benchmarks" / "gpu_check.py"

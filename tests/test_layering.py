@@ -1,16 +1,21 @@
-"""The dependency direction: manifest <- adapters <- engine runtime <- tools, no back-edges.
+"""The dependency direction: manifest <- adapters <- engine runtime <- plugins <- tools, no cycles.
 
 Read from the source with ``ast`` (every ``import``, at module level or inside
-a function, relative ones resolved, and ``importlib.import_module("...")``
-with a literal name), so a lazy import cannot hide a back-edge. The runtime
-is every module of ``engine/`` but the tools: it takes the destination
-layout from its caller and must not know the vLLM tables (or any adapter),
-nor sit on top of the tools that use it.
+a function, relative ones resolved, ``importlib.import_module("...")`` with a
+literal name, and any other string literal that names an existing m2nkit
+module: ``"m2nkit.engine.trainer"`` handed to vLLM's factory, ``".builder"``
+in a lazy-attribute table), so a lazy or string-loaded import cannot hide a
+back-edge or a cycle. The runtime is every module of ``engine/`` but the
+plugins and the tools: it takes the destination layout from its caller and
+must not know the vLLM tables (or any adapter), nor sit below what uses it.
+The plugins (``engine/plugins/``: vLLM's engine around the runtime's
+receiver) sit above the runtime and below the tools.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -18,6 +23,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = {"manifest": "m2nkit.manifest", "adapters": "m2nkit.adapters", "engine": "m2nkit.engine"}
 TOOLS = {"m2nkit.engine.tools"}  # cli, demo, server, baseline
+PLUGINS = {"m2nkit.engine.plugins"}  # vllm (the "m2nkit" backend inside vLLM)
+
+#: A string literal that may name a module: dotted, optionally ``module:attribute``.
+_MODULE_TEXT = re.compile(r"(\.*)([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)(?::\w+)?")
 
 
 def _module_name(path: Path) -> str:
@@ -32,12 +41,36 @@ def _imports(path: Path) -> set[str]:
     """Every module ``path`` imports (absolute names; ``from a import b`` gives ``a`` and ``a.b``)."""
     name = _module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    return _imports_in(path.read_text(), package, str(path))
+    return _imports_in(path.read_text(), package, str(path), known=_known_modules())
 
 
-def _imports_in(source: str, package: str, where: str = "<probe>") -> set[str]:
+def _known_modules() -> frozenset[str]:
+    """Every module of the package, by import name."""
+    return frozenset(_module_name(p) for f in FOLDERS for p in _modules(f))
+
+
+def _string_module(text: str, package: str, known) -> str | None:
+    """The module a string literal names (``"m2nkit.engine.trainer"``, ``".builder"``,
+    ``"a.b:func"``), resolved against ``package`` as ``importlib.import_module``
+    does; ``None`` unless it is one of ``known``."""
+    m = _MODULE_TEXT.fullmatch(text)
+    if m is None:
+        return None
+    dots, name = m.group(1), m.group(2)
+    if dots:
+        base = package.split(".")
+        if len(dots) > len(base):
+            return None
+        name = ".".join(base[:len(base) - (len(dots) - 1)] + [name])
+    return name if name in known else None
+
+
+def _imports_in(source: str, package: str, where: str = "<probe>", *, known=frozenset()) -> set[str]:
     out: set[str] = set()
-    for node in ast.walk(ast.parse(source, where)):
+    tree = ast.parse(source, where)
+    docstrings = {id(n.value) for n in ast.walk(tree)
+                  if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -55,6 +88,11 @@ def _imports_in(source: str, package: str, where: str = "<probe>") -> set[str]:
             called = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", "")
             if called in ("import_module", "__import__"):
                 out.add(node.args[0].value)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                and id(node) not in docstrings:
+            named = _string_module(node.value, package, known)
+            if named is not None:
+                out.add(named)
     return out
 
 
@@ -80,36 +118,141 @@ def test_manifest_imports_neither_adapters_nor_engine():
     assert not _violations(_modules("manifest"), ["m2nkit.adapters", "m2nkit.engine"])
 
 
-#: The vLLM plugin: vLLM's WeightTransferEngine around the runtime's receiver, so it
-#: sits above the runtime (like the tools) although it lives with the vLLM adapter.
-PLUGIN = ROOT / "adapters" / "vllm" / "plugin.py"
-
-
 def test_adapters_import_nothing_from_the_engine():
     assert _modules("adapters")
-    others = [p for p in _modules("adapters") if p != PLUGIN]
-    assert not _violations(others, ["m2nkit.engine"])
-    # The plugin may use the runtime, never the tools.
-    assert not _violations([PLUGIN], list(TOOLS))
+    assert not _violations(_modules("adapters"), ["m2nkit.engine"])
 
 
-def test_only_the_plugin_imports_vllm():
-    """vLLM is imported by adapters/vllm/plugin.py alone; only the tools import the plugin."""
-    package = _modules("manifest") + _modules("adapters") + _modules("engine")
-    assert not _violations([p for p in package if p != PLUGIN], ["vllm"])
-    assert "vllm.distributed.weight_transfer.factory" in _imports(PLUGIN)
-    users = _violations(package, ["m2nkit.adapters.vllm.plugin"])
-    assert set(users) <= {str((ROOT / "engine" / "tools" / "demo_vllm.py").relative_to(ROOT))}
+def _runtime() -> list[Path]:
+    return [p for p in _modules("engine")
+            if not any(_under(_module_name(p), t) for t in TOOLS | PLUGINS)]
 
 
-def test_runtime_imports_no_adapter_and_no_tool():
-    runtime = [p for p in _modules("engine")
-               if not any(_under(_module_name(p), t) for t in TOOLS)]
+def _plugins() -> list[Path]:
+    return [p for p in _modules("engine") if any(_under(_module_name(p), t) for t in PLUGINS)]
+
+
+def test_only_plugins_and_tools_import_vllm_and_only_tools_import_plugins():
+    """vLLM is imported by ``engine/plugins/`` and the tools alone; the plugins by the tools
+    alone (and by vLLM, through the entry point in pyproject.toml)."""
+    package = _modules("manifest") + _modules("adapters") + _runtime()
+    assert not _violations(package, ["vllm"])
+    plugin = ROOT / "engine" / "plugins" / "vllm.py"
+    assert plugin in _plugins()
+    assert "vllm.distributed.weight_transfer.factory" in _imports(plugin)
+    assert not _violations(package, list(PLUGINS))      # nothing below imports a plugin
+    assert 'm2nkit = "m2nkit.engine.plugins.vllm:register"' in (ROOT / "pyproject.toml").read_text()
+
+
+def test_plugins_use_the_runtime_never_the_tools():
+    assert _plugins()
+    assert not _violations(_plugins(), list(TOOLS))
+
+
+def test_runtime_imports_no_adapter_no_plugin_and_no_tool():
+    runtime = _runtime()
     names = {_module_name(p) for p in runtime}
     # The runtime as the design names it is in the scan.
     assert {"m2nkit.engine.trainer", "m2nkit.engine.receiver", "m2nkit.engine.session",
-            "m2nkit.engine.clients", "m2nkit.engine.transports.torch_p2p"} <= names
-    assert not _violations(runtime, ["m2nkit.adapters", *TOOLS])
+            "m2nkit.engine.clients", "m2nkit.engine.control", "m2nkit.engine.plan",
+            "m2nkit.engine.transports.registry",
+            "m2nkit.engine.transports.torch_p2p"} <= names
+    assert not _violations(runtime, ["m2nkit.adapters", *TOOLS, *PLUGINS])
+
+
+def test_runtime_loads_no_module_of_its_own_from_a_string():
+    """The runtime imports its modules by import statements only (the planner once took
+    a transport's rules from a ``"module:function"`` string)."""
+    bad = {}
+    for path in _runtime():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                    and str(node.args[0].value).startswith(("m2nkit", ".")):
+                fn = node.func
+                called = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", "")
+                if called in ("import_module", "__import__"):
+                    bad.setdefault(str(path.relative_to(ROOT)), []).append(node.args[0].value)
+    assert bad == {}
+
+
+def _graph() -> dict[str, set[str]]:
+    """module -> the m2nkit modules it imports (``a.b.name`` resolved to module ``a.b``)."""
+    paths = {_module_name(p): p for f in FOLDERS for p in _modules(f)}
+
+    def resolve(name: str) -> str | None:
+        while name and name not in paths:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    return {m: {r for i in _imports(p) if _under(i, "m2nkit")
+                and (r := resolve(i)) is not None and r != m}
+            for m, p in paths.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, children = work[-1]
+            w = next(children, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph.get(w, ())))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+    return out
+
+
+@pytest.mark.parametrize("side", [
+    "runtime and plugins",
+    pytest.param("tools", marks=pytest.mark.xfail(
+        strict=True, reason="demo_bridge <-> demo_megatron (issue 15 item 6): the tools branch "
+                            "merges them; delete this mark when it lands")),
+])
+def test_no_import_cycles_in_the_engine(side):
+    prefixes = list(TOOLS) if side == "tools" else ["m2nkit.engine"]
+    cycles = [c for c in _cycles(_graph())
+              if any(_under(m, p) for m in c for p in prefixes)
+              and (side == "tools" or not all(any(_under(m, t) for t in TOOLS) for m in c))]
+    assert cycles == []
+
+
+def test_the_scan_skips_docstrings_and_prose():
+    source = '"""m2nkit.engine.tools.cli"""\nx = "m2nkit.engine.tools.cli is the CLI"\n'
+    assert _imports_in(source, "m2nkit.engine", known={"m2nkit.engine.tools.cli"}) == set()
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
 
 
 def test_the_scan_sees_lazy_and_relative_imports():
@@ -119,6 +262,10 @@ def test_the_scan_sees_lazy_and_relative_imports():
     assert "m2nkit.adapters.vllm" in server
     trainer = _imports(ROOT / "engine" / "trainer.py")
     assert "m2nkit.engine.session" in trainer            # `from .session import ...`
+    # Modules named in strings: the plugin hands vLLM's factory the trainer engine's
+    # module path; a package's lazy-attribute table names its submodules.
+    assert "m2nkit.engine.trainer" in _imports(ROOT / "engine" / "plugins" / "vllm.py")
+    assert "m2nkit.adapters.vllm.builder" in _imports(ROOT / "adapters" / "vllm" / "__init__.py")
 
 
 @pytest.mark.parametrize("source,expected", [
@@ -127,9 +274,12 @@ def test_the_scan_sees_lazy_and_relative_imports():
     ("from ..tools import demo", {"m2nkit.engine.tools", "m2nkit.engine.tools.demo"}),
     ("def f():\n    import m2nkit.adapters.vllm", {"m2nkit.adapters.vllm"}),
     ("importlib.import_module('m2nkit.engine.tools.cli')", {"m2nkit.engine.tools.cli"}),
+    ("RULES = {'x': 'm2nkit.engine.tools.cli:main'}", {"m2nkit.engine.tools.cli"}),
+    ("LAZY = {'f': ('...adapters.vllm', 'f')}", {"m2nkit.adapters.vllm"}),
 ])
 def test_the_scan_resolves_each_import_form(source, expected):
-    found = _imports_in(source, "m2nkit.engine.transports")
+    known = {"m2nkit.engine.tools.cli", "m2nkit.adapters.vllm"}
+    found = _imports_in(source, "m2nkit.engine.transports", known=known)
     assert found >= expected
     assert _violations_in(found, ["m2nkit.adapters", *TOOLS])
 

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from m2nkit.engine.transports.nccl_m2n import M2NEncoding, m2n_encoding, region_is_contiguous
+from m2nkit.engine.transports.nccl_m2n_rules import M2NEncoding, m2n_encoding, region_is_contiguous
 from m2nkit.manifest import (
     ParamMeta,
     Replicate,

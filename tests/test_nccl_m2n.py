@@ -39,15 +39,17 @@ from m2nkit.adapters.hf_checkpoint import (checkpoint_manifest, checkpoint_metas
 from m2nkit.adapters.trainer_spec import parse_trainer_spec  # noqa: E402
 from m2nkit.adapters.vllm import (destination_layout, parse_inference_spec,  # noqa: E402
                                   reference_load)
-from m2nkit.engine.local import allocate_storage, bitwise_equal, execute_plan  # noqa: E402
+from m2nkit.engine.control import TransferError  # noqa: E402
+from m2nkit.engine.in_process import allocate_storage, bitwise_equal, execute_plan  # noqa: E402
 from m2nkit.engine.plan import build_plan  # noqa: E402
-from m2nkit.engine.transports import nccl_m2n  # noqa: E402
-from m2nkit.engine.transports.nccl_m2n import (CARRIER_M2N, CARRIER_NONE,  # noqa: E402
-                                               CARRIER_P2P, INSTALL_HINT, NcclM2NTransport,
-                                               NcclM2NUnavailableError, destination_view,
-                                               m2n_descriptors, plan_segments, sub_plan,
-                                               wire_carrier)
-from m2nkit.engine.transports.torch_p2p import TransferError  # noqa: E402
+from m2nkit.engine.transports import nccl_m2n_runtime  # noqa: E402
+from m2nkit.engine.transports.nccl_m2n import NcclM2NTransport  # noqa: E402
+from m2nkit.engine.transports.nccl_m2n_rules import (CARRIER_M2N, CARRIER_NONE,  # noqa: E402
+                                                     CARRIER_P2P, plan_segments, sub_plan,
+                                                     wire_carrier)
+from m2nkit.engine.transports.nccl_m2n_runtime import (INSTALL_HINT,  # noqa: E402
+                                                       NcclM2NUnavailableError,
+                                                       destination_view, m2n_descriptors)
 from m2nkit.manifest.serialize import manifest_digest  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -351,7 +353,7 @@ def test_transport_refuses_a_plan_with_problems_and_wrong_ranks():
         tr.send_round(plan, 1, iter(()))
     with pytest.raises(ValueError, match="worker 0"):
         tr.recv_round(plan, 0, {})
-    from m2nkit.engine.plan import Problem
+    from m2nkit.engine.plan_types import Problem
     plan.problems.append(Problem("x", "broken"))
     with pytest.raises(ValueError, match="1 problem.*x: broken.*nothing was sent"):
         tr.send_round(plan, 0, iter(()))
@@ -366,10 +368,10 @@ def test_poll_deadline_becomes_an_error():
 
     t0 = time.monotonic()
     with pytest.raises(TransferError, match="within 0.05 s"):
-        nccl_m2n._poll(lambda: False, 0.05, expire)
+        nccl_m2n_runtime._poll(lambda: False, 0.05, expire)
     assert events == ["abort"] and 0.05 <= time.monotonic() - t0 < 2
     ticks = iter([False, False, True])
-    nccl_m2n._poll(lambda: next(ticks), 5, expire)   # completes: no abort
+    nccl_m2n_runtime._poll(lambda: next(ticks), 5, expire)   # completes: no abort
     assert events == ["abort"]
 
 
@@ -381,7 +383,7 @@ def test_missing_nccl_m2n_says_what_to_install(monkeypatch):
     _, plan = _plan("fsdp:2", "vllm:tp=2")
     monkeypatch.setitem(sys.modules, "nccl.m2n", None)   # import of nccl.m2n now fails
     with pytest.raises(NcclM2NUnavailableError) as e:
-        nccl_m2n.import_nccl_m2n()
+        nccl_m2n_runtime.import_nccl_m2n()
     assert INSTALL_HINT in str(e.value)
     assert "install m2nkit[nccl] (nccl4py, nccl-extensions, cuda-bindings)" in str(e.value)
     assert isinstance(e.value, ImportError)
@@ -394,7 +396,7 @@ def test_missing_nccl_m2n_says_what_to_install(monkeypatch):
 def test_missing_nccl4py_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "nccl.core", None)
     with pytest.raises(NcclM2NUnavailableError, match=r"nccl4py.*m2nkit\[nccl\]"):
-        nccl_m2n.import_nccl_m2n()
+        nccl_m2n_runtime.import_nccl_m2n()
 
 
 # --------------------------------------------------------------------------
@@ -459,7 +461,7 @@ def _free_port():
 
 def _gloo_rank(rank, world, trainer, inference, port, out_dir):
     torch.set_num_threads(1)
-    from m2nkit.engine.transports.torch_p2p import agree_on_plan, create_group
+    from m2nkit.engine.control import agree_on_plan, create_group
 
     result = {"rank": rank}
     try:

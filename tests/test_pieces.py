@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from m2nkit.engine.local import allocate_storage, bitwise_equal, execute_plan
+from m2nkit.engine.in_process import allocate_storage, bitwise_equal, execute_plan
 from m2nkit.engine.plan import build_plan, count_coverage
 from m2nkit.manifest import (
     Binding,
@@ -357,7 +357,8 @@ def test_torch_p2p_moves_multi_piece_sources_bit_exact_over_gloo():
     import socket
     import threading
 
-    from m2nkit.engine.transports.torch_p2p import BucketSchedule, create_group, recv_round, send_round
+    from m2nkit.engine.control import create_group
+    from m2nkit.engine.transports.torch_p2p import BucketSchedule, recv_round, send_round
 
     E, I, H = 2, 4, 3
     gate_up = torch.randn(E, 2 * I, H)
@@ -385,7 +386,7 @@ def test_torch_p2p_moves_multi_piece_sources_bit_exact_over_gloo():
     plan = build_plan(metas, T, dest)
     assert plan.problems == []
     # nccl_m2n's own rules send these through torch_p2p, saying why
-    from m2nkit.engine.transports.nccl_m2n import CARRIER_P2P, wire_carrier
+    from m2nkit.engine.transports.nccl_m2n_rules import CARRIER_P2P, wire_carrier
     assert [wire_carrier(w) for w in plan.wires] == [CARRIER_P2P] * 3
     assert "trainer rank 0 holds 2 separate boxes" in plan.wires[1].verdict("nccl_m2n").reason
     schedule = BucketSchedule.build(plan, bucket_bytes=1 << 20)  # one bucket, mixed dtypes

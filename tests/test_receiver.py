@@ -30,18 +30,17 @@ from m2nkit.adapters.hf_checkpoint import (
 from m2nkit.adapters.vllm import reference_load, vllm_destination
 from m2nkit.engine.clients import InProcessClient, WeightSyncError
 from m2nkit.engine.deadline import REPORT_GRACE_S, Deadline
-from m2nkit.engine.local import bitwise_equal
+from m2nkit.engine.in_process import bitwise_equal
 from m2nkit.engine.receiver import IncompleteRoundError, M2NReceiver, build_vllm_storage
 from m2nkit.engine.session import InitPayload, plan_from_manifest
-from m2nkit.engine.transports.torch_p2p import (
-    BucketSchedule,
+from m2nkit.engine.control import (
     PlanMismatchError,
     TransferError,
     agree_on_plan,
     create_group,
     finish_round,
-    send_round,
 )
+from m2nkit.engine.transports.torch_p2p import BucketSchedule, send_round
 from m2nkit.manifest.protocol import VLLMWeightSyncClient
 from m2nkit.manifest.serialize import manifest_digest, manifest_from_json, manifest_to_json
 

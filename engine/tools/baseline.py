@@ -56,8 +56,8 @@ from typing import Iterable, Mapping
 
 import torch
 
-from m2nkit.engine.plan import Plan, next_local
-from m2nkit.engine.transports.torch_p2p import TransferError, create_group, wait_work
+from m2nkit.engine.control import TransferError, create_group, wait_work
+from m2nkit.engine.plan_types import Plan, next_local
 from m2nkit.manifest.pieces import box_slices
 
 __all__ = [

@@ -364,7 +364,7 @@ def _verify(console, ckpt, tspec, ispec, plan):
     """
     from m2nkit.adapters.hf_checkpoint import checkpoint_manifest, full_checkpoint_tensors
     from m2nkit.adapters.vllm import reference_load
-    from m2nkit.engine.local import allocate_storage, bitwise_equal, execute_plan
+    from m2nkit.engine.in_process import allocate_storage, bitwise_equal, execute_plan
 
     workers = range(plan.num_workers)
     storage = {w: allocate_storage(plan.destination, w) for w in workers}

@@ -387,7 +387,7 @@ def run_demo(model: str, trainer: str, inference: str, *, rounds: int = 2, timeo
     from m2nkit.adapters.hf_checkpoint import full_checkpoint_tensors, read_checkpoint
     from m2nkit.adapters.trainer_spec import parse_trainer_spec
     from m2nkit.adapters.vllm import parse_inference_spec, reference_load
-    from m2nkit.engine.local import bitwise_equal
+    from m2nkit.engine.in_process import bitwise_equal
     from m2nkit.engine.tools.server import InferenceServer
     from m2nkit.engine.session import plan_from_manifest
     from m2nkit.manifest.serialize import manifest_to_json
@@ -559,9 +559,9 @@ def _baseline_rank(rank, model_dir, trainer, inference, ports, timeout_s, result
             gather_then_broadcast_round,
             held_stream,
         )
-        from m2nkit.engine.local import allocate_storage, bitwise_equal
+        from m2nkit.engine.in_process import allocate_storage, bitwise_equal
         from m2nkit.engine.session import plan_from_manifest
-        from m2nkit.engine.transports.torch_p2p import create_group
+        from m2nkit.engine.control import create_group
         from m2nkit.manifest.serialize import manifest_from_json, manifest_to_json
 
         hf_logging.set_verbosity_error()

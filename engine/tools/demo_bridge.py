@@ -325,7 +325,7 @@ def run_bridge_demo(model: str, trainer: str, inference: str, *, mode: str = "ta
     """
     from m2nkit.adapters.hf_checkpoint import read_checkpoint
     from m2nkit.adapters.vllm import parse_inference_spec, reference_load, vllm_destination
-    from m2nkit.engine.local import bitwise_equal
+    from m2nkit.engine.in_process import bitwise_equal
     from m2nkit.engine.session import plan_from_manifest
     from m2nkit.engine.tools.demo import (MAX_DEMO_PROCESSES, DemoResult, DemoRound,
                                           demo_checkpoint,

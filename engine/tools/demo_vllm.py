@@ -2,7 +2,7 @@
 
 Each worker is a separate process holding vLLM's own model class for the
 checkpoint, built as that tp/dp/ep rank would build it and loaded by vLLM's
-``DefaultModelLoader`` (``m2nkit.adapters.vllm.plugin.build_cpu_worker``),
+``DefaultModelLoader`` (``m2nkit.engine.tools.vllm_workers.build_cpu_worker``),
 with m2nkit's engine created the way a vLLM worker creates it: through
 ``WeightTransferEngineFactory.create_engine`` with backend ``"m2nkit"``. The
 workers receive straight into those live parameters; afterwards each worker
@@ -60,14 +60,14 @@ def _worker_main(conn, checkpoint: str, spec_text: str, worker: int) -> None:
     import torch
 
     from m2nkit.adapters.vllm import parse_inference_spec
-    from m2nkit.adapters.vllm.plugin import (
+    from m2nkit.engine.tools.vllm_workers import (
         build_cpu_worker,
         create_engine,
         fresh_load,
         parameters_of,
         set_current_config,
     )
-    from m2nkit.engine.local import bitwise_equal
+    from m2nkit.engine.in_process import bitwise_equal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
@@ -228,7 +228,7 @@ def _host_main(conn, authkey: bytes, timeout_s: float) -> None:
         import torch
 
         torch.set_num_threads(1)
-        import m2nkit.adapters.vllm.plugin  # noqa: F401 - vLLM's import, once for every fork
+        import m2nkit.engine.tools.vllm_workers  # noqa: F401 - vLLM's import, once for every fork
         host = _Host(timeout_s)
         listener = Listener(("127.0.0.1", 0), authkey=authkey)
     except BaseException as e:  # noqa: BLE001 - reported to the parent

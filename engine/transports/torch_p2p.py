@@ -1,11 +1,12 @@
 """``torch_p2p``: execute any plan with ``torch.distributed`` point-to-point ops.
 
 Works over any backend (gloo over 127.0.0.1 on CPU, nccl on GPU) and any
-layout, including those ``nccl.m2n`` cannot express. One process group holds
-trainer ranks ``[0, T)`` and workers ``[T, T+N)`` (the rank numbering of
-vLLM's ``m2n_common.py``). The group is *stateless* — built from its own
-``TCPStore`` and ``ProcessGroup`` object, never the default group — so a
-trainer that already runs FSDP or Megatron keeps its own world untouched.
+layout, including those ``nccl.m2n`` cannot express: it has no rules
+(``can_carry`` is ``None``). It moves bytes over the session's process group
+(trainer ranks ``[0, T)``, workers ``[T, T+N)``, vLLM ``m2n_common.py``),
+which the control plane built and agreed on (``m2nkit.engine.control``).
+:class:`TorchP2PTransport` is its ``Transport``; the functions below are its
+data plane, also used on their own by the baseline and the benchmarks.
 
 Wire tensors are cut into *buckets*: consecutive tensors in manifest order,
 closed once some rank would send or receive ``bucket_bytes``. Within a
@@ -22,336 +23,34 @@ rank's extra memory stays within about one bucket, not one model.
 Every wait of a round counts down to one ``Deadline`` set when the round
 starts (``m2nkit.engine.deadline``), so waits never add up: a dead or stalled
 peer becomes a ``TransferError`` naming the peer and the bucket, never a hang.
-The round then ends with :func:`finish_round`, one verdict for every rank,
-exchanged through the session's store rather than the group, so a silent rank
-is named instead of blocking the others.
+:func:`exchange_in_process` runs the same messages inside one process (no
+group), for ``m2nkit plan --verify``.
 """
 
 from __future__ import annotations
 
-import json
-import hashlib
-import time
 from dataclasses import dataclass
-from datetime import timedelta
-from typing import Callable, Iterable, Mapping, NamedTuple
+from typing import Any, ClassVar, Iterable, Mapping, NamedTuple
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from m2nkit.engine.deadline import REPORT_GRACE_S, Deadline
-from m2nkit.engine.plan import Plan, Slab, SlabTable, next_local
+from m2nkit.engine.control import TransferError, error_gist, wait_work
+from m2nkit.engine.deadline import Deadline
+from m2nkit.engine.plan_types import Plan, Slab, SlabTable, next_local
 
 __all__ = [
-    "TransferError",
-    "PlanMismatchError",
-    "create_group",
-    "refuse_rendezvous",
-    "wait_work",
-    "rank_label",
+    "TorchP2PTransport",
+    "P2PReport",
     "BucketSchedule",
     "link_slabs",
     "BufferPool",
     "DIRECT_BYTES",
     "region_is_contiguous",
-    "agree_on_plan",
     "send_round",
     "recv_round",
     "exchange_in_process",
-    "finish_round",
 ]
-
-
-class TransferError(RuntimeError):
-    """A transfer failed: timeout, dead peer, or a stream out of order."""
-
-
-class PlanMismatchError(TransferError):
-    """Ranks disagree on the manifest or plan; nothing was moved."""
-
-
-#: Store keys of the rendezvous, under the group's prefix (one fresh store per
-#: group): the ranks that arrived, the session rank 0 hosts, and the refusals
-#: of ranks that will not come (``slots/<n>``: their texts).
-_ARRIVED, _SESSION = "rendezvous/arrived", "rendezvous/session"
-_REFUSALS, _SLOTS = "rendezvous/refusals", "rendezvous/slots"
-
-
-def _refusals(store) -> list[str]:
-    """The refusals written so far (slots whose text is in; at least one once counted)."""
-    out = []
-    for i in range(1, store.add(_SLOTS, 0) + 1):
-        key = f"{_SLOTS}/{i}"
-        if store.check([key]):
-            out.append(store.get(key).decode())
-    return out
-
-
-def _write_refusal(store, text: str) -> None:
-    # The text is in before it is counted: a reader that sees the count finds it.
-    n = store.add(_SLOTS, 1)
-    store.set(f"{_SLOTS}/{n}", text)
-    store.add(_REFUSALS, 1)
-
-
-def refuse_rendezvous(host: str, port: int, who: str, message: str, *, timeout_s: float,
-                      session: str = "", prefix: str = "m2nkit") -> bool:
-    """Tell the ranks waiting in :func:`create_group` at ``host:port`` that ``who`` will not come.
-
-    For a rank that refuses a session before it could join (a worker whose
-    init payload does not parse): each rank waiting in ``create_group``
-    there then raises ``PlanMismatchError`` quoting ``who`` and ``message``
-    at once, instead of at its rendezvous timeout. ``session`` is the
-    refused payload's session id: the refusal is written only if rank 0
-    hosts that session there (so a late refusal cannot end a newer session
-    on the same port). Connects as a client for at most ``timeout_s`` (the
-    store may not be listening yet). Returns whether it was written; never
-    raises.
-    """
-    try:
-        store = dist.TCPStore(host, port, None, False, timedelta(seconds=max(timeout_s, 0.1)),
-                              wait_for_workers=False)
-        store = dist.PrefixStore(prefix, store)
-        if store.get(_SESSION).decode() != session:
-            return False
-        _write_refusal(store, f"{who} refused the session: {message}")
-        return True
-    except Exception:  # noqa: BLE001 - best effort: the refusal is also raised locally
-        return False
-
-
-def _await_arrivals(store, rank: int, world_size: int, deadline: Deadline,
-                    watch: Callable[[], str | None] | None) -> None:
-    """Store-level rendezvous before the group is built: every rank arrived, or a refusal.
-
-    ``ProcessGroupGloo``'s own rendezvous blocks until every rank came or its
-    timeout passed, and nothing can interrupt it; waiting here first lets a
-    refusal (:func:`refuse_rendezvous`, or ``watch()`` returning a reason on
-    this rank) end every rank's wait at once; after the first refusal a rank
-    waits at most ``REPORT_GRACE_S / 2`` for the other missing ranks' own,
-    so each is named. Rank 0 hosts the store: on a refusal it stays (at most
-    ``REPORT_GRACE_S``, within the deadline) until the ranks that arrived
-    have read it.
-    """
-    arrived, refusals, read = _ARRIVED, _REFUSALS, _ARRIVED + "/read"
-    store.add(arrived, 1)
-    pause = 0.002
-    while True:
-        error = None
-        if store.add(refusals, 0):
-            # Give the other ranks that will not come (usually every worker
-            # refuses alike) a moment to say so, so each is named.
-            until = time.monotonic() + min(0.5 * REPORT_GRACE_S, max(deadline.left(), 0.0))
-            while store.add(refusals, 0) + store.add(arrived, 0) < world_size \
-                    and time.monotonic() < until:
-                time.sleep(0.01)
-            error = PlanMismatchError(f"rank {rank}: {'; '.join(_refusals(store))}; "
-                                      "nothing was sent")
-        elif store.add(arrived, 0) >= world_size:
-            return
-        else:
-            reason = watch() if watch is not None else None
-            if reason is not None:
-                _write_refusal(store, f"rank {rank} refused the session: {reason}")
-                error = PlanMismatchError(f"rank {rank}: {reason}; nothing was sent")
-            elif deadline.expired():
-                raise TransferError(f"rank {rank}: only {store.add(arrived, 0)} of {world_size} "
-                                    f"ranks arrived by {deadline.describe()}")
-        if error is not None:
-            store.add(read, 1)
-            if rank == 0:
-                until = time.monotonic() + min(REPORT_GRACE_S, max(deadline.left(), 0.5))
-                while store.add(read, 0) < store.add(arrived, 0) and time.monotonic() < until:
-                    time.sleep(0.01)
-            raise error
-        time.sleep(min(pause, max(deadline.left(), 0.0)))
-        pause = min(pause * 2, 0.02)
-
-
-def create_group(host: str, port: int, rank: int, world_size: int, *, timeout_s: float,
-                 backend: str = "gloo", prefix: str = "m2nkit", session: str = "",
-                 watch: Callable[[], str | None] | None = None):
-    """Join a stateless process group of ``world_size`` ranks.
-
-    Rank 0 hosts the ``TCPStore`` at ``host:port``. Gloo binds to ``host``
-    (use 127.0.0.1 on one machine). Returns ``(store, group)``.
-
-    Before the group is built every rank waits in the store until all
-    ``world_size`` ranks arrived, so a rank that will not come can say why:
-    a refusal written with :func:`refuse_rendezvous` for rank 0's
-    ``session`` (a worker whose init payload did not parse), or ``watch()``
-    on this rank returning a reason (trainer rank 0: its init RPC failed),
-    ends every rank's wait at once with ``PlanMismatchError`` quoting it.
-
-    Raises:
-        PlanMismatchError: a rank refused the session (quotes it).
-        TransferError: the rendezvous did not complete within ``timeout_s``.
-        ValueError: an unknown backend.
-    """
-    timeout = timedelta(seconds=timeout_s)
-    deadline = Deadline(timeout_s)
-    try:
-        store = dist.TCPStore(host, port, world_size, rank == 0, timeout,
-                              wait_for_workers=False)
-        store = dist.PrefixStore(prefix, store)
-        if rank == 0:
-            store.set(_SESSION, session)
-        _await_arrivals(store, rank, world_size, deadline, watch)
-        if backend == "gloo":
-            opts = dist.ProcessGroupGloo._Options()
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-            opts._timeout = timeout
-            group = dist.ProcessGroupGloo(store, rank, world_size, opts)
-        elif backend == "nccl":
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            group = dist.ProcessGroupNCCL(store, rank, world_size, opts)
-        else:
-            raise ValueError(f"unknown backend '{backend}'; use 'gloo' or 'nccl'")
-    except TransferError:
-        raise
-    except (RuntimeError, dist.DistStoreError) as e:
-        raise TransferError(f"rank {rank}: rendezvous at {host}:{port} for {world_size} ranks "
-                            f"failed within {timeout_s:g} s: {e}") from e
-    return store, group
-
-
-def rank_label(rank: int, num_trainer_ranks: int) -> str:
-    """How messages name a rank of the group: ``"trainer rank 1"``, ``"worker 0 (rank 3)"``."""
-    if rank < num_trainer_ranks:
-        return f"trainer rank {rank}"
-    return f"worker {rank - num_trainer_ranks} (rank {rank})"
-
-
-def _reason(e: BaseException) -> str:
-    """The gist of a c10d/gloo error: first line, without the source location or advice."""
-    line = str(e).splitlines()[0] if str(e) else type(e).__name__
-    if line.startswith("[") and "] " in line:
-        line = line.split("] ", 1)[1]                 # "[.../pair.cc:553] Connection closed ..."
-    return line.split(". This is typically", 1)[0]
-
-
-def wait_work(work, deadline: Deadline | float, what: str) -> None:
-    """Wait for a ``torch.distributed`` work object until ``deadline``.
-
-    ``deadline`` is the round's ``Deadline`` (the wait gets only the time
-    left to it), or seconds for a standalone wait. ``what`` names the
-    operation and the peer (``"worker 0 (rank 2): receive of bucket 3 from
-    trainer rank 1"``); every error starts with it.
-
-    Raises:
-        TransferError: the work failed (a peer closed its connection, the
-            group was aborted) or was not complete at the deadline.
-    """
-    if not isinstance(deadline, Deadline):
-        deadline = Deadline(deadline)
-    left = deadline.left()
-    try:
-        if left <= 0.0 and not work.is_completed():
-            ok = False
-        else:
-            # c10d treats a zero timeout as "wait forever": never pass one.
-            ok = work.wait(timedelta(seconds=max(left, 0.002)))
-    except RuntimeError as e:
-        if deadline.expired():
-            raise TransferError(f"{what} did not complete by {deadline.describe()}") from e
-        raise TransferError(f"{what} failed: {_reason(e)}") from e
-    if ok is False:
-        raise TransferError(f"{what} did not complete by {deadline.describe()}")
-
-
-def _group_device(group) -> torch.device:
-    """Where a group's collectives take tensors: CUDA for NCCL, else CPU."""
-    nccl = getattr(dist, "ProcessGroupNCCL", None)
-    if nccl is not None and isinstance(group, nccl):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _allgather_bytes(group, rank: int, world_size: int, payload: bytes, deadline: Deadline,
-                     what: str) -> list[bytes]:
-    dev = _group_device(group)
-    n = torch.tensor([len(payload)], dtype=torch.int64, device=dev)
-    sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world_size)]
-    wait_work(group.allgather([sizes], [n]), deadline, f"{what} (sizes)")
-    lengths = [int(s.item()) for s in sizes]
-    cap = max(lengths)
-    mine = torch.zeros(cap, dtype=torch.uint8)
-    if payload:
-        mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    outs = [torch.zeros(cap, dtype=torch.uint8, device=dev) for _ in range(world_size)]
-    wait_work(group.allgather([outs], [mine.to(dev)]), deadline, what)
-    return [bytes(o[:n].cpu().tolist()) for o, n in zip(outs, lengths)]
-
-
-def _wire_fingerprints(plan: Plan) -> list[list[str]]:
-    """``[name, hash of (meta, layout, bindings, slabs)]`` per wire tensor, in order."""
-    out = []
-    for w in plan.wires:
-        h = hashlib.sha256()
-        h.update(json.dumps([w.name, str(w.meta.dtype), list(w.meta.shape),
-                             [pc.to_json() for pc in w.pieces], w.skipped,
-                             [[b.worker, b.param, b.box, b.offset] for b in w.bindings]]).encode())
-        h.update(np.ascontiguousarray(w.table, dtype="<i8").tobytes())
-        out.append([w.name, h.hexdigest()[:16]])
-    return out
-
-
-def agree_on_plan(group, rank: int, world_size: int, plan: Plan | None, *,
-                  timeout_s: float | None = None, deadline: Deadline | None = None,
-                  error: str | None = None) -> None:
-    """Check every rank built the same plan before any byte moves.
-
-    All ranks exchange a per-wire-tensor fingerprint list (names, layouts,
-    bindings, slabs). On any difference every rank raises, naming the first
-    wire tensor that differs and the ranks involved. A rank that could not
-    build a plan at all (its payload or model did not fit) passes
-    ``plan=None`` and ``error``: every rank then raises that message, so a
-    refusal on one side ends the session everywhere instead of leaving the
-    others waiting.
-
-    The exchange waits until ``deadline`` (the init's), else ``timeout_s``
-    seconds from the call.
-
-    Raises:
-        PlanMismatchError: the plans differ, or some rank reported ``error``.
-        TransferError: a peer did not answer by the deadline.
-    """
-    deadline = Deadline.of(deadline, timeout_s)
-    if plan is None:
-        payload = json.dumps({"error": error or "no plan"}).encode()
-    else:
-        payload = json.dumps({"digest": plan.digest(), "wires": _wire_fingerprints(plan),
-                              "trainers": plan.num_trainer_ranks,
-                              "workers": plan.num_workers}).encode()
-    everyone = [json.loads(p) for p in _allgather_bytes(group, rank, world_size, payload,
-                                                          deadline, f"rank {rank}: plan agreement")]
-    for other_rank, other in enumerate(everyone):
-        if "error" in other:
-            raise PlanMismatchError(f"rank {rank}: rank {other_rank} refused the session: "
-                                    f"{other['error']}; nothing was sent")
-    ref = everyone[0]
-    for other_rank, other in enumerate(everyone):
-        if other["digest"] == ref["digest"]:
-            continue
-        a, b = ref["wires"], other["wires"]
-        for i in range(max(len(a), len(b))):
-            x = a[i] if i < len(a) else None
-            y = b[i] if i < len(b) else None
-            if x != y:
-                def label(v):
-                    return "nothing" if v is None else f"'{v[0]}'"
-                raise PlanMismatchError(
-                    f"rank {rank}: plans differ between rank 0 and rank {other_rank} at wire "
-                    f"tensor #{i}: rank 0 has {label(x)}, rank {other_rank} has {label(y)}"
-                    + ("" if x is None or y is None or x[0] != y[0] else
-                       " (same name, different layout, bindings or slabs)")
-                    + "; nothing was sent")
-        raise PlanMismatchError(
-            f"rank {rank}: plans differ between rank 0 and rank {other_rank} "
-            f"({ref['trainers']}x{ref['workers']} vs {other['trainers']}x{other['workers']} "
-            "ranks); nothing was sent")
 
 
 @dataclass(frozen=True)
@@ -393,6 +92,14 @@ class BucketSchedule:
         if bounds[-1] != len(plan.wires):
             bounds.append(len(plan.wires))
         return cls(tuple(bounds), bucket_bytes)
+
+    @classmethod
+    def of(cls, plan: Plan, bucket_bytes: int = 64 << 20) -> "BucketSchedule":
+        """:meth:`build`, cached on ``plan`` per ``bucket_bytes`` (as the message layouts are)."""
+        cache = plan.__dict__.setdefault("_m2nkit_buckets", {})
+        if bucket_bytes not in cache:
+            cache[bucket_bytes] = cls.build(plan, bucket_bytes)
+        return cache[bucket_bytes]
 
     def __len__(self) -> int:
         return len(self.bounds) - 1
@@ -646,7 +353,7 @@ def _post(group, op: str, buf: torch.Tensor, peer: int, tag: int, what: str):
     try:
         return (group.send if op == "send" else group.recv)([buf], peer, tag)
     except RuntimeError as e:
-        raise TransferError(f"{what} failed: {_reason(e)}") from e
+        raise TransferError(f"{what} failed: {error_gist(e)}") from e
 
 
 class _Send(NamedTuple):
@@ -977,147 +684,85 @@ def exchange_in_process(plan: Plan, streams: Mapping[int, Iterable[tuple[str, to
     return got
 
 
-#: Longest quote of one rank's report inside another rank's error (characters).
-_REPORT_CHARS = 400
+@dataclass(frozen=True)
+class P2PReport:
+    """What one ``TorchP2PTransport`` round did on this rank: ``nbytes`` sent or received."""
+
+    nbytes: int
 
 
-def wait_verdict_seen(store, round_id, world_size: int, timeout_s: float) -> bool:
-    """On the store's host, before the store goes: wait until all ``world_size``
-    ranks have read round ``round_id``'s verdict (``finish_round`` counts them).
+class TorchP2PTransport:
+    """The ``torch_p2p`` ``Transport`` (``m2nkit.engine.transports.base``) of one rank.
 
-    Without it the host (trainer rank 0) can return from its last round and
-    shut down while a slower rank still polls the verdict, which then fails
-    that rank's successful round with "the session store stopped answering".
-    Returns whether every rank read it within ``timeout_s`` (seconds); never
-    raises: a rank that died is the next session's problem, not this one's.
+    Runs :func:`send_round` / :func:`recv_round` over ``group`` with the
+    plan's buckets (``BucketSchedule.of(plan, bucket_bytes)``). With
+    ``keep_buffers`` (what :meth:`connect` gives) the staged bytes come from
+    one ``BufferPool`` kept across rounds, so after the first round no
+    bucket allocates; without, each round stages in fresh bytes (what
+    ``NcclM2NTransport`` uses for its point-to-point segments).
+
+    Args:
+        group: the session's process group (``control.create_group``).
+        rank: this rank in the group.
+        device: where staging buffers live (``"cpu"`` for gloo, ``cuda:i``
+            for nccl).
+        timeout_s: seconds a round may take when ``send_round`` /
+            ``recv_round`` get no ``deadline``.
+        bucket_bytes: ``BucketSchedule`` bucket size (bytes).
+        keep_buffers: keep the staged bytes across rounds (until :meth:`close`).
     """
-    key = f"verdict/{round_id}/read"
-    until = time.monotonic() + timeout_s
-    try:
-        while store.add(key, 0) < world_size:
-            if time.monotonic() >= until:
-                return False
-            time.sleep(0.01)
-    except RuntimeError:
-        return False
-    return True
 
+    name: ClassVar[str] = "torch_p2p"
+    #: No rules: it carries any wire tensor (the planner records no verdict for it).
+    can_carry: ClassVar[None] = None
 
-def finish_round(store, rank: int, world_size: int, *, num_trainer_ranks: int, round_id,
-                 error: str | None, deadline: Deadline | None = None,
-                 timeout_s: float | None = None, grace_s: float = REPORT_GRACE_S,
-                 on_reported: Callable[[], None] | None = None) -> None:
-    """End a round on every rank with one verdict: all succeeded, or it failed.
+    def __init__(self, group: Any, *, rank: int, device: torch.device | str = "cpu",
+                 timeout_s: float, bucket_bytes: int = 64 << 20,
+                 keep_buffers: bool = True) -> None:
+        self.group = group
+        self.rank = rank
+        self.device = torch.device(device)
+        self.timeout_s = timeout_s
+        self.bucket_bytes = bucket_bytes
+        self._pool = BufferPool(self.device) if keep_buffers else None
 
-    Each rank reports ``error`` (``None`` when its own part succeeded) under
-    ``verdict/<round_id>/`` in the session's ``store`` (the ``TCPStore`` of
-    :func:`create_group`, hosted by trainer rank 0), then collects everyone
-    else's. The verdict goes through the store, not the process group, so a
-    stalled rank cannot hold the others hostage: it is simply a rank that
-    sent no report, and every other rank names it. A rank whose own part
-    succeeded still learns that a worker lost data.
+    @staticmethod
+    def why_unavailable() -> str | None:
+        """Always ``None``: gloo runs on any machine."""
+        return None
 
-    Timing, with ``deadline`` the round's (else ``timeout_s`` from now):
-    reports are collected until ``deadline`` + half of ``grace_s``; once
-    some rank has reported a failure, for at most half of ``grace_s`` more
-    (enough for the ranks that failed because of it to say so). Trainer
-    rank 0 (the store's host) then stays until the ranks that reported have
-    read the verdict, at most until ``deadline`` + 0.65 ``grace_s``. The
-    rest of ``grace_s`` is slack for a loaded machine (where a few
-    milliseconds of work can take a few hundred), so this returns or raises
-    by ``deadline.at + grace_s`` on every rank that reaches it, and within
-    ``grace_s`` of the first reported failure.
+    @staticmethod
+    def check_source(source: Any, rank: int) -> None:
+        """Accepts every source: a source's own collectives interleave with point-to-point sends."""
 
-    ``round_id`` must be new within the session (the trainer's round
-    number); ``num_trainer_ranks`` names ranks in messages. ``on_reported``
-    runs right after this rank's report is in the store, before waiting:
-    a rank that failed closes its group connections there, so the peers
-    blocked on it fail at once, and its own report is the earlier one.
+    @classmethod
+    def connect(cls, store: Any, group: Any, rank: int, world_size: int, *,
+                device: torch.device | str, timeout_s: float,
+                bucket_bytes: int = 64 << 20) -> "TorchP2PTransport":
+        """This rank's transport over ``group``; nothing to set up (not collective)."""
+        return cls(group, rank=rank, device=device, timeout_s=timeout_s,
+                   bucket_bytes=bucket_bytes)
 
-    Raises:
-        TransferError: the round failed. The message names, first, the ranks
-            that sent no report (stalled, dead or cut off: the usual root
-            cause when there are any), then the first failure reported (by
-            report order) with its rank, then up to three more; its
-            ``cause`` attribute holds that part alone.
-    """
-    deadline = Deadline.of(deadline, timeout_s)
-    me = rank_label(rank, num_trainer_ranks)
-    prefix = f"verdict/{round_id}/"
-    collect = 0.5 * grace_s
-    hard = deadline.at + collect            # last moment to collect reports
-    host_until = deadline.at + 0.65 * grace_s
-    reports: dict[int, dict] = {}
-    try:
-        try:
-            seq = store.add(prefix + "failed", 1) if error else 0
-            store.set(prefix + f"rank{rank}", json.dumps({"error": error, "seq": seq}))
-            store.add(prefix + "reported", 1)
-        finally:
-            if on_reported is not None:
-                on_reported()
-        first_failure_at = None
-        pause = 0.005
-        while True:
-            reported = store.add(prefix + "reported", 0)
-            failed = store.add(prefix + "failed", 0)     # read after: final once all reported
-            now = time.monotonic()
-            if reported >= world_size:
-                break
-            if failed and first_failure_at is None:
-                first_failure_at = now
-            stop = hard if first_failure_at is None else min(hard, first_failure_at + collect)
-            if now >= stop:
-                break
-            time.sleep(min(pause, stop - now))
-            pause = min(pause * 2, 0.05)
-        if reported >= world_size and not failed:
-            # Seen: the store's host (trainer rank 0) keeps it up at shutdown
-            # until every rank got here (wait_verdict_seen).
-            store.add(prefix + "read", 1)
-            return
-        for r in range(world_size):
-            key = prefix + f"rank{r}"
-            if store.check([key]):
-                reports[r] = json.loads(store.get(key))
-        store.add(prefix + "read", 1)
-        if rank == 0:
-            # The store lives in this process: give the ranks that reported
-            # the time (within the bound) to read the verdict before it goes.
-            while store.add(prefix + "read", 0) < len(reports) and time.monotonic() < host_until:
-                time.sleep(0.02)
-    except RuntimeError as e:                 # DistStoreError, DistNetworkError, ...
-        raise TransferError(
-            f"{me}: round {round_id} failed: the session store (hosted by trainer rank 0) "
-            f"stopped answering ({str(e).splitlines()[0]}), so trainer rank 0 is dead or gone; "
-            f"this rank's own part {'failed: ' + error if error else 'succeeded'}") from e
+    def schedule(self, plan: Plan) -> BucketSchedule:
+        """The buckets of ``plan`` at this transport's ``bucket_bytes`` (cached on the plan)."""
+        return BucketSchedule.of(plan, self.bucket_bytes)
 
-    def quote(r: int, msg: str) -> str:
-        label = rank_label(r, num_trainer_ranks)
-        names = [label + ": ", label.split(" (")[0] + ": "]     # "worker 0 (rank 2)", "worker 0"
-        while any(msg.startswith(n) for n in names):         # said once, in front
-            msg = msg[len(next(n for n in names if msg.startswith(n))):]
-        kind, sep, rest = msg.partition(": ")                # "TransferError: trainer rank 1: ..."
-        if sep and kind.isidentifier() and any(rest.startswith(n) for n in names):
-            msg = f"{kind}: {rest[len(next(n for n in names if rest.startswith(n))):]}"
-        if len(msg) > _REPORT_CHARS:
-            msg = msg[:_REPORT_CHARS] + " ..."
-        return f"{label}: {msg}"
+    def send_round(self, plan: Plan, rank: int, stream: Iterable[tuple[str, torch.Tensor]], *,
+                   deadline: Deadline | None = None) -> P2PReport:
+        """:func:`send_round` of trainer ``rank`` over this transport's group."""
+        return P2PReport(send_round(self.group, plan, self.schedule(plan), rank, stream,
+                                    timeout_s=self.timeout_s, deadline=deadline,
+                                    device=self.device, pool=self._pool))
 
-    silent = [r for r in range(world_size) if r not in reports]
-    failures = sorted((doc["seq"], r, doc["error"]) for r, doc in reports.items() if doc["error"])
-    parts = []
-    if silent:
-        who = ", ".join(rank_label(r, num_trainer_ranks) for r in silent)
-        parts.append(f"{who} sent no report {deadline.elapsed():.1f} s into this rank's round "
-                     f"(stalled, dead or cut off; timeout_s={deadline.seconds:g})")
-    if failures:
-        _, r, msg = failures[0]
-        parts.append(f"first failure reported: {quote(r, msg)}")
-        if len(failures) > 1:
-            more = "; ".join(quote(r, msg) for _, r, msg in failures[1:4])
-            parts.append(f"{len(failures) - 1} more rank(s) failed: {more}"
-                         + (" ..." if len(failures) > 4 else ""))
-    err = TransferError(f"{me}: round {round_id} failed: " + "; ".join(parts))
-    err.cause = "; ".join(parts)
-    raise err
+    def recv_round(self, plan: Plan, worker: int, storage: Mapping[str, torch.Tensor], *,
+                   deadline: Deadline | None = None) -> tuple[set[str], P2PReport]:
+        """:func:`recv_round` of ``worker`` over this transport's group."""
+        done, got = recv_round(self.group, plan, self.schedule(plan), worker, storage,
+                               timeout_s=self.timeout_s, deadline=deadline, device=self.device,
+                               pool=self._pool)
+        return done, P2PReport(got)
+
+    def close(self) -> None:
+        """Drop the kept staging bytes; the group is the caller's (``control.release_group``)."""
+        if self._pool is not None:
+            self._pool.release()

@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from m2nkit.adapters.vllm import destination_layout, reference_load
-from m2nkit.engine.local import allocate_storage, bitwise_equal, execute_plan
+from m2nkit.engine.in_process import allocate_storage, bitwise_equal, execute_plan
 from m2nkit.engine.plan import build_plan
 from m2nkit.manifest import box_slices, manifest_from_json
 

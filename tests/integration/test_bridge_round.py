@@ -129,7 +129,7 @@ def test_workers_equal_vllm_reference_on_bridge_export_every_round(ran, mode):
     from transformers import AutoConfig
 
     from m2nkit.adapters.vllm import reference_load
-    from m2nkit.engine.local import bitwise_equal
+    from m2nkit.engine.in_process import bitwise_equal
 
     out, ckpt, _ = ran
     config = AutoConfig.from_pretrained(ckpt)

@@ -87,7 +87,7 @@ def _nontrivial_norms(ckpt: Path) -> None:
 def test_pieces_equal_the_checkpoint_and_land_like_vllm(dumped, label):
     from m2nkit.adapters.hf_checkpoint import full_checkpoint_tensors, read_checkpoint
     from m2nkit.adapters.vllm import destination_layout, reference_load
-    from m2nkit.engine.local import allocate_storage, bitwise_equal, execute_plan
+    from m2nkit.engine.in_process import allocate_storage, bitwise_equal, execute_plan
     from m2nkit.engine.plan import build_plan
     from m2nkit.manifest import manifest_from_json
     from m2nkit.manifest.pieces import box_slices

@@ -63,10 +63,10 @@ def test_vllm_http_client_drives_full_rounds(tmp_path):
     from m2nkit.adapters.hf_checkpoint import (checkpoint_manifest, full_checkpoint_tensors,
                                                read_checkpoint)
     from m2nkit.adapters.vllm import reference_load, vllm_destination
-    from m2nkit.engine.local import bitwise_equal
+    from m2nkit.engine.in_process import bitwise_equal
     from m2nkit.engine.tools.server import InferenceServer
     from m2nkit.engine.trainer import M2NTrainerEngine, M2NTrainerInitInfo
-    from m2nkit.engine.transports.torch_p2p import PlanMismatchError
+    from m2nkit.engine.control import PlanMismatchError
     from m2nkit.manifest import ManifestM2NWeightSource
 
     ensure_forkserver()

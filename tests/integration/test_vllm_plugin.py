@@ -126,7 +126,7 @@ def test_round_into_live_vllm_model_equals_fresh_vllm_load(host, versions, name,
     v0, v1 = versions(name)
     started = host.start_workers(v0, inference)
     # vLLM's factory built m2nkit's engine on vLLM's own model class.
-    assert {s["engine"] for s in started} == {"m2nkit.adapters.vllm.plugin.M2NVLLMEngine"}
+    assert {s["engine"] for s in started} == {"m2nkit.engine.plugins.vllm.M2NVLLMEngine"}
     assert all(not s["model"].startswith(("Module", "Transformers")) for s in started)
 
     outcome = _run_trainers(host.client, [v1], inference)
@@ -219,7 +219,7 @@ def test_vllm_plugin_loading_registers_both_sides(host, versions):
     v0, _ = versions("tiny-qwen3-tied")
     host.start_workers(v0, "vllm:tp=1")
     (got,) = host.client.collective_rpc(_entry_point_registers)
-    assert got == {"entry_points": [("m2nkit", "m2nkit.adapters.vllm.plugin:register")],
+    assert got == {"entry_points": [("m2nkit", "m2nkit.engine.plugins.vllm:register")],
                    "worker": "M2NVLLMEngine", "trainer": "M2NTrainerEngine"}
 
 

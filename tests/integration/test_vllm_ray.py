@@ -22,9 +22,9 @@ its engine core runs each ``collective_rpc`` on the worker in-process (as
 vLLM's ``UniProcExecutor`` does at tp=1), and the worker's weight-transfer
 methods are ``gpu_worker.Worker``'s own functions (``start_weight_update``,
 ``update_weights`` with its list-payload indexing, ...), on a worker that
-holds vLLM's model class for the checkpoint (``plugin.build_cpu_worker``,
+holds vLLM's model class for the checkpoint (``vllm_workers.build_cpu_worker``,
 loaded from v0 by ``DefaultModelLoader``) and the engine from
-``WeightTransferEngineFactory.create_engine`` (``plugin.create_engine``).
+``WeightTransferEngineFactory.create_engine`` (``vllm_workers.create_engine``).
 
 The case: Qwen3-MoE served as two DP replicas with expert parallelism
 (``vllm:tp=1,dp=2,ep``: each actor holds half of the experts), two FSDP
@@ -82,7 +82,7 @@ class CPULLMActor:
         from vllm.v1.worker.gpu_worker import Worker
 
         from m2nkit.adapters.vllm import parse_inference_spec
-        from m2nkit.adapters.vllm.plugin import (
+        from m2nkit.engine.tools.vllm_workers import (
             build_cpu_worker,
             create_engine,
             parameters_of,
@@ -181,8 +181,8 @@ class CPULLMActor:
 
     def verify(self, checkpoint: str) -> dict:
         """This worker's live parameters against vLLM's fresh load of ``checkpoint``."""
-        from m2nkit.adapters.vllm.plugin import fresh_load, parameters_of
-        from m2nkit.engine.local import bitwise_equal
+        from m2nkit.engine.tools.vllm_workers import fresh_load, parameters_of
+        from m2nkit.engine.in_process import bitwise_equal
 
         live = parameters_of(self.model)
         ref = fresh_load(checkpoint, self.spec, self.worker_index)
@@ -332,7 +332,7 @@ def test_ray_client_drives_a_full_round_into_vllm_actors(ray_cluster, tiny_check
         # Two processes, each vLLM's own model class with m2nkit's engine from vLLM's factory.
         assert len({i["pid"] for i in infos}) == NUM_ACTORS
         assert [i["worker"] for i in infos] == [0, 1]
-        assert {i["engine"] for i in infos} == {"m2nkit.adapters.vllm.plugin.M2NVLLMEngine"}
+        assert {i["engine"] for i in infos} == {"m2nkit.engine.plugins.vllm.M2NVLLMEngine"}
         assert {i["model"] for i in infos} == {"Qwen3MoeForCausalLM"}
 
         outcome = _run_trainers(ray_cluster, names, [v1])

@@ -17,7 +17,7 @@ import torch
 
 from m2nkit.manifest.destination import DestinationLayout
 
-from .plan import Plan
+from .plan_types import Plan
 from .transports.torch_p2p import exchange_in_process
 
 __all__ = ["allocate_storage", "execute_plan", "bitwise_equal"]

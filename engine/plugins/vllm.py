@@ -46,20 +46,20 @@ loader-format writes would bypass. vLLM's own ``nccl_m2n`` engine makes the
 same cut (``weight_transfer/m2n_engine.py``: ``allow_direct`` only without
 quantization and without pipeline parallelism).
 
-This is the only module of m2nkit that imports vLLM. Its second half,
-:func:`build_cpu_worker` and :class:`StandInGroups`, builds a real vLLM
-model on CPU in a process without ``torch.distributed`` (vLLM's parallel
-state set to stand-in groups that only carry sizes and ranks), for the
-tests and ``m2nkit demo --receiver vllm``; a vLLM server never calls it.
+It sits above the runtime it drives (receiver, session, control plane),
+like the tools, and below them: nothing of the runtime imports it, and it
+imports no tool (``tests/test_layering.py``). Besides the tools, it is the
+only module of m2nkit that imports vLLM. The CPU harness that builds a real
+vLLM model without ``torch.distributed`` for the tests and ``m2nkit demo
+--receiver vllm`` is ``m2nkit.engine.tools.vllm_workers``; a vLLM server
+never needs it.
 """
 
 from __future__ import annotations
 
-import copy
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -72,15 +72,13 @@ from vllm.distributed.weight_transfer.factory import (
 from m2nkit.adapters.vllm.builder import vllm_destination
 from m2nkit.adapters.vllm.dtype import model_dtype
 from m2nkit.adapters.vllm.spec import ALL2ALL_BACKENDS, InferenceSpec
+from m2nkit.engine.control import PlanMismatchError, agree_on_plan, create_group, release_group
 from m2nkit.engine.deadline import Deadline
 from m2nkit.engine.receiver import M2NReceiver, M2NUpdateInfo, refuse_unparsed_payload
 from m2nkit.engine.session import InitPayload, plan_from_manifest
-from m2nkit.engine.transports.torch_p2p import PlanMismatchError, agree_on_plan, create_group
 
 __all__ = ["BACKEND", "register", "M2NVLLMEngine", "inference_spec_of", "worker_index_of",
-           "live_model_problems", "StandInGroups", "build_cpu_worker", "load_checkpoint",
-           "fresh_load", "parameters_of", "create_engine", "set_current_config",
-           "receive_mode", "MODE_ENV"]
+           "live_model_problems", "receive_mode", "MODE_ENV"]
 
 #: The backend name, in ``--weight-transfer-config '{"backend": "m2nkit"}'`` and
 #: ``M2NTrainerInitInfo.backend``.
@@ -94,8 +92,9 @@ def register() -> None:
 
     The ``vllm.general_plugins`` entry point; vLLM may call it several
     times in one process (``load_general_plugins`` says plugins must allow
-    it), so a second call does nothing. Registration is by module path, so
-    nothing of m2nkit's engine is imported until vLLM builds an engine.
+    it), so a second call does nothing. Registration is by module path
+    (``M2NVLLMEngine`` here, ``M2NTrainerEngine`` of ``m2nkit.engine.trainer``):
+    vLLM imports the trainer side only when it builds a trainer engine.
     """
     for factory, module, cls in (
             (WeightTransferEngineFactory, __name__, "M2NVLLMEngine"),
@@ -361,11 +360,7 @@ class M2NVLLMEngine(WeightTransferEngine):
         except Exception:  # noqa: BLE001 - our own message, or nobody came: refuse anyway
             pass
         finally:
-            if group is not None:
-                try:
-                    group.abort()
-                except RuntimeError:
-                    pass
+            release_group(group)
 
     def _require(self, what: str) -> M2NReceiver:
         if self._receiver is None:
@@ -452,189 +447,3 @@ def receive_mode() -> str:
 def _buffer_device(payload: InitPayload, device: torch.device) -> str:
     """Receive buffers: on the CPU for a gloo group (gloo moves CPU tensors), else ``device``."""
     return "cpu" if payload.backend == "gloo" else str(device)
-
-
-# --------------------------------------------------------------------------
-# A real vLLM model on CPU, without torch.distributed (tests, demo)
-
-
-class _StandInProcessGroup:
-    """Answers ``size()`` and ``rank()``; any collective on it fails (no such method)."""
-
-    def __init__(self, size: int, rank: int) -> None:
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
-
-
-class _StandInCoordinator:
-    """What model construction and the weight loaders read of a ``GroupCoordinator``."""
-
-    def __init__(self, name: str, size: int, rank: int) -> None:
-        self.unique_name = name
-        self.world_size = size
-        self.rank_in_group = rank
-        self.rank = rank
-        self.local_rank = rank
-        self.ranks = list(range(size))
-        self.first_rank, self.last_rank = 0, size - 1
-        self.is_first_rank, self.is_last_rank = rank == 0, rank == size - 1
-        self.device_group = self.cpu_group = _StandInProcessGroup(size, rank)
-        self.device_communicator = None
-        self.use_device_communicator = False
-        self.mq_broadcaster = None
-
-
-@dataclass(frozen=True)
-class StandInGroups:
-    """vLLM's parallel state for one worker, without processes: sizes and ranks only.
-
-    Sets the group globals of ``vllm.distributed.parallel_state`` the model
-    classes and weight loaders read (``_WORLD``, ``_TP``, ``_ETP``, ``_PP``,
-    ``_DP``, ``_PCP``, ``_DCP``, ``_EP``) for worker ``dp_index * tp +
-    tp_rank``. The EP group spans ``dp * tp`` when ``ep`` is on, as vLLM's
-    ``ep_size = dp * pcp * tp`` (``vllm/distributed/parallel_state.py``,
-    ``initialize_model_parallel``). One worker per process at a time: the
-    globals are the process's.
-    """
-
-    tp: int
-    tp_rank: int
-    dp: int = 1
-    dp_index: int = 0
-    ep: bool = False
-
-    def install(self) -> None:
-        import vllm.distributed.parallel_state as ps
-
-        worker = self.dp_index * self.tp + self.tp_rank
-        ps._WORLD = _StandInCoordinator("world", self.dp * self.tp, worker)
-        ps._TP = _StandInCoordinator("tp", self.tp, self.tp_rank)
-        ps._ETP = ps._TP
-        ps._PP = _StandInCoordinator("pp", 1, 0)
-        ps._DP = _StandInCoordinator("dp", self.dp, self.dp_index)
-        ps._PCP = _StandInCoordinator("pcp", 1, 0)
-        ps._DCP = _StandInCoordinator("dcp", 1, 0)
-        ps._EP = (_StandInCoordinator("ep", self.dp * self.tp, worker) if self.ep
-                  else _StandInCoordinator("ep", 1, 0))
-
-
-def _cpu_environment() -> None:
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
-def build_cpu_worker(checkpoint: str | os.PathLike, spec: InferenceSpec, worker: int, *,
-                     load: bool = True) -> tuple[torch.nn.Module, Any]:
-    """Build vLLM's own model class for ``checkpoint`` as ``worker`` of ``spec``, on CPU.
-
-    vLLM resolves the class from ``config.json`` (its model registry),
-    allocates the rank-local parameters (``initialize_model``) and, with
-    ``load``, fills them from the checkpoint with ``DefaultModelLoader.
-    load_weights`` (its per-parameter weight loaders). Nothing is
-    post-processed (``process_weights_after_loading`` would repack linear
-    weights for the CPU kernels). The process's vLLM parallel state is set
-    for this worker (:class:`StandInGroups`) and stays so.
-
-    Returns:
-        ``(model, vllm_config)``: ``vllm_config.parallel_config`` carries
-        ``rank`` and ``data_parallel_rank`` as a vLLM worker's does.
-
-    Requires ``VLLM_TARGET_DEVICE=cpu`` before vLLM is first imported (set
-    here if unset; too late if vLLM was imported for another platform).
-    """
-    _cpu_environment()
-    from vllm.config import (
-        DeviceConfig,
-        LoadConfig,
-        ModelConfig,
-        ParallelConfig,
-        VllmConfig,
-        WeightTransferConfig,
-        set_current_vllm_config,
-    )
-    from vllm.model_executor.model_loader.utils import initialize_model
-    from vllm.utils.torch_utils import set_default_torch_dtype
-
-    path = str(Path(checkpoint).resolve())
-    tp_rank, dp_index = spec.tp_rank(worker), spec.dp_index(worker)
-    StandInGroups(spec.tp, tp_rank, spec.dp, dp_index, spec.ep).install()
-    model_config = ModelConfig(model=path, tokenizer=path, skip_tokenizer_init=True,
-                               dtype=spec.dtype, enforce_eager=True, seed=0)
-    parallel = ParallelConfig(tensor_parallel_size=spec.tp, data_parallel_size=spec.dp,
-                              data_parallel_rank=dp_index, rank=tp_rank,
-                              enable_expert_parallel=spec.ep,
-                              expert_placement_strategy=spec.placement,
-                              all2all_backend=spec.all2all)
-    vllm_config = VllmConfig(model_config=model_config, parallel_config=parallel,
-                             device_config=DeviceConfig(device="cpu"),
-                             load_config=LoadConfig(load_format="safetensors",
-                                                    use_tqdm_on_load=False),
-                             weight_transfer_config=WeightTransferConfig(backend=BACKEND))
-    with set_current_vllm_config(vllm_config):
-        with set_default_torch_dtype(model_config.dtype), torch.device("cpu"):
-            model = initialize_model(vllm_config=vllm_config)
-    if load:
-        load_checkpoint(model, vllm_config, path)
-    return model, vllm_config
-
-
-def load_checkpoint(model: torch.nn.Module, vllm_config: Any,
-                    checkpoint: str | os.PathLike) -> None:
-    """Fill ``model`` from ``checkpoint`` with vLLM's ``DefaultModelLoader.load_weights``.
-
-    The model config is copied with ``model`` pointed at ``checkpoint``, as
-    vLLM's own ``reload_weights`` repoints it (``model_loader/reload/inplace.py``).
-    """
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
-
-    model_config = copy.copy(vllm_config.model_config)
-    model_config.model = str(Path(checkpoint).resolve())
-    model_config.model_weights = ""
-    with set_current_vllm_config(vllm_config), torch.no_grad():
-        DefaultModelLoader(vllm_config.load_config).load_weights(model, model_config)
-
-
-def fresh_load(checkpoint: str | os.PathLike, spec: InferenceSpec,
-               worker: int) -> dict[str, torch.Tensor]:
-    """``worker``'s parameters as vLLM loads ``checkpoint`` into a new model (new configs).
-
-    :func:`build_cpu_worker` again, so nothing is shared with a live model
-    (vLLM registers each attention layer's name in its config's forward
-    context, so a second model needs its own ``VllmConfig``); returns
-    :func:`parameters_of` it. Leaves the process's stand-in parallel state
-    set for ``worker``.
-    """
-    model, _ = build_cpu_worker(checkpoint, spec, worker)
-    return parameters_of(model)
-
-
-def parameters_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """``{name: tensor}`` of ``named_parameters(remove_duplicate=False)`` (aliases included)."""
-    return {n: p.data for n, p in model.named_parameters(remove_duplicate=False)}
-
-
-def create_engine(model: torch.nn.Module, vllm_config: Any,
-                  device: torch.device | str = "cpu") -> M2NVLLMEngine:
-    """The engine as a vLLM worker builds it: through vLLM's factory, by backend name.
-
-    ``WeightTransferEngineFactory.create_engine(vllm_config.weight_transfer_config,
-    vllm_config, device, model)`` (``v1/worker/gpu_worker.py``); :func:`register`
-    first, as vLLM's plugin loading would.
-    """
-    register()
-    return WeightTransferEngineFactory.create_engine(
-        vllm_config.weight_transfer_config, vllm_config, torch.device(device), model)
-
-
-def set_current_config(vllm_config: Any):
-    """vLLM's ``set_current_vllm_config`` context (its worker wraps every engine call in it)."""
-    from vllm.config import set_current_vllm_config
-
-    return set_current_vllm_config(vllm_config)
-
