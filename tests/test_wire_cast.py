@@ -27,11 +27,11 @@ import threading
 import pytest
 import torch
 
-from m2nkit.engine.local import allocate_storage, bitwise_equal, execute_plan
+from m2nkit.engine.control import TransferError, create_group
+from m2nkit.engine.in_process import allocate_storage, bitwise_equal, execute_plan
 from m2nkit.engine.plan import build_plan
 from m2nkit.engine.transports import torch_p2p
-from m2nkit.engine.transports.torch_p2p import (DIRECT_BYTES, BucketSchedule, TransferError,
-                                                create_group, recv_round, send_round)
+from m2nkit.engine.transports.torch_p2p import DIRECT_BYTES, BucketSchedule, recv_round, send_round
 from m2nkit.manifest import ParamMeta, Shard
 from m2nkit.manifest.destination import DestinationLayout
 from test_pieces import own_param_destination

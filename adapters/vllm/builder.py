@@ -36,7 +36,7 @@ class VLLMDestination:
     num_workers: int
 
     def __call__(self, metas: Sequence[Any]):
-        from m2nkit.adapters.vllm import destination_layout
+        from m2nkit.adapters.vllm.destination import destination_layout
 
         return destination_layout(self.config, metas, self.spec)
 
@@ -51,7 +51,7 @@ def vllm_destination(config: Any, spec: Any) -> VLLMDestination:
         ValueError: a spec that does not parse (its message names the part
             and the valid syntax).
     """
-    from m2nkit.adapters.vllm import parse_inference_spec
+    from m2nkit.adapters.vllm.spec import parse_inference_spec
 
     parsed = parse_inference_spec(spec)
     return VLLMDestination(config, str(parsed), parsed.num_workers)

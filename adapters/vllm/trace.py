@@ -517,7 +517,7 @@ def _build_meta_model(config_dir: str, spec: InferenceSpec, worker: int):
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    from .plugin import StandInGroups   # stand-in parallel state (sizes and ranks only)
+    from .stand_in import StandInGroups   # stand-in parallel state (sizes and ranks only)
 
     tp_rank, dp_index = spec.tp_rank(worker), spec.dp_index(worker)
     StandInGroups(spec.tp, tp_rank, spec.dp, dp_index, spec.ep).install()
