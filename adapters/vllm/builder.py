@@ -13,7 +13,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-__all__ = ["VLLMDestination", "vllm_destination"]
+__all__ = ["VLLMDestination", "vllm_destination", "LAYOUTS", "resolve_layout"]
+
+#: Where a destination layout comes from: m2nkit's family tables (no vLLM
+#: needed), or vLLM's own weight loaders, traced (``adapters/vllm/trace.py``;
+#: needs vLLM). ``auto``: traced when vLLM is importable, else the tables.
+LAYOUTS = ("tables", "traced", "auto")
+
+
+def resolve_layout(layout: str) -> str:
+    """``"tables"`` or ``"traced"`` for a ``LAYOUTS`` choice (``auto``: whether vLLM imports).
+
+    Raises:
+        ValueError: ``layout`` is not one of ``LAYOUTS``.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r} is not one of {list(LAYOUTS)}")
+    if layout != "auto":
+        return layout
+    import importlib.util
+
+    return "traced" if importlib.util.find_spec("vllm") is not None else "tables"
 
 
 @dataclass(frozen=True)
@@ -25,33 +45,43 @@ class VLLMDestination:
             ``config.json`` dict) the workers serve.
         spec: the canonical spec text (``"vllm:tp=2,dp=1"``).
         num_workers: ``dp * tp``.
+        layout: ``"tables"`` (m2nkit's family tables) or ``"traced"``
+            (vLLM's own loaders, ``trace_destination``; needs vLLM).
 
     Calling it with the wire tensors returns
-    ``destination_layout(config, metas, spec)``. Picklable (it crosses into
-    worker processes).
+    ``destination_layout(config, metas, spec)`` (tables) or
+    ``trace_destination(config, metas, spec)`` (traced). Both sides of a
+    session must build alike: the plan agreement refuses plans that differ.
+    Picklable (it crosses into worker processes).
     """
 
     config: Any
     spec: str
     num_workers: int
+    layout: str = "tables"
 
     def __call__(self, metas: Sequence[Any]):
+        if self.layout == "traced":
+            from m2nkit.adapters.vllm.trace import trace_destination
+
+            return trace_destination(self.config, metas, self.spec)
         from m2nkit.adapters.vllm.destination import destination_layout
 
         return destination_layout(self.config, metas, self.spec)
 
 
-def vllm_destination(config: Any, spec: Any) -> VLLMDestination:
+def vllm_destination(config: Any, spec: Any, layout: str = "tables") -> VLLMDestination:
     """The ``DestinationBuilder`` of vLLM workers serving ``config`` with ``spec``.
 
     ``spec`` is ``"vllm:tp=T[,dp=D][,ep]"`` or an ``InferenceSpec``; the
-    builder carries its canonical text.
+    builder carries its canonical text. ``layout`` is one of ``LAYOUTS``
+    (``auto`` is resolved here, by whether vLLM is importable).
 
     Raises:
         ValueError: a spec that does not parse (its message names the part
-            and the valid syntax).
+            and the valid syntax), or an unknown ``layout``.
     """
     from m2nkit.adapters.vllm.spec import parse_inference_spec
 
     parsed = parse_inference_spec(spec)
-    return VLLMDestination(config, str(parsed), parsed.num_workers)
+    return VLLMDestination(config, str(parsed), parsed.num_workers, resolve_layout(layout))

@@ -566,8 +566,9 @@ def trace_destination(config: Any, wire: Sequence[ParamMeta],
     """The ``DestinationLayout`` of ``spec`` as vLLM's own loaders place ``wire``.
 
     Args:
-        config: a transformers config (saved to a temporary directory for
-            vLLM's ``ModelConfig``) or the path of a checkpoint directory.
+        config: a transformers config or a ``config.json`` dict (saved to a
+            temporary directory for vLLM's ``ModelConfig``), or the path of
+            a checkpoint directory.
         wire: the wire tensors (``checkpoint_metas``, ``config_wires``).
         spec: ``"vllm:tp=T[,dp=D][,ep]..."`` or an ``InferenceSpec``.
 
@@ -587,6 +588,11 @@ def trace_destination(config: Any, wire: Sequence[ParamMeta],
     with tempfile.TemporaryDirectory(prefix="m2nkit-trace-") as tmp:
         if isinstance(config, (str, os.PathLike)):
             config_dir = str(Path(config).resolve())
+        elif isinstance(config, dict):                 # a config.json as read
+            import json
+
+            Path(tmp, "config.json").write_text(json.dumps(config))
+            config_dir = tmp
         else:
             config.save_pretrained(tmp)
             config_dir = tmp
