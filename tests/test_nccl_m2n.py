@@ -22,7 +22,6 @@ import re
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -41,6 +40,7 @@ from m2nkit.adapters.vllm import (destination_layout, parse_inference_spec,  # n
                                   reference_load)
 from m2nkit.engine.local import allocate_storage, bitwise_equal, execute_plan  # noqa: E402
 from m2nkit.engine.plan import build_plan  # noqa: E402
+from m2nkit.engine.tools.procs import free_port  # noqa: E402
 from m2nkit.engine.transports import nccl_m2n  # noqa: E402
 from m2nkit.engine.transports.nccl_m2n import (CARRIER_M2N, CARRIER_NONE,  # noqa: E402
                                                CARRIER_P2P, INSTALL_HINT, NcclM2NTransport,
@@ -451,12 +451,6 @@ class GlooReshard:
         pass
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _gloo_rank(rank, world, trainer, inference, port, out_dir):
     torch.set_num_threads(1)
     from m2nkit.engine.transports.torch_p2p import agree_on_plan, create_group
@@ -507,7 +501,7 @@ def _gloo_rank(rank, world, trainer, inference, port, out_dir):
 def test_full_round_over_gloo(tmp_path, trainer, inference):
     T = parse_trainer_spec(trainer).num_ranks
     N = parse_inference_spec(inference).num_workers
-    world, port = T + N, _free_port()
+    world, port = T + N, free_port()
     from _procs import CTX as ctx, ensure_forkserver
 
     ensure_forkserver()           # children fork with torch loaded: no import per process
