@@ -24,7 +24,7 @@ the bytes the export's collectives move: ``(k-1) * bytes`` per all-gather
 contribution and per broadcast root, counted by wrapping
 ``torch.distributed``'s calls during the export), and the trainer's peak
 extra memory (``VmHWM`` over the measured rounds minus the RSS just before,
-after a warm-up round; benchmarks/transfer.py). After each method every
+after a warm-up round; ``m2nkit.engine.tools.procs.peak_kib``). After each method every
 worker's storage is compared bit for bit with ``reference_load`` of the
 checkpoint (the trainers send the weights Bridge loaded, unchanged).
 

@@ -365,7 +365,8 @@ def run_bridge_demo(model: str, trainer: str, inference: str, *, mode: str = "ta
         rounds: update rounds; the weights change before each.
         timeout_s: bound on every wait of the session (seconds); the
             trainers' start (importing megatron and Bridge, building) gets
-            six times that.
+            six times that, the workers' start (meanwhile) twice that, at
+            least 120 s.
 
     Raises:
         ValueError: bad model, specs, mode or round count.
@@ -413,7 +414,10 @@ def run_bridge_demo(model: str, trainer: str, inference: str, *, mode: str = "ta
         log(f"model {ckpt.architecture} from {model_dir}; {T} Megatron trainer ranks loaded "
             f"by Megatron-Bridge ({tspec}, {made}) -> {ispec.num_workers} workers ({ispec})")
         ctx = mp.get_context(start_method)
+        # The workers start while the trainers import megatron-core and build: on a
+        # busy machine their start follows --timeout too (at least the server's 120 s).
         server = InferenceServer(model_dir, str(ispec), timeout_s=4 * timeout_s,
+                                 start_timeout_s=max(120.0, 2 * timeout_s),
                                  start_method=start_method)
         procs: list = []
         finished = False

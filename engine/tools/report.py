@@ -19,6 +19,7 @@ __all__ = ["fmt_bytes", "fmt_seconds", "console_for_stdout", "print_summary", "p
 
 
 def fmt_bytes(n: float) -> str:
+    """``n`` bytes in words: ``"512 B"``, ``"1.50 KiB"`` .. ``"TiB"`` (powers of 1024)."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
@@ -27,6 +28,7 @@ def fmt_bytes(n: float) -> str:
 
 
 def fmt_seconds(s: float) -> str:
+    """``s`` seconds in words: ``"12.34 ms"`` below a second, else ``"1.23 s"``."""
     return f"{s * 1e3:.2f} ms" if s < 1 else f"{s:.2f} s"
 
 
@@ -45,6 +47,11 @@ def console_for_stdout():
 
 
 def print_summary(console, args, ckpt, metas, plan, timings):
+    """The ``m2nkit plan`` summary table, then why ``nccl_m2n`` leaves tensors to torch_p2p.
+
+    ``args``: the parsed command line (``trainer``, ``inference``, ``link_gbps``);
+    ``timings``: ``{phase: seconds}`` of the planning.
+    """
     from rich.table import Table
 
     t = Table(title="m2nkit plan", show_header=False, title_justify="left")
@@ -102,6 +109,7 @@ def _reason_class(reason: str) -> str:
 
 
 def print_tensors(console, plan):
+    """``-v``: one row per wire tensor (dtype, shape, bytes moved, slabs, nccl_m2n verdict)."""
     from rich.table import Table
 
     t = Table(title="wire tensors", title_justify="left")
@@ -190,6 +198,7 @@ def binding_rows(plan) -> list[tuple[str, str, str, str, str]]:
 
 
 def print_bindings(console, plan):
+    """``--bindings``: the rows of :func:`binding_rows`, then the tied parameters."""
     from rich.table import Table
 
     t = Table(title="where each wire tensor lands (HF name -> vLLM parameter)",
@@ -205,6 +214,7 @@ def print_bindings(console, plan):
 
 
 def print_demo_table(console, result) -> None:
+    """The ``m2nkit demo`` table of a ``DemoResult``: each round, then the baseline if it ran."""
     from rich.table import Table
 
     t = Table(title=f"m2nkit demo: {result.model}, {result.trainer} -> {result.inference}",
