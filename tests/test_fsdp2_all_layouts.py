@@ -47,8 +47,8 @@ from m2nkit.adapters.fsdp2 import fsdp2_source
 from m2nkit.adapters.hf_checkpoint import full_checkpoint_tensors, read_checkpoint
 from m2nkit.adapters.vllm import destination_layout, parse_inference_spec, reference_load
 from m2nkit.engine.local import allocate_storage, bitwise_equal, execute_plan
-from m2nkit.engine.tools.procs import free_port
 from m2nkit.engine.plan import build_plan
+from m2nkit.engine.tools.procs import free_port
 from m2nkit.manifest import manifest_from_json, manifest_to_json
 
 ORACLE = Path(__file__).parent / "data" / "oracle"
