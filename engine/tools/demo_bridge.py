@@ -272,13 +272,15 @@ def _setup_child() -> None:
 
 
 def bridge_trainer_main(rank: int, world: int, model_dir: str, trainer: str, inference: str,
-                        mode: str, port: int, dist_port: int, rounds: int,
+                        mode: str, dist_port: int, rounds: int,
                         timeout_s: float, bucket_bytes: int, work: str, results, go) -> None:
     """One Bridge trainer process: build through Bridge, ``bridge_source``, then per round
     ``perturb``, ``send_weights`` and Bridge's export (rank 0 saves it for the check).
 
-    ``go`` first brings the inference server's URL (the model is built while
-    the server starts), then each round's number. Reports ``("built", rank)``,
+    ``go`` first brings the inference server's URL and the transfer group's
+    port (the model is built while the server starts; a port picked before a
+    build of a minute or more could be taken by then), then each round's
+    number. Reports ``("built", rank)``,
     ``("init", rank, seconds, (manifest JSON, notes) on rank 0)``, one
     ``("round", rank, k, (bytes sent, seconds))`` per round, or
     ``("error", rank, message, traceback)``. Megatron's and Bridge's own
@@ -313,7 +315,7 @@ def bridge_trainer_main(rank: int, world: int, model_dir: str, trainer: str, inf
                   if mode == MEGATRON_SOURCE else bridge_source(bridge, model, mode=mode))
         config = AutoConfig.from_pretrained(model_dir)
         results.put(("built", rank))
-        url = go.get(timeout=10 * timeout_s)
+        url, port = go.get(timeout=10 * timeout_s)
         info = M2NTrainerInitInfo(rank=rank, num_trainer_ranks=world,
                                   destination=vllm_destination(config, inference),
                                   master_port=port, timeout_s=timeout_s, bucket_bytes=bucket_bytes)
@@ -424,13 +426,13 @@ def run_bridge_demo(model: str, trainer: str, inference: str, *, mode: str = "ta
         try:
             results = ctx.Queue()
             gos = [ctx.Queue() for _ in range(T)]
-            port, dist_port = free_port(), free_port()
+            dist_port = free_port()
             log(f"starting {T} trainer processes: each imports megatron-core and Megatron-Bridge "
                 "and builds and loads the model with AutoBridge.from_hf_pretrained (tens of "
                 "seconds on a busy machine)")
             t_init = time.monotonic()
             start_ranks(bridge_trainer_main, lambda r: (
-                r, T, str(model_dir), str(tspec), str(ispec), mode, port, dist_port, rounds,
+                r, T, str(model_dir), str(tspec), str(ispec), mode, dist_port, rounds,
                 timeout_s, bucket_bytes, str(work), results, gos[r]),
                 T, ctx=ctx, name="m2nkit-bridge-trainer-{rank}", started=procs)
             log(f"meanwhile starting {ispec.num_workers} inference worker process"
@@ -446,8 +448,9 @@ def run_bridge_demo(model: str, trainer: str, inference: str, *, mode: str = "ta
                                     failed, procs)
 
             collect("the Bridge trainers to build their models", T)
+            port = free_port()      # picked now, used at once: the trainers are built
             for q in gos:
-                q.put(url)
+                q.put((url, port))
             joined = collect("the Bridge trainers to join the transfer group", T)
             manifest, notes = next(m[3] for m in joined if m[1] == 0)
             plan, _ = plan_from_manifest(manifest, destination)
