@@ -46,39 +46,13 @@ import tempfile
 import time
 from pathlib import Path
 
-# benchmarks/megatron.py would shadow the megatron package for a script run from this folder
-# (and for the ranks it spawns, which inherit the path): take the folder off sys.path.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+from m2nkit.engine.tools.procs import (free_port, peak_kib, reset_peak, rss_kib, start_ranks,
+                                       stop_processes, trim_heap, wait_reports)
 
 METHODS = ("bridge tasks", "bridge export", "Bridge export_hf_weights, rank 0 sends")
 WORLD = 4
 TP, EP = 2, 2
 INFERENCE = "vllm:tp=2,ep"
-
-
-def _rss_kib() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
-
-
-def _peak_kib() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    return 0
-
-
-def _reset_peak() -> None:
-    import ctypes
-
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:   # 5: reset_mm_hiwater_rss
-        f.write("5")
 
 
 class _CollectiveBytes:
@@ -212,13 +186,14 @@ def _trainer(rank: int, cfg: dict, results, go) -> None:
                 step += 1
                 perturb(model, step)
                 dist.barrier()
-                _reset_peak()
-                rss0 = _rss_kib()
+                trim_heap(collect=False)
+                reset_peak()
+                rss0 = rss_kib()
                 with _CollectiveBytes() as cb:
                     t0 = time.perf_counter()
                     stats = engine.send_weights(f"{method}-{r}")
                     seconds = time.perf_counter() - t0
-                peak = max(0, _peak_kib() - rss0) * 1024
+                peak = max(0, peak_kib() - rss0) * 1024
                 if r:                                     # round 0 warms up
                     rows.append({"p2p": stats.bytes_sent, "collective": cb.nbytes,
                                  "seconds": seconds, "peak_extra": peak})
@@ -270,7 +245,6 @@ def main() -> None:
 
     from m2nkit.adapters.vllm import reference_load
     from m2nkit.engine.in_process import bitwise_equal
-    from m2nkit.engine.tools.demo import free_port, wait_reports
     from m2nkit.engine.tools.server import InferenceServer
 
     t_start = time.monotonic()
@@ -290,10 +264,7 @@ def main() -> None:
                    "ports": [free_port() for _ in METHODS], "rounds": args.rounds,
                    "bucket_bytes": int(args.bucket_mib * (1 << 20)), "timeout": args.timeout,
                    "work": str(work)}
-            procs = [ctx.Process(target=_trainer, args=(r, cfg, results, gos[r]), daemon=True)
-                     for r in range(WORLD)]
-            for proc in procs:
-                proc.start()
+            procs = start_ranks(_trainer, lambda r: (r, cfg, results, gos[r]), WORLD, ctx=ctx)
 
             def failed(msg):
                 raise RuntimeError(f"trainer rank {msg[1]} failed: {msg[2]}\n{msg[3]}")
@@ -326,10 +297,7 @@ def main() -> None:
                     rows.append(row)
                     print(f"  {method}: done, bit-exact={ok}", flush=True)
             finally:
-                for proc in procs:
-                    proc.join(10)
-                    if proc.is_alive():
-                        proc.kill()
+                stop_processes(procs, grace_s=10.0)
         finally:
             server.stop()
     mib = 1 << 20

@@ -63,8 +63,8 @@ import time
 import traceback
 from pathlib import Path
 
-from transfer import (_free_port, _peak_kib, _reset_peak, _rss_kib,  # benchmarks/transfer.py
-                      collect_ranks)
+from m2nkit.engine.tools.procs import (collect_ranks, free_port, peak_kib, reset_peak, rss_kib,
+                                       trim_heap)
 
 METHODS = ("m2nkit", "full_tensor", "state_dict")
 LABELS = {
@@ -92,18 +92,6 @@ INFERENCE = "vllm:tp=2"
 
 # --------------------------------------------------------------------------
 # one process
-
-
-def _trim() -> None:
-    """Return freed heap pages to the OS, so RSS before a round is what is live."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:  # not glibc
-        pass
 
 
 def _rank_main(rank: int, cfg: dict, out) -> None:
@@ -177,11 +165,11 @@ def _run_rank(rank: int, cfg: dict) -> dict:
                     if p.worker == rank - T:
                         for z in p.zero_boxes:
                             storage[p.name][tuple(slice(a, b) for a, b in z)] = 0
-            _trim()
+            trim_heap()
             barrier(f"{method} before round {k}")
             if k == min(1, cfg["rounds"] - 1):  # after a warm-up round (one-time setup)
-                peak_reset = _reset_peak()
-                rss_ready = _rss_kib()
+                peak_reset = reset_peak()
+                rss_ready = rss_kib()
             t0 = time.perf_counter()
             with torch.no_grad():
                 c = _round(method, group, plan, schedule, rank, model, source, storage,
@@ -189,7 +177,7 @@ def _run_rank(rank: int, cfg: dict) -> dict:
             barrier(f"{method} after round {k}")
             times.append(time.perf_counter() - t0)
             counts.append(c)
-        peak = _peak_kib()
+        peak = peak_kib()
         exact = None
         if storage is not None:
             bad = [n for n in storage if not bitwise_equal(storage[n], reference[n])]
@@ -402,7 +390,7 @@ def main() -> None:
     ck.close()
     cfg = {"checkpoint": str(checkpoint), "T": T, "N": N, "rounds": args.rounds,
            "bucket_bytes": int(args.bucket_mib * 2**20), "timeout_s": args.timeout,
-           "methods": methods, "ports": (_free_port(), _free_port())}
+           "methods": methods, "ports": (free_port(), free_port())}
     print(f"Qwen3 {params / 1e6:.0f} M parameters ({args.layers} layers, fp32 masters, bf16 "
           f"wire: {plan.nbytes_min / 1e6:.0f} MB), {TRAINER} -> {INFERENCE}, {args.rounds} "
           f"rounds per method, buckets {args.bucket_mib:g} MiB; load average "

@@ -65,12 +65,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
 import traceback
 from pathlib import Path
+
+from m2nkit.engine.tools.procs import free_port, start_ranks, stop_processes
 
 DEFAULT_SCENARIOS = (
     "replicated:1/vllm:tp=1",
@@ -274,35 +275,18 @@ def _rank_main(cfg: dict) -> None:
         Path(cfg["out"], f"{rank}.json").write_text(json.dumps(result))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_scenario(text, tspec, ispec, ckpt_dir, devices, env_per_rank, args, out_dir) -> list[dict]:
-    import multiprocessing as mp
-
     world = tspec.num_ranks + ispec.num_workers
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = []
-    for r in range(world):
-        cfg = {"rank": r, "world": world, "scenario": text, "ckpt": ckpt_dir, "port": port,
-               "device": devices[r], "env": env_per_rank[r], "timeout": args.timeout,
-               "rounds": args.rounds, "bucket_bytes": args.bucket_bytes, "out": str(out_dir)}
-        p = ctx.Process(target=_rank_main, args=(cfg,), daemon=True)
-        p.start()
-        procs.append(p)
-    deadline = time.monotonic() + args.scenario_timeout
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
+    port = free_port()
+    procs = start_ranks(_rank_main, lambda r: ({
+        "rank": r, "world": world, "scenario": text, "ckpt": ckpt_dir, "port": port,
+        "device": devices[r], "env": env_per_rank[r], "timeout": args.timeout,
+        "rounds": args.rounds, "bucket_bytes": args.bucket_bytes, "out": str(out_dir)},), world)
+    # processes this script started; only they are stopped
+    stopped = stop_processes(procs, until=time.monotonic() + args.scenario_timeout)
     results = []
     for r, p in enumerate(procs):
-        killed = p.is_alive()
-        if killed:             # a process this script started; stop only it
-            p.kill()
-            p.join()
+        killed = p in stopped
         f = Path(out_dir, f"{r}.json")
         if f.exists():
             results.append(json.loads(f.read_text()))
@@ -624,7 +608,7 @@ def _send_update(base: str, v1: Path, trainer: str, inference: str, timeout_s: f
     T = parse_trainer_spec(trainer).num_ranks
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     client = HTTPVLLMWeightSyncClient(base, timeout=timeout_s)
     procs = [ctx.Process(target=trainer_main, daemon=True, name=f"gpu-check-trainer-{r}",
                          args=(r, T, [str(v1)], trainer, inference, client if r == 0 else None,
@@ -756,7 +740,7 @@ def prepare_serve(workdir: Path, args, log=print) -> dict:
         f"tensor differs), trainers {tspec} -> {ispec}; {plugin}")
     # The round goes over torch_p2p on a gloo group (trainers on CPU): slab by slab, no m2n.
     ok = dry_run(str(v1), [(f"{tspec}/{ispec}", tspec, ispec)], None)
-    port = _free_port()
+    port = free_port()
     env = serve_env({})
     return {"v0": v0, "v1": v1, "trainer": str(tspec), "inference": str(ispec), "port": port,
             "command": serve_command(v0, port, args.serve_tp, args.serve_arg or []),

@@ -33,12 +33,9 @@ checkpoint directory as is.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
-import queue
 import resource
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -46,6 +43,8 @@ import textwrap
 import time
 import traceback
 from pathlib import Path
+
+from m2nkit.engine.tools.procs import collect_ranks, free_port, peak_kib, reset_peak, rss_kib
 
 METHODS = ("m2nkit", "gather", "floor")
 LABELS = {
@@ -71,54 +70,6 @@ BENCH_SIZES = {
     "max_position_embeddings": 4096,
 }
 BENCH_LAYERS = 4
-
-
-# --------------------------------------------------------------------------
-# memory, measured inside each process
-
-
-def _rss_kib() -> int:
-    """Current resident set size (``VmRSS``), KiB."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
-
-
-def _reset_peak() -> bool:
-    """Reset this process's RSS high-water mark (``VmHWM``) to its current RSS.
-
-    Linux ``/proc/PID/clear_refs`` value 5 (``reset_mm_hiwater_rss``).
-    Returns False where that is not allowed; the peak then also covers the
-    setup.
-    """
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _peak_kib() -> int:
-    """This process's peak RSS since the last :func:`_reset_peak`, KiB.
-
-    ``VmHWM``, the high-water mark behind ``ru_maxrss``. ``ru_maxrss``
-    itself is not usable in a spawned child: Linux keeps the larger of the
-    process's own mark and the mark of the memory image ``exec`` replaced
-    (``getrusage``: ``signal->maxrss``), so every child would report at
-    least the parent's RSS at fork time, and ``clear_refs`` cannot reset it.
-    Falls back to ``ru_maxrss`` without ``/proc``.
-    """
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
 
 
 # --------------------------------------------------------------------------
@@ -175,7 +126,7 @@ def _run_rank(method: str, rank: int, cfg: dict) -> dict:
     agree_on_plan(group, rank, world, plan, timeout_s=timeout_s)
     schedule = BucketSchedule.build(plan, cfg["bucket_bytes"])
     phases["plan"] = time.time()
-    rss_idle = _rss_kib()  # imports, checkpoint headers, plan, groups: an idle process
+    rss_idle = rss_kib()  # imports, checkpoint headers, plan, groups: an idle process
 
     local = storage = buffers = None
     if method == "floor":
@@ -194,8 +145,8 @@ def _run_rank(method: str, rank: int, cfg: dict) -> dict:
     def barrier(what: str) -> None:
         wait_work(group.barrier(), timeout_s, f"rank {rank}: barrier {what}")
 
-    peak_reset = _reset_peak()
-    rss_ready = _rss_kib()
+    peak_reset = reset_peak()
+    rss_ready = rss_kib()
     times, cpus, counts = [], [], []
 
     def cpu_s() -> float:  # all threads of this process, gloo's included
@@ -232,7 +183,7 @@ def _run_rank(method: str, rank: int, cfg: dict) -> dict:
         times.append(time.perf_counter() - t0)
         cpus.append(cpu_s() - c0)
         counts.append(c)
-    peak = _peak_kib()
+    peak = peak_kib()
     phases["rounds"] = time.time()
 
     exact = None  # the floor moves filler bytes: nothing to check
@@ -253,12 +204,6 @@ def _run_rank(method: str, rank: int, cfg: dict) -> dict:
 # the parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_method(method: str, cfg: dict, deadline_s: float) -> dict[int, dict]:
     """Spawn ``T + N`` processes for ``method``; ``{rank: report}``.
 
@@ -269,56 +214,9 @@ def run_method(method: str, cfg: dict, deadline_s: float) -> dict[int, dict]:
         RuntimeError: a rank failed (with its traceback), died silently, or
             did not report within ``deadline_s``.
     """
-    cfg = {**cfg, "ports": (_free_port(), _free_port())}
+    cfg = {**cfg, "ports": (free_port(), free_port())}
     return collect_ranks(_rank_main, lambda r: (method, r, cfg), cfg["T"] + cfg["N"],
                          deadline_s, f"{method}: ")
-
-
-def collect_ranks(target, args_of, world: int, deadline_s: float, label: str = "") -> dict:
-    """Spawn ``world`` processes ``target(*args_of(rank), queue)``; ``{rank: payload}``.
-
-    Each child puts ``(rank, "ok" | "error", payload)`` on the queue. Every
-    child is reaped on the way out; one still alive is killed.
-
-    Raises:
-        RuntimeError: a rank failed (with its traceback), died silently, or
-            did not report within ``deadline_s`` (messages start with ``label``).
-    """
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(*args_of(r), out), daemon=True)
-             for r in range(world)]
-    got: dict[int, dict] = {}
-    try:
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + deadline_s
-        while len(got) < world:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                missing = sorted(set(range(world)) - set(got))
-                raise RuntimeError(f"{label}ranks {missing} did not finish within "
-                                   f"{deadline_s:g} s")
-            try:
-                rank, status, payload = out.get(timeout=min(left, 1.0))
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs)
-                        if p.exitcode not in (None, 0) and r not in got]
-                if dead:
-                    raise RuntimeError(f"{label}rank {dead[0]} exited with code "
-                                       f"{procs[dead[0]].exitcode} without reporting") from None
-                continue
-            if status != "ok":
-                raise RuntimeError(f"{label}rank {rank} failed:\n{payload}")
-            got[rank] = payload
-        for p in procs:
-            p.join(30)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(5)
-    return got
 
 
 def ensure_model(name_or_dir: str, scale: int) -> tuple[Path, bool]:

@@ -1,4 +1,11 @@
-"""Fast child processes for the multi-process tests: one ``forkserver`` with the imports done.
+"""What only the tests need of processes and threads; the rest is ``m2nkit.engine.tools.procs``.
+
+``free_port``, starting and stopping ranks and reports come from the
+toolkit, as the CLI, the demos and the benchmarks use them. Here: the
+tests' ``forkserver`` (below) and :func:`in_threads`, which runs the ranks
+of one test as threads of this process and fails the test when one hangs.
+
+Fast child processes for the multi-process tests: one ``forkserver`` with the imports done.
 
 Spawning a process re-imports torch and transformers (seconds on this
 machine, more under load). A ``forkserver`` imports them once; every
@@ -15,6 +22,7 @@ server has the test session's ``sys.path``).
 from __future__ import annotations
 
 import multiprocessing as mp
+import threading
 
 CTX = mp.get_context("forkserver")
 
@@ -53,3 +61,29 @@ def ensure_forkserver(timeout_s: float = 180.0) -> None:
             p.kill()
         raise RuntimeError(f"the forkserver's first child did not exit cleanly "
                            f"(exit code {p.exitcode})")
+
+
+def in_threads(fns: dict, timeout_s: float, what: str = "a thread") -> dict:
+    """Run every callable in its own daemon thread; ``{key: ("ok", value) | ("err", exc)}``.
+
+    Each thread is joined for up to ``timeout_s`` seconds after the ones
+    before it; an exception is handed back for the test's assertions.
+
+    Raises:
+        AssertionError: a thread was still running after that (``what`` hung).
+    """
+    out: dict = {}
+
+    def run(key, fn):
+        try:
+            out[key] = ("ok", fn())
+        except BaseException as e:  # handed to the assertions
+            out[key] = ("err", e)
+
+    threads = [threading.Thread(target=run, args=kv, daemon=True) for kv in fns.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+        assert not t.is_alive(), f"{what} hung"
+    return out

@@ -13,7 +13,6 @@ vLLM's loaders), so the children import torch and m2nkit only.
 from __future__ import annotations
 
 import queue
-import socket
 import time
 import traceback
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch
 from _procs import CTX, ensure_forkserver
 from m2nkit.engine.tools.baseline import (create_trainer_group, gather_then_broadcast_round,
                                     raw_floor_buffers, raw_floor_round)
+from m2nkit.engine.tools.procs import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECKPOINT = ROOT / "examples" / "tiny-qwen3-moe"
@@ -31,12 +31,6 @@ TRAINER, INFERENCE = "fsdp:2", "vllm:tp=2"
 T, N = 2, 2
 TIMEOUT_S = 30.0  # any single wait inside a child
 DEADLINE_S = 60.0  # the whole multi-process run
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _to_bytes(storage: dict[str, torch.Tensor]) -> dict[str, tuple[bytes, torch.dtype, tuple]]:
@@ -115,7 +109,7 @@ def results(setup):
     ensure_forkserver()
     ctx = CTX
     out = ctx.Queue()
-    ports = (_free_port(), _free_port())
+    ports = (free_port(), free_port())
     procs = [ctx.Process(target=_rank_main, daemon=True,
                          args=(r, ports, plan, locals_[r] if r < T else None, out))
              for r in range(T + N)]

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _procs import ensure_forkserver
+from _procs import ensure_forkserver, in_threads
 from m2nkit.adapters.hf_checkpoint import (
     checkpoint_manifest,
     checkpoint_metas,
@@ -37,6 +37,7 @@ from m2nkit.adapters.vllm import reference_load, vllm_destination
 from m2nkit.engine.clients import HTTPClient, WeightSyncError
 from m2nkit.engine.deadline import REPORT_GRACE_S
 from m2nkit.engine.in_process import bitwise_equal
+from m2nkit.engine.tools.procs import free_port
 from m2nkit.engine.tools.server import InferenceServer
 from m2nkit.engine.session import InitPayload, plan_from_manifest
 from m2nkit.engine.trainer import M2NTrainerEngine, M2NTrainerInitInfo
@@ -48,12 +49,6 @@ CHECKPOINT = Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3-moe"
 TRAINER, INFERENCE, T, N = "fsdp:2", "vllm:tp=2", 2, 2
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def post(url: str, body: bytes) -> tuple[int, dict]:
     req = urllib.request.Request(url, data=body, method="POST")
     try:
@@ -61,25 +56,6 @@ def post(url: str, body: bytes) -> tuple[int, dict]:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
-
-
-def in_threads(fns: dict, timeout_s: float) -> dict:
-    """Run every callable in its own thread; ``{key: ("ok", value) | ("err", exc)}``."""
-    out: dict = {}
-
-    def run(key, fn):
-        try:
-            out[key] = ("ok", fn())
-        except BaseException as e:
-            out[key] = ("err", e)
-
-    threads = [threading.Thread(target=run, args=kv, daemon=True) for kv in fns.items()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout_s)
-        assert not t.is_alive(), "a thread hung"
-    return out
 
 
 class Trainers:

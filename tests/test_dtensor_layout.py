@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import time
 from datetime import timedelta
 from itertools import product
@@ -29,6 +28,7 @@ import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from m2nkit.engine.tools.procs import free_port
 from m2nkit.manifest import (
     DTensorModuleSource,
     ModuleSource,
@@ -304,15 +304,9 @@ def _worker(rank, world, port):
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("world", [4, 6])
 def test_real_dtensors_match_local_box_and_sources(world):
-    ctx = mp.start_processes(_worker, args=(world, _free_port()), nprocs=world,
+    ctx = mp.start_processes(_worker, args=(world, free_port()), nprocs=world,
                              join=False, start_method="fork")
     deadline = time.monotonic() + TIMEOUT_S
     try:

@@ -179,7 +179,7 @@ def _run_trainers(url, T, trainer, inference, *, model_dir=EXAMPLE, faults=None,
     ``hang`` has finished (done, error, or exited), then kills whatever is
     left. Never runs past ``budget`` seconds.
     """
-    from m2nkit.engine.tools.demo import free_port
+    from m2nkit.engine.tools.procs import free_port
 
     results = CTX.Queue()
     gos = [CTX.Queue() for _ in range(T)] if check is not None else [None] * T

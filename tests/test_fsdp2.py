@@ -27,7 +27,6 @@ import copy
 import json
 import os
 import re
-import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -46,6 +45,7 @@ from m2nkit.adapters.tiny import tiny_config
 from m2nkit.adapters.vllm import destination_layout, reference_load
 from m2nkit.engine.in_process import allocate_storage, bitwise_equal, execute_plan
 from m2nkit.engine.plan import build_plan
+from m2nkit.engine.tools.procs import free_port
 from m2nkit.manifest import Replicate, Shard, box_slices, manifest_from_json, manifest_to_json
 
 TIMEOUT_S = 150
@@ -323,12 +323,6 @@ def built(tmp_path_factory):
     return lambda name, dtype=torch.bfloat16: _build(name, dtype, tmp)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_ranks(world: int, kind: str, cases: list[Case], out: Path) -> float:
     # import once here, not once per forked rank
     import torch.distributed.fsdp  # noqa: F401
@@ -338,7 +332,7 @@ def _run_ranks(world: int, kind: str, cases: list[Case], out: Path) -> float:
 
         torch.compile(torch.nn.Linear(1, 1), backend="eager")  # its lazy imports, once
     start = time.monotonic()
-    ctx = mp.start_processes(_rank_main, args=(world, _free_port(), kind, cases, str(out)),
+    ctx = mp.start_processes(_rank_main, args=(world, free_port(), kind, cases, str(out)),
                              nprocs=world, join=False, start_method="fork")
     deadline = start + TIMEOUT_S
     try:

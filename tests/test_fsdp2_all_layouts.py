@@ -41,13 +41,14 @@ import torch.multiprocessing as mp
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from test_fsdp2 import Case, _free_port, _mesh, _shard
+from test_fsdp2 import Case, _mesh, _shard
 
 from m2nkit.adapters.fsdp2 import fsdp2_source
 from m2nkit.adapters.hf_checkpoint import full_checkpoint_tensors, read_checkpoint
 from m2nkit.adapters.vllm import destination_layout, parse_inference_spec, reference_load
 from m2nkit.engine.in_process import allocate_storage, bitwise_equal, execute_plan
 from m2nkit.engine.plan import build_plan
+from m2nkit.engine.tools.procs import free_port
 from m2nkit.manifest import manifest_from_json, manifest_to_json
 
 ORACLE = Path(__file__).parent / "data" / "oracle"
@@ -129,7 +130,7 @@ def _run_ranks(models, out: Path) -> float:
     import torch.distributed.tensor.parallel  # noqa: F401
 
     start = time.monotonic()
-    ctx = mp.start_processes(_rank_main, args=(WORLD, _free_port(), models, str(out)),
+    ctx = mp.start_processes(_rank_main, args=(WORLD, free_port(), models, str(out)),
                              nprocs=WORLD, join=False, start_method="fork")
     deadline = start + TIMEOUT_S
     try:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch.multiprocessing as mp
 
 from m2nkit.adapters.fsdp2 import FSDP2SourceError, fsdp2_source
 from m2nkit.adapters.tiny import tiny_config
+from m2nkit.engine.tools.procs import free_port
 from m2nkit.manifest import box_slices, manifest_from_json, manifest_to_json
 
 peft = pytest.importorskip("peft")  # the dev extra installs it
@@ -88,12 +88,6 @@ def _expected(model) -> dict[str, torch.Tensor]:
     """peft's ``merge_and_unload()`` of a copy: the full merged weights by HF name."""
     merged = copy.deepcopy(model).merge_and_unload()
     return {n: p.detach().clone() for n, p in merged.named_parameters()}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tp_base_layers(model, tp_mesh):
@@ -167,7 +161,7 @@ def _run(world: int, cases: dict, refused, out: Path) -> None:
     import torch.distributed.tensor.parallel  # noqa: F401
 
     start = time.monotonic()
-    ctx = mp.start_processes(_rank_main, args=(world, _free_port(), cases, refused, str(out)),
+    ctx = mp.start_processes(_rank_main, args=(world, free_port(), cases, refused, str(out)),
                              nprocs=world, join=False, start_method="fork")
     try:
         while not ctx.join(timeout=max(0.1, start + TIMEOUT_S - time.monotonic())):

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from m2nkit.engine.tools.procs import free_port
 from m2nkit.engine.transports.nccl_m2n_runtime import NcclM2NUnavailableError, import_nccl_m2n
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -157,7 +158,7 @@ def test_the_serve_command_line_is_what_vllm_serve_parses(tmp_path):
 def _gpu_check_module() -> dict:
     import runpy
 
-    return runpy.run_path(str(GPU_CHECK), run_name="gpu_check")   # stdlib imports only
+    return runpy.run_path(str(GPU_CHECK), run_name="gpu_check")   # stdlib and m2nkit.engine.tools.procs only
 
 
 def test_the_server_process_group_is_stopped_when_it_never_becomes_ready(tmp_path):
@@ -172,7 +173,7 @@ def test_the_server_process_group_is_stopped_when_it_never_becomes_ready(tmp_pat
               "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
               "print('child', c.pid, flush=True); time.sleep(120)")
     server = g["_Server"]([sys.executable, "-c", script], dict(os.environ), tmp_path / "log",
-                          g["_free_port"]())
+                          free_port())
     try:
         with pytest.raises(g["ServeFailed"], match=r"vllm serve was not ready within 3 s; its "
                                                    r"log ends:\nchild \d+"):
@@ -192,7 +193,7 @@ def test_a_server_that_exits_early_is_reported_with_its_log(tmp_path):
 
     g = _gpu_check_module()
     server = g["_Server"]([sys.executable, "-c", "print('no such model: /x'); raise SystemExit(3)"],
-                          dict(os.environ), tmp_path / "log", g["_free_port"]())
+                          dict(os.environ), tmp_path / "log", free_port())
     try:
         with pytest.raises(g["ServeFailed"], match=r"vllm serve exited with code 3 before it was "
                                                    r"ready; its log ends:\nno such model: /x"):

@@ -22,7 +22,6 @@ import re
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -42,6 +41,7 @@ from m2nkit.adapters.vllm import (destination_layout, parse_inference_spec,  # n
 from m2nkit.engine.control import TransferError  # noqa: E402
 from m2nkit.engine.in_process import allocate_storage, bitwise_equal, execute_plan  # noqa: E402
 from m2nkit.engine.plan import build_plan  # noqa: E402
+from m2nkit.engine.tools.procs import free_port  # noqa: E402
 from m2nkit.engine.transports import nccl_m2n_runtime  # noqa: E402
 from m2nkit.engine.transports.nccl_m2n import NcclM2NTransport  # noqa: E402
 from m2nkit.engine.transports.nccl_m2n_rules import (CARRIER_M2N, CARRIER_NONE,  # noqa: E402
@@ -453,12 +453,6 @@ class GlooReshard:
         pass
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _gloo_rank(rank, world, trainer, inference, port, out_dir):
     torch.set_num_threads(1)
     from m2nkit.engine.control import agree_on_plan, create_group
@@ -509,7 +503,7 @@ def _gloo_rank(rank, world, trainer, inference, port, out_dir):
 def test_full_round_over_gloo(tmp_path, trainer, inference):
     T = parse_trainer_spec(trainer).num_ranks
     N = parse_inference_spec(inference).num_workers
-    world, port = T + N, _free_port()
+    world, port = T + N, free_port()
     from _procs import CTX as ctx, ensure_forkserver
 
     ensure_forkserver()           # children fork with torch loaded: no import per process

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import re
-import socket
 import threading
 import time
 import traceback
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from _procs import in_threads
 from m2nkit.adapters.hf_checkpoint import (
     checkpoint_manifest,
     checkpoint_metas,
@@ -33,6 +33,7 @@ from m2nkit.engine.deadline import REPORT_GRACE_S, Deadline
 from m2nkit.engine.in_process import bitwise_equal
 from m2nkit.engine.receiver import IncompleteRoundError, M2NReceiver, build_vllm_storage
 from m2nkit.engine.session import InitPayload, plan_from_manifest
+from m2nkit.engine.tools.procs import free_port
 from m2nkit.engine.control import (
     PlanMismatchError,
     TransferError,
@@ -51,12 +52,6 @@ TRAINER, INFERENCE, T, N = "fsdp:2", "vllm:tp=2", 2, 2
 def receivers_for(ck, n: int = N) -> list[M2NReceiver]:
     dest = vllm_destination(ck.config, INFERENCE)
     return [M2NReceiver(dest, w) for w in range(n)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -593,24 +588,6 @@ class Engines:
     def shutdown(self) -> None:
         for e in self.engines.values():
             e.shutdown()
-
-
-def in_threads(fns: dict, timeout_s: float) -> dict:
-    out: dict = {}
-
-    def run(key, fn):
-        try:
-            out[key] = ("ok", fn())
-        except BaseException as e:
-            out[key] = ("err", e)
-
-    threads = [threading.Thread(target=run, args=kv, daemon=True) for kv in fns.items()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout_s)
-        assert not t.is_alive(), "a thread hung"
-    return out
 
 
 @pytest.mark.timeout(120)

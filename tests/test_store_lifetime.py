@@ -17,7 +17,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from m2nkit.engine.tools.demo import free_port
+from m2nkit.engine.tools.procs import free_port
 from m2nkit.engine.control import finish_round, wait_verdict_seen
 
 

@@ -14,6 +14,11 @@ writes every worker's storage as safetensors.
 (``engine/tools/demo.py``) under a small supervisor, so that Ctrl-C stops it with
 one line (see :func:`_supervise_demo`).
 
+The command line is this module: the parser, the checks that need no
+torch, and which work runs when. What it prints is ``report.py``;
+``--verify`` and ``--dump`` are ``verify.py``; the supervision of the demo
+driver is ``procs.py``.
+
 Built on argparse (standard library) and rich (tables). Specs and the
 model's architecture are checked before torch or transformers is imported,
 so a typo is refused in milliseconds. User errors print one line, no
@@ -33,25 +38,15 @@ import os
 import sys
 import tempfile
 import time
-from collections import Counter
 from pathlib import Path
+
+from m2nkit.engine.tools import report
+from m2nkit.engine.tools.verify import dump_storage, verify_plan
 
 __all__ = ["main"]
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
-
-
-def _fmt_seconds(s: float) -> str:
-    return f"{s * 1e3:.2f} ms" if s < 1 else f"{s:.2f} s"
 
 
 class UserError(Exception):
@@ -65,20 +60,6 @@ def _version() -> str:
         return version("m2nkit")
     except PackageNotFoundError:  # running from a tree that was never installed
         return "unknown"
-
-
-def _console():
-    """A rich console for stdout: the terminal's width, else ``COLUMNS``, else 200.
-
-    Piped output (logs, CI) would get rich's 80 columns; 200 keeps the tables
-    on one line each, and ``COLUMNS`` overrides it as it does on a terminal.
-    """
-    from rich.console import Console
-
-    if sys.stdout.isatty():
-        return Console()                           # rich reads COLUMNS itself
-    columns = os.environ.get("COLUMNS", "").strip()
-    return Console(width=int(columns) if columns.isdigit() and int(columns) > 0 else 200)
 
 
 # --------------------------------------------------------------------------
@@ -133,8 +114,8 @@ def _precheck(args) -> None:
                         f"got --trainer {args.trainer}")
     if _is_bridge_demo(args) and args.receiver != "stand-in":
         raise UserError("--trainer bridge:... runs with --receiver stand-in only")
-    if _is_megatron_demo(args):  # Megatron-Core trainers (engine/tools/demo_megatron.py)
-        importlib.import_module("m2nkit.engine.tools.demo_megatron").parse_megatron_demo_spec(
+    if _is_megatron_demo(args):  # Megatron-Core trainers (engine/tools/demo_bridge.py)
+        importlib.import_module("m2nkit.engine.tools.demo_bridge").parse_megatron_demo_spec(
             args.trainer)
         if args.receiver != "stand-in":
             raise UserError("--trainer megatron:... runs with --receiver stand-in only")
@@ -196,206 +177,6 @@ def _build(args):
     return ckpt, tspec, ispec, metas, plan, timings
 
 
-def _print_summary(console, args, ckpt, metas, plan, timings):
-    from rich.table import Table
-
-    t = Table(title="m2nkit plan", show_header=False, title_justify="left")
-    t.add_column("what", style="bold")
-    t.add_column("value")
-    n_skipped = sum(1 for w in plan.wires if w.skipped)
-    send, recv = plan.send_bytes, plan.recv_bytes
-    mean_send = send.mean() if len(send) else 0
-    m2n_ok = sum(1 for w in plan.wires if w.verdict("nccl_m2n").ok)
-    t.add_row("model", f"{ckpt.architecture} ({ckpt.path})")
-    t.add_row("trainer", f"{args.trainer}: {plan.num_trainer_ranks} ranks")
-    t.add_row("inference", f"{args.inference}: {plan.num_workers} workers")
-    t.add_row("wire tensors", f"{len(plan.wires)} ({n_skipped} skipped by vLLM), "
-                              f"{_fmt_bytes(sum(m.nbytes for m in metas))}")
-    t.add_row("slabs", f"{plan.num_slabs:,}")
-    ratio = plan.nbytes_moved / plan.nbytes_min if plan.nbytes_min else 1.0
-    t.add_row("bytes moved / minimum",
-              f"{_fmt_bytes(plan.nbytes_moved)} / {_fmt_bytes(plan.nbytes_min)} (ratio {ratio:.3f})")
-    t.add_row("max send per trainer rank", _fmt_bytes(send.max(initial=0)))
-    t.add_row("max receive per worker", _fmt_bytes(recv.max(initial=0)))
-    t.add_row("send imbalance (max/mean)", f"{send.max() / mean_send:.3f}" if mean_send else "-")
-    t.add_row("fan-in / fan-out (max)", f"{plan.fan_in().max(initial=0)} / {plan.fan_out().max(initial=0)}")
-    t.add_row("nccl_m2n expressible", f"{plan.carried_share('nccl_m2n'):.1%} of bytes, "
-                                      f"{m2n_ok} of {len(plan.wires) - n_skipped} tensors")
-    t.add_row(f"estimated time @ {args.link_gbps:g} Gbit/s per rank",
-              _fmt_seconds(plan.estimated_seconds(args.link_gbps)))
-    t.add_row("planning time", ", ".join(f"{k} {_fmt_seconds(v)}" for k, v in timings.items()))
-    t.add_row("problems", str(len(plan.problems)) if plan.problems else "none")
-    for note in plan.destination.notes:  # how vLLM's dtype and expert placement were decided
-        t.add_row("note", note)
-    console.print(t)
-
-    reasons = Counter()
-    example = {}
-    for w in plan.wires:
-        verdict = w.verdict("nccl_m2n")
-        if not w.skipped and w.bindings and not verdict.ok:
-            key = _reason_class(verdict.reason)
-            reasons[key] += 1
-            example.setdefault(key, (w.name, verdict.reason))
-    if reasons:
-        r = Table(title="not carried by nccl_m2n (sent by torch_p2p)", title_justify="left")
-        r.add_column("tensors", justify="right")
-        r.add_column("reason", overflow="fold")
-        r.add_column("example", overflow="fold")
-        for key, n in reasons.most_common():
-            name, reason = example[key]
-            r.add_row(str(n), reason, name)
-        console.print(r)
-
-
-def _reason_class(reason: str) -> str:
-    """Group reasons that differ only in numbers."""
-    return "".join("#" if c.isdigit() else c for c in reason)
-
-
-def _print_tensors(console, plan):
-    from rich.table import Table
-
-    t = Table(title="wire tensors", title_justify="left")
-    for col in ("name", "dtype", "shape", "bytes moved", "slabs", "nccl_m2n"):
-        t.add_column(col, overflow="fold")
-    for w in plan.wires:
-        verdict = w.verdict("nccl_m2n")
-        m2n = "skipped: " + w.skipped if w.skipped else ("yes" if verdict.ok else "no: " + verdict.reason)
-        t.add_row(w.name, str(w.meta.dtype).removeprefix("torch."), str(list(w.meta.shape)),
-                  _fmt_bytes(w.nbytes_moved), str(len(w.table)), m2n)
-    console.print(t)
-
-
-#: What each dim of a tensor is called in the bindings table, by tensor rank.
-#: Stacked experts (``w13_weight``, ``w2_weight`` and the stacked wire
-#: tensors) are ``[E, rows, cols]``.
-_DIM_NAMES = {1: ("rows",), 2: ("rows", "cols"), 3: ("experts", "rows", "cols")}
-
-
-def _describe_box(box, shape) -> str:
-    """``box`` of a tensor of ``shape`` in words: ``"rows 64:80"``, ``"experts 0:4"``.
-
-    Dims the box covers whole are left out; a box covering the whole tensor
-    is ``"whole"``. Ranges are half-open, ``start:stop``.
-    """
-    names = _DIM_NAMES.get(len(shape), tuple(f"dim{i}" for i in range(len(shape))))
-    parts = [f"{n} {a}:{b}" for n, (a, b), size in zip(names, box, shape) if (a, b) != (0, size)]
-    return ", ".join(parts) or "whole"
-
-
-def _describe_workers(workers) -> str:
-    """``"worker 3"``, ``"workers 0–3"``, ``"workers 0–1, 4–5"`` (sorted, runs joined)."""
-    ws = sorted(set(workers))
-    runs: list[list[int]] = []
-    for w in ws:
-        if runs and w == runs[-1][1] + 1:
-            runs[-1][1] = w
-        else:
-            runs.append([w, w])
-    text = ", ".join(f"{a}" if a == b else f"{a}–{b}" for a, b in runs)
-    return f"worker{'s' if len(ws) > 1 else ''} {text}"
-
-
-def _binding_rows(plan) -> list[tuple[str, str, str, str, str]]:
-    """One row per (wire tensor, vLLM parameter, region): where each wire tensor lands.
-
-    Returns ``(wire tensor, vLLM parameter, region of the parameter, workers,
-    part of the wire tensor they take)``, in wire order. Workers taking the
-    same region of the same parameter share a row; when they take different
-    parts of the wire tensor (tensor-parallel shards), the last column says
-    which worker takes which. Regions and parts are in local coordinates of
-    the parameter and global coordinates of the wire tensor
-    (:func:`_describe_box`). Skipped wire tensors, and those no vLLM
-    parameter takes, get one row saying why.
-    """
-    dest = plan.destination
-    params = dest.param_index()
-    rows = []
-    for wp in plan.wires:
-        name, shape = wp.name, tuple(wp.meta.shape)
-        if wp.skipped:
-            rows.append((name, "-", "-", "-", f"skipped: {wp.skipped}"))
-            continue
-        bindings = dest.bindings.get(name, ())
-        if not bindings:
-            why = dest.unknown.get(name, "no vLLM parameter takes it")
-            rows.append((name, "-", "-", "-", f"not taken: {why}"))
-            continue
-        groups: dict[tuple, list] = {}
-        for b in bindings:
-            pshape = params[(b.worker, b.param)].shape
-            groups.setdefault((b.param, b.region, tuple(pshape)), []).append(b)
-        for (param, region, pshape), group in sorted(
-                groups.items(), key=lambda kv: (min(b.worker for b in kv[1]), kv[0][1])):
-            by_box: dict[tuple, list[int]] = {}
-            for b in group:
-                by_box.setdefault(b.box, []).append(b.worker)
-            if len(by_box) == 1:
-                takes = _describe_box(next(iter(by_box)), shape)
-            else:
-                takes = "; ".join(f"{_describe_box(box, shape)} ({_describe_workers(ws)})"
-                                  for box, ws in sorted(by_box.items(), key=lambda kv: min(kv[1])))
-            rows.append((name, param, _describe_box(region, pshape),
-                         _describe_workers(b.worker for b in group), takes))
-    return rows
-
-
-def _print_bindings(console, plan):
-    from rich.table import Table
-
-    t = Table(title="where each wire tensor lands (HF name -> vLLM parameter)",
-              title_justify="left")
-    for col in ("wire tensor", "vLLM parameter", "region", "workers", "takes"):
-        t.add_column(col, overflow="fold")
-    for row in _binding_rows(plan):
-        t.add_row(*row)
-    console.print(t)
-    for alias, target in sorted(plan.destination.aliases.items()):
-        console.print(f"vLLM parameter {alias} is the storage of {target} (tied; filled through it)",
-                      markup=False, highlight=False)
-
-
-def _verify(console, ckpt, tspec, ispec, plan):
-    """Execute ``plan`` in this process and compare every worker with ``reference_load``.
-
-    Returns ``(ok, storage)``: whether every worker is bit-exact, and each
-    worker's storage ``{worker: {vLLM param: tensor}}``.
-    """
-    from m2nkit.adapters.hf_checkpoint import checkpoint_manifest, full_checkpoint_tensors
-    from m2nkit.adapters.vllm import reference_load
-    from m2nkit.engine.in_process import allocate_storage, bitwise_equal, execute_plan
-
-    workers = range(plan.num_workers)
-    storage = {w: allocate_storage(plan.destination, w) for w in workers}
-    sources = {r: checkpoint_manifest(ckpt, tspec, r) for r in range(tspec.num_ranks)}
-    t0 = time.perf_counter()
-    execute_plan(plan, {r: s.iter_local() for r, s in sources.items()}, storage)
-    t1 = time.perf_counter()
-    full = full_checkpoint_tensors(ckpt)
-    ok = True
-    aliases = plan.destination.aliases
-    for w in workers:
-        ref = reference_load(ckpt.config, full, ispec, w)
-        got = storage[w]
-        names = set(ref) - set(aliases)
-        missing, extra = names - set(got), set(got) - names
-        bad = sorted(n for n in names & set(got) if not bitwise_equal(got[n], ref[n]))
-        for alias, target in aliases.items():
-            if alias in ref and target in got and not bitwise_equal(got[target], ref[alias]):
-                bad.append(alias)
-        if missing or extra or bad:
-            ok = False
-            console.print(f"[red]worker {w}: {len(bad)} tensors differ from vLLM's loader "
-                          f"semantics {bad[:5]}, missing {sorted(missing)[:5]}, "
-                          f"unexpected {sorted(extra)[:5]}[/red]")
-    if ok:
-        console.print(f"[green]verify: all {plan.num_workers} workers hold exactly what vLLM's "
-                      f"loaders would ({len(names)} parameters each; executed "
-                      f"{plan.num_slabs:,} slabs in {_fmt_seconds(t1 - t0)})[/green]")
-    return ok, storage
-
-
 def _open_dump_dir(path: str | None) -> tuple[Path | None, bool]:
     """Create ``--dump DIR`` before any work, so a bad path fails first.
 
@@ -415,43 +196,6 @@ def _open_dump_dir(path: str | None) -> tuple[Path | None, bool]:
     if not os.access(d, os.W_OK):
         raise UserError(f"--dump {path}: the directory is not writable")
     return d, created
-
-
-def _dump(console, directory: Path, storage, plan, ckpt, ispec) -> None:
-    """Write each worker's storage as ``DIR/worker{w}.safetensors``.
-
-    Tensors carry vLLM's parameter names, local shapes and dtypes, as the
-    worker holds them. A parameter that shares storage with another (tied
-    ``lm_head.weight``) is saved once, under the name it aliases; the
-    ``aliases`` metadata lists it. Metadata (strings): ``worker``,
-    ``tp_rank``, ``dp_rank``, ``ep_rank`` (``none`` without expert
-    parallelism), ``inference``, ``model``, ``architecture``,
-    ``plan_digest``, ``manifest_digest``, ``aliases`` (JSON ``{alias:
-    parameter}``).
-    """
-    from safetensors.torch import save_file
-
-    plan_digest = plan.digest()
-    for w, tensors in storage.items():
-        aliases = {a: t for a, t in plan.destination.aliases.items() if t in tensors}
-        metadata = {
-            "format": "pt",
-            "worker": str(w),
-            "tp_rank": str(ispec.tp_rank(w)),
-            "dp_rank": str(ispec.dp_index(w)),
-            "ep_rank": str(w) if ispec.ep else "none",
-            "inference": str(ispec),
-            "model": str(Path(ckpt.path).resolve()),
-            "architecture": ckpt.architecture,
-            "plan_digest": plan_digest,
-            "manifest_digest": plan.manifest_digest,
-            "aliases": json.dumps(aliases, sort_keys=True),
-        }
-        out = directory / f"worker{w}.safetensors"
-        save_file({n: t.contiguous() for n, t in tensors.items() if n not in aliases}, str(out),
-                  metadata=metadata)
-    console.print(f"wrote {len(storage)} worker files to {directory}/ "
-                  f"(worker0.safetensors .. worker{len(storage) - 1}.safetensors)")
 
 
 def _open_json(path: str | None):
@@ -504,7 +248,7 @@ def _cmd_plan(args) -> int:
         json_file = _open_json(args.json)
         dump_dir, dump_dir_created = _open_dump_dir(args.dump)
         _quiet_transformers()
-        status = _plan_and_report(args, _console(), json_file, dump_dir)
+        status = _plan_and_report(args, report.console_for_stdout(), json_file, dump_dir)
         written = True
         return status
     finally:
@@ -526,11 +270,11 @@ def _plan_and_report(args, console, json_file, dump_dir) -> int:
         gc.enable()
     if args.verify and not ckpt.has_data:
         raise UserError(f"--verify needs tensor data, but {ckpt.path} has only a config")
-    _print_summary(console, args, ckpt, metas, plan, timings)
+    report.print_summary(console, args, ckpt, metas, plan, timings)
     if args.verbose:
-        _print_tensors(console, plan)
+        report.print_tensors(console, plan)
     if args.bindings:
-        _print_bindings(console, plan)
+        report.print_bindings(console, plan)
     if json_file is not None:
         from m2nkit.manifest.serialize import manifest_to_json
 
@@ -548,9 +292,9 @@ def _plan_and_report(args, console, json_file, dump_dir) -> int:
             console.print("[red]verify skipped: the plan has problems"
                           + (" (nothing dumped)" if dump_dir else "") + "[/red]")
             return status
-        ok, storage = _verify(console, ckpt, tspec, ispec, plan)
+        ok, storage = verify_plan(console, ckpt, tspec, ispec, plan)
         if dump_dir is not None:
-            _dump(console, dump_dir, storage, plan, ckpt, ispec)
+            dump_storage(console, dump_dir, storage, plan, ckpt, ispec)
         if not ok:
             status = EXIT_PROBLEMS
     return status
@@ -579,10 +323,11 @@ def _cmd_demo(args) -> int:
 def _demo_here(args) -> int:
     """Run the demo in this process (the driver) and print its table."""
     import signal
-    import threading
+
+    from m2nkit.engine.tools.procs import follow_supervisor
 
     t_start = time.monotonic()
-    console = _console()
+    console = report.console_for_stdout()
 
     def log(message: str) -> None:
         console.print(f"[{time.monotonic() - t_start:6.1f} s] {message}", markup=False,
@@ -591,23 +336,13 @@ def _demo_here(args) -> int:
     if args.driver:
         # The supervisor stops us with SIGTERM (tear down, exit quietly) and
         # closes our stdin when it goes away, however it went.
-        def stop(signum, frame):
-            raise KeyboardInterrupt
-
-        signal.signal(signal.SIGTERM, stop)
-
-        def watch_supervisor():
-            while os.read(0, 1 << 10):
-                pass
-            os.kill(os.getpid(), signal.SIGTERM)
-
-        threading.Thread(target=watch_supervisor, daemon=True, name="m2nkit-supervisor-watch").start()
+        follow_supervisor()
     try:
         log(f"m2nkit demo: {args.model}, {args.trainer} -> {args.inference}, {args.rounds} round"
             f"{'s' if args.rounds > 1 else ''}"
             + ("" if args.baseline else ", no baseline") + " (Ctrl-C stops it)")
         result = _run_demo(args, log)
-        _print_demo_table(console, result)
+        report.print_demo_table(console, result)
     except KeyboardInterrupt:
         if not args.driver:
             print("m2nkit: demo interrupted; its processes are stopped", file=sys.stderr)
@@ -639,7 +374,7 @@ def _run_demo(args, log):
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     if _is_megatron_demo(args):                            # Megatron-Core trainers
-        from m2nkit.engine.tools.demo_megatron import run_megatron_demo
+        from m2nkit.engine.tools.demo_bridge import run_megatron_demo
 
         return run_megatron_demo(args.model, args.trainer, args.inference, rounds=args.rounds,
                                  timeout_s=args.timeout,
@@ -657,32 +392,6 @@ def _run_demo(args, log):
                     workdir=args.workdir, baseline=args.baseline, log=log)
 
 
-def _print_demo_table(console, result) -> None:
-    from rich.table import Table
-
-    t = Table(title=f"m2nkit demo: {result.model}, {result.trainer} -> {result.inference}",
-              title_justify="left")
-    for col in ("method", "round", "bytes sent (total)", "max per trainer rank",
-                "time", "useful throughput", "check"):
-        t.add_column(col)
-    for r in result.rounds:
-        total = sum(r.bytes_per_rank)
-        t.add_row("m2nkit torch_p2p", str(r.index), _fmt_bytes(total),
-                  _fmt_bytes(max(r.bytes_per_rank)), _fmt_seconds(r.seconds),
-                  f"{_fmt_bytes(result.nbytes_min / r.seconds)}/s" if r.seconds else "-",
-                  f"bit-exact on {r.verified_workers} workers, = minimum"
-                  if total == result.nbytes_min else f"{total - result.nbytes_min} bytes over the minimum")
-    b = result.baseline
-    if b:
-        t.add_row("gather-then-broadcast", "-", _fmt_bytes(b["bytes_total"]),
-                  _fmt_bytes(b["bytes_max_rank"]), _fmt_seconds(b["seconds"]),
-                  f"{_fmt_bytes(result.nbytes_min / b['seconds'])}/s" if b["seconds"] else "-",
-                  "bit-exact" if b.get("verified") else "not verified")
-    console.print(t)
-    console.print(f"minimum bytes (what the workers hold): {_fmt_bytes(result.nbytes_min)}; "
-                  "useful throughput = that / time")
-
-
 #: Seconds the demo driver gets to tear its processes down after SIGTERM
 #: before whatever is left of its process group is killed.
 _DRIVER_GRACE_S = 20.0
@@ -695,25 +404,20 @@ def _supervise_demo(args) -> int:
     group. The demo's trainer, worker and baseline processes (spawned by
     multiprocessing, which cannot start them in another group) would each
     die with a ``KeyboardInterrupt`` traceback. So the driver (this CLI with
-    ``--driver``) runs in a new session, with its own process group: Ctrl-C
-    and SIGTERM reach only this process, which sends the driver SIGTERM (it
-    tears its processes down itself, quietly), kills whatever is left of its
-    group after :data:`_DRIVER_GRACE_S`, removes the demo's work directory,
-    prints one line and exits 128 + the signal. The driver's output goes
-    straight to this process's stdout and stderr. If this process dies
-    without cleaning up, the driver sees its stdin close and stops.
+    ``--driver``) runs under :func:`m2nkit.engine.tools.procs.supervise`, in
+    a new session with its own process group: Ctrl-C and SIGTERM reach only
+    this process, which sends the driver SIGTERM (it tears its processes
+    down itself, quietly), kills whatever is left of its group after
+    :data:`_DRIVER_GRACE_S`, removes the demo's work directory, prints one
+    line and exits 128 + the signal. The driver's output goes straight to
+    this process's stdout and stderr. If this process dies without cleaning
+    up, the driver sees its stdin close and stops.
     """
     import shutil
     import signal
-    import subprocess
-    import tempfile
 
-    received: list[int] = []
+    from m2nkit.engine.tools.procs import supervise
 
-    def on_signal(signum, frame):
-        received.append(signum)
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     workdir = tempfile.mkdtemp(prefix="m2nkit-demo-")
     cmd = [sys.executable, "-m", "m2nkit.engine.tools.cli", "demo", "--model", args.model,
            "--trainer", args.trainer, "--inference", args.inference,
@@ -724,94 +428,19 @@ def _supervise_demo(args) -> int:
         cmd.append("--no-baseline")
     if args.bridge_mode:
         cmd += ["--bridge-mode", args.bridge_mode]
-    proc = None
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, start_new_session=True)
-        while not received:
-            try:
-                rc = proc.wait(timeout=0.2)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        if received:
-            signum = received[0]
-            _stop_driver(proc, received)
-            print(f"m2nkit: demo {'interrupted' if signum == signal.SIGINT else 'terminated'}; "
-                  "its processes are stopped and its files removed", file=sys.stderr)
-            return 128 + signum
-        _reap_group(proc.pid, grace_s=5.0)
-        if rc < 0:
-            print(f"m2nkit: demo failed: its driver process died of signal {-rc}", file=sys.stderr)
-            return EXIT_PROBLEMS
-        return rc
-    finally:
-        if proc is not None and proc.poll() is None:   # an error in this function
-            _stop_driver(proc, received)
-        if proc is not None and proc.stdin is not None:
-            proc.stdin.close()
-        shutil.rmtree(workdir, ignore_errors=True)
-        for s, handler in old.items():
-            signal.signal(s, handler)
 
+    def announce(signum: int) -> None:
+        print(f"m2nkit: demo {'interrupted' if signum == signal.SIGINT else 'terminated'}; "
+              "its processes are stopped and its files removed", file=sys.stderr)
 
-def _stop_driver(proc, received: list[int]) -> None:
-    """SIGTERM the driver, wait for it (a second signal cuts the wait short), then kill its group."""
-    import signal
-    import subprocess
-
-    n_signals = len(received)
-    try:
-        proc.send_signal(signal.SIGTERM)
-    except ProcessLookupError:
-        pass
-    deadline = time.monotonic() + _DRIVER_GRACE_S
-    while time.monotonic() < deadline and len(received) == n_signals:
-        try:
-            proc.wait(timeout=0.2)
-            break
-        except subprocess.TimeoutExpired:
-            continue
-    _reap_group(proc.pid, grace_s=5.0 if proc.poll() is not None else 0.0)
-    proc.wait()
-
-
-def _group_members(pgid: int) -> list[int]:
-    """Live (not zombie) processes of process group ``pgid``, from ``/proc``."""
-    members = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) "
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            members.append(int(entry.name))
-    return members
-
-
-def _reap_group(pgid: int, grace_s: float) -> None:
-    """Wait up to ``grace_s`` for process group ``pgid`` to be gone, then SIGKILL what is left."""
-    import signal
-
-    if not os.path.isdir("/proc"):                  # not Linux: no way to list it; just kill
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        return
-    deadline = time.monotonic() + grace_s
-    while _group_members(pgid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if _group_members(pgid):
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+    rc, signum = supervise(cmd, grace_s=_DRIVER_GRACE_S, announce=announce,
+                           cleanup=lambda: shutil.rmtree(workdir, ignore_errors=True))
+    if signum is not None:
+        return 128 + signum
+    if rc < 0:
+        print(f"m2nkit: demo failed: its driver process died of signal {-rc}", file=sys.stderr)
+        return EXIT_PROBLEMS
+    return rc
 
 
 # --------------------------------------------------------------------------

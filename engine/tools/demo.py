@@ -28,16 +28,16 @@ Importing this module is cheap (no torch): the CLI reads
 and every spawned process imports it to find its target. Long phases
 (building the checkpoint, starting processes, the baseline) are announced
 through ``log`` before they start, and waits longer than
-``HEARTBEAT_S`` say what they are still waiting for. The processes the demo
-starts ignore SIGINT: on Ctrl-C the parent tears them down.
+``procs.HEARTBEAT_S`` say what they are still waiting for. The processes the
+demo starts ignore SIGINT: on Ctrl-C the parent tears them down. Starting,
+hearing and stopping them is ``engine/tools/procs.py``'s, shared with the
+other demos, the benchmarks and the tests.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
-import queue
 import signal
-import socket
 import tempfile
 import time
 import traceback
@@ -49,15 +49,12 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["shift", "DemoRound", "DemoResult", "run_demo", "free_port", "MAX_DEMO_PROCESSES",
-           "wait_reports"]
+from m2nkit.engine.tools.procs import free_port, start_ranks, stop_processes, wait_reports
+
+__all__ = ["shift", "DemoRound", "DemoResult", "run_demo", "MAX_DEMO_PROCESSES"]
 
 #: Most processes (trainers + workers) the demo starts on one machine.
 MAX_DEMO_PROCESSES = 32
-
-#: Seconds a wait may stay silent before ``log`` hears what it waits for.
-HEARTBEAT_S = 10.0
-
 
 def _child_setup() -> None:
     """First thing in every process the demo spawns.
@@ -79,45 +76,6 @@ def _child_setup() -> None:
 def _count(n: int, noun: str) -> str:
     """``"1 worker"``, ``"2 workers"``."""
     return f"{n} {noun}{'' if n == 1 else 's'}"
-
-
-def _wait_reports(results, count: int, deadline: float, what: str, log, on_error,
-                  procs=()) -> list:
-    """``count`` reports from ``results`` before ``deadline`` (monotonic seconds).
-
-    Every :data:`HEARTBEAT_S` without a report, ``log`` hears how many of
-    ``what`` have arrived. An ``("error", rank, message, detail)`` report
-    calls ``on_error(report)``, which raises.
-
-    Raises:
-        RuntimeError: the deadline passed (names ``what`` and the processes
-            of ``procs`` that died).
-    """
-    got: list = []
-    t0 = last = time.monotonic()
-    while len(got) < count:
-        now = time.monotonic()
-        if now >= deadline:
-            dead = [p.name for p in procs if not p.is_alive() and p.exitcode]
-            raise RuntimeError(f"timed out waiting for {what} ({len(got)} of {count} arrived)"
-                               + (f"; dead: {dead}" if dead else ""))
-        try:
-            msg = results.get(timeout=min(deadline - now, max(0.1, last + HEARTBEAT_S - now)))
-        except queue.Empty:
-            if time.monotonic() - last >= HEARTBEAT_S:
-                log(f"  still waiting for {what}: {len(got)} of {count} after "
-                    f"{time.monotonic() - t0:.0f} s")
-                last = time.monotonic()
-            continue
-        if msg[0] == "error":
-            on_error(msg)
-        got.append(msg)
-        last = time.monotonic()
-    return got
-
-
-#: Public name of :func:`_wait_reports` for the other demos (``demo_bridge.py``).
-wait_reports = _wait_reports
 
 
 def shift(t: torch.Tensor, round_index: int) -> torch.Tensor:
@@ -145,13 +103,6 @@ def demo_checkpoint(model: str, out: Path, log) -> Path:
         return Path(model)
     raise ValueError(f"--model '{model}' is neither a built-in tiny model "
                      f"({', '.join(sorted(BUILTIN_TINY_MODELS))}) nor a checkpoint directory")
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def shifted_source(checkpoint, trainer_spec, rank: int, state: dict):
@@ -431,6 +382,7 @@ def run_demo(model: str, trainer: str, inference: str, *, rounds: int = 2, timeo
         server = InferenceServer(model_dir, str(ispec), timeout_s=4 * timeout_s,
                                  start_method=start_method)
         procs = []
+        finished = False
         try:
             log(f"starting {ispec.num_workers} inference worker "
                 f"process{'' if ispec.num_workers == 1 else 'es'} (each loads torch; "
@@ -450,24 +402,22 @@ def run_demo(model: str, trainer: str, inference: str, *, rounds: int = 2, timeo
                     "shard, then all join the transfer group")
             t_init = time.monotonic()
             dist_port = free_port()
-            for r in range(T):
-                if live:
-                    target, args = _fsdp2_trainer_main, (
-                        r, T, str(model_dir), str(tspec), str(ispec), url, port, dist_port, rounds,
-                        timeout_s, bucket_bytes, str(work), results, gos[r])
-                else:
-                    target, args = _trainer_main, (
-                        r, T, str(model_dir), str(tspec), str(ispec), url, port, rounds,
-                        timeout_s, bucket_bytes, results, gos[r])
-                p = ctx.Process(target=target, name=f"m2nkit-trainer-{r}", daemon=True, args=args)
-                p.start()
-                procs.append(p)
+            if live:
+                start_ranks(_fsdp2_trainer_main, lambda r: (
+                    r, T, str(model_dir), str(tspec), str(ispec), url, port, dist_port, rounds,
+                    timeout_s, bucket_bytes, str(work), results, gos[r]),
+                    T, ctx=ctx, name="m2nkit-trainer-{rank}", started=procs)
+            else:
+                start_ranks(_trainer_main, lambda r: (
+                    r, T, str(model_dir), str(tspec), str(ispec), url, port, rounds,
+                    timeout_s, bucket_bytes, results, gos[r]),
+                    T, ctx=ctx, name="m2nkit-trainer-{rank}", started=procs)
 
             def failed(msg):
                 raise RuntimeError(f"trainer rank {msg[1]} failed: {msg[2]}\n{msg[3]}")
 
             def collect(what, count):
-                return _wait_reports(results, count, time.monotonic() + 6 * timeout_s,
+                return wait_reports(results, count, time.monotonic() + 6 * timeout_s,
                                      what, log, failed, procs)
 
             joined = collect("the trainers to join", T)
@@ -512,13 +462,9 @@ def run_demo(model: str, trainer: str, inference: str, *, rounds: int = 2, timeo
                     f"all {ispec.num_workers} workers bit-exact at version v{k}"
                     + (" against the trained parameters" if live else ""))
             log("rounds done; stopping the trainer and worker processes")
-            for p in procs:
-                p.join(timeout_s)
+            finished = True
         finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                p.join(5)
+            stop_processes(procs, grace_s=timeout_s if finished else 0.0)
             server.stop()
         if baseline:
             log(f"baseline: gather-then-broadcast on the same data and ranks, for comparison: "
@@ -615,30 +561,22 @@ def _run_baseline(model_dir, tspec, ispec, timeout_s, log=print, held=None) -> d
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     ports = (free_port(), free_port())
-    procs = [ctx.Process(target=_baseline_rank, daemon=True, name=f"m2nkit-baseline-{r}",
-                         args=(r, str(model_dir), str(tspec), str(ispec), ports, timeout_s, results,
-                               None if held is None else (str(held[0]), held[1])))
-             for r in range(T + N)]
+    held = None if held is None else (str(held[0]), held[1])
+    procs: list = []
 
     def failed(msg):
         raise RuntimeError(f"baseline rank {msg[1]} failed: {msg[2]}")
 
     finished = False
     try:
-        for p in procs:
-            p.start()
-        reports = _wait_reports(results, T + N, time.monotonic() + 6 * timeout_s,
-                                "the gather-then-broadcast baseline's ranks", log, failed, procs)
+        start_ranks(_baseline_rank, lambda r: (r, str(model_dir), str(tspec), str(ispec), ports,
+                                               timeout_s, results, held),
+                    T + N, ctx=ctx, name="m2nkit-baseline-{rank}", started=procs)
+        reports = wait_reports(results, T + N, time.monotonic() + 6 * timeout_s,
+                               "the gather-then-broadcast baseline's ranks", log, failed, procs)
         finished = True
     finally:
-        for p in procs:
-            if p.pid is None:                       # never started
-                continue
-            if finished:
-                p.join(5)
-            if p.is_alive():
-                p.kill()
-            p.join(5)
+        stop_processes(procs, grace_s=5.0 if finished else 0.0)
     sent = [m[2] for m in reports if m[0] == "trainer"]
     return {
         "bytes_total": sum(sent),

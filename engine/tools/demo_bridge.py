@@ -1,4 +1,6 @@
-"""``m2nkit demo --trainer bridge:tp=T,pp=P[,ep=E] [--bridge-mode tasks|export]``.
+"""``m2nkit demo --trainer bridge:...`` and ``--trainer megatron:...``: Megatron trainers.
+
+``m2nkit demo --trainer bridge:tp=T,pp=P[,ep=E] [--bridge-mode tasks|export]``:
 
 Megatron-Bridge trainers into m2nkit's stand-in vLLM workers, verified
 against Bridge's own export. Each trainer process joins a gloo world over
@@ -20,6 +22,15 @@ committed version. Before the first round the driver prints the session's
 notes (``M2NTrainerEngine.notes``): how vLLM's dtype and expert placement
 were decided and which wire tensors went through Bridge's gather, and why.
 
+``m2nkit demo --trainer megatron:tp=T,pp=P[,vpp=V][,ep=E][,etp=X][,dp=D]``
+runs the same trainer processes with one difference, the source:
+``megatron_source(model_chunks, config=...)`` (``m2nkit.adapters.megatron.source``),
+which reads the live Megatron-Core tensors (fused QKV shards, ``[gate_r;
+up_r]``, padded vocabulary rows, local experts, one model chunk per virtual
+stage) and never gathers; the check is the same, against Bridge's own
+export of the changed weights (:func:`run_megatron_demo`). Both demos live
+here because they are one driver and one trainer process with two sources.
+
 The process-side helpers (:func:`init_megatron`, :func:`build_bridge_model`,
 :func:`perturb`, :func:`exported_tensors`) are shared with the Bridge
 integration tests and the benchmark. Importing this module is cheap (no
@@ -40,8 +51,9 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["BRIDGE_SPEC_FORM", "BRIDGE_MODES", "BridgeSpec", "parse_bridge_spec",
+           "MEGATRON_DEMO_FORM", "MegatronDemoSpec", "parse_megatron_demo_spec",
            "init_megatron", "build_bridge_model", "perturb", "exported_tensors",
-           "bridge_trainer_main", "run_bridge_demo"]
+           "bridge_trainer_main", "run_bridge_demo", "run_megatron_demo"]
 
 BRIDGE_SPEC_FORM = "bridge:tp=T,pp=P[,ep=E][,etp=X][,dp=D]"
 #: ``--bridge-mode`` values (``bridge_source``'s ``mode``).
@@ -97,15 +109,52 @@ def parse_bridge_spec(text: str) -> BridgeSpec:
 
 
 #: ``mode`` of the shared trainer process for a ``megatron:`` spec: the model is built and
-#: loaded through Bridge as above, the source is ``megatron_source`` (demo_megatron.py).
+#: loaded through Bridge as above, the source is ``megatron_source`` (:func:`run_megatron_demo`).
 MEGATRON_SOURCE = "megatron"
+
+#: The ``megatron:`` trainer specs the demo runs (the dry run's grammar, minus first/last).
+MEGATRON_DEMO_FORM = "megatron:tp=T,pp=P[,vpp=V][,ep=E][,etp=X][,dp=D]"
+
+
+class MegatronDemoSpec:
+    """A ``megatron:`` trainer spec the demo can run: sizes, world ``tp*dp*pp``."""
+
+    def __init__(self, par: Any, text: str) -> None:
+        self.par = par  # m2nkit.adapters.megatron.layout.MegatronParallel
+        self._text = text
+
+    @property
+    def num_ranks(self) -> int:
+        return self.par.world
+
+    def __str__(self) -> str:
+        return self._text
+
+
+def parse_megatron_demo_spec(text: str) -> MegatronDemoSpec:
+    """Parse a ``megatron:`` spec for the demo (the dry-run grammar, minus ``first``/``last``).
+
+    Raises:
+        ValueError: not a ``megatron:`` spec, a size megatron-core refuses
+            (one line, naming the value and the valid form), or
+            ``first``/``last`` (uneven stages are planned by ``m2nkit plan``
+            and tested in tests/integration/test_megatron_source.py; the demo
+            builds even stages).
+    """
+    from m2nkit.adapters.trainer_spec import parse_trainer_spec
+
+    spec = parse_trainer_spec(text)
+    if spec.megatron is None:
+        raise ValueError(f"trainer spec '{text}' is not {MEGATRON_DEMO_FORM}")
+    if spec.megatron.first is not None or spec.megatron.last is not None:
+        raise ValueError(f"trainer spec '{text}': the demo builds even pipeline stages; first= "
+                         f"and last= are for m2nkit plan ({MEGATRON_DEMO_FORM})")
+    return MegatronDemoSpec(spec.megatron.par, str(spec.megatron))
 
 
 def demo_spec(text: str):
     """The parsed ``bridge:`` or ``megatron:`` demo trainer spec (``.par``, ``.num_ranks``)."""
     if text.strip().lower().startswith("megatron:"):
-        from m2nkit.engine.tools.demo_megatron import parse_megatron_demo_spec
-
         return parse_megatron_demo_spec(text)
     return parse_bridge_spec(text)
 
@@ -223,13 +272,15 @@ def _setup_child() -> None:
 
 
 def bridge_trainer_main(rank: int, world: int, model_dir: str, trainer: str, inference: str,
-                        mode: str, port: int, dist_port: int, rounds: int,
+                        mode: str, dist_port: int, rounds: int,
                         timeout_s: float, bucket_bytes: int, work: str, results, go) -> None:
     """One Bridge trainer process: build through Bridge, ``bridge_source``, then per round
     ``perturb``, ``send_weights`` and Bridge's export (rank 0 saves it for the check).
 
-    ``go`` first brings the inference server's URL (the model is built while
-    the server starts), then each round's number. Reports ``("built", rank)``,
+    ``go`` first brings the inference server's URL and the transfer group's
+    port (the model is built while the server starts; a port picked before a
+    build of a minute or more could be taken by then), then each round's
+    number. Reports ``("built", rank)``,
     ``("init", rank, seconds, (manifest JSON, notes) on rank 0)``, one
     ``("round", rank, k, (bytes sent, seconds))`` per round, or
     ``("error", rank, message, traceback)``. Megatron's and Bridge's own
@@ -264,7 +315,7 @@ def bridge_trainer_main(rank: int, world: int, model_dir: str, trainer: str, inf
                   if mode == MEGATRON_SOURCE else bridge_source(bridge, model, mode=mode))
         config = AutoConfig.from_pretrained(model_dir)
         results.put(("built", rank))
-        url = go.get(timeout=10 * timeout_s)
+        url, port = go.get(timeout=10 * timeout_s)
         info = M2NTrainerInitInfo(rank=rank, num_trainer_ranks=world,
                                   destination=vllm_destination(config, inference),
                                   master_port=port, timeout_s=timeout_s, bucket_bytes=bucket_bytes)
@@ -316,7 +367,8 @@ def run_bridge_demo(model: str, trainer: str, inference: str, *, mode: str = "ta
         rounds: update rounds; the weights change before each.
         timeout_s: bound on every wait of the session (seconds); the
             trainers' start (importing megatron and Bridge, building) gets
-            six times that.
+            six times that, the workers' start (meanwhile) twice that, at
+            least 120 s.
 
     Raises:
         ValueError: bad model, specs, mode or round count.
@@ -327,9 +379,8 @@ def run_bridge_demo(model: str, trainer: str, inference: str, *, mode: str = "ta
     from m2nkit.adapters.vllm import parse_inference_spec, reference_load, vllm_destination
     from m2nkit.engine.in_process import bitwise_equal
     from m2nkit.engine.session import plan_from_manifest
-    from m2nkit.engine.tools.demo import (MAX_DEMO_PROCESSES, DemoResult, DemoRound,
-                                          demo_checkpoint,
-                                          free_port, wait_reports)
+    from m2nkit.engine.tools.demo import MAX_DEMO_PROCESSES, DemoResult, DemoRound, demo_checkpoint
+    from m2nkit.engine.tools.procs import free_port, start_ranks, stop_processes, wait_reports
     from m2nkit.engine.tools.server import InferenceServer
 
     if mode not in BRIDGE_MODES + (MEGATRON_SOURCE,):
@@ -365,25 +416,25 @@ def run_bridge_demo(model: str, trainer: str, inference: str, *, mode: str = "ta
         log(f"model {ckpt.architecture} from {model_dir}; {T} Megatron trainer ranks loaded "
             f"by Megatron-Bridge ({tspec}, {made}) -> {ispec.num_workers} workers ({ispec})")
         ctx = mp.get_context(start_method)
+        # The workers start while the trainers import megatron-core and build: on a
+        # busy machine their start follows --timeout too (at least the server's 120 s).
         server = InferenceServer(model_dir, str(ispec), timeout_s=4 * timeout_s,
+                                 start_timeout_s=max(120.0, 2 * timeout_s),
                                  start_method=start_method)
-        procs = []
+        procs: list = []
+        finished = False
         try:
             results = ctx.Queue()
             gos = [ctx.Queue() for _ in range(T)]
-            port, dist_port = free_port(), free_port()
+            dist_port = free_port()
             log(f"starting {T} trainer processes: each imports megatron-core and Megatron-Bridge "
                 "and builds and loads the model with AutoBridge.from_hf_pretrained (tens of "
                 "seconds on a busy machine)")
             t_init = time.monotonic()
-            for r in range(T):
-                p = ctx.Process(target=bridge_trainer_main, name=f"m2nkit-bridge-trainer-{r}",
-                                daemon=True,
-                                args=(r, T, str(model_dir), str(tspec), str(ispec), mode,
-                                      port, dist_port, rounds, timeout_s, bucket_bytes, str(work),
-                                      results, gos[r]))
-                p.start()
-                procs.append(p)
+            start_ranks(bridge_trainer_main, lambda r: (
+                r, T, str(model_dir), str(tspec), str(ispec), mode, dist_port, rounds,
+                timeout_s, bucket_bytes, str(work), results, gos[r]),
+                T, ctx=ctx, name="m2nkit-bridge-trainer-{rank}", started=procs)
             log(f"meanwhile starting {ispec.num_workers} inference worker process"
                 f"{'' if ispec.num_workers == 1 else 'es'}")
             url = server.start()
@@ -397,8 +448,9 @@ def run_bridge_demo(model: str, trainer: str, inference: str, *, mode: str = "ta
                                     failed, procs)
 
             collect("the Bridge trainers to build their models", T)
+            port = free_port()      # picked now, used at once: the trainers are built
             for q in gos:
-                q.put(url)
+                q.put((url, port))
             joined = collect("the Bridge trainers to join the transfer group", T)
             manifest, notes = next(m[3] for m in joined if m[1] == 0)
             plan, _ = plan_from_manifest(manifest, destination)
@@ -437,15 +489,32 @@ def run_bridge_demo(model: str, trainer: str, inference: str, *, mode: str = "ta
                     f"all {ispec.num_workers} workers bit-exact at version v{k} against "
                     "Bridge's export_hf_weights")
             log("rounds done; stopping the trainer and worker processes")
-            for p in procs:
-                p.join(timeout_s)
+            finished = True
         finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                p.join(5)
+            stop_processes(procs, grace_s=timeout_s if finished else 0.0)
             server.stop()
         return result
     finally:
         if tmp is not None:
             tmp.cleanup()
+
+
+def run_megatron_demo(model: str, trainer: str, inference: str, **kwargs):
+    """Run the Megatron-Core demo; returns a ``DemoResult`` of verified rounds.
+
+    Args:
+        model: a built-in tiny model name or a checkpoint directory of an
+            architecture both Megatron-Bridge (the loader) and m2nkit know.
+        trainer: ``megatron:tp=T,pp=P[,vpp=V][,ep=E][,etp=X][,dp=D]``.
+        inference: ``vllm:...`` as for ``m2nkit plan``.
+        kwargs: ``rounds``, ``timeout_s``, ``bucket_bytes``, ``workdir``,
+            ``log``, ``start_method`` as for :func:`run_bridge_demo`.
+
+    Raises:
+        ValueError: bad model, specs or round count (one line).
+        RuntimeError: a trainer failed (its message and rank; a
+            ``MegatronSourceError`` names the rank that found the problem),
+            or a worker's bytes or version differ after a round.
+    """
+    parse_megatron_demo_spec(trainer)  # refuse here, before any process starts
+    return run_bridge_demo(model, trainer, inference, mode=MEGATRON_SOURCE, **kwargs)

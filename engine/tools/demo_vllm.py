@@ -562,7 +562,8 @@ def run_vllm_demo(model: str, trainer: str, inference: str, *, rounds: int = 2,
     from m2nkit.adapters.trainer_spec import parse_trainer_spec
     from m2nkit.adapters.vllm import parse_inference_spec, vllm_destination
     from m2nkit.engine.session import plan_from_manifest
-    from m2nkit.engine.tools.demo import MAX_DEMO_PROCESSES, DemoResult, demo_checkpoint, free_port
+    from m2nkit.engine.tools.demo import MAX_DEMO_PROCESSES, DemoResult, demo_checkpoint
+    from m2nkit.engine.tools.procs import free_port, start_ranks, stop_processes
     from m2nkit.manifest.serialize import manifest_to_json
 
     if rounds < 1:
@@ -598,16 +599,15 @@ def run_vllm_demo(model: str, trainer: str, inference: str, *, rounds: int = 2,
             ctx = mp.get_context(start_method)
             results = ctx.Queue()
             port = free_port()
-            procs = [ctx.Process(target=trainer_main, daemon=True, name=f"m2nkit-trainer-{r}",
-                                 args=(r, T, [str(v) for v in versions], str(tspec), str(ispec),
-                                       host.client if r == 0 else None, port, timeout_s, results))
-                     for r in range(T)]
-            for p in procs:
-                p.start()
+            procs: list = []
             per_round: dict[int, list] = {}
             done = 0
-            deadline = time.monotonic() + (rounds + 2) * 4 * timeout_s + 60
             try:
+                start_ranks(trainer_main, lambda r: (
+                    r, T, [str(v) for v in versions], str(tspec), str(ispec),
+                    host.client if r == 0 else None, port, timeout_s, results),
+                    T, ctx=ctx, name="m2nkit-trainer-{rank}", started=procs)
+                deadline = time.monotonic() + (rounds + 2) * 4 * timeout_s + 60
                 while done < T:
                     try:
                         kind, rank, a, b = results.get(timeout=max(0.1, deadline - time.monotonic()))
@@ -626,10 +626,7 @@ def run_vllm_demo(model: str, trainer: str, inference: str, *, rounds: int = 2,
                     if kind == "done":
                         done += 1
             finally:
-                for p in procs:
-                    p.join(5)
-                    if p.is_alive():
-                        p.kill()
+                stop_processes(procs, grace_s=5.0)
         return out
     finally:
         if tmp is not None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from m2nkit.engine.tools.demo import free_port
+from m2nkit.engine.tools.procs import free_port, start_ranks, stop_processes
 
 
 @dataclass(frozen=True)
@@ -126,24 +126,13 @@ def run_ranks(world: int, target, args_of, out: Path, timeout_s: float) -> float
         AssertionError: a rank wrote an error (the first one is quoted), hung past
             ``timeout_s`` (killed) or exited non-zero.
     """
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
     port = free_port()
     start = time.monotonic()
-    procs = [ctx.Process(target=target, args=args_of(r, port), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = start + timeout_s
+    procs: list = []
     try:
-        for p in procs:
-            p.join(max(0.1, deadline - time.monotonic()))
+        start_ranks(target, lambda r: args_of(r, port), world, started=procs)
     finally:
-        alive = [p for p in procs if p.is_alive()]
-        for p in alive:
-            p.kill()
-        for p in procs:
-            p.join()
+        alive = stop_processes(procs, until=start + timeout_s)
     errors = sorted(out.glob("error.r*.txt"))
     if errors:
         raise AssertionError(f"{errors[0].name}:\n{errors[0].read_text()[-4000:]}")

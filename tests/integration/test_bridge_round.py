@@ -66,7 +66,7 @@ def _rounds(rank: int, out: Path, ckpt: str) -> None:
                                                  init_megatron, perturb)
     from m2nkit.engine.trainer import M2NTrainerEngine, M2NTrainerInitInfo
 
-    from m2nkit.engine.tools.demo import free_port
+    from m2nkit.engine.tools.procs import free_port
 
     init_megatron(TP, PP, EP)
     bridge, model = build_bridge_model(ckpt, TP, PP, EP)

@@ -22,39 +22,19 @@ trainer rank even though vLLM's client drops the server's error text; and
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from m2nkit.engine.tools.demo import free_port
-
-from _procs import ensure_forkserver
+from _procs import ensure_forkserver, in_threads
+from m2nkit.engine.tools.procs import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 CHECKPOINT = Path(__file__).resolve().parents[2] / "examples" / "tiny-qwen3-moe"
 TRAINER, INFERENCE, T, N = "fsdp:2", "vllm:tp=2", 2, 2
-
-
-def in_threads(fns: dict, timeout_s: float) -> dict:
-    out: dict = {}
-
-    def run(key, fn):
-        try:
-            out[key] = ("ok", fn())
-        except BaseException as e:  # handed to the assertions
-            out[key] = ("err", e)
-
-    threads = [threading.Thread(target=run, args=kv, daemon=True) for kv in fns.items()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout_s)
-        assert not t.is_alive(), "a trainer thread hung"
-    return out
 
 
 def test_vllm_http_client_drives_full_rounds(tmp_path):
@@ -97,7 +77,8 @@ def test_vllm_http_client_drives_full_rounds(tmp_path):
                                           bucket_bytes=16 << 10)
                 return M2NTrainerEngine.trainer_init(info, client=client if r == 0 else None,
                                                      source=source(r))
-            return in_threads({r: (lambda r=r: init(r)) for r in range(T)}, 40)
+            return in_threads({r: (lambda r=r: init(r)) for r in range(T)}, 40,
+                              what="a trainer thread")
 
         def check_workers(version: str, factor: float) -> None:
             assert server.weight_versions() == [version] * N
@@ -131,7 +112,7 @@ def test_vllm_http_client_drives_full_rounds(tmp_path):
             for version, factor in (("v1", 1.0), ("v2", 2.0)):
                 scale["now"] = factor
                 sent = in_threads({r: (lambda r=r: eng[r].send_weights(version))
-                                   for r in range(T)}, 40)
+                                   for r in range(T)}, 40, what="a trainer thread")
                 assert all(kind == "ok" for kind, _ in sent.values()), sent
                 assert sum(s.bytes_sent for _, s in sent.values()) == eng[0].plan.nbytes_min
                 check_workers(version, factor)

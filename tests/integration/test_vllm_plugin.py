@@ -90,7 +90,7 @@ def versions(tmp_path_factory, tiny_checkpoints):
 
 def _run_trainers(client, checkpoints, inference, timeout_s=ROUND_TIMEOUT_S) -> dict:
     """Two trainer processes send ``checkpoints`` (one round each); returns rank -> outcome."""
-    from m2nkit.engine.tools.demo import free_port
+    from m2nkit.engine.tools.procs import free_port
     from m2nkit.engine.tools.demo_vllm import trainer_main
 
     results = CTX.Queue()

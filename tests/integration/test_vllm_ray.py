@@ -223,7 +223,7 @@ def _trainer(rank, ray_address, namespace, actor_names, checkpoints, port, resul
 
 
 def _run_trainers(ray_address, actor_names, checkpoints) -> dict:
-    from m2nkit.engine.tools.demo import free_port
+    from m2nkit.engine.tools.procs import free_port
 
     results = CTX.Queue()
     port = free_port()

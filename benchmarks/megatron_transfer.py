@@ -24,11 +24,11 @@ the bytes the export's collectives move: ``(k-1) * bytes`` per all-gather
 contribution and per broadcast root, counted by wrapping
 ``torch.distributed``'s calls during the export), and the trainer's peak
 extra memory (``VmHWM`` over the measured rounds minus the RSS just before,
-after a warm-up round; benchmarks/transfer.py). After each method every
+after a warm-up round; ``m2nkit.engine.tools.procs.peak_kib``). After each method every
 worker's storage is compared bit for bit with ``reference_load`` of the
 checkpoint (the trainers send the weights Bridge loaded, unchanged).
 
-    python benchmarks/megatron.py [--layouts tp2pp2,tp2ep2] [--rounds 3] [--json PATH]
+    python benchmarks/megatron_transfer.py [--layouts tp2pp2,tp2ep2] [--rounds 3] [--json PATH]
 
 The checkpoint is built once, randomly initialised, under the system temp dir.
 """
@@ -49,15 +49,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-# This file is named megatron.py: with its folder on sys.path it would shadow the megatron
-# package. Import the sibling benchmarks/transfer.py, then take the folder off the path
-# (spawned ranks inherit the pruned path and run this block again).
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, _HERE)
-from transfer import (_free_port, _peak_kib, _reset_peak, _rss_kib,  # noqa: E402
-                      collect_ranks)
-
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+from m2nkit.engine.tools.procs import (collect_ranks, free_port, peak_kib, reset_peak, rss_kib,
+                                       trim_heap)
 
 INFERENCE = "vllm:tp=2,ep"
 #: layout label -> (trainer spec, tp, pp, ep)
@@ -249,17 +242,6 @@ def _rank_main(rank: int, cfg: dict, out) -> None:
         raise
 
 
-def _trim() -> None:
-    import ctypes
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
-
-
 def _run_rank(rank: int, cfg: dict) -> dict:
     import contextlib
     import logging
@@ -333,11 +315,11 @@ def _run_rank(rank: int, cfg: dict) -> dict:
                     if p.worker == rank - T:
                         for z in p.zero_boxes:
                             ctx.storage[p.name][tuple(slice(a, b) for a, b in z)] = 0
-            _trim()
+            trim_heap()
             barrier(f"{name} before round {k}")
             if k == min(1, cfg["rounds"] - 1):  # after a warm-up round (one-time setup)
-                peak_reset = _reset_peak()
-                rss_ready = _rss_kib()
+                peak_reset = reset_peak()
+                rss_ready = rss_kib()
             t0 = time.perf_counter()
             with torch.no_grad():
                 c = m.trainer(ctx) if rank < T else m.worker(ctx)
@@ -348,7 +330,7 @@ def _run_rank(rank: int, cfg: dict) -> dict:
         if ctx.storage is not None:
             bad = [n for n in ctx.storage if not bitwise_equal(ctx.storage[n], reference[n])]
             exact = {"ok": not bad, "bad": bad[:3]}
-        report["methods"][name] = {"times": times, "counts": counts, "peak": _peak_kib(),
+        report["methods"][name] = {"times": times, "counts": counts, "peak": peak_kib(),
                                    "rss_ready": rss_ready, "peak_reset": peak_reset,
                                    "exact": exact}
     if rank < T:
@@ -446,7 +428,7 @@ def main() -> None:
         cfg = {"checkpoint": str(checkpoint), "layout": layout, "T": T, "N": N,
                "rounds": args.rounds, "bucket_bytes": int(args.bucket_mib * 2**20),
                "timeout_s": args.timeout, "methods": names,
-               "ports": (_free_port(), _free_port())}
+               "ports": (free_port(), free_port())}
         print(f"Qwen3-MoE {params / 1e6:.0f} M parameters ({plan.nbytes_min / 1e6:.0f} MB bf16), "
               f"{LAYOUTS[layout][0]} -> {INFERENCE}, {args.rounds} rounds per method; load "
               f"average {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
