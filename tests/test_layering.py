@@ -253,12 +253,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-@pytest.mark.parametrize("side", [
-    "runtime and plugins",
-    pytest.param("tools", marks=pytest.mark.xfail(
-        strict=True, reason="demo_bridge <-> demo_megatron (issue 15 item 6): the tools branch "
-                            "merges them; delete this mark when it lands")),
-])
+@pytest.mark.parametrize("side", ["runtime and plugins", "tools"])
 def test_no_import_cycles_in_the_engine(side):
     prefixes = list(TOOLS) if side == "tools" else ["m2nkit.engine"]
     cycles = [c for c in _cycles(_graph())
