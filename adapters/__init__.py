@@ -1,4 +1,4 @@
-"""Adapters: a trainer's weights as manifest entries, and vLLM's layouts (DESIGN.md, "Folders").
+"""Adapters: a trainer's weights as manifest entries, and vLLM's layouts (docs/architecture.md).
 
 Public entry points are imported on first use, so ``import m2nkit.adapters.families``
 (the architecture registry) still does not import torch:

@@ -5,7 +5,7 @@ Checkpoints store MoE experts one tensor per expert and projection
 ``block_sparse_moe.experts.{e}.w1.weight``), while vLLM's routed-experts
 contract and transformers 5's in-memory layout keep them stacked:
 ``experts.gate_up_proj [E, 2*Im, H]`` (expert ``e`` = its gate rows, then its
-up rows) and ``experts.down_proj [E, H, Im]`` (docs/REFERENCE.md §3, §4;
+up rows) and ``experts.down_proj [E, H, Im]`` (docs/reference.md §3, §4;
 transformers ``conversion_mapping.py``, ``MergeModulelist(dim=0)`` then
 ``Concatenate(dim=1)``).
 

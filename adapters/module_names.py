@@ -4,7 +4,7 @@ A trainer rarely hands over the bare transformers model: ``torch.compile``,
 activation checkpointing, FSDP1, DDP and PEFT each wrap a module and put one
 more segment into every ``named_parameters()`` name. Hugging Face names (and
 so the wire) carry none of them. This module is the one place that knows
-those segments; it knows no model family (DESIGN.md: family knowledge lives
+those segments; it knows no model family (docs/architecture.md: family knowledge lives
 in ``adapters/families``).
 
 Segments removed wherever they occur (each wrapper sits at any depth):

@@ -30,7 +30,7 @@ Before any byte moves the receiver checks the init payload against itself
 (the inference spec, the manifest digest, the plan it rebuilds from its own
 destination layout, the plan digest) and then ``agree_on_plan`` with every rank;
 any difference is an error on every rank, never a hang or shifted weights
-(DESIGN.md, "Control plane"; REFERENCE.md §2: workers reject a payload whose
+(docs/engine.md, "What happens in a round"; docs/reference.md §2: workers reject a payload whose
 recomputed digest differs). A refusal is told to the trainers through the
 same agreement. After its receives every rank takes part in ``finish_round``,
 one verdict for the round: a worker whose own bytes all arrived still does

@@ -1,6 +1,6 @@
 """The manifest vocabulary: placements, pieces, layouts, parameter metadata, sources.
 
-Knows no model family and no transport, and moves no bytes (DESIGN.md, "Folders").
+Knows no model family and no transport, and moves no bytes (docs/architecture.md).
 """
 
 # Names load on first use (m2nkit._lazy): light modules of this package

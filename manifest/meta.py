@@ -2,7 +2,7 @@
 
 Identical on every trainer rank, so every rank derives the same plan with no
 exchange. Rules from vLLM ``vllm/distributed/weight_transfer/base.py``
-(``ParamMeta``); see docs/REFERENCE.md §1.
+(``ParamMeta``); see docs/reference.md §1.
 """
 
 from __future__ import annotations

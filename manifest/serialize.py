@@ -3,7 +3,7 @@
 Before any byte moves, every trainer rank and every receiver compares the
 manifest digest; a mismatch (a different model, a different layout, a
 different *order*, which is the send order) is an error on every rank rather
-than a hang or silently shifted names (REFERENCE.md §7). The digest is the
+than a hang or silently shifted names (docs/reference.md §7). The digest is the
 sha256 of a canonical JSON text, as in vLLM's nccl_m2n init payload
 (``m2n_common.py``: sha256 of the canonical parameter list).
 

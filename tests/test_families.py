@@ -6,7 +6,7 @@
 * Shard kinds: for each kind, on small synthetic shapes and several
   tp/dp/ep, the boxes the planner binds and the vLLM-style reference load
   both equal what slicing the full tensor by hand gives (the expected values
-  are written out here from REFERENCE.md §3, not taken from the code under
+  are written out here from docs/reference.md §3, not taken from the code under
   test); the real vLLM 0.33.0 dumps pin both again in test_vllm_oracle.py.
 * A family's names live only in its module: the checkpoint reader, the
   tiny-model builder and the vLLM drivers mention none.
@@ -185,7 +185,7 @@ def _wire(*shape: int, seed: int = 0) -> torch.Tensor:
 
 
 def _expected(kind: Kind, wires: dict, tp: int, dp: int, ep: bool, worker: int) -> torch.Tensor:
-    """What ``worker`` holds, by slicing the full tensors per REFERENCE.md §3."""
+    """What ``worker`` holds, by slicing the full tensors per docs/reference.md §3."""
     r, W = worker % tp, tp * dp
     if kind is REPLICATED:
         return wires[None]

@@ -306,7 +306,7 @@ def test_region_is_contiguous_examples():
 
 
 # --------------------------------------------------------------------------
-# SourceLayout / ParamMeta validation (REFERENCE.md §1)
+# SourceLayout / ParamMeta validation (docs/reference.md §1)
 
 
 def test_layout_defaults_and_normalisation():

@@ -306,7 +306,7 @@ def test_module_source_plain_module():
 
 
 # --------------------------------------------------------------------------
-# layerwise_groups (REFERENCE.md §1)
+# layerwise_groups (docs/reference.md §1)
 
 
 def test_groups_pre_layers_post():

@@ -1,7 +1,7 @@
 """The seed API's behaviour (vLLM ``m2n_source.py``, ``m2n_common.py``, ``base.py``) where
 m2nkit used to differ: plain tensors in ``mesh_from_tensor``/``placements_from_tensor``,
 bool owners, the ``M2NLayout``/``M2NMesh`` vocabulary, ``DTensorModuleSource`` over a
-plain module (docs/REFERENCE.md §1). vLLM is not installed here; an object shaped like
+plain module (docs/reference.md §1). vLLM is not installed here; an object shaped like
 vLLM's ``M2NLayout`` stands in for it where the conversion reads by attribute.
 """
 

@@ -517,7 +517,7 @@ def test_integer_or_fp8_wire_tensor_needs_a_quantization_config():
 
 # -- scale --------------------------------------------------------------------
 
-#: Qwen/Qwen3-235B-A22B config.json (shared/models/Qwen__Qwen3-235B-A22B), the sizes that matter.
+#: Qwen/Qwen3-235B-A22B config.json (examples/configs/Qwen__Qwen3-235B-A22B), the sizes that matter.
 QWEN3_235B = {
     "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 4096, "num_attention_heads": 64,
     "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 12288,

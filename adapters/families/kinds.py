@@ -21,8 +21,8 @@ three questions about its kind, in one place:
   (``tests/data/oracle``).
 
 Rules restated from vLLM 0.33.0 (``vllm/model_executor/``), per kind in the
-class docstrings; REFERENCE.md §3 has them in one list. Symbols: tp, ``H``,
-``V``, ``nh``, ``nkv``, ``hd``, ``Im``, ``E`` as in REFERENCE.md §3.
+class docstrings; docs/reference.md §3 has them in one list. Symbols: tp, ``H``,
+``V``, ``nh``, ``nkv``, ``hd``, ``Im``, ``E`` as in docs/reference.md §3.
 
 Workers are numbered dp-major (``worker = dp_index * tp + tp_rank``). Dense
 kinds only look at the tp rank: every dp replica holds the same. MoE kinds
@@ -95,7 +95,7 @@ def padded_vocab(V: int) -> int:
 
 @dataclass(frozen=True)
 class Geometry:
-    """What one vLLM worker holds of one model: the partition sizes of REFERENCE.md §3.
+    """What one vLLM worker holds of one model: the partition sizes of docs/reference.md §3.
 
     The numbers vLLM's layer constructors compute (``QKVParallelLinear.__init__``,
     ``VocabParallelEmbedding.__init__``, ``FusedMoEParallelConfig.make``), for

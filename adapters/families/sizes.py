@@ -1,4 +1,4 @@
-"""Model sizes read from a Hugging Face config, in the symbols of REFERENCE.md §3.
+"""Model sizes read from a Hugging Face config, in the symbols of docs/reference.md §3.
 
 Family tables write shapes symbolically (``("V", "H")``, ``("nh*hd",)``,
 ``("E", "2*Im", "H")``) so one table serves every size of a family; this
@@ -73,7 +73,7 @@ _DTYPES = {
 
 @dataclass(frozen=True)
 class Sizes:
-    """Model sizes from the HF config, in REFERENCE.md §3 symbols.
+    """Model sizes from the HF config, in docs/reference.md §3 symbols.
 
     ``H`` hidden, ``V`` vocab, ``nh`` heads, ``nkv`` KV heads, ``hd`` head
     dim, ``I`` dense intermediate, ``Im`` MoE intermediate, ``E`` experts,

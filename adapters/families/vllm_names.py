@@ -10,7 +10,7 @@ depend on it. The table lives with the family tables it completes, so both
 sides read it without the trainer side importing ``m2nkit.adapters.vllm``
 (which re-exports it as ``m2nkit.adapters.vllm.names``).
 
-vLLM 0.33.0 (checked with its real loaders, ``shared/tools/vllm_oracle``):
+vLLM 0.33.0 (checked with its real loaders: the dumps in ``tests/data/oracle``):
 
 * ``FusedMoEFactory`` keeps the expert weights in a ``RoutedExperts``
   submodule named ``routed_experts`` (``fused_moe/layer.py``,

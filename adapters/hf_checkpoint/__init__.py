@@ -1,7 +1,7 @@
 """Hugging Face safetensors checkpoints as wire tensors, read box by box.
 
 A checkpoint (or just its ``config.json``) becomes an ordered list of wire
-tensors (DESIGN.md, "Wire tensor"): the on-disk names, except that MoE
+tensors (docs/reference.md §3, §4): the on-disk names, except that MoE
 experts stored one tensor per expert are re-fused into the stacked
 ``<prefix>.experts.gate_up_proj.weight [E, 2*Im, H]`` and
 ``<prefix>.experts.down_proj.weight [E, H, Im]`` that vLLM's routed-experts

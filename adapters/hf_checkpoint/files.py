@@ -35,7 +35,7 @@ CONFIG_FILE = "config.json"
 
 #: safetensors dtype strings m2nkit carries, and their torch dtypes. The
 #: dtypes model weights use that both transports and ``nccl.m2n`` move
-#: (REFERENCE.md §2). Not carried: ``F64`` and ``BOOL`` (no model weight
+#: (docs/reference.md §2). Not carried: ``F64`` and ``BOOL`` (no model weight
 #: needs them), ``I16``/``U16``/``U32``/``U64`` (partial torch support,
 #: not in nccl.m2n's list).
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {

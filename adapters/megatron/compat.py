@@ -7,8 +7,8 @@ process calls :func:`enable_py311` before importing megatron (any machine
 with Python 3.11) and :func:`enable_cpu` when it trains on CPU (tests, the
 demo). On a CUDA machine :func:`enable_cpu` changes nothing.
 
-What each shim answers (found on this machine, 2026-11-30; the same list is
-in shared/tools/megatron_stack/README.txt):
+What each shim answers (found on this machine, 2026-11-30; docs/reference.md
+§5 has the stack's versions):
 
 * ``typing.override`` (Python 3.12) is imported by
   ``megatron/training/models/gpt.py`` and ``hybrid.py``, which Bridge

@@ -552,7 +552,7 @@ def wire_pieces(rule: WireRule, shape: Sequence[int], par: MegatronParallel, *,
 
     ``rule``: :func:`match_wire`'s answer. ``shape``: the wire tensor's
     global shape. ``sizes``: ``nh``, ``ng`` (KV heads), ``hd``, ``V``,
-    ``E`` as needed (REFERENCE.md symbols). Local coordinates are those of
+    ``E`` as needed (docs/reference.md symbols). Local coordinates are those of
     the Megatron local tensor (``linear_qkv`` rows for q/k/v, the padded
     embedding rows, ``[gate_r; up_r]``); for stacked experts, the rank's
     local experts stacked in local order (``[E/ep, 2*Im/etp, H]``,

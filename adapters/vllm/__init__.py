@@ -31,7 +31,7 @@ Public API::
     supported_architectures() -> [architecture names]
     family_for(config) -> Family
 
-Checked against the real vLLM 0.33.0 loaders (``shared/tools/vllm_oracle``)
+Checked against the real vLLM 0.33.0 loaders (the dumps in ``tests/data/oracle``)
 for every tiny model at tp 1/2/4/8 (and EP for MoE); the dumps ship in
 ``tests/data/oracle`` so CI without vLLM still compares against them.
 """
