@@ -29,7 +29,7 @@ the model dtype is the one the config names
 The result is exactly what the meta-model path gives (names, shapes, order;
 dtypes where transformers allocates what checkpoints store), for every
 family's tiny models and every real config in ``examples/configs``
-(``tests/test_config_wires.py``, which keeps the meta-model path as the
+(``tests/adapters/test_config_wires.py``, which keeps the meta-model path as the
 reference). The checkpoint reader falls back to transformers for a config
 the family cannot read this way: a ``model_type`` it does not declare
 (:func:`read_config_json` returns ``None``), or a config whose tensors its

@@ -18,9 +18,10 @@ import ast
 import re
 from pathlib import Path
 
+from _paths import REPO
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 FOLDERS = {"manifest": "m2nkit.manifest", "adapters": "m2nkit.adapters", "engine": "m2nkit.engine"}
 TOOLS = {"m2nkit.engine.tools"}  # cli, demo, server, baseline
 PLUGINS = {"m2nkit.engine.plugins"}  # vllm (the "m2nkit" backend inside vLLM)

@@ -11,9 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from _paths import REPO
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -31,9 +31,10 @@ import sysconfig
 import zipfile
 from pathlib import Path
 
+from _paths import REPO
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 
 #: folder -> import package, as in setup.py's ROOTS.
 FOLDERS = {"package": "m2nkit", "manifest": "m2nkit.manifest",

@@ -180,7 +180,7 @@ class HFNaming:
             ``__post_init__`` does (:func:`head_dim`: the file's value, else
             ``hidden_size // num_attention_heads``; :func:`kv_heads`,
             :func:`alias`). Pinned to transformers key by key by
-            ``tests/test_config_wires.py``.
+            ``tests/adapters/test_config_wires.py``.
         table_differs: config -> why transformers' model of this config has
             tensors the family table does not list, or lacks some it lists
             (a Qwen3 ``attention_bias`` gives transformers an ``o_proj``
@@ -204,7 +204,7 @@ class HFNaming:
             ``FSDPParam``s of the parameters only), so the ``fsdp2:``,
             ``fsdp:`` and ``hsdp:`` dry-run specs replicate them
             (``TrainerSpec.layout_for(..., buffer=True)``). Pinned to
-            transformers' persistent buffers by ``tests/test_fsdp2_buffers.py``.
+            transformers' persistent buffers by ``tests/adapters/test_fsdp2_buffers.py``.
 
     Raises:
         ValueError: a part of ``fused_experts`` has no on-disk pattern; an
@@ -315,7 +315,7 @@ class TPPlan:
         modules: in-memory module name (``{L}``: any layer) -> ``COLWISE`` or
             ``ROWWISE``. For every family with a plan the names of these
             modules' tensors are the same in memory and on disk (checked by
-            ``tests/test_trainer_spec.py``), so they name wire tensors too.
+            ``tests/adapters/test_trainer_spec.py``), so they name wire tensors too.
         untied: the same for the embedding and the LM head, applied only when
             the config does not tie them (tied, they are one parameter,
             which FSDP shards alone).

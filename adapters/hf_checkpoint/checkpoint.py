@@ -273,7 +273,7 @@ def _config_only_from_table(path: Path, root: Path, config_path: Path) -> Checkp
 
     ``m2nkit.adapters.config_wires`` reads ``config.json`` as the family's
     transformers config class would and lists the wire tensors the meta model
-    would give, in the same order (``tests/test_config_wires.py``). Dtypes
+    would give, in the same order (``tests/adapters/test_config_wires.py``). Dtypes
     are those the published checkpoints store: the config's model dtype,
     a parameter's own where the table gives one (``Param.dtype``), fp8
     weights and float32 scales for an fp8 block config. ``None`` (the

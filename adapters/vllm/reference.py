@@ -8,9 +8,9 @@ tensor to this rank's shard, narrow the parameter to the shard's slot, copy.
 It shares the family table (which parameters exist, which checkpoint tensor
 feeds which) with ``destination_layout``, but none of the box arithmetic:
 the planner's bindings and these loads are two statements of each rule, and
-the tests hold them against each other (``tests/test_families.py``,
-``tests/test_vllm_layout.py``) and against real vLLM dumps
-(``tests/test_vllm_oracle.py``, ``tests/data/oracle``).
+the tests hold them against each other (``tests/adapters/test_families.py``,
+``tests/adapters/test_vllm_layout.py``) and against real vLLM dumps
+(``tests/adapters/test_vllm_oracle.py``, ``tests/data/oracle``).
 
 It is slow by design (full tensors, one worker per call, Python loops over
 experts). Per-expert checkpoint tensors are stacked first, the way the wire

@@ -9,7 +9,7 @@ so a new transport is one module with a class of this shape plus its line in
 the registry; nothing else changes.
 
 Structural (``typing.Protocol``): a transport module need not import this
-one; the registry's type annotation and ``tests/test_transports.py`` hold
+one; the registry's type annotation and ``tests/engine/test_transports.py`` hold
 every registered class to it.
 """
 

@@ -20,7 +20,7 @@ import os
 import pytest
 import torch
 
-from test_vllm_oracle import FIXTURES, _model, _oracle, _same
+from _oracle import FIXTURES, _model, _oracle, _same
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]
 
@@ -42,7 +42,7 @@ def _traceable(model):
 
 
 def _trace(model, spec):
-    from test_vllm_oracle import DATA
+    from _oracle import DATA
     from m2nkit.adapters.vllm.trace import trace_destination
 
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")

@@ -20,6 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from _paths import REPO
 import pytest
 import torch
 
@@ -51,7 +52,6 @@ from m2nkit.adapters.families.kinds import (
 from m2nkit.adapters.families.sizes import Sizes
 from m2nkit.adapters.families.table import Family, HFNaming, Param, TinyModel
 
-REPO = Path(__file__).resolve().parent.parent
 #: Families whose vLLM model has no tied lm_head parameter (see their modules).
 NEVER_TIED = ("GptOssForCausalLM", "Gemma2ForCausalLM")
 SUPPORTED = ["DeepseekV3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
@@ -106,7 +106,7 @@ def test_every_architecture_resolves_to_a_module_with_every_piece(arch):
                for name, t in fam.tiny.items())
     # trainer-side (Megatron-Core) names are the Megatron adapter's, one table per family
     # (m2nkit.adapters.megatron.names), filled for the families Megatron-Bridge builds
-    # (tests/test_megatron_layout.py checks them); the family module holds none
+    # (tests/adapters/test_megatron_layout.py checks them); the family module holds none
     from m2nkit.adapters.megatron.names import megatron_names
 
     assert not hasattr(module, "MEGATRON_NAMES") and not hasattr(fam, "megatron_names")

@@ -17,6 +17,7 @@ import time
 import traceback
 from pathlib import Path
 
+from _paths import REPO
 import pytest
 import torch
 
@@ -25,7 +26,7 @@ from m2nkit.engine.tools.baseline import (create_trainer_group, gather_then_broa
                                     raw_floor_buffers, raw_floor_round)
 from m2nkit.engine.tools.procs import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 CHECKPOINT = ROOT / "examples" / "tiny-qwen3-moe"
 TRAINER, INFERENCE = "fsdp:2", "vllm:tp=2"
 T, N = 2, 2

@@ -21,6 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from _paths import REPO
 import pytest
 import torch
 
@@ -32,7 +33,6 @@ from m2nkit.adapters.vllm import destination_layout
 from m2nkit.adapters.vllm.dtype import config_dtype
 from m2nkit.manifest import ParamMeta
 
-REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "examples" / "configs"
 REAL = sorted(p.name for p in CONFIGS.iterdir() if (p / "config.json").is_file())
 

@@ -21,7 +21,7 @@ for bit with the real vLLM loader dump of that layout where one exists
 (``vllm:tp=T`` and ``vllm:tp=T,ep`` of ``tests/data/oracle``), else with
 ``reference_load`` of the same checkpoint (dense ``tp=4``, Mixtral ``tp=4``
 without EP, and every ``dp=2`` layout: the oracle holds one TP group).
-Uneven shards are ``tests/test_fsdp2.py``'s (world 3 and 6, a few layouts
+Uneven shards are ``tests/adapters/test_fsdp2.py``'s (world 3 and 6, a few layouts
 each); here world 4 keeps one process group for every kind.
 """
 
@@ -35,6 +35,7 @@ from datetime import timedelta
 from functools import lru_cache
 from pathlib import Path
 
+from _paths import ORACLE
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -51,7 +52,6 @@ from m2nkit.engine.plan import build_plan
 from m2nkit.engine.tools.procs import free_port
 from m2nkit.manifest import manifest_from_json, manifest_to_json
 
-ORACLE = Path(__file__).parent / "data" / "oracle"
 WORLD = 4
 TIMEOUT_S = 150
 DENSE = ("tiny-llama", "tiny-qwen2", "tiny-qwen3")

@@ -23,6 +23,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from _paths import EXAMPLE
 import pytest
 import torch
 
@@ -45,7 +46,7 @@ from m2nkit.engine.control import agree_on_plan, create_group
 from m2nkit.manifest.protocol import VLLMWeightSyncClient
 from m2nkit.manifest.serialize import manifest_to_json
 
-CHECKPOINT = Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3-moe"
+CHECKPOINT = EXAMPLE
 TRAINER, INFERENCE, T, N = "fsdp:2", "vllm:tp=2", 2, 2
 
 

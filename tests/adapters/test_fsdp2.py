@@ -116,7 +116,7 @@ def test_wrapper_prefixes_are_stripped(name, clean):
 def test_peft_shaped_wrappers_reach_the_family_names():
     # PEFT's module structure (PeftModel.base_model -> LoraModel.model -> the HF model;
     # LoRA layers keep the original as .base_layer) rebuilt with plain modules; the names
-    # are what peft produces (tests/test_fsdp2_lora.py runs real peft).
+    # are what peft produces (tests/adapters/test_fsdp2_lora.py runs real peft).
     from transformers import AutoModelForCausalLM
 
     cfg = tiny_config("tiny-llama")

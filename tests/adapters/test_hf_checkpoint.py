@@ -15,6 +15,7 @@ import shutil
 from collections import defaultdict
 from pathlib import Path
 
+from _paths import REPO
 import pytest
 import torch
 from safetensors import safe_open as real_safe_open
@@ -31,12 +32,11 @@ from m2nkit.adapters.hf_checkpoint import (
 )
 from m2nkit.adapters.trainer_spec import parse_trainer_spec
 
-REPO = Path(__file__).resolve().parent.parent
 MODELS = REPO / "examples" / "configs"  # real public configs, shipped
 EXAMPLE = REPO / "examples" / "tiny-qwen3-moe"
 
 ALL = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-tied", "tiny-qwen3-moe",
-       "tiny-mixtral", "tiny-gemma2", "tiny-gemma3"]  # tiny-gpt-oss: tests/test_gpt_oss.py
+       "tiny-mixtral", "tiny-gemma2", "tiny-gemma3"]  # tiny-gpt-oss: tests/adapters/test_gpt_oss.py
 MOE = ["tiny-qwen3-moe", "tiny-mixtral"]
 
 

@@ -15,13 +15,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from _paths import CONFIGS, EXAMPLE, ORACLE
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from m2nkit.engine.tools.cli import main
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tiny-qwen3-moe"
 
 DENSE = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-tied"]
 MOE = ["tiny-qwen3-moe", "tiny-mixtral"]
@@ -118,7 +118,7 @@ def test_json_holds_manifest_digest_and_every_slab(tmp_path, capsys):
 
 
 def test_real_size_config_plans_in_seconds(capsys):
-    cfg = Path(__file__).resolve().parent.parent / "examples" / "configs" / "Qwen__Qwen3-30B-A3B" / "config.json"
+    cfg = CONFIGS / "Qwen__Qwen3-30B-A3B" / "config.json"
     code, out, _ = run_plan(capsys, cfg, "--trainer", "fsdp:64", "--inference", "vllm:tp=4,ep")
     assert code == 0 and "ratio 1.000" in out
     # --verify needs data: a config-only checkpoint refuses it clearly.
@@ -272,7 +272,6 @@ def test_absurd_sizes_are_refused(capsys, trainer, inference, needle):
 # checkpoints as they exist in the field (issue 11); the vLLM behaviour each
 # test relies on is pinned to real vLLM 0.33.0 dumps in test_vllm_oracle.py
 
-ORACLE = Path(__file__).resolve().parent / "data" / "oracle"
 
 
 def _one_line(out: str) -> str:

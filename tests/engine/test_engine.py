@@ -27,13 +27,13 @@ import time
 import traceback
 from pathlib import Path
 
+from _paths import EXAMPLE
 import pytest
 import torch
 
 from _procs import CTX, ensure_forkserver
 from m2nkit.engine.deadline import REPORT_GRACE_S
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tiny-qwen3-moe"
 TIMEOUT = 4.0  # seconds: the bound on each init and each round of these sessions
 #: Where a failure must be found without waiting for the deadline (a death, a refusal):
 #: a deadline this long shows it was not waited for, however loaded the machine.

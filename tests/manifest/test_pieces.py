@@ -13,6 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from _layouts import own_param_destination
 from m2nkit.engine.in_process import allocate_storage, bitwise_equal, execute_plan
 from m2nkit.engine.plan import build_plan, count_coverage
 from m2nkit.manifest import (
@@ -61,17 +62,6 @@ def streams_for(metas, fulls, num_ranks, pad=0):
                 items.append((m.name, local_tensor(fulls[m.name], m.pieces, r, pad)))
         out[r] = iter(items)
     return out
-
-
-def own_param_destination(name, shape, dtype, boxes_per_worker):
-    """Worker ``w`` holds each of its boxes in its own parameter of exactly that shape."""
-    params, bindings = [], []
-    for w, boxes in enumerate(boxes_per_worker):
-        for i, box in enumerate(boxes):
-            pname = f"{name}.{i}"
-            params.append(DestinationParam(w, pname, dtype, tuple(b - a for a, b in box)))
-            bindings.append(Binding(name, w, box, pname, (0,) * len(shape)))
-    return DestinationLayout("test", len(boxes_per_worker), tuple(params), {name: tuple(bindings)})
 
 
 # --------------------------------------------------------------------------

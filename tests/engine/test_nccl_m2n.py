@@ -28,6 +28,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from _paths import REPO
 import pytest
 import torch
 
@@ -52,7 +53,7 @@ from m2nkit.engine.transports.nccl_m2n_runtime import (INSTALL_HINT,  # noqa: E4
                                                        destination_view, m2n_descriptors)
 from m2nkit.manifest.serialize import manifest_digest  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 EXAMPLE = ROOT / "examples" / "tiny-qwen3-moe"
 GPU_CHECK = ROOT / "benchmarks" / "gpu_check.py"
 

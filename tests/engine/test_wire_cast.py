@@ -27,6 +27,7 @@ import threading
 import pytest
 import torch
 
+from _layouts import own_param_destination
 from m2nkit.engine.control import TransferError, create_group
 from m2nkit.engine.in_process import allocate_storage, bitwise_equal, execute_plan
 from m2nkit.engine.plan import build_plan
@@ -34,7 +35,6 @@ from m2nkit.engine.transports import torch_p2p
 from m2nkit.engine.transports.torch_p2p import DIRECT_BYTES, BucketSchedule, recv_round, send_round
 from m2nkit.manifest import ParamMeta, Shard
 from m2nkit.manifest.destination import DestinationLayout
-from test_pieces import own_param_destination
 
 T, N = 2, 2
 BIG = (512, 512)    # fp32 rows 256 per rank and per worker: 512 KiB slabs, sent direct

@@ -16,6 +16,7 @@ import time
 from functools import lru_cache
 from pathlib import Path
 
+from _paths import ORACLE
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -29,7 +30,7 @@ from m2nkit.adapters.vllm import (
 )
 from m2nkit.manifest import ParamMeta
 
-DATA = Path(__file__).parent / "data" / "oracle"
+DATA = ORACLE
 DENSE = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-tied", "tiny-gemma2", "tiny-gemma3"]
 MOE = ["tiny-qwen3-moe", "tiny-mixtral"]
 #: tiny-gpt-oss (nkv = 4, E = 4, I = 128): vLLM's GPT-OSS takes tp <= nkv and an EP size

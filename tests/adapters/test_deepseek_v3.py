@@ -16,6 +16,7 @@ import json
 import shutil
 from pathlib import Path
 
+from _paths import REPO
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -27,7 +28,6 @@ from m2nkit.adapters.hf_checkpoint import (CheckpointError, full_checkpoint_tens
                                            read_checkpoint)
 from m2nkit.adapters.vllm import InferenceSpec, destination_layout, reference_load
 
-REPO = Path(__file__).resolve().parent.parent
 ORACLE = REPO / "tests" / "data" / "oracle"
 CONFIGS = REPO / "examples" / "configs"
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from _paths import REPO
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -21,7 +22,6 @@ from m2nkit.adapters.hf_checkpoint import checkpoint_metas, read_checkpoint
 from m2nkit.adapters.vllm import destination_layout
 from m2nkit.engine.tools.cli import main
 
-REPO = Path(__file__).resolve().parent.parent
 ORACLE = REPO / "tests" / "data" / "oracle"
 NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
          "post_feedforward_layernorm")

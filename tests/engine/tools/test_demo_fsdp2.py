@@ -8,7 +8,7 @@ send through ``fsdp2_source``; every worker must be bit-exact against the
 trained parameters (gathered by the harness, saved with ``save_pretrained``,
 loaded by ``reference_load``) after each round. The live manifest must match
 the dry run of the same spec. The CLI path (spawned processes, progress
-lines, Ctrl-C) is tests/test_demo_ux.py's.
+lines, Ctrl-C) is tests/engine/tools/test_demo_ux.py's.
 """
 
 from __future__ import annotations

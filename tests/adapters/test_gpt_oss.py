@@ -18,6 +18,7 @@ import re
 import shutil
 from pathlib import Path
 
+from _paths import REPO
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -28,7 +29,6 @@ from m2nkit.adapters.hf_checkpoint import (CheckpointError, checkpoint_manifest,
 from m2nkit.adapters.vllm import destination_layout
 from m2nkit.engine.tools.cli import main
 
-REPO = Path(__file__).resolve().parent.parent
 ORACLE = REPO / "tests" / "data" / "oracle" / "tiny-gpt-oss"
 REAL = REPO / "examples" / "configs" / "openai__gpt-oss-20b"
 L0 = "model.layers.0"

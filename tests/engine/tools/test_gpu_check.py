@@ -9,7 +9,7 @@ round-trips the prompt), byte-checks the update's plan and prints the server's
 command line and environment. What it cannot do here (the GPU run, the
 server, and the descriptors without ``m2nkit[nccl]``) it names as skipped.
 The GPU run itself is covered by the CUDA-only test at the bottom of
-``tests/test_nccl_m2n.py``, which runs the script without ``--dry-run``; the
+``tests/engine/test_nccl_m2n.py``, which runs the script without ``--dry-run``; the
 integration test here checks the printed command line with vLLM's own
 ``vllm serve`` argument parser.
 """
@@ -21,13 +21,14 @@ import sys
 import time
 from pathlib import Path
 
+from _paths import REPO
 import pytest
 import torch
 
 from m2nkit.engine.tools.procs import free_port
 from m2nkit.engine.transports.nccl_m2n_runtime import NcclM2NUnavailableError, import_nccl_m2n
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 GPU_CHECK = ROOT / "benchmarks" / "gpu_check.py"
 SCENARIOS = ("fsdp:2/vllm:tp=2", "fsdp:2/vllm:tp=2,dp=2,ep")
 

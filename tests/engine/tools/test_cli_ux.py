@@ -21,13 +21,13 @@ import sys
 from importlib.metadata import version
 from pathlib import Path
 
+from _paths import EXAMPLE
 import pytest
 import torch
 from safetensors import safe_open
 
 from m2nkit.engine.tools.cli import main
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tiny-qwen3-moe"
 CONFIG = json.loads((EXAMPLE / "config.json").read_text())
 
 #: Runs the CLI in a fresh interpreter and reports what it imported.

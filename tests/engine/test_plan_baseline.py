@@ -14,13 +14,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from _paths import REPO
 import pytest
 
 from m2nkit.adapters.hf_checkpoint import checkpoint_metas, read_checkpoint
 from m2nkit.adapters.vllm import destination_layout, parse_inference_spec
 from m2nkit.engine.plan import build_plan
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 BASELINE = json.loads((ROOT / "tests" / "data" / "plan_baseline.json").read_text())
 RANKS = {"replicated:2": 2, "hsdp:2,3": 6, "hsdp:2,32": 64}
 
