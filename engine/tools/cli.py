@@ -157,6 +157,7 @@ def _build(args):
     from m2nkit.adapters.hf_checkpoint import checkpoint_metas, read_checkpoint
     from m2nkit.adapters.trainer_spec import parse_trainer_spec
     from m2nkit.adapters.vllm import destination_layout, parse_inference_spec
+    from m2nkit.adapters.vllm.builder import resolve_layout
     from m2nkit.engine.plan import build_plan
     from m2nkit.manifest.serialize import manifest_digest
 
@@ -166,7 +167,11 @@ def _build(args):
     ckpt = read_checkpoint(args.checkpoint)
     metas = checkpoint_metas(ckpt, tspec)
     t2 = time.perf_counter()
-    dest = destination_layout(ckpt.config, metas, ispec)
+    args.layout = resolve_layout(args.layout)
+    if args.layout == "traced":
+        dest = _traced(ckpt, metas, ispec)
+    else:
+        dest = destination_layout(ckpt.config, metas, ispec)
     t3 = time.perf_counter()
     # The manifest digest is only shown by --json and --dump; hashing every
     # tensor's owners costs a noticeable part of a config-only plan.
@@ -175,6 +180,26 @@ def _build(args):
     t4 = time.perf_counter()
     timings = {"imports": t1 - t0, "read": t2 - t1, "vLLM layout": t3 - t2, "plan": t4 - t3}
     return ckpt, tspec, ispec, metas, plan, timings
+
+
+def _traced(ckpt, metas, ispec):
+    """The layout traced from vLLM's loaders (``--layout traced``); a refusal is a user error."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise UserError("--layout traced needs vLLM installed (it runs vLLM's own weight "
+                        "loaders); without vLLM use --layout tables")
+    # vLLM logs its import-time notes (no vllm._C, no Triton on this platform) at
+    # WARNING; the plan's own output is what the user asked for.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    from m2nkit.adapters.vllm.trace import TraceError, trace_destination
+
+    path = Path(ckpt.path)
+    source = path if path.is_dir() else ckpt.config   # vLLM reads dtypes from the files too
+    try:
+        return trace_destination(source, metas, ispec)
+    except TraceError as e:
+        raise UserError(f"--layout traced: {e}") from None
 
 
 def _open_dump_dir(path: str | None) -> tuple[Path | None, bool]:
@@ -473,6 +498,10 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--bindings", action="store_true",
                       help="print where each wire tensor (HF name) lands: vLLM parameter, "
                            "rows/cols/experts, workers")
+    plan.add_argument("--layout", choices=("tables", "traced", "auto"), default="tables",
+                      help="where the vLLM layout comes from: m2nkit's family tables (default; "
+                           "no vLLM needed), or vLLM's own weight loaders, traced on the meta "
+                           "device (needs vLLM); auto: traced when vLLM is importable")
     plan.add_argument("-v", "--verbose", action="store_true", help="print the per-tensor table")
     plan.set_defaults(func=_cmd_plan)
     demo = sub.add_parser("demo", help="real multi-process transfer on this machine, verified")

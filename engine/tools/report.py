@@ -64,6 +64,9 @@ def print_summary(console, args, ckpt, metas, plan, timings):
     t.add_row("model", f"{ckpt.architecture} ({ckpt.path})")
     t.add_row("trainer", f"{args.trainer}: {plan.num_trainer_ranks} ranks")
     t.add_row("inference", f"{args.inference}: {plan.num_workers} workers")
+    layout = getattr(args, "layout", "tables")
+    t.add_row("vLLM layout", "traced from vLLM's own weight loaders" if layout == "traced"
+              else "m2nkit's family tables (no vLLM needed)")
     t.add_row("wire tensors", f"{len(plan.wires)} ({n_skipped} skipped by vLLM), "
                               f"{fmt_bytes(sum(m.nbytes for m in metas))}")
     t.add_row("slabs", f"{plan.num_slabs:,}")

@@ -148,3 +148,36 @@ def test_op_chains_that_are_not_boxes_are_refused_naming_the_op():
         chain_box("w", (8, 6), [("view", ((48,),), ())])
     with pytest.raises(TraceError, match=r"applies transpose"):
         chain_box("w", (8, 6), [("transpose", (0, 1), ())])
+
+
+def _cli(*args):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "m2nkit.engine.tools.cli", "plan", *map(str, args)],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "COLUMNS": "200"})
+
+
+def test_plan_layout_traced_verifies_and_says_so():
+    from _paths import EXAMPLE
+
+    r = _cli(EXAMPLE, "--trainer", "fsdp:3", "--inference", "vllm:tp=2,ep", "--layout", "traced",
+             "--verify")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "traced from vLLM's own weight loaders" in r.stdout
+    assert "verify: all 2 workers hold exactly what vLLM's loaders would" in r.stdout
+    tables = _cli(EXAMPLE, "--trainer", "fsdp:3", "--inference", "vllm:tp=2,ep")
+    assert "m2nkit's family tables (no vLLM needed)" in tables.stdout
+
+
+def test_plan_layout_traced_refuses_an_untraceable_loader_in_one_line():
+    from _paths import ORACLE
+
+    r = _cli(ORACLE / "tiny-gpt-oss" / "checkpoint", "--trainer", "fsdp:2", "--inference",
+             "vllm:tp=2", "--layout", "traced")
+    assert r.returncode == 2, r.stdout + r.stderr
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith("m2nkit: error: --layout traced: GptOssForCausalLM: vLLM's "
+                           "load_weights failed on the fake wire tensors")
+    assert "Traceback" not in r.stderr

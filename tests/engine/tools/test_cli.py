@@ -345,3 +345,20 @@ def test_uneven_expert_parallel_plans_and_verifies(tmp_path, capsys):
 def test_bad_inference_options_are_refused(capsys, inference, needle):
     code, out, err = run_plan(capsys, EXAMPLE, "--trainer", "fsdp:2", "--inference", inference)
     assert code == 2 and needle in err and out == ""
+
+
+def test_layout_traced_without_vllm_is_refused_naming_the_way_out(capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a, **k: None if name == "vllm" else real(name, *a, **k))
+    code, out, err = run_plan(capsys, EXAMPLE, "--trainer", "fsdp:2", "--inference", "vllm:tp=2",
+                              "--layout", "traced")
+    assert code == 2
+    assert err.strip() == ("m2nkit: error: --layout traced needs vLLM installed (it runs vLLM's "
+                           "own weight loaders); without vLLM use --layout tables")
+    # auto falls back to the tables, and says so
+    code, out, _ = run_plan(capsys, EXAMPLE, "--trainer", "fsdp:2", "--inference", "vllm:tp=2",
+                            "--layout", "auto")
+    assert code == 0 and "m2nkit's family tables (no vLLM needed)" in " ".join(out.split())
