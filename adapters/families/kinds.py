@@ -36,7 +36,7 @@ experts (``layers/fused_moe/expert_map_manager.py`` ``determine_expert_map``):
 divide by ``ep``); linear placement gives each worker a contiguous run in
 worker order (10 experts over ep=4: 0-2, 3-5, 6-7, 8-9), round robin gives
 worker ``w`` experts ``w, w+ep, w+2*ep, ...``. Whether vLLM really uses
-round robin is decided by ``m2nkit.adapters.vllm.placement``; :class:`Geometry`
+round robin is decided by ``m2nkit.adapters.vllm.expert_placement``; :class:`Geometry`
 takes the placement in effect.
 
 The kind objects are also the one shard-kind vocabulary of the trainer side:

@@ -468,7 +468,7 @@ class Family:
             vLLM MoE layer passes to ``FusedMoEFactory`` (DeepSeek-V3: the
             config's ``n_group``); ``None`` (the default): it passes none.
             vLLM honours round-robin expert placement only with more than
-            one group (``m2nkit.adapters.vllm.placement``).
+            one group (``m2nkit.adapters.vllm.expert_placement``).
         notes: config -> sentences a plan of this config must carry (how the
             family reads a config variant it plans differently from what
             the config alone says, e.g. a quantized config planned in

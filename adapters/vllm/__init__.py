@@ -7,7 +7,7 @@ the shard kinds of ``families/kinds.py``, each citing the vLLM 0.33.0 code
 it restates). This package holds only what is the same for every family:
 
 * ``spec.py``: the spec ``vllm:tp=T[,dp=D][,ep][,placement=P][,all2all=B][,dtype=X]``;
-* ``placement.py``: which expert placement vLLM really uses (a round-robin
+* ``expert_placement.py``: which expert placement vLLM really uses (a round-robin
   request falls back to linear unless the model has expert groups, ...);
 * ``dtype.py``: the dtype vLLM allocates parameters in (``--dtype``, ``auto``);
 * ``names.py``: vLLM parameter names that change between vLLM versions (the

@@ -33,7 +33,7 @@ from ..families.sizes import Sizes
 from ..families.table import Family
 from ..families.vllm_names import DEFAULT_VLLM_VERSION, vllm_names
 from .dtype import model_dtype
-from .placement import expert_placement
+from .expert_placement import expert_placement
 from .spec import InferenceSpec, parse_inference_spec
 
 __all__ = ["destination_layout", "expand", "Expanded", "check_parallel", "check_unquantized"]
@@ -166,7 +166,7 @@ def destination_layout(
         the spec's ``dtype``, or vLLM's ``auto`` rule from the config and,
         when it names none, the wire dtypes; a wire tensor of another dtype
         is cast on arrival), bindings per wire tensor (experts placed as
-        vLLM places them, ``m2nkit.adapters.vllm.placement``), ``skipped``
+        vLLM places them, ``m2nkit.adapters.vllm.expert_placement``), ``skipped``
         (tied ``lm_head.weight``, rotary caches), ``aliases`` (tied
         lm_head, MoE router aliases), ``unknown`` (wire tensors no rule
         takes; not an error here) and ``notes`` (how the dtype and the

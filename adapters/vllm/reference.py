@@ -35,7 +35,7 @@ from ..families.table import Family
 from .destination import check_parallel, is_rotary_cache
 from .dtype import model_dtype
 from .names import DEFAULT_VLLM_VERSION, vllm_names
-from .placement import expert_placement
+from .expert_placement import expert_placement
 from .spec import InferenceSpec, parse_inference_spec
 
 __all__ = ["reference_load"]
@@ -115,7 +115,7 @@ def reference_load(
         ``{vLLM name: local tensor}`` in vLLM's model dtype (the spec's
         ``dtype``, or vLLM's ``auto`` rule from the config and the
         checkpoint tensors' dtypes: ``m2nkit.adapters.vllm.dtype``), experts
-        where vLLM's placement puts them (``m2nkit.adapters.vllm.placement``),
+        where vLLM's placement puts them (``m2nkit.adapters.vllm.expert_placement``),
         including aliases
         (tied ``lm_head.weight``, MoE router aliases) as the same tensor
         object, like ``named_parameters(remove_duplicate=False)``.

@@ -12,7 +12,7 @@ what a worker holds: ``expert_placement_strategy`` and ``all2all_backend``
 experts go) and ``--dtype`` (``vllm/config/model.py``; the dtype vLLM
 allocates parameters in). The values are checked here, without torch, so a
 typo is refused at once; what they mean for a model is decided in
-``m2nkit.adapters.vllm.placement`` and ``m2nkit.adapters.vllm.dtype``.
+``m2nkit.adapters.vllm.expert_placement`` and ``m2nkit.adapters.vllm.dtype``.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class InferenceSpec:
             ``fused_moe/config.py``, ``FusedMoEParallelConfig.make``).
         placement: ``expert_placement_strategy`` as asked for (``linear`` or
             ``round_robin``); vLLM may fall back to linear, see
-            ``m2nkit.adapters.vllm.placement``.
+            ``m2nkit.adapters.vllm.expert_placement``.
         all2all: ``all2all_backend`` (only its effect on placement matters
             here).
         dtype: ``--dtype``: ``auto`` (vLLM decides from the config, see

@@ -211,7 +211,7 @@ def test_round_robin_decision_follows_vllm():
     needs EP, num_expert_group > 1, and with dp > 1 an all2all backend with round-robin
     routing tables. The oracle builds one TP group (dp = 1); dp > 1 rests on the rule."""
     from m2nkit.adapters.families.table import Family, HFNaming
-    from m2nkit.adapters.vllm.placement import expert_placement
+    from m2nkit.adapters.vllm.expert_placement import expert_placement
     from m2nkit.adapters.vllm.spec import parse_inference_spec as spec
 
     config, _, s = _deepseek_groups()

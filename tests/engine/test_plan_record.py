@@ -1,6 +1,6 @@
-"""Behaviour preserved across the restructure to pieces and family modules.
+"""The recorded plan figures: behaviour preserved across restructures (not the gather-then-broadcast baseline).
 
-``tests/data/plan_baseline.json`` was recorded with the planner as it was
+``tests/data/plan_record.json`` was recorded with the planner as it was
 before (commit be30f6c): per case of the ``--verify`` matrix and three real
 configs, ``[slabs, bytes moved, bytes minimum, wire tensors nccl.m2n can
 carry]``. The first three must not change. The fourth may only grow: the
@@ -22,7 +22,7 @@ from m2nkit.adapters.vllm import destination_layout, parse_inference_spec
 from m2nkit.engine.plan import build_plan
 
 ROOT = REPO
-BASELINE = json.loads((ROOT / "tests" / "data" / "plan_baseline.json").read_text())
+RECORD = json.loads((ROOT / "tests" / "data" / "plan_record.json").read_text())
 RANKS = {"replicated:2": 2, "hsdp:2,3": 6, "hsdp:2,32": 64}
 
 
@@ -35,13 +35,13 @@ def _check(ck, key):
     metas = checkpoint_metas(ck, trainer)
     dest = destination_layout(ck.config, metas, parse_inference_spec(inference))
     plan = build_plan(metas, _ranks(trainer), dest)
-    slabs, moved, minimum, m2n = BASELINE[key]
+    slabs, moved, minimum, m2n = RECORD[key]
     assert (plan.num_slabs, plan.nbytes_moved, plan.nbytes_min) == (slabs, moved, minimum), key
     assert sum(1 for w in plan.wires if w.verdict("nccl_m2n").ok) >= m2n, key
 
 
 def test_verify_matrix_plans_are_unchanged(tiny_checkpoints):
-    tiny = [k for k in BASELINE if k.startswith("tiny-")]
+    tiny = [k for k in RECORD if k.startswith("tiny-")]
     assert len(tiny) == 152
     cache = {}
     for key in tiny:
@@ -52,7 +52,7 @@ def test_verify_matrix_plans_are_unchanged(tiny_checkpoints):
         _check(cache[(model, sharded)], key)
 
 
-@pytest.mark.parametrize("key", [k for k in BASELINE if not k.startswith("tiny-")])
+@pytest.mark.parametrize("key", [k for k in RECORD if not k.startswith("tiny-")])
 def test_real_config_plans_are_unchanged(key):
     config = ROOT / "examples" / "configs" / key.split("|")[0] / "config.json"
     _check(read_checkpoint(config), key)
