@@ -50,7 +50,7 @@ from m2nkit.manifest import Binding, DestinationLayout, DestinationParam, ParamM
 
 from .spec import InferenceSpec, parse_inference_spec
 
-__all__ = ["TraceError", "TracedCopy", "Feed", "per_expert_feeds", "trace_worker", "trace_destination", "chain_box",
+__all__ = ["TraceError", "TracedCopy", "Feed", "per_expert_feeds", "trace_worker", "traced_problems", "experts_on_disk", "trace_destination", "chain_box",
            "view_region", "vllm_checkpoint_name", "merge_copies"]
 
 #: Stacked-expert wire names whose vLLM checkpoint name drops ``.weight``.
@@ -496,15 +496,20 @@ def _uncovered(shape: tuple[int, ...], regions: list[tuple]) -> tuple[tuple, ...
     return tuple(out)
 
 
-def _experts_on_disk(config_dir: str) -> dict[str, str]:
-    """The family table's per-expert on-disk patterns, where m2nkit has a table (else none)."""
+def experts_on_disk(config: Any) -> dict[str, str]:
+    """The family table's per-expert on-disk patterns of ``config`` (none without a table).
+
+    ``config``: a transformers config, a ``config.json`` dict, or a
+    checkpoint directory.
+    """
     import json
 
     from ..families import UnsupportedArchitecture, family_for
 
+    if isinstance(config, (str, os.PathLike)):
+        config = json.loads(Path(config, "config.json").read_text())
     try:
-        return dict(family_for(json.loads(Path(config_dir, "config.json").read_text()))
-                    .hf.experts_on_disk)
+        return dict(family_for(config).hf.experts_on_disk)
     except UnsupportedArchitecture:
         return {}
 
@@ -517,7 +522,14 @@ def _build_meta_model(config_dir: str, spec: InferenceSpec, worker: int):
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
+    from vllm.platforms import current_platform
+
     from .stand_in import StandInGroups   # stand-in parallel state (sizes and ranks only)
+
+    if current_platform.is_unspecified():
+        raise TraceError("vLLM found no platform in this process (no GPU, and vLLM was "
+                         "imported before VLLM_TARGET_DEVICE=cpu was set): set "
+                         "VLLM_TARGET_DEVICE=cpu before vLLM is first imported")
 
     tp_rank, dp_index = spec.tp_rank(worker), spec.dp_index(worker)
     StandInGroups(spec.tp, tp_rank, spec.dp, dp_index, spec.ep).install()
@@ -599,7 +611,7 @@ def trace_destination(config: Any, wire: Sequence[ParamMeta],
         params: list[DestinationParam] = []
         bindings: dict[str, list[Binding]] = {m.name: [] for m in wire}
         aliases: dict[str, str] = {}
-        experts = _experts_on_disk(config_dir)
+        experts = experts_on_disk(config_dir)
         for w in range(spec.num_workers):
             model, vllm_config = _build_meta_model(config_dir, spec, w)
             # Stacked experts go in as the per-expert tensors a checkpoint
@@ -629,3 +641,42 @@ def trace_destination(config: Any, wire: Sequence[ParamMeta],
                              {n: tuple(b) for n, b in bindings.items() if b},
                              skipped=skipped, aliases=aliases,
                              notes=("layout traced from vLLM's own weight loaders",))
+
+
+def traced_problems(model: torch.nn.Module, layout: DestinationLayout, worker: int,
+                    wire: Sequence[ParamMeta], vllm_config: Any = None,
+                    experts_on_disk: dict[str, str] | None = None,
+                    at_most: int = 8) -> list[str]:
+    """How ``layout``'s bindings for ``worker`` differ from what the live model's loaders do.
+
+    For a vLLM worker (the plugin) holding its live ``model``: its own
+    ``load_weights`` runs on fake wire tensors (:func:`trace_worker`). The
+    fakes' ``copy_`` records and writes nothing, so the live parameters keep
+    their bytes (a loader's own ``fill_`` of vocab padding rows writes the
+    zeros they already hold). Each traced copy is compared, after
+    :func:`merge_copies`, with the layout's bindings of ``worker``; a binding
+    the loaders do not make, or a copy no binding makes, is one problem
+    (wire tensor, parameter, box, region). Empty: the layout is what vLLM
+    does.
+
+    Raises:
+        TraceError: the loaders cannot be traced (the caller decides whether
+            the tables alone may stand).
+    """
+    feeds = [f for m in wire for f in (per_expert_feeds(m, experts_on_disk or {})
+                                       or [Feed.whole(m)])]
+    copies, _ = trace_worker(model, feeds, vllm_config)
+    traced = {(c.name, c.param, c.box, c.region) for c in merge_copies(copies)}
+    declared = [TracedCopy(b.name, b.param, b.box,
+                           tuple((o, o + hi - lo) for o, (lo, hi) in zip(b.offset, b.box)))
+                for bs in layout.bindings.values() for b in bs if b.worker == worker]
+    planned = {(c.name, c.param, c.box, c.region) for c in merge_copies(declared)}
+    out = []
+    for name, param, box, region in sorted(planned - traced)[:at_most]:
+        out.append(f"the plan writes box {list(box)} of '{name}' into {list(region)} of "
+                   f"'{param}', which vLLM's loaders do not")
+    for name, param, box, region in sorted(traced - planned)[:at_most]:
+        out.append(f"vLLM's loaders write box {list(box)} of '{name}' into {list(region)} of "
+                   f"'{param}', which the plan does not")
+    return out
+

@@ -57,6 +57,7 @@ never needs it.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -78,7 +79,7 @@ from m2nkit.engine.receiver import M2NReceiver, M2NUpdateInfo, refuse_unparsed_p
 from m2nkit.engine.session import InitPayload, plan_from_manifest
 
 __all__ = ["BACKEND", "register", "M2NVLLMEngine", "inference_spec_of", "worker_index_of",
-           "live_model_problems", "receive_mode", "MODE_ENV"]
+           "live_model_problems", "receive_mode", "MODE_ENV", "TRACE_CHECK_ENV"]
 
 #: The backend name, in ``--weight-transfer-config '{"backend": "m2nkit"}'`` and
 #: ``M2NTrainerInitInfo.backend``.
@@ -307,11 +308,34 @@ class M2NVLLMEngine(WeightTransferEngine):
         except ValueError:
             return []       # the receiver refuses it with its own message
         found = live_model_problems(self.model, plan.destination, self.worker)
+        if not found and os.environ.get(TRACE_CHECK_ENV, "1") != "0":
+            found = self._traced_problems(plan)
         if found:
             more = f" ... and {len(found) - _LIST_AT_MOST} more" if len(found) > _LIST_AT_MOST else ""
             return [f"vLLM's {type(self.model).__name__} does not match m2nkit's layout for "
                     f"{self.destination.spec}: " + "; ".join(found[:_LIST_AT_MOST]) + more]
         return []
+
+    def _traced_problems(self, plan) -> list[str]:
+        """The plan's bindings for this worker against this worker's own loaders, traced.
+
+        The live model's ``load_weights`` runs on fake wire tensors
+        (``m2nkit.adapters.vllm.trace.traced_problems``: nothing is written),
+        so the layout the tables declare is checked against what this vLLM
+        build does with each wire tensor before any byte moves. Loaders
+        that cannot be traced leave the tables' word standing (logged).
+        ``M2NKIT_TRACE_CHECK=0`` skips the check.
+        """
+        from m2nkit.adapters.vllm.trace import TraceError, experts_on_disk, traced_problems
+
+        try:
+            return traced_problems(self.model, plan.destination, self.worker,
+                                   [w.meta for w in plan.wires], self.vllm_config,
+                                   experts_on_disk(self.model_config.hf_config))
+        except TraceError as e:
+            _log.warning("%s: the layout was not checked against vLLM's loaders: %s",
+                         self.identity, e)
+            return []
 
     def init_transfer_engine(self, init_info: InitPayload | Mapping[str, Any]) -> None:
         """Resolve the live model against the plan, then join the session.
@@ -423,6 +447,11 @@ class M2NVLLMEngine(WeightTransferEngine):
 
 #: Environment variable of the vLLM server choosing the receive mode.
 MODE_ENV = "M2NKIT_RECEIVE_MODE"
+#: Set to ``0`` to skip tracing the live model's loaders at init (the check of the
+#: plan's bindings against what this vLLM build does; ``M2NVLLMEngine._traced_problems``).
+TRACE_CHECK_ENV = "M2NKIT_TRACE_CHECK"
+
+_log = logging.getLogger(__name__)
 
 
 def receive_mode() -> str:

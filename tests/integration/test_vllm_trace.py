@@ -181,3 +181,38 @@ def test_plan_layout_traced_refuses_an_untraceable_loader_in_one_line():
     assert line.startswith("m2nkit: error: --layout traced: GptOssForCausalLM: vLLM's "
                            "load_weights failed on the fake wire tensors")
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("model,spec,worker", [("tiny-qwen3-moe", "vllm:tp=2,ep", 1),
+                                               ("tiny-llama", "vllm:tp=4", 3),
+                                               ("tiny-deepseek-v3", "vllm:tp=2", 0)])
+def test_the_live_models_loaders_check_the_plan_and_leave_its_bytes(model, spec, worker):
+    """What the plugin runs at init: the live (loaded) model's own loaders, traced,
+    against the plan's bindings for its worker; no parameter changes."""
+    from dataclasses import replace
+
+    from _oracle import DATA
+    from m2nkit.adapters.vllm import destination_layout, parse_inference_spec
+    from m2nkit.adapters.vllm.trace import experts_on_disk, traced_problems
+    from m2nkit.engine.tools.vllm_workers import build_cpu_worker
+
+    config, _, wire = _model(model)
+    ispec = parse_inference_spec(spec)
+    live, vllm_config = build_cpu_worker(DATA / model / "checkpoint", ispec, worker)
+    before = {n: p.detach().clone() for n, p in live.named_parameters()}
+    layout = destination_layout(config, _metas(wire), ispec)
+    problems = traced_problems(live, layout, worker, _metas(wire), vllm_config,
+                               experts_on_disk(config))
+    assert problems == []
+    for n, p in live.named_parameters():
+        assert torch.equal(p.detach().view(torch.uint8), before[n].view(torch.uint8)), n
+    # a table that puts a box one row off is caught, naming the tensor and the parameter
+    name = "model.layers.0.self_attn.o_proj.weight"
+    wrong = [replace(b, offset=(b.offset[0] + 1, *b.offset[1:])) if b.worker == worker else b
+             for b in layout.bindings[name]]
+    bad = replace(layout, bindings={**layout.bindings, name: tuple(wrong)})
+    problems = traced_problems(live, bad, worker, _metas(wire), vllm_config,
+                               experts_on_disk(config))
+    assert any(p.startswith(f"the plan writes box") and f"of '{name}'" in p for p in problems), \
+        problems
+    assert any(p.startswith("vLLM's loaders write box") and f"of '{name}'" in p for p in problems)
