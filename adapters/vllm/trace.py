@@ -431,7 +431,20 @@ def trace_worker(model: torch.nn.Module, feeds: Sequence[Feed],
                 raise TraceError(f"wire tensor '{feed.wire.name}' into parameter '{pname}': "
                                  f"{e}") from None
             out.append(_pair(feed.wire.name, pname, box, kept, region, dims))
+    _last_copied.clear()
+    _last_copied.update(sink.copied_names)
     return out, touched
+
+
+#: The feed names some loader copied from in the last :func:`trace_worker` call.
+_last_copied: set[str] = set()
+
+
+def _feeds(wire: Sequence[ParamMeta], experts: dict[str, str], fused: bool) -> list[Feed]:
+    """The fake checkpoint tensors of ``wire``: stacked experts whole (``fused``) or per expert."""
+    if fused:
+        return [Feed.whole(m) for m in wire]
+    return [f for m in wire for f in (per_expert_feeds(m, experts) or [Feed.whole(m)])]
 
 
 def merge_copies(copies: Iterable[TracedCopy]) -> list[TracedCopy]:
@@ -612,13 +625,31 @@ def trace_destination(config: Any, wire: Sequence[ParamMeta],
         bindings: dict[str, list[Binding]] = {m.name: [] for m in wire}
         aliases: dict[str, str] = {}
         experts = experts_on_disk(config_dir)
+        stacked = {vllm_checkpoint_name(m.name) for m in wire
+                   if per_expert_feeds(m, experts) is not None}
+        fused = bool(stacked)
         for w in range(spec.num_workers):
             model, vllm_config = _build_meta_model(config_dir, spec, w)
-            # Stacked experts go in as the per-expert tensors a checkpoint
-            # holds where a family table names them (not every vLLM loader
-            # has a fused-name path), else under the fused name.
-            feeds = [f for m in wire for f in (per_expert_feeds(m, experts) or [Feed.whole(m)])]
-            copies, touched = trace_worker(model, feeds, vllm_config)
+            # Stacked experts go in whole, under transformers 5's fused name,
+            # where vLLM's loader takes that (one fake per layer instead of
+            # one per expert and part: the trace of a 384-expert model is
+            # seconds, not minutes); worker 0, which holds expert 0 under
+            # every placement, decides. A loader that refuses the fused name
+            # or ignores it gets the per-expert tensors a checkpoint holds.
+            copies = None
+            if fused:
+                try:
+                    copies, touched = trace_worker(model, _feeds(wire, experts, True), vllm_config)
+                    if w == 0 and not stacked <= _last_copied:
+                        copies = None
+                except TraceError:
+                    if w > 0:
+                        raise
+                if copies is None:
+                    fused = False
+                    model, vllm_config = _build_meta_model(config_dir, spec, w)
+            if copies is None:
+                copies, touched = trace_worker(model, _feeds(wire, experts, False), vllm_config)
             copies = merge_copies(copies)
             by_param: dict[str, list[tuple]] = {p: [] for p in touched}
             for c in copies:
@@ -663,9 +694,7 @@ def traced_problems(model: torch.nn.Module, layout: DestinationLayout, worker: i
         TraceError: the loaders cannot be traced (the caller decides whether
             the tables alone may stand).
     """
-    feeds = [f for m in wire for f in (per_expert_feeds(m, experts_on_disk or {})
-                                       or [Feed.whole(m)])]
-    copies, _ = trace_worker(model, feeds, vllm_config)
+    copies, _ = trace_worker(model, _feeds(wire, experts_on_disk or {}, False), vllm_config)
     traced = {(c.name, c.param, c.box, c.region) for c in merge_copies(copies)}
     declared = [TracedCopy(b.name, b.param, b.box,
                            tuple((o, o + hi - lo) for o, (lo, hi) in zip(b.offset, b.box)))

@@ -1,0 +1,112 @@
+"""How long the traced vLLM layout takes (``adapters/vllm/trace.py``), with the breakdown.
+
+Question: what does deriving the destination layout from vLLM's own loaders
+cost, against the family tables, for a real config? For each case it reads
+the config's wire tensors (no weights), then traces every worker: vLLM's
+model class built on the meta device (``build``), its ``load_weights`` run on
+fake wire tensors (``trace``), the copies turned into bindings (the rest),
+and compares with ``destination_layout`` from the tables (``tables``). Needs
+vLLM installed (``scripts/setup.sh``).
+
+    .venv/bin/python benchmarks/trace.py [--case NAME ...] [--json PATH]
+
+Prints one row per case; ``--json`` writes the same figures. The first case
+also pays vLLM's import (reported apart).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+HERE = Path(__file__).resolve().parent
+CONFIGS = HERE.parent / "examples" / "configs"
+
+#: name -> (config, inference spec)
+CASES = {
+    "qwen3-30b-a3b tp4 ep": ("Qwen__Qwen3-30B-A3B", "vllm:tp=4,ep"),
+    "qwen3-8b tp8": ("Qwen__Qwen3-8B", "vllm:tp=8"),
+    "qwen3-235b-a22b tp8 ep": ("Qwen__Qwen3-235B-A22B", "vllm:tp=8,ep"),
+    "kimi-k2 tp8 dp8 ep": ("moonshotai__Kimi-K2-Instruct", "vllm:tp=8,dp=8,ep"),
+}
+
+
+def _run(name: str) -> dict:
+    from m2nkit.adapters.hf_checkpoint import checkpoint_metas, read_checkpoint
+    from m2nkit.adapters.vllm import destination_layout, parse_inference_spec
+    from m2nkit.adapters.vllm import trace
+
+    folder, spec_text = CASES[name]
+    path = CONFIGS / folder / "config.json"
+    t0 = time.perf_counter()
+    ckpt = read_checkpoint(path)
+    metas = checkpoint_metas(ckpt, "fsdp:8")
+    spec = parse_inference_spec(spec_text)
+    t1 = time.perf_counter()
+    table = destination_layout(ckpt.config, metas, spec)
+    t2 = time.perf_counter()
+    spent = {"build": 0.0, "trace": 0.0}
+    build, trace_worker = trace._build_meta_model, trace.trace_worker
+
+    def timed(key, fn):
+        def run(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[key] += time.perf_counter() - t
+        return run
+
+    trace._build_meta_model = timed("build", build)
+    trace.trace_worker = timed("trace", trace_worker)
+    try:
+        traced = trace.trace_destination(ckpt.config, metas, spec)
+    finally:
+        trace._build_meta_model, trace.trace_worker = build, trace_worker
+    t3 = time.perf_counter()
+    return {"case": name, "spec": spec_text, "wire_tensors": len(metas),
+            "workers": spec.num_workers, "read_s": t1 - t0, "tables_s": t2 - t1,
+            "traced_s": t3 - t2, "build_s": spent["build"], "trace_s": spent["trace"],
+            "bindings": sum(len(b) for b in traced.bindings.values()),
+            "table_bindings": sum(len(b) for b in table.bindings.values())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--case", action="append", choices=sorted(CASES),
+                    help="a case to run (repeatable; default: all)")
+    ap.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    args = ap.parse_args(argv)
+    t = time.perf_counter()
+    import vllm.config  # noqa: F401 - the import, apart from the cases
+    import_s = time.perf_counter() - t
+    rows = [_run(name) for name in (args.case or list(CASES))]
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"traced vLLM layouts (vLLM import {import_s:.1f} s, load "
+                        f"{os.getloadavg()[0]:.2f})", title_justify="left")
+    for col in ("case", "workers", "wire tensors", "tables", "traced", "build", "trace",
+                "bindings (traced / tables)"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["case"], str(r["workers"]), str(r["wire_tensors"]),
+                      f"{r['tables_s']:.2f} s", f"{r['traced_s']:.1f} s", f"{r['build_s']:.1f} s",
+                      f"{r['trace_s']:.1f} s", f"{r['bindings']} / {r['table_bindings']}")
+    Console(width=160).print(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"vllm_import_s": import_s,
+                                               "load_average": os.getloadavg()[0],
+                                               "cases": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
