@@ -311,6 +311,9 @@ class Feed:
     shape: tuple[int, ...]
     offset: tuple[int, ...]
     dims: tuple[int, ...]
+    #: per-expert feeds: the MoE block (``model.layers.3.mlp``) and the global expert id
+    block: str | None = None
+    expert: int | None = None
 
     @classmethod
     def whole(cls, meta: ParamMeta, name: str | None = None) -> "Feed":
@@ -347,7 +350,7 @@ def per_expert_feeds(meta: ParamMeta, patterns: dict[str, str]) -> list[Feed] | 
         E, rows, cols = meta.shape
         R = rows // len(parts)
         return [Feed(expert_name(patterns[part], prefix, e).removesuffix(".weight") + suffix,
-                     meta, (R, cols), (e, k * R, 0), (1, 2))
+                     meta, (R, cols), (e, k * R, 0), (1, 2), prefix, e)
                 for e in range(E) for k, part in enumerate(parts)]
     return None
 
@@ -440,11 +443,36 @@ def trace_worker(model: torch.nn.Module, feeds: Sequence[Feed],
 _last_copied: set[str] = set()
 
 
-def _feeds(wire: Sequence[ParamMeta], experts: dict[str, str], fused: bool) -> list[Feed]:
-    """The fake checkpoint tensors of ``wire``: stacked experts whole (``fused``) or per expert."""
+def _feeds(wire: Sequence[ParamMeta], experts: dict[str, str], fused: bool,
+           model: torch.nn.Module | None = None) -> list[Feed]:
+    """The fake checkpoint tensors of ``wire``: stacked experts whole (``fused``) or per expert.
+
+    Per expert, with ``model``: only the experts vLLM placed on this worker
+    (its own ``ExpertMapManager.is_local_expert`` of the block's MoE layer,
+    ``layers/fused_moe/expert_map_manager.py``, kept on the CPU for a meta
+    model). The loaders skip the others anyway; with 384 experts over 64
+    workers this hands each worker 6 of them instead of 384.
+    """
     if fused:
         return [Feed.whole(m) for m in wire]
-    return [f for m in wire for f in (per_expert_feeds(m, experts) or [Feed.whole(m)])]
+    local = _expert_maps(model) if model is not None else {}
+    out = []
+    for m in wire:
+        for f in per_expert_feeds(m, experts) or [Feed.whole(m)]:
+            manager = local.get(f.block) if f.block is not None else None
+            if manager is None or manager.is_local_expert(f.expert):
+                out.append(f)
+    return out
+
+
+def _expert_maps(model: torch.nn.Module) -> dict[str, Any]:
+    """MoE block name -> its vLLM ``ExpertMapManager`` (blocks named by the wire's prefix)."""
+    out = {}
+    for name, module in model.named_modules():
+        manager = getattr(module, "expert_map_manager", None)
+        if manager is not None and ".experts" in name and hasattr(manager, "is_local_expert"):
+            out.setdefault(name[: name.index(".experts")], manager)
+    return out
 
 
 def merge_copies(copies: Iterable[TracedCopy]) -> list[TracedCopy]:
@@ -649,7 +677,8 @@ def trace_destination(config: Any, wire: Sequence[ParamMeta],
                     fused = False
                     model, vllm_config = _build_meta_model(config_dir, spec, w)
             if copies is None:
-                copies, touched = trace_worker(model, _feeds(wire, experts, False), vllm_config)
+                copies, touched = trace_worker(model, _feeds(wire, experts, False, model),
+                                               vllm_config)
             copies = merge_copies(copies)
             by_param: dict[str, list[tuple]] = {p: [] for p in touched}
             for c in copies:
