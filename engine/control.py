@@ -392,7 +392,10 @@ def open_round(store, round_id, error: str | None = None) -> None:
 
 
 def _aborted(store, round_id) -> str | None:
-    """Rank 0's reason for aborting round ``round_id`` (:func:`open_round`); ``""``: opened; ``None``: no word yet."""
+    """Rank 0's reason for aborting round ``round_id`` (:func:`open_round`).
+
+    ``""`` when it opened the round, ``None`` when there is no word yet.
+    """
     key = _open_key(round_id)
     if not store.check([key]):
         return None
@@ -423,7 +426,8 @@ def wait_round_open(store, rank: int, round_id, deadline: Deadline) -> None:
                             f"by {deadline.describe()}") from None
     reason = json.loads(store.get(key))["error"]
     if reason:
-        raise RoundAbortedError(f"trainer rank {rank}: round {round_id} was not started: {reason}")
+        raise RoundAbortedError(f"trainer rank {rank}: round {round_id} was not started: "
+                                f"{reason}")
 
 
 def wait_verdict_seen(store, round_id, world_size: int, timeout_s: float) -> bool:

@@ -426,7 +426,7 @@ class InferenceServer:
         return load_file(self.save_storage(directory)[worker])
 
     def reallocate(self, name: str, shape: tuple[int, ...]) -> None:
-        """Every worker replaces its live parameter ``name`` with zeros of ``shape`` (fault injection).
+        """Fault injection: every worker replaces its live parameter ``name`` (zeros of ``shape``).
 
         Stands in for vLLM re-allocating a layer between rounds (a rebuilt
         model, a resized expert tensor): the next ``start_weight_update``

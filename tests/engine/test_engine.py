@@ -519,12 +519,14 @@ def test_a_worker_refusal_mid_session_reaches_every_trainer_rank_at_once():
             srv.url, 3, "fsdp:3", "vllm:tp=2", rounds=2, timeout_s=timeout_s,
             budget=3 * timeout_s, check=lambda k: srv.reallocate(name, (8, 48, 128)))
         assert not killed, msgs
-        assert all(any(k == "ok" and p["round"] == 1 for k, p in msgs[r]) for r in range(3)), msgs
+        assert all(any(k == "ok" and p["round"] == 1 for k, p in msgs[r])
+                   for r in range(3)), msgs
         refusal = (f"start_weight_update failed on workers [0, 1]: workers 0, 1: ValueError: "
                    f"target parameter '{name}' is (8, 48, 128) torch.bfloat16; the plan writes "
                    "(8, 32, 128) torch.bfloat16")
         errors = _errors(msgs)
-        print("raised after", {r: round(p["seconds"], 2) for r, ps in errors.items() for p in ps[:1]})
+        print("raised after",
+              {r: round(p["seconds"], 2) for r, ps in errors.items() for p in ps[:1]})
         for r in (2, 1, 0):
             assert errors[r], msgs[r]
             e = errors[r][0]

@@ -112,7 +112,8 @@ def test_a_round_rank_0_aborts_ends_on_every_trainer_rank_at_once_naming_its_rea
     assert sorted(out) == [0, 1, 2], out
     for r, (at, e) in out.items():
         assert e is not None, r
-        assert str(e).startswith(f"trainer rank {r}: round 3 failed: {reason}; nothing was sent"), e
+        assert str(e).startswith(
+            f"trainer rank {r}: round 3 failed: {reason}; nothing was sent"), e
         assert "sent no report" not in str(e) and "more rank(s)" not in str(e), e
         assert at - t0 < 0.3 + 1.0, (r, at - t0)     # at once, not at the 30 s deadline
 
@@ -132,3 +133,43 @@ def test_wait_round_open_returns_once_opened_and_is_bounded_without_word():
     else:
         raise AssertionError("no word from rank 0, yet wait_round_open returned")
     assert time.monotonic() - t0 < 3
+
+
+def test_a_trainer_rank_absent_from_an_aborted_round_is_named_after_the_reason():
+    from m2nkit.engine.control import RoundAbortedError, open_round, wait_round_open
+    from m2nkit.engine.deadline import Deadline
+
+    T, world = 3, 5
+    stores = _stores(world)
+    reason = "trainer rank 0: start_weight_update failed: the server is gone"
+    out: dict[int, BaseException | None] = {}
+
+    def rank(r: int) -> None:                 # trainer rank 2 never comes
+        deadline = Deadline(30)
+        error = f"TransferError: {reason}"
+        try:
+            if r == 0:
+                open_round(stores[0], 1, reason)
+            else:
+                wait_round_open(stores[r], r, 1, deadline)
+                error = None
+        except RoundAbortedError as e:
+            error = f"{type(e).__name__}: {e}"
+        try:
+            finish_round(stores[r], r, world, num_trainer_ranks=T, round_id=1, error=error,
+                         deadline=deadline)
+            out[r] = None
+        except BaseException as e:  # noqa: BLE001 - asserted below
+            out[r] = e
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert time.monotonic() - t0 < 5, "waited for the deadline"
+    for r in (0, 1):
+        msg = str(out[r])
+        assert msg.startswith(f"trainer rank {r}: round 1 failed: {reason}; nothing was sent"), msg
+        assert "; trainer rank 2 sent no report" in msg and "worker" not in msg, msg
