@@ -18,6 +18,12 @@ and lives apart from them, as vLLM keeps its plan agreement
 * **Agreement** (:func:`agree_on_plan`): every rank exchanges a fingerprint
   of its plan before any byte moves; a difference, or a rank that could not
   build a plan, ends the session on every rank (``PlanMismatchError``).
+* **Round start** (:func:`open_round`, :func:`wait_round_open`): trainer
+  rank 0 starts each round on the inference side (its client calls) and
+  then opens it in the store; the other trainer ranks wait for that word
+  before they post a send. When rank 0 cannot start the round (a worker
+  refused ``start_weight_update``) it aborts it there instead, with its
+  reason, and every trainer rank fails at once naming it.
 * **Verdicts** (:func:`finish_round`): every round ends with one verdict for
   every rank, exchanged through the session's store rather than the group,
   so a silent rank is named instead of blocking the others;
@@ -57,6 +63,9 @@ __all__ = [
     "error_gist",
     "rank_label",
     "agree_on_plan",
+    "RoundAbortedError",
+    "open_round",
+    "wait_round_open",
     "finish_round",
     "wait_verdict_seen",
 ]
@@ -68,6 +77,10 @@ class TransferError(RuntimeError):
 
 class PlanMismatchError(TransferError):
     """Ranks disagree on the manifest or plan; nothing was moved."""
+
+
+class RoundAbortedError(TransferError):
+    """Trainer rank 0 could not start the round (see :func:`open_round`); nothing was moved."""
 
 
 #: Store keys of the rendezvous, under the group's prefix (one fresh store per
@@ -358,6 +371,65 @@ def agree_on_plan(group, rank: int, world_size: int, plan: Plan | None, *,
 _REPORT_CHARS = 400
 
 
+def _open_key(round_id) -> str:
+    return f"verdict/{round_id}/open"
+
+
+def open_round(store, round_id, error: str | None = None) -> None:
+    """Trainer rank 0: round ``round_id`` has started on the inference side, or is aborted.
+
+    Rank 0 makes the round's client calls (``start_weight_update``,
+    ``update_weights``) alone; the other trainer ranks wait in
+    :func:`wait_round_open` before they post a single send. Rank 0 calls
+    this with ``error=None`` once ``start_weight_update`` returned (before
+    ``update_weights``: a worker's round always finds the word in), or with
+    ``error`` when it could not start the round: then it is aborted on every
+    rank, before any byte moved and with the workers never asked, and
+    ``error`` (``"trainer rank 0: start_weight_update failed: ..."``) is the
+    root cause every rank's :func:`finish_round` names first. Once per round.
+    """
+    store.set(_open_key(round_id), json.dumps({"error": error}))
+
+
+def _aborted(store, round_id) -> str | None:
+    """Rank 0's reason for aborting round ``round_id`` (:func:`open_round`).
+
+    ``""`` when it opened the round, ``None`` when there is no word yet.
+    """
+    key = _open_key(round_id)
+    if not store.check([key]):
+        return None
+    return json.loads(store.get(key))["error"] or ""
+
+
+def wait_round_open(store, rank: int, round_id, deadline: Deadline) -> None:
+    """Trainer ranks other than 0: wait, until ``deadline``, for rank 0's :func:`open_round`.
+
+    Returns once rank 0 opened the round. Event-driven (the store answers
+    when the key is set), so an open round costs one store round trip.
+
+    Raises:
+        RoundAbortedError: rank 0 aborted the round; the message quotes its
+            reason (the inference side's refusal).
+        TransferError: no word by ``deadline``.
+        RuntimeError: the store stopped answering (rank 0 is gone); the
+            verdict (:func:`finish_round`) says so.
+    """
+    key = _open_key(round_id)
+    try:
+        # c10d treats a zero timeout as "wait forever": never pass one.
+        store.wait([key], timedelta(seconds=max(deadline.left(), 0.01)))
+    except RuntimeError:
+        if deadline.left() > 0.05:              # (the store's clock counts whole ms)
+            raise                               # the store is gone, not late
+        raise TransferError(f"trainer rank {rank}: trainer rank 0 did not start round {round_id} "
+                            f"by {deadline.describe()}") from None
+    reason = json.loads(store.get(key))["error"]
+    if reason:
+        raise RoundAbortedError(f"trainer rank {rank}: round {round_id} was not started: "
+                                f"{reason}")
+
+
 def wait_verdict_seen(store, round_id, world_size: int, timeout_s: float) -> bool:
     """On the store's host, before the store goes: wait until all ``world_size``
     ranks have read round ``round_id``'s verdict (``finish_round`` counts them).
@@ -405,6 +477,12 @@ def finish_round(store, rank: int, world_size: int, *, num_trainer_ranks: int, r
     by ``deadline.at + grace_s`` on every rank that reaches it, and within
     ``grace_s`` of the first reported failure.
 
+    A round that trainer rank 0 aborted before it started (:func:`open_round`
+    with its reason: a worker refused ``start_weight_update``) involves the
+    trainer ranks alone (the workers were never asked): reports are
+    collected until every trainer rank's is in, and the message names rank
+    0's reason first.
+
     ``round_id`` must be new within the session (the trainer's round
     number); ``num_trainer_ranks`` names ranks in messages. ``on_reported``
     runs right after this rank's report is in the store, before waiting:
@@ -416,7 +494,9 @@ def finish_round(store, rank: int, world_size: int, *, num_trainer_ranks: int, r
             that sent no report (stalled, dead or cut off: the usual root
             cause when there are any), then the first failure reported (by
             report order) with its rank, then up to three more; its
-            ``cause`` attribute holds that part alone.
+            ``cause`` attribute holds that part alone. A round rank 0
+            aborted: its reason first, then any trainer rank that sent no
+            report, then failures other than the abort itself.
     """
     deadline = Deadline.of(deadline, timeout_s)
     me = rank_label(rank, num_trainer_ranks)
@@ -434,12 +514,19 @@ def finish_round(store, rank: int, world_size: int, *, num_trainer_ranks: int, r
             if on_reported is not None:
                 on_reported()
         first_failure_at = None
+        aborted = None                  # rank 0's reason, if it aborted the round (open_round)
+        expected = world_size
         pause = 0.005
         while True:
             reported = store.add(prefix + "reported", 0)
             failed = store.add(prefix + "failed", 0)     # read after: final once all reported
+            if failed and aborted is None:
+                # Rank 0 aborts (open_round) before it reports its own failure.
+                aborted = _aborted(store, round_id)
+                if aborted:
+                    expected = num_trainer_ranks         # the workers were never asked
             now = time.monotonic()
-            if reported >= world_size:
+            if reported >= expected:
                 break
             if failed and first_failure_at is None:
                 first_failure_at = now
@@ -460,8 +547,12 @@ def finish_round(store, rank: int, world_size: int, *, num_trainer_ranks: int, r
         store.add(prefix + "read", 1)
         if rank == 0:
             # The store lives in this process: give the ranks that reported
-            # the time (within the bound) to read the verdict before it goes.
-            while store.add(prefix + "read", 0) < len(reports) and time.monotonic() < host_until:
+            # (by now: a late one too) the time, within the bound, to read
+            # the verdict before it goes.
+            def unread() -> bool:
+                return store.add(prefix + "read", 0) < max(len(reports),
+                                                            store.add(prefix + "reported", 0))
+            while unread() and time.monotonic() < host_until:
                 time.sleep(0.02)
     except RuntimeError as e:                 # DistStoreError, DistNetworkError, ...
         raise TransferError(
@@ -481,9 +572,23 @@ def finish_round(store, rank: int, world_size: int, *, num_trainer_ranks: int, r
             msg = msg[:_REPORT_CHARS] + " ..."
         return f"{label}: {msg}"
 
-    silent = [r for r in range(world_size) if r not in reports]
+    silent = [r for r in range(expected) if r not in reports]
     failures = sorted((doc["seq"], r, doc["error"]) for r, doc in reports.items() if doc["error"])
     parts = []
+    if aborted:
+        # The root cause is rank 0's; every trainer rank's report repeats it.
+        parts.append(f"{aborted}; nothing was sent (trainer rank 0 stopped the round before "
+                     "it started)")
+        failures = [f for f in failures if aborted not in f[2]]
+        if silent:
+            who = ", ".join(rank_label(r, num_trainer_ranks) for r in silent)
+            parts.append(f"{who} sent no report {deadline.elapsed():.1f} s into this rank's "
+                         f"round (stalled, dead or cut off; timeout_s={deadline.seconds:g})")
+        if failures:
+            more = "; ".join(quote(r, msg) for _, r, msg in failures[:3])
+            parts.append(f"{len(failures)} more rank(s) failed: {more}"
+                         + (" ..." if len(failures) > 3 else ""))
+        silent, failures = [], []
     if silent:
         who = ", ".join(rank_label(r, num_trainer_ranks) for r in silent)
         parts.append(f"{who} sent no report {deadline.elapsed():.1f} s into this rank's round "

@@ -8,11 +8,16 @@ process group with the workers (trainer ranks ``[0, T)``, workers
 ``[T, T+N)``, vLLM ``m2n_common.py``) and, before any byte moves, every rank
 agrees on the manifest digest and the plan.
 
-A round (``send_weights``) on rank 0: ``start_weight_update()``, then
+A round (``send_weights``) on rank 0: ``start_weight_update()``, then it
+opens the round in the session's store (``control.open_round``), then
 ``update_weights(...)`` in a thread — the inference side's RPC returns only
 once the workers have received everything, so it must overlap the send —
 while every rank runs the transport; then ``finish_weight_update(version)``,
 which commits the new version on the workers only if the round arrived whole.
+The other ranks post no send before rank 0 opened the round
+(``control.wait_round_open``); when rank 0 could not start it (a worker
+refused ``start_weight_update``) it aborts the round there with its reason,
+and every rank raises at once naming it first.
 
 The engine knows no model family: the caller passes the destination layout
 as a ``DestinationBuilder`` (``m2nkit.adapters.vllm.vllm_destination``).
@@ -45,7 +50,9 @@ from .control import (
     agree_on_plan,
     create_group,
     finish_round,
+    open_round,
     release_group,
+    wait_round_open,
     wait_verdict_seen,
 )
 from .deadline import REPORT_GRACE_S, Deadline
@@ -290,8 +297,9 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
             ValueError: called after ``shutdown()``.
             RuntimeError: another ``send_weights`` is running on this engine.
             TransferError: a peer died or stalled, the source broke the
-                manifest order or came after the deadline, or the inference
-                side refused to commit (rank 0). The message names the root
+                manifest order or came after the deadline, the inference
+                side refused to start the round (every rank, at once: rank 0
+                aborts it before any send) or to commit (rank 0). The message names the root
                 cause first (the ranks that sent no report, else the first
                 failure reported, with its rank). The workers' version is
                 then unchanged, this engine has released its group and
@@ -330,16 +338,16 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
         rpc = None
         sent, error = 0, None
         try:
-            self._check_superseded()
             if self.is_sender:
-                try:
-                    _join(*_call_in_thread(self.client.start_weight_update), deadline.at,
-                          "start_weight_update")
-                except TransferError as e:
-                    raise TransferError(f"trainer rank 0: {e}") from e
+                self._start_round(deadline)
                 rpc = _call_in_thread(self.client.update_weights,
                                       {"round": self._round, "version": version,
                                        "session": self.payload.session})
+            else:
+                self._check_superseded()
+                # Nothing is sent before rank 0 started the round on the
+                # workers: if it could not, this ends here, naming its reason.
+                wait_round_open(self._store, rank, self._round, deadline)
             sent = self._transport.send_round(self.plan, rank, self.source.iter_local(),
                                               deadline=deadline).nbytes
         except Exception as e:  # noqa: BLE001 - reported to every rank below
@@ -377,6 +385,35 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
                                     "workers committed is unknown: check their weight_version")
             _join(*commit, hard, "finish_weight_update")
         return RoundStats(self._round, version, sent, deadline.elapsed())
+
+    def _start_round(self, deadline: Deadline) -> None:
+        """Rank 0: start the round on the workers, then open it for the other trainer ranks.
+
+        When it cannot (the session was superseded, or ``start_weight_update``
+        failed: a worker refused, the server is gone), the round is aborted
+        in the store with that reason (``control.open_round``), so every
+        trainer rank fails at once naming it instead of sending into
+        workers that were never asked to receive.
+
+        Raises:
+            TransferError: the reason, after the abort is in the store.
+        """
+        try:
+            self._check_superseded()
+            try:
+                _join(*_call_in_thread(self.client.start_weight_update),
+                      deadline.at, "start_weight_update")
+            except TransferError as e:
+                raise TransferError(f"trainer rank 0: {e}") from e
+        except Exception as e:
+            reason = str(e) if str(e).startswith("trainer rank 0: ") \
+                else f"trainer rank 0: {type(e).__name__}: {e}"
+            try:
+                open_round(self._store, self._round, reason)
+            except RuntimeError:
+                pass                        # the store lives here; the verdict says the rest
+            raise
+        open_round(self._store, self._round)
 
     def _check_superseded(self) -> None:
         """Raise if a worker left word that a newer init replaced this session.

@@ -128,6 +128,18 @@ def _worker_main(conn, destination: Any, worker: int) -> None:
         save_file({n: p.detach().contiguous() for n, p in receiver.model.named_parameters()}, path)
         return path
 
+    def reallocate(arg) -> None:
+        # What vLLM does when it rebuilds a layer: the parameter gets new storage,
+        # here of another shape, so the session's plan no longer fits it.
+        import torch
+
+        name, shape = arg
+        params = dict(receiver.model.named_parameters(remove_duplicate=False))
+        if name not in params:
+            raise ValueError(f"worker {worker}: no parameter '{name}' to re-allocate")
+        p = params[name]
+        p.data = torch.zeros(tuple(shape), dtype=p.dtype, device=p.device)
+
     commands = {
         "init_weight_transfer_engine":
             lambda a: receiver.init_transfer_engine(receiver.parse_init_info(a)),
@@ -137,6 +149,7 @@ def _worker_main(conn, destination: Any, worker: int) -> None:
         "shutdown_weight_transfer_engine": lambda a: receiver.shutdown(),
         "weight_version": lambda a: receiver.weight_version,
         "save_storage": save,
+        "reallocate": reallocate,
     }
     while True:
         try:
@@ -411,6 +424,15 @@ class InferenceServer:
         from safetensors.torch import load_file
 
         return load_file(self.save_storage(directory)[worker])
+
+    def reallocate(self, name: str, shape: tuple[int, ...]) -> None:
+        """Fault injection: every worker replaces its live parameter ``name`` (zeros of ``shape``).
+
+        Stands in for vLLM re-allocating a layer between rounds (a rebuilt
+        model, a resized expert tensor): the next ``start_weight_update``
+        of the session refuses, since the target no longer fits its plan.
+        """
+        self.call("reallocate", (name, list(shape)))
 
 
 # --------------------------------------------------------------------------

@@ -154,7 +154,8 @@ def _trainer(rank, T, model_dir, trainer, inference, url, port, fault, results, 
                     results.put(("retry", rank, {"message": f"{type(again).__name__}: {again}",
                                                  "seconds": time.monotonic() - t1}))
                 results.put(("error", rank, {"message": f"{type(e).__name__}: {e}",
-                                             "seconds": seconds, "round": k}))
+                                             "seconds": seconds, "round": k,
+                                             "at": t1}))
                 return
             results.put(("ok", rank, {"round": k, "bytes": stats.bytes_sent,
                                       "seconds": time.monotonic() - t0}))
@@ -501,3 +502,49 @@ def test_a_trainer_source_failure_is_named_on_every_rank(server, fault):
     for w in (0, 1):
         assert f"worker {w}" in said[1] and root in said[1], said[1]
     assert server.weight_versions() == [None, None]
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_refusal_mid_session_reaches_every_trainer_rank_at_once():
+    # Issue 21, item 3. Between rounds 1 and 2 every worker's live w13_weight is
+    # re-allocated with another shape, so round 2's start_weight_update (an RPC
+    # only trainer rank 0 makes) is refused on every worker. Every trainer rank
+    # must raise naming that refusal first, within moments of rank 0's failure,
+    # not after its own timeout_s with "the session store stopped answering".
+    timeout_s = 30.0
+    name = "model.layers.1.mlp.experts.routed_experts.w13_weight"
+    srv = start_server(EXAMPLE, "vllm:tp=2")
+    try:
+        msgs, _, _, killed = _run_trainers(
+            srv.url, 3, "fsdp:3", "vllm:tp=2", rounds=2, timeout_s=timeout_s,
+            budget=3 * timeout_s, check=lambda k: srv.reallocate(name, (8, 48, 128)))
+        assert not killed, msgs
+        assert all(any(k == "ok" and p["round"] == 1 for k, p in msgs[r])
+                   for r in range(3)), msgs
+        refusal = (f"start_weight_update failed on workers [0, 1]: workers 0, 1: ValueError: "
+                   f"target parameter '{name}' is (8, 48, 128) torch.bfloat16; the plan writes "
+                   "(8, 32, 128) torch.bfloat16")
+        errors = _errors(msgs)
+        print("raised after",
+              {r: round(p["seconds"], 2) for r, ps in errors.items() for p in ps[:1]})
+        for r in (2, 1, 0):
+            assert errors[r], msgs[r]
+            e = errors[r][0]
+            assert e["round"] == 2 and e["message"].startswith("TransferError"), e
+            # The root cause comes first: rank 0's failed RPC, with the workers' own words.
+            cause = e["message"].split(f"trainer rank {r}: round 2 failed: ", 1)
+            assert len(cause) == 2 and cause[1].startswith(
+                "trainer rank 0: start_weight_update failed"), e
+            assert refusal in e["message"], e
+            assert "stopped answering" not in e["message"], e
+            assert "sent no report" not in e["message"], e
+            # Found at once, not at the deadline.
+            assert e["seconds"] < timeout_s / 3 + REPORT_GRACE_S, e
+            retry = [p for k, p in msgs[r] if k == "retry"]
+            assert retry and "broke in an earlier round" in retry[0]["message"], msgs[r]
+        first = min(errors[r][0]["at"] for r in range(3))
+        assert all(errors[r][0]["at"] - first <= REPORT_GRACE_S for r in range(3)), errors
+        # Nothing was sent in round 2: the workers keep round 1's version.
+        assert srv.weight_versions() == ["v1", "v1"]
+    finally:
+        srv.stop()

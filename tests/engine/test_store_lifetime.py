@@ -68,3 +68,108 @@ def test_waiting_for_a_rank_that_never_reads_is_bounded():
     t0 = time.monotonic()
     assert wait_verdict_seen(stores[0], 7, 2, timeout_s=0.3) is False
     assert time.monotonic() - t0 < 5
+
+
+def test_a_round_rank_0_aborts_ends_on_every_trainer_rank_at_once_naming_its_reason():
+    # Trainer rank 0 could not start round 3 (a worker refused start_weight_update):
+    # it aborts the round in the store; trainer ranks 1 and 2, waiting for word
+    # before any send, fail at once naming rank 0's reason first, and the workers
+    # (never asked to receive) are not reported as silent.
+    from m2nkit.engine.control import RoundAbortedError, open_round, wait_round_open
+    from m2nkit.engine.deadline import Deadline
+
+    T, world = 3, 5
+    stores = _stores(world)
+    reason = ("trainer rank 0: start_weight_update failed: start_weight_update failed on "
+              "workers [0, 1]: ValueError: target parameter 'w' is (4, 96, 128)")
+    out: dict[int, tuple[float, BaseException | None]] = {}
+
+    def rank(r: int) -> None:
+        deadline = Deadline(30)
+        error = None
+        try:
+            if r == 0:
+                time.sleep(0.3)                       # rank 0's RPC fails after a while
+                open_round(stores[0], 3, reason)
+                error = f"TransferError: {reason}"
+            else:
+                wait_round_open(stores[r], r, 3, deadline)
+        except RoundAbortedError as e:
+            error = f"{type(e).__name__}: {e}"
+        try:
+            finish_round(stores[r], r, world, num_trainer_ranks=T, round_id=3, error=error,
+                         deadline=deadline)
+            out[r] = (time.monotonic(), None)
+        except BaseException as e:  # noqa: BLE001 - asserted below
+            out[r] = (time.monotonic(), e)
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(T)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert sorted(out) == [0, 1, 2], out
+    for r, (at, e) in out.items():
+        assert e is not None, r
+        assert str(e).startswith(
+            f"trainer rank {r}: round 3 failed: {reason}; nothing was sent"), e
+        assert "sent no report" not in str(e) and "more rank(s)" not in str(e), e
+        assert at - t0 < 0.3 + 1.0, (r, at - t0)     # at once, not at the 30 s deadline
+
+
+def test_wait_round_open_returns_once_opened_and_is_bounded_without_word():
+    from m2nkit.engine.control import TransferError, open_round, wait_round_open
+    from m2nkit.engine.deadline import Deadline
+
+    stores = _stores(2)
+    open_round(stores[0], 1)
+    wait_round_open(stores[1], 1, 1, Deadline(5))    # opened: returns
+    t0 = time.monotonic()
+    try:
+        wait_round_open(stores[1], 1, 2, Deadline(0.3))
+    except TransferError as e:
+        assert "trainer rank 0 did not start round 2 by the deadline (0.3 s" in str(e), e
+    else:
+        raise AssertionError("no word from rank 0, yet wait_round_open returned")
+    assert time.monotonic() - t0 < 3
+
+
+def test_a_trainer_rank_absent_from_an_aborted_round_is_named_after_the_reason():
+    from m2nkit.engine.control import RoundAbortedError, open_round, wait_round_open
+    from m2nkit.engine.deadline import Deadline
+
+    T, world = 3, 5
+    stores = _stores(world)
+    reason = "trainer rank 0: start_weight_update failed: the server is gone"
+    out: dict[int, BaseException | None] = {}
+
+    def rank(r: int) -> None:                 # trainer rank 2 never comes
+        deadline = Deadline(30)
+        error = f"TransferError: {reason}"
+        try:
+            if r == 0:
+                open_round(stores[0], 1, reason)
+            else:
+                wait_round_open(stores[r], r, 1, deadline)
+                error = None
+        except RoundAbortedError as e:
+            error = f"{type(e).__name__}: {e}"
+        try:
+            finish_round(stores[r], r, world, num_trainer_ranks=T, round_id=1, error=error,
+                         deadline=deadline)
+            out[r] = None
+        except BaseException as e:  # noqa: BLE001 - asserted below
+            out[r] = e
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert time.monotonic() - t0 < 5, "waited for the deadline"
+    for r in (0, 1):
+        msg = str(out[r])
+        assert msg.startswith(f"trainer rank {r}: round 1 failed: {reason}; nothing was sent"), msg
+        assert "; trainer rank 2 sent no report" in msg and "worker" not in msg, msg
