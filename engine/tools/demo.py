@@ -207,11 +207,12 @@ def _fsdp2_trainer_main(rank, num_ranks, model_dir, trainer, inference, url, por
         # transformers' CausalLM returns logits[:, slice] (a view); FSDP2 warns about
         # in-place ops on it on every step, and the demo does none.
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view")
-        # With tp, DTensor's redistribute logs (once per mesh, at WARNING) that the
-        # (dp_shard, tp) mesh is not flattened, so a reduce-scatter over both axes runs
-        # as two collectives ("... sequential ... operations will be performed"). That is
-        # a speed note about how this demo builds its 2-D mesh, not about the transfer;
-        # this trainer process owns its loggers, so it is silenced here and nowhere else.
+        # With tp, the demo gathers each trained parameter whole for its check
+        # (full_tensor of a (_StridedShard, Shard) DTensor over (dp_shard, tp)); DTensor
+        # logs, once per mesh and rank at WARNING, that this takes "2 sequential
+        # all_gather operations" (non-ascending mesh dims cannot merge). A speed note on
+        # the check's gather, not on the transfer, and four copies of it on the user's
+        # screen; this trainer process owns its loggers, so it is silenced here only.
         logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
         tspec = parse_trainer_spec(trainer)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{dist_port}", rank=rank,
