@@ -208,7 +208,8 @@ def _fsdp2_trainer_main(rank, num_ranks, model_dir, trainer, inference, url, por
         # in-place ops on it on every step, and the demo does none.
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view")
         # With tp, the demo gathers each trained parameter whole for its check
-        # (full_tensor of a (_StridedShard, Shard) DTensor over (dp_shard, tp)); DTensor
+        # (get_model_state_dict(full_state_dict=True) of (_StridedShard, Shard) DTensors
+        # over (dp_shard, tp): _save_trained); DTensor
         # logs, once per mesh and rank at WARNING, that this takes "2 sequential
         # all_gather operations" (non-ascending mesh dims cannot merge). A speed note on
         # the check's gather, not on the transfer, and four copies of it on the user's
