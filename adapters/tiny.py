@@ -147,12 +147,41 @@ def save_tiny_checkpoint(config_or_name, out_dir, *, seed: int = 0,
         for name, p in model.named_parameters():
             if p.dim() == 1 or name.endswith("bias"):
                 p.copy_(torch.randn_like(p))
+        _randomise_saved_buffers(model)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(out, **kwargs)
     _quantize_saved(out, config)
     return out
+
+
+def _randomise_saved_buffers(model) -> None:
+    """Give every persistent buffer (what ``save_pretrained`` writes besides the
+    parameters: DeepSeek-V3's router ``e_score_correction_bias``) random values, in
+    float32 where the model class keeps it float32.
+
+    transformers initialises that bias to zeros and, built by ``from_config`` in
+    bf16, stores it in bf16; the published checkpoints hold it non-zero in float32,
+    which is what ``from_pretrained`` keeps (``_keep_in_fp32_modules_strict`` of
+    ``DeepseekV3PreTrainedModel``) and what vLLM allocates (``GateLinear``). Zeros
+    would let a bias sent to the wrong place or through a lossy cast pass a byte
+    comparison. Parameters are untouched, and drawn before the buffers, so the other
+    tensors of a seed stay what they were.
+    """
+    import re
+
+    strict = tuple(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    for module_name, module in model.named_modules():
+        for name, buf in list(module._buffers.items()):
+            if buf is None or name in module._non_persistent_buffers_set:
+                continue
+            full = f"{module_name}.{name}" if module_name else name
+            fp32 = any(re.search(rf"(^|\.){re.escape(k)}($|\.)", full) for k in strict)
+            dtype = torch.float32 if fp32 else buf.dtype
+            if not dtype.is_floating_point:
+                continue
+            module._buffers[name] = torch.randn(buf.shape, dtype=torch.float32).to(dtype)
 
 
 def _quantize_saved(out: Path, config) -> None:

@@ -525,7 +525,7 @@ class _Server:
             return "(no log)"
 
     def wait_ready(self, timeout_s: float) -> float:
-        import requests
+        import http.client
 
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout_s:
@@ -533,9 +533,9 @@ class _Server:
                 raise ServeFailed(f"vllm serve exited with code {self.proc.returncode} before it "
                                   f"was ready; its log ends:\n{self.log_tail()}")
             try:
-                if requests.get(f"{self.base}/health", timeout=5).status_code == 200:
+                if _http("GET", f"{self.base}/health", timeout=5)[0] == 200:
                     return time.monotonic() - t0
-            except requests.RequestException:
+            except (OSError, http.client.HTTPException):   # refused, reset, timed out: not up yet
                 pass
             time.sleep(1.0)
         raise ServeFailed(f"vllm serve was not ready within {timeout_s:.0f} s; its log ends:\n"
@@ -559,14 +559,39 @@ class _Server:
         self._log.close()
 
 
+def _http(method: str, url: str, body: dict | None = None, timeout: float = 60.0,
+          params: dict | None = None) -> tuple[int, str]:
+    """``(status, body text)`` of one HTTP request, JSON body if any.
+
+    The standard library only (as ``m2nkit.engine.clients.HTTPClient``): the
+    fast tests run this file's server helpers in an environment with
+    m2nkit's own dependencies, where ``requests`` (a vLLM dependency) may be
+    missing. An HTTP error status is returned, not raised; a connection
+    that fails raises ``OSError`` (``urllib.error.URLError`` is one).
+    """
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    if params:
+        url = f"{url}?{urllib.parse.urlencode(params)}"
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={} if data is None else {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read().decode(errors="replace")
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, e.read().decode(errors="replace")
+
+
 def _post(base: str, path: str, body: dict | None = None, timeout: float = 60.0,
           params: dict | None = None) -> dict:
-    import requests
-
-    r = requests.post(f"{base}/{path}", json=body, params=params, timeout=timeout)
-    if r.status_code != 200:
-        raise ServeFailed(f"POST /{path}: HTTP {r.status_code}: {r.text[:500]}")
-    return r.json() if r.content else {}
+    status, text = _http("POST", f"{base}/{path}", body, timeout, params)
+    if status != 200:
+        raise ServeFailed(f"POST /{path}: HTTP {status}: {text[:500]}")
+    return json.loads(text) if text else {}
 
 
 def _generate(base: str, timeout: float) -> dict:
@@ -711,12 +736,10 @@ def serve_loop(base: str, v1: Path, trainer: str, inference: str, timeout_s: flo
 
 
 def _get_json(url: str, timeout: float) -> dict:
-    import requests
-
-    r = requests.get(url, timeout=timeout)
-    if r.status_code != 200:
-        raise ServeFailed(f"GET {url}: HTTP {r.status_code}: {r.text[:300]}")
-    return r.json()
+    status, text = _http("GET", url, timeout=timeout)
+    if status != 200:
+        raise ServeFailed(f"GET {url}: HTTP {status}: {text[:300]}")
+    return json.loads(text)
 
 
 def prepare_serve(workdir: Path, args, log=print) -> dict:

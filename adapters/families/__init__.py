@@ -35,6 +35,7 @@ m2nkit.adapters.families`` does not import torch or transformers.
 
 from .registry import (
     ARCHITECTURES,
+    TINY_MODEL_ARCHITECTURES,
     UnsupportedArchitecture,
     architecture_of,
     check_architecture,
@@ -46,6 +47,7 @@ from .registry import (
 
 __all__ = [
     "ARCHITECTURES",
+    "TINY_MODEL_ARCHITECTURES",
     "UnsupportedArchitecture",
     "architecture_of",
     "check_architecture",

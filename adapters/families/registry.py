@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # the import would pull in torch
 
 __all__ = [
     "ARCHITECTURES",
+    "TINY_MODEL_ARCHITECTURES",
     "UnsupportedArchitecture",
     "supported_architectures",
     "unsupported_architecture",
@@ -41,6 +42,26 @@ ARCHITECTURES: dict[str, str] = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+}
+
+
+#: Built-in tiny models (``m2nkit.adapters.tiny.BUILTIN_TINY_MODELS``, from each family's
+#: ``TINY_MODELS``) -> their architecture, as plain strings: the command line refuses a
+#: misspelt name, or a tiny model a receiver cannot run, before torch is imported.
+#: tests/adapters/test_families.py checks it against the families.
+TINY_MODEL_ARCHITECTURES: dict[str, str] = {
+    "tiny-llama": "LlamaForCausalLM",
+    "tiny-qwen2": "Qwen2ForCausalLM",
+    "tiny-qwen3": "Qwen3ForCausalLM",
+    "tiny-qwen3-tied": "Qwen3ForCausalLM",
+    "tiny-qwen3-moe": "Qwen3MoeForCausalLM",
+    "tiny-mixtral": "MixtralForCausalLM",
+    "tiny-gpt-oss": "GptOssForCausalLM",
+    "tiny-gemma2": "Gemma2ForCausalLM",
+    "tiny-gemma3": "Gemma3ForCausalLM",
+    "tiny-deepseek-v3": "DeepseekV3ForCausalLM",
+    "tiny-deepseek-v3-fp8": "DeepseekV3ForCausalLM",
+    "tiny-deepseek-v3-no-q-lora": "DeepseekV3ForCausalLM",
 }
 
 

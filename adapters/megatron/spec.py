@@ -28,7 +28,8 @@ from typing import Any
 from .layout import (MegatronLayoutError, MegatronParallel, WireRule, match_wire, wire_pieces,
                      wire_stage)
 
-__all__ = ["MEGATRON_SPEC_FORM", "MegatronSpec", "parse_megatron_body", "megatron_wire_rules"]
+__all__ = ["MEGATRON_SPEC_FORM", "MegatronSpec", "parse_megatron_body", "megatron_wire_rules",
+           "megatron_size_problem"]
 
 MEGATRON_SPEC_FORM = "megatron:tp=T,pp=P[,vpp=V][,ep=E][,etp=X][,dp=D][,first=N][,last=N]"
 _KEYS = ("tp", "pp", "vpp", "ep", "etp", "dp", "first", "last")
@@ -97,6 +98,91 @@ def parse_megatron_body(spec: str, body: str, bad) -> MegatronSpec:
     return MegatronSpec(par, sizes.get("first"), sizes.get("last"))
 
 
+def _cfg(config: Any, key: str) -> Any:
+    return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+
+
+def megatron_size_problem(par: MegatronParallel, config: Any, *, loader: str = "plan") -> str | None:
+    """What megatron-core 0.19.2 would refuse about this model at these sizes, or ``None``.
+
+    Reads the Hugging Face config (a dict, e.g. ``config.json`` read with
+    ``json``, or a transformers config) without torch, so ``m2nkit plan`` and
+    ``m2nkit demo`` refuse in milliseconds what the trainers would otherwise
+    refuse minutes later. Every rule megatron-core applies to these sizes
+    when it builds a ``GPTModel``:
+
+    * heads: ``num_attention_heads % tp == 0``
+      (``transformer/transformer_config.py``, ``TransformerConfig.__post_init__``);
+    * query groups (``num_key_value_heads``): a multiple or a divisor of ``tp``
+      (same place);
+    * dense FFN (``intermediate_size``, where the model has dense layers):
+      ``% tp == 0`` (``tensor_parallel/layers.py``: ``ColumnParallelLinear`` and
+      ``RowParallelLinear`` ``divide`` their split size by the TP size;
+      ``transformer/mlp.py`` builds ``linear_fc1``/``linear_fc2`` from them);
+    * experts: ``num_experts % ep == 0`` (``transformer/moe/moe_layer.py``,
+      ``MoELayer.__init__``); expert FFN (``moe_intermediate_size``, Mixtral's and
+      GPT-OSS's ``intermediate_size``) ``% etp == 0`` (``transformer/moe/experts.py``:
+      the experts' ``linear_fc1``/``fc2`` are the same parallel linears over the
+      expert-TP group);
+    * vocabulary, for a model Megatron-Bridge builds (``loader="bridge"``):
+      ``vocab_size % tp == 0`` (Bridge's ``GPTModelProvider.should_pad_vocab`` is
+      False, and ``VocabUtility.vocab_range_from_global_vocab_size`` in
+      ``tensor_parallel/utils.py`` ``divide``s it; ``m2nkit plan`` plans
+      Megatron-LM's padded vocabulary, ``make_vocab_size_divisible_by * tp``);
+    * layers: even stages need ``num_hidden_layers % pp == 0`` and the layers of
+      a stage ``% vpp == 0`` (``transformer/transformer_block.py``,
+      ``get_num_layers_to_build``); uneven ones are
+      :meth:`MegatronSpec.layers_for`'s (``m2nkit plan`` picks first=/last= when
+      the split is uneven, which the demo, ``loader="bridge"``, does not).
+
+    ``loader``: ``"plan"`` (the dry run) or ``"bridge"`` (the demo's trainers,
+    built by Megatron-Bridge's provider with even stages).
+    """
+    def num(*keys: str) -> int:
+        for key in keys:
+            value = _cfg(config, key)
+            if value is not None:
+                return int(value)
+        return 0
+
+    tp, ep, etp = par.tp, par.ep, par.etp
+    nh = num("num_attention_heads")
+    ng = num("num_key_value_heads") or nh
+    if nh and nh % tp:
+        return (f"num_attention_heads ({nh}) must be a multiple of tp ({tp}) (megatron-core "
+                "TransformerConfig)")
+    if ng and ng % tp and tp % ng:
+        return (f"num_key_value_heads ({ng}, megatron-core's num_query_groups) must be a "
+                f"multiple or a divisor of tp ({tp}) (megatron-core TransformerConfig)")
+    experts = num("num_experts", "num_local_experts", "n_routed_experts")
+    dense = (not experts or bool(_cfg(config, "mlp_only_layers"))
+             or num("decoder_sparse_step") > 1 or num("first_k_dense_replace") > 0)
+    ffn = num("intermediate_size")
+    if dense and ffn and ffn % tp:
+        return (f"intermediate_size ({ffn}, megatron-core's ffn_hidden_size) must be divisible "
+                f"by tp ({tp}) (megatron-core ColumnParallelLinear/RowParallelLinear)")
+    if experts:
+        if experts % ep:
+            return (f"the number of experts ({experts}) must be divisible by ep ({ep}) "
+                    "(megatron-core MoELayer)")
+        moe_ffn = num("moe_intermediate_size", "intermediate_size")
+        if moe_ffn % etp:
+            key = "moe_intermediate_size" if _cfg(config, "moe_intermediate_size") else \
+                "intermediate_size"
+            return (f"{key} ({moe_ffn}, megatron-core's moe_ffn_hidden_size) must be divisible "
+                    f"by etp ({etp}) (megatron-core's expert linear layers)")
+    vocab = num("vocab_size")
+    if loader == "bridge" and vocab and vocab % tp:
+        return (f"vocab_size ({vocab}) must be divisible by tp ({tp}): Megatron-Bridge builds "
+                "the vocabulary unpadded (megatron-core VocabUtility)")
+    layers = num("num_hidden_layers")
+    if loader == "bridge" and layers and layers % (par.pp * par.vpp):
+        return (f"the demo builds even pipeline stages, and {layers} layers do not split "
+                f"over pp*vpp={par.pp * par.vpp} (megatron-core get_num_layers_to_build); pick "
+                f"sizes that divide {layers} (m2nkit plan takes first=/last= for uneven stages)")
+    return None
+
+
 @dataclass(frozen=True)
 class _WireKey:
     """What ``TrainerSpec.tp_dims`` answers for one wire name under a megatron spec."""
@@ -148,6 +234,9 @@ def megatron_wire_rules(mspec: MegatronSpec, config: Any, label: str):
         raise ValueError(f"trainer spec '{label}': {fam.architecture} has no Megatron-Core names "
                          f"(no table in {table_name(fam)}); families with them: "
                          f"{', '.join(having)}")
+    why = megatron_size_problem(mspec.par, config)
+    if why:
+        raise ValueError(f"trainer spec '{label}': {why}")
     s = fam.sizes(config)
     try:
         par = mspec.layers_for(s.layers)

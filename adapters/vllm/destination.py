@@ -36,7 +36,8 @@ from .dtype import model_dtype
 from .expert_placement import expert_placement
 from .spec import InferenceSpec, parse_inference_spec
 
-__all__ = ["destination_layout", "expand", "Expanded", "check_parallel", "check_unquantized"]
+__all__ = ["destination_layout", "expand", "Expanded", "check_parallel", "check_unquantized",
+           "dense_ep_note"]
 
 _ROTARY = re.compile(r"(^|\.)rotary_emb\.(inv_freq|cos_cached|sin_cached)$")
 _PER_EXPERT = re.compile(r"^(.*\.experts)\.\d+\.")
@@ -139,6 +140,17 @@ def _unknown_reason(name: str, family: Family, s: Sizes, version: str) -> str:
         return f"layer {m.group(1)} does not exist (num_hidden_layers={s.layers})"
     return (f"no vLLM {version} parameter of {family.architecture} takes this tensor "
             f"(not in the family table, {family.module})")
+
+
+def dense_ep_note(family, sizes, spec) -> str | None:
+    """The note for ``ep`` on a model without experts (``None`` otherwise): vLLM's
+    ``enable_expert_parallel`` changes only the MoE layers, so a dense model is laid out
+    as without it."""
+    if not spec.ep or sizes.E:
+        return None
+    rest = f"tp={spec.tp}" + (f", dp={spec.dp}" if spec.dp > 1 else "")
+    return (f"ep has no effect here: {family.architecture} has no experts (a dense model), "
+            f"so every worker holds what {rest} alone gives it")
 
 
 def destination_layout(
@@ -259,7 +271,8 @@ def destination_layout(
                 got = local[key] = shape, p.kind.zero_boxes(shape, geo[w])
             params.append(DestinationParam(w, name, p.dtype or param_dtype, *got))
     family_notes = family.notes(config) if family.notes is not None else ()
-    notes = tuple(n for n in (decided.note, placement.note, *family_notes) if n)
+    notes = tuple(n for n in (decided.note, placement.note, dense_ep_note(family, s, spec),
+                              *family_notes) if n)
     return DestinationLayout(
         spec=str(spec), num_workers=W, params=tuple(params), bindings=bindings,
         skipped=skipped, aliases=dict(ex.aliases), unknown=unknown, notes=notes,

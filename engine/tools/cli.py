@@ -47,6 +47,7 @@ __all__ = ["main"]
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: the reader of stdout went away (`m2nkit plan ... | head`)
 
 
 class UserError(Exception):
@@ -65,11 +66,34 @@ def _version() -> str:
 # --------------------------------------------------------------------------
 # checks before the heavy imports
 
-def _check_architecture(path: str | os.PathLike, what: str) -> None:
+def _read_config(path: str | os.PathLike) -> dict | None:
+    """``config.json`` of a checkpoint directory, or the ``.json`` file itself, read with
+    ``json`` only; ``None`` when there is none or it is not a JSON object (the checkpoint
+    reader then says what is wrong)."""
+    p = Path(path)
+    config = p / "config.json" if p.is_dir() else p
+    if config.suffix != ".json" or not config.is_file():
+        return None
+    try:
+        doc = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _config_path(path: str | os.PathLike) -> Path:
+    p = Path(path)
+    return p / "config.json" if p.is_dir() else p
+
+
+def _check_architecture(path: str | os.PathLike, what: str) -> str | None:
     """Refuse a checkpoint whose ``config.json`` names an unsupported architecture.
 
     Reads the file with ``json`` only. Anything else wrong with it (missing,
     not JSON) is left to the checkpoint reader, which says what is wrong.
+
+    Returns:
+        The architecture, or ``None`` when there is no readable ``config.json``.
 
     Raises:
         UserError: ``architectures[0]`` has no model family (the message lists
@@ -77,24 +101,39 @@ def _check_architecture(path: str | os.PathLike, what: str) -> None:
     """
     from m2nkit.adapters.families import architecture_of
 
-    p = Path(path)
-    config = p / "config.json" if p.is_dir() else p
-    if config.suffix != ".json" or not config.is_file():
-        return
+    doc = _read_config(path)
+    if doc is None:
+        return None
     try:
-        doc = json.loads(config.read_text())
-    except (OSError, ValueError):
-        return
-    if not isinstance(doc, dict):
-        return
-    try:
-        architecture_of(doc)
+        return architecture_of(doc)
     except ValueError as e:
-        raise UserError(f"{what} {config}: {e}") from None
+        raise UserError(f"{what} {_config_path(path)}: {e}") from None
+
+
+#: What real vLLM 0.33.0 cannot build on CPU, where ``--receiver vllm`` runs its model
+#: objects: architecture -> why (vLLM's own words), for a refusal before any process starts.
+VLLM_CPU_CANNOT_BUILD = {
+    "GptOssForCausalLM": (
+        "vLLM 0.33 cannot build GPT-OSS on CPU (its MoE layer: \"No Unquantized MoE backend "
+        "supports the deployment configuration\"), and the demo's vLLM workers run on CPU; "
+        "--receiver stand-in runs it (m2nkit's vLLM-layout storage)"),
+}
+
+
+def _check_megatron_sizes(args, spec, config: dict | None, loader: str) -> None:
+    """Refuse sizes megatron-core would refuse inside the trainers (one line, no torch)."""
+    if config is None:
+        return
+    from m2nkit.adapters.megatron.spec import megatron_size_problem
+
+    why = megatron_size_problem(spec.par, config, loader=loader)
+    if why:
+        raise UserError(f"trainer spec '{args.trainer}': {why}")
 
 
 def _precheck(args) -> None:
-    """Everything a user can get wrong that needs no torch: specs, architecture, flags.
+    """Everything a user can get wrong that needs no torch: specs, architecture, flags,
+    a missing checkpoint or tiny model, sizes megatron-core refuses.
 
     Raises:
         UserError, ValueError: printed as one line, exit 2.
@@ -103,6 +142,11 @@ def _precheck(args) -> None:
         value = getattr(args, flag, 1.0)
         if not (value > 0 and math.isfinite(value)):  # also refuses NaN and inf
             raise UserError(f"--{flag.replace('_', '-')} must be a finite number > 0, got {value}")
+    if args.command == "plan" and args.trainer.strip().lower().startswith("bridge:"):
+        raise UserError(f"trainer spec '{args.trainer}': bridge: is a trainer of m2nkit demo "
+                        "(Megatron-Bridge processes on this machine); m2nkit plan lays out a "
+                        "Megatron-Core trainer with megatron:tp=T,pp=P[,vpp=V][,ep=E][,etp=X]"
+                        "[,dp=D][,first=N][,last=N]")
     if _is_bridge_demo(args):   # Megatron-Bridge trainers (engine/tools/demo_bridge.py)
         tspec = importlib.import_module("m2nkit.engine.tools.demo_bridge").parse_bridge_spec(
             args.trainer)
@@ -115,16 +159,22 @@ def _precheck(args) -> None:
     if _is_bridge_demo(args) and args.receiver != "stand-in":
         raise UserError("--trainer bridge:... runs with --receiver stand-in only")
     if _is_megatron_demo(args):  # Megatron-Core trainers (engine/tools/demo_bridge.py)
-        importlib.import_module("m2nkit.engine.tools.demo_bridge").parse_megatron_demo_spec(
-            args.trainer)
+        tspec = importlib.import_module("m2nkit.engine.tools.demo_bridge") \
+            .parse_megatron_demo_spec(args.trainer)
         if args.receiver != "stand-in":
             raise UserError("--trainer megatron:... runs with --receiver stand-in only")
     ispec = importlib.import_module("m2nkit.adapters.vllm.spec").parse_inference_spec(args.inference)
     if args.command == "plan":
         if args.dump is not None and not args.verify:
             raise UserError("--dump writes the storage that --verify fills: add --verify")
+        if not Path(args.checkpoint).exists():
+            raise UserError(f"checkpoint {args.checkpoint}: no such file or directory (give a "
+                            "checkpoint directory or its config.json)")
         _check_architecture(args.checkpoint, "checkpoint")
+        if getattr(tspec, "megatron", None) is not None:
+            _check_megatron_sizes(args, tspec.megatron, _read_config(args.checkpoint), "plan")
         return
+    from m2nkit.adapters.families import TINY_MODEL_ARCHITECTURES
     from m2nkit.engine.tools.demo import MAX_DEMO_PROCESSES
 
     if args.rounds < 1:
@@ -135,7 +185,18 @@ def _precheck(args) -> None:
                         f"runs at most {MAX_DEMO_PROCESSES} on one machine (use m2nkit plan "
                         "for larger layouts)")
     if Path(args.model).is_dir():
-        _check_architecture(args.model, "--model")
+        arch = _check_architecture(args.model, "--model")
+        config = _read_config(args.model)
+    elif args.model in TINY_MODEL_ARCHITECTURES:
+        arch, config = TINY_MODEL_ARCHITECTURES[args.model], None   # sizes: checked by the demo
+    else:
+        raise UserError(f"--model '{args.model}' is neither a built-in tiny model "
+                        f"({', '.join(sorted(TINY_MODEL_ARCHITECTURES))}) nor a checkpoint "
+                        "directory")
+    if args.receiver == "vllm" and arch in VLLM_CPU_CANNOT_BUILD:
+        raise UserError(f"--receiver vllm --model {args.model}: {VLLM_CPU_CANNOT_BUILD[arch]}")
+    if _is_bridge_demo(args) or _is_megatron_demo(args):
+        _check_megatron_sizes(args, tspec, config, "bridge")
 
 
 def _is_bridge_demo(args) -> bool:
@@ -355,8 +416,10 @@ def _demo_here(args) -> int:
     console = report.console_for_stdout()
 
     def log(message: str) -> None:
+        # One progress line is one line: a file or pipe (a log, CI, `| tee`) gets it
+        # whole, not hard-wrapped at the console width; a terminal wraps it itself.
         console.print(f"[{time.monotonic() - t_start:6.1f} s] {message}", markup=False,
-                      highlight=False)
+                      highlight=False, soft_wrap=True)
 
     if args.driver:
         # The supervisor stops us with SIGTERM (tear down, exit quietly) and
@@ -385,6 +448,11 @@ def _demo_here(args) -> int:
 def _run_demo(args, log):
     from m2nkit.engine.tools.demo import run_demo
 
+    log("loading torch and transformers")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()      # save_pretrained's "Writing model shards" bar
     if getattr(args, "receiver", "stand-in") == "vllm":   # real vLLM workers (demo_vllm.py)
         from m2nkit.engine.tools.demo_vllm import run_vllm_demo, vllm_available
 
@@ -393,11 +461,6 @@ def _run_demo(args, log):
                              "vllm); --receiver stand-in runs without it")
         return run_vllm_demo(args.model, args.trainer, args.inference, rounds=args.rounds,
                              timeout_s=args.timeout, workdir=args.workdir, log=log)
-    log("loading torch and transformers")
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
     if _is_megatron_demo(args):                            # Megatron-Core trainers
         from m2nkit.engine.tools.demo_bridge import run_megatron_demo
 
@@ -540,6 +603,16 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _stdout_to_devnull() -> None:
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):     # not a file descriptor (capsys)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command; ``argv`` ``None``: this process's command line (the ``m2nkit``
     script), and the process exits when this returns."""
@@ -547,6 +620,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _precheck(args)
         return args.func(args)
+    except BrokenPipeError:
+        # The reader of stdout is gone (`| head -1`): stop, as Unix tools do, without a
+        # traceback; stdout goes to /dev/null so that the interpreter's last flush at
+        # exit finds no closed pipe ("Exception ignored ... BrokenPipeError").
+        _stdout_to_devnull()
+        return EXIT_BROKEN_PIPE
     except (UserError, ValueError, OSError) as e:
         print(f"m2nkit: error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -36,6 +36,7 @@ other demos, the benchmarks and the tests.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import signal
 import tempfile
@@ -206,6 +207,14 @@ def _fsdp2_trainer_main(rank, num_ranks, model_dir, trainer, inference, url, por
         # transformers' CausalLM returns logits[:, slice] (a view); FSDP2 warns about
         # in-place ops on it on every step, and the demo does none.
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view")
+        # With tp, the demo gathers each trained parameter whole for its check
+        # (get_model_state_dict(full_state_dict=True) of (_StridedShard, Shard) DTensors
+        # over (dp_shard, tp): _save_trained); DTensor
+        # logs, once per mesh and rank at WARNING, that this takes "2 sequential
+        # all_gather operations" (non-ascending mesh dims cannot merge). A speed note on
+        # the check's gather, not on the transfer, and four copies of it on the user's
+        # screen; this trainer process owns its loggers, so it is silenced here only.
+        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
         tspec = parse_trainer_spec(trainer)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{dist_port}", rank=rank,
                                 world_size=num_ranks, timeout=timedelta(seconds=timeout_s))

@@ -400,18 +400,30 @@ def run_bridge_demo(model: str, trainer: str, inference: str, *, mode: str = "ta
         ckpt = read_checkpoint(model_dir)
         config = ckpt.config
         destination = vllm_destination(config, ispec)  # refuses an unknown family here
-        # The dry run's rules refuse, in one line and before any process starts,
-        # what megatron-core would refuse later inside the trainers (heads or
-        # layers that the sizes do not divide, an empty stage, chunks per stage).
-        from m2nkit.adapters.hf_checkpoint import checkpoint_metas
-        from m2nkit.adapters.trainer_spec import parse_trainer_spec
+        # Refuse, in one line and before any process starts, what megatron-core
+        # would refuse later inside the trainers (m2nkit.adapters.megatron.spec,
+        # megatron_size_problem: heads, query groups, FFN, experts, vocabulary,
+        # even stages), naming the spec as the user typed it.
+        from m2nkit.adapters.megatron.spec import megatron_size_problem
 
-        checkpoint_metas(ckpt, parse_trainer_spec("megatron:" + trainer.partition(":")[2]))
-        layers, split = config.num_hidden_layers, tspec.par.pp * tspec.par.vpp
-        if layers % split:   # the trainers build even stages (no first=/last=)
-            raise ValueError(f"trainer spec '{trainer}': the demo builds even pipeline stages, and "
-                             f"{layers} layers do not split over pp*vpp={split}; pick sizes that "
-                             f"divide {layers} (m2nkit plan takes first=/last= for uneven stages)")
+        why = megatron_size_problem(tspec.par, config, loader="bridge")
+        if why:
+            raise ValueError(f"trainer spec '{trainer}': {why}")
+        if mode != "export":
+            # Shard-level sources (bridge_source tasks, megatron_source) lay the tensors
+            # out by m2nkit's Megatron-Core names; the export carries any family Bridge
+            # exports (bridge_source(mode="export"): full tensors from export_hf_weights).
+            from m2nkit.adapters.hf_checkpoint import checkpoint_metas
+            from m2nkit.adapters.trainer_spec import parse_trainer_spec
+
+            label = "megatron:" + trainer.partition(":")[2]
+            dry = parse_trainer_spec(label)
+            try:
+                checkpoint_metas(ckpt, dry)
+            except ValueError as e:
+                msg = str(e).replace(f"trainer spec '{dry}'", f"trainer spec '{trainer}'")
+                raise ValueError(msg.replace(f"trainer spec '{label}'",
+                                             f"trainer spec '{trainer}'")) from None
         made = "megatron_source" if mode == MEGATRON_SOURCE else f"bridge_source mode={mode!r}"
         log(f"model {ckpt.architecture} from {model_dir}; {T} Megatron trainer ranks loaded "
             f"by Megatron-Bridge ({tspec}, {made}) -> {ispec.num_workers} workers ({ispec})")

@@ -212,6 +212,29 @@ class _Host:
             c.close()
 
 
+def _quiet_vllm_loggers() -> None:
+    """vLLM's and torch's notes about this CPU platform, off in the host and its workers.
+
+    Building a vLLM model on CPU logs, in every worker, what this platform lacks
+    ("Failed to import from vllm._C", "Triton is not installed", "Model Runner V2
+    requires Triton", "Reset SSM cache type ...", torch's "Triton not available").
+    None of it concerns the transfer, and the demo's screen is m2nkit's lines. Used
+    this way (no engine, no ``vllm serve``) vLLM 0.33 installs no handler of its
+    own, so ``VLLM_LOGGING_LEVEL`` alone does not reach these loggers: Python's last
+    resort handler prints their warnings bare. The host is the one process that
+    imports vLLM and forks every worker, so their levels are set here, once: the
+    ``VLLM_LOGGING_LEVEL`` the user set (ERROR by default, see :func:`_host_main`).
+    """
+    import logging
+
+    level = logging.getLevelName(os.environ.get("VLLM_LOGGING_LEVEL", "ERROR").upper())
+    logging.getLogger("vllm").setLevel(level if isinstance(level, int) else logging.ERROR)
+    logging.getLogger("torch._library").setLevel(logging.ERROR)
+    # Logged at ERROR on import when triton_kernels is installed without a Triton this
+    # platform runs; the CPU MoE path never uses those kernels.
+    logging.getLogger("vllm.model_executor.layers.fused_moe.config").setLevel(logging.CRITICAL)
+
+
 def _host_main(conn, authkey: bytes, timeout_s: float) -> None:
     """The host: import vLLM once (CPU platform), then serve clients until the parent says stop."""
     from m2nkit.engine.tools.server import exit_with_parent
@@ -229,6 +252,8 @@ def _host_main(conn, authkey: bytes, timeout_s: float) -> None:
 
         torch.set_num_threads(1)
         import m2nkit.engine.tools.vllm_workers  # noqa: F401 - vLLM's import, once for every fork
+
+        _quiet_vllm_loggers()
         host = _Host(timeout_s)
         listener = Listener(("127.0.0.1", 0), authkey=authkey)
     except BaseException as e:  # noqa: BLE001 - reported to the parent

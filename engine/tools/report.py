@@ -40,10 +40,17 @@ def console_for_stdout():
     """
     from rich.console import Console
 
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            # rich's own handler exits 1; a reader that went away (``| head``) is not
+            # a failure: m2nkit.engine.tools.cli.main ends quietly with 141.
+            self.quiet = True
+            raise BrokenPipeError
+
     if sys.stdout.isatty():
-        return Console()                           # rich reads COLUMNS itself
+        return _Console()                          # rich reads COLUMNS itself
     columns = os.environ.get("COLUMNS", "").strip()
-    return Console(width=int(columns) if columns.isdigit() and int(columns) > 0 else 200)
+    return _Console(width=int(columns) if columns.isdigit() and int(columns) > 0 else 200)
 
 
 def print_summary(console, args, ckpt, metas, plan, timings):

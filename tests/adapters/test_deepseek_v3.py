@@ -241,3 +241,19 @@ def test_cli_plan_verify(tiny_checkpoints, capsys, model, sharded):
     out = capsys.readouterr()
     assert code == 0, out.out + out.err
     assert "verify: all 2 workers hold exactly what vLLM's loaders would" in out.out
+
+
+@pytest.mark.parametrize("name", ["tiny-deepseek-v3", "tiny-deepseek-v3-fp8",
+                                  "tiny-deepseek-v3-no-q-lora"])
+def test_tiny_deepseek_stores_a_nonzero_fp32_score_correction_bias(tiny_checkpoints, name):
+    """As the published checkpoints do (issue 21): float32, not zeros, so a bias sent to the
+    wrong place or through a lossy cast shows in a byte comparison."""
+    tensors = load_file(str(tiny_checkpoints(name) / "model.safetensors"))
+    bias = {n: t for n, t in tensors.items() if n.endswith("e_score_correction_bias")}
+    assert list(bias) == ["model.layers.1.mlp.gate.e_score_correction_bias"]
+    t = bias["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert t.dtype == torch.float32 and t.shape == (8,)
+    assert torch.unique(t).numel() == 8 and not torch.equal(t, t.to(torch.bfloat16).float())
+    # everything else stays in the checkpoint dtype (bf16; fp8 weights and their scales)
+    assert {v.dtype for n, v in tensors.items() if n not in bias} <= {
+        torch.bfloat16, torch.float8_e4m3fn, torch.float32 if name.endswith("fp8") else torch.bfloat16}

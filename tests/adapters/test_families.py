@@ -447,3 +447,13 @@ def test_the_family_name_clash_is_gone():
         assert not hasattr(module, "FAMILIES"), module
         assert not hasattr(module, "FamilyNaming"), module
     assert not hasattr(hf, "FUSED_EXPERTS")
+
+
+def test_tiny_model_names_without_torch_match_the_families():
+    """The command line checks --model against TINY_MODEL_ARCHITECTURES (plain strings,
+    no torch); it must list exactly the families' tiny models."""
+    from m2nkit.adapters.families import TINY_MODEL_ARCHITECTURES
+    from m2nkit.adapters.tiny import BUILTIN_TINY_MODELS
+
+    assert TINY_MODEL_ARCHITECTURES == {
+        name: extra["architectures"][0] for name, (_, extra) in BUILTIN_TINY_MODELS.items()}

@@ -149,7 +149,8 @@ def test_bad_specs_are_refused_with_the_rule(spec, match):
 
 
 def test_split_the_model_cannot_take_names_the_value():
-    with pytest.raises(ValueError, match="linear_qkv rows .* / tp: .* not divisible by 3"):
+    # megatron-core's own rule (TransformerConfig), before any layout is computed
+    with pytest.raises(ValueError, match=r"num_attention_heads \(64\) must be a multiple of tp \(3\)"):
         _plan("meta-llama__Llama-3.1-70B", "megatron:tp=3,pp=4", "vllm:tp=8")
     with pytest.raises(ValueError, match="has no Megatron-Core names"):
         _plan("google__gemma-2-2b-it", "megatron:tp=2", "vllm:tp=2")
@@ -181,8 +182,9 @@ def test_an_empty_pipeline_stage_is_refused():
 
 
 @pytest.mark.parametrize("trainer, match", [
-    ("megatron:pp=3", "pipeline stage 0 would hold no layers"),
-    ("bridge:tp=3", "128 is not divisible by 3"),
+    # megatron-core's own rules (m2nkit.adapters.megatron.spec.megatron_size_problem)
+    ("megatron:pp=3", "2 layers do not split over pp*vpp=3"),
+    ("bridge:tp=3", "num_attention_heads (8) must be a multiple of tp (3)"),
 ])
 def test_megatron_demo_checks_the_model_before_starting_trainers(trainer, match):
     """Sizes the tiny model (2 layers, 8 heads, hidden 128) cannot take fail with exit 2
@@ -201,3 +203,57 @@ def test_megatron_demo_checks_the_model_before_starting_trainers(trainer, match)
     errors = [line for line in out.splitlines() if line.startswith("m2nkit: error:")]
     assert len(errors) == 1 and match in errors[0], out
     assert "trainer processes" not in out and "Traceback" not in out, out
+
+
+# --------------------------------------------------------------------------
+# megatron_size_problem: what megatron-core 0.19.2 refuses, known before torch (issue 21)
+
+_LLAMA = {"architectures": ["LlamaForCausalLM"], "num_attention_heads": 8,
+          "num_key_value_heads": 2, "intermediate_size": 96, "num_hidden_layers": 4,
+          "vocab_size": 200, "hidden_size": 128}
+_MOE = {**_LLAMA, "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 8,
+        "moe_intermediate_size": 32, "intermediate_size": 90}
+
+
+@pytest.mark.parametrize("config,sizes,loader,says", [
+    ({**_LLAMA, "num_attention_heads": 6}, {"tp": 4}, "plan",
+     "num_attention_heads (6) must be a multiple of tp (4)"),
+    ({**_LLAMA, "num_key_value_heads": 3, "num_attention_heads": 12}, {"tp": 4}, "plan",
+     "num_key_value_heads (3, megatron-core's num_query_groups) must be a multiple or a divisor"),
+    ({**_LLAMA, "intermediate_size": 90}, {"tp": 4}, "plan",
+     "intermediate_size (90, megatron-core's ffn_hidden_size) must be divisible by tp (4)"),
+    (_MOE, {"tp": 1, "ep": 3, "dp": 3}, "plan",
+     "the number of experts (8) must be divisible by ep (3)"),
+    ({**_MOE, "moe_intermediate_size": 30}, {"tp": 4, "ep": 2}, "plan",
+     "moe_intermediate_size (30, megatron-core's moe_ffn_hidden_size) must be divisible by etp (4)"),
+    ({**_LLAMA, "vocab_size": 202}, {"tp": 4}, "bridge",
+     "vocab_size (202) must be divisible by tp (4)"),
+    (_LLAMA, {"tp": 1, "pp": 3}, "bridge", "4 layers do not split over pp*vpp=3"),
+])
+def test_megatron_size_rules_name_the_value(config, sizes, loader, says):
+    from m2nkit.adapters.megatron.spec import megatron_size_problem
+
+    par = MegatronParallel(**sizes)
+    why = megatron_size_problem(par, config, loader=loader)
+    assert why is not None and says in why, why
+
+
+@pytest.mark.parametrize("config,sizes", [
+    (_LLAMA, {"tp": 4}),                         # 2 KV heads: a divisor of tp=4 (replicated)
+    (_LLAMA, {"tp": 2, "pp": 2}),
+    (_MOE, {"tp": 2, "ep": 2}),                  # all layers MoE: the dense FFN (90) is never built
+    ({**_LLAMA, "vocab_size": 202}, {"tp": 4}),  # plan: Megatron-LM pads the vocabulary
+])
+def test_megatron_size_rules_accept_what_megatron_core_builds(config, sizes):
+    from m2nkit.adapters.megatron.spec import megatron_size_problem
+
+    loader = "plan" if config.get("vocab_size") == 202 else "bridge"
+    assert megatron_size_problem(MegatronParallel(**sizes), config, loader=loader) is None
+
+
+def test_plan_layout_refuses_what_megatron_core_refuses():
+    from m2nkit.adapters.trainer_spec import parse_trainer_spec
+
+    spec = parse_trainer_spec("megatron:tp=4")
+    with pytest.raises(ValueError, match=r"num_attention_heads \(6\) must be a multiple of tp \(4\)"):
+        spec.tp_dims({**_LLAMA, "num_attention_heads": 6, "hidden_size": 96, "head_dim": 16})

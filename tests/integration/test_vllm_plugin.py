@@ -16,7 +16,9 @@ Cases: dense with KV heads < tp (Llama, 2 KV heads, tp=4: vLLM replicates
 them), MoE with EP (Qwen3-MoE, tp=2 + ep: whole experts per worker), tied
 embeddings (Qwen3 tied: ``lm_head.weight`` is ``embed_tokens.weight``), and
 an fp32 checkpoint that vLLM serves in bf16 with slabs above and below
-``DIRECT_BYTES`` (issue 21: the direct receive must cast too). Plus
+``DIRECT_BYTES`` (issue 21: the direct receive must cast too), and DeepSeek-V3
+(MLA + MoE): the derived ``W_UK_T``/``W_UV`` the plugin's post-load step makes
+after the round equal a fresh vLLM load's. Plus
 the refusal of a live model that differs from m2nkit's table (a padded
 expert tensor on one worker): every trainer rank fails naming the worker,
 the parameter and both shapes, and nothing moves. And the
@@ -43,6 +45,10 @@ CASES = [  # (tiny model, vLLM layout, what it covers)
     # issue 21: an fp32 checkpoint served in bf16 (vLLM's dtype=auto); q_proj slabs are
     # 512 KiB (received through a cast, not straight into the bf16 parameter), norms packed
     ("fp32-llama-h512", "vllm:tp=2", "fp32 wire into bf16 parameters"),
+    # issue 21: MLA (fused q_a/kv_a, kv_b) + MoE with its float32 router bias; after the
+    # round the plugin runs each attention layer's process_weights_after_loading, whose
+    # derived W_UK_T/W_UV must equal those of a fresh vLLM load of v1
+    ("tiny-deepseek-v3", "vllm:tp=2", "MLA's derived weights after process_weights_after_loading"),
 ]
 #: Checkpoints beyond the built-in tiny models: name -> (tiny model, config overrides, dtype).
 WIDER = {"fp32-llama-h512": ("tiny-llama", {"hidden_size": 512, "num_attention_heads": 32,
@@ -136,16 +142,64 @@ def test_round_into_live_vllm_model_equals_fresh_vllm_load(host, versions, name,
     assert len(reports) == len(started)
     for w, r in enumerate(reports):
         assert r["compared"] == started[w]["parameters"] > 0
-        assert (r["names_only_live"], r["names_only_fresh"]) == ([], []), (w, r)
+        # MLA's post-load step registers its derived W_UK_T/W_UV on the live model (the
+        # fresh load is not post-processed): they are compared below, with a post-processed one
+        derived = [n for n in r["names_only_live"] if n.endswith((".W_UK_T", ".W_UV"))]
+        if not name.startswith("tiny-deepseek-v3"):
+            assert derived == [], (w, r)
+        assert (sorted(set(r["names_only_live"]) - set(derived)), r["names_only_fresh"]) == (
+            [], []), (w, r)
         assert r["differ"] == [], f"worker {w}: differs from vLLM's fresh load of v1: {r['differ']}"
         assert r["unchanged_since_start"] == [], f"worker {w}: still v0: {r['unchanged_since_start']}"
-        assert r["moved"] == [], f"worker {w}: parameters re-allocated: {r['moved']}"
+        moved = sorted(set(r["moved"]) - set(derived))     # derived ones are new, not moved
+        assert moved == [], f"worker {w}: parameters re-allocated: {moved}"
         assert r["version"] == "v1"
     if name == "tiny-qwen3-tied":
         tied = host.client.collective_rpc(_tied_storage)
         assert tied == [True, True]
     if name in WIDER:   # vLLM served the fp32 checkpoint in bf16: the round had to cast
         assert host.client.collective_rpc(_param_dtypes) == [["torch.bfloat16"]] * len(started)
+    if name.startswith("tiny-deepseek-v3"):
+        for w, r in enumerate(host.client.collective_rpc(_mla_derived_against_fresh, str(v1))):
+            assert r["compared"], f"worker {w}: no MLA layer has derived weights: {r}"
+            assert r["differ"] == [], f"worker {w}: derived MLA weights differ: {r['differ']}"
+
+
+def _mla_derived(model) -> dict:
+    """``{layer.attr: tensor}`` of what each MLA layer's ``process_weights_after_loading``
+    derives from ``kv_b_proj`` (``W_UK_T``, ``W_UV``: not parameters)."""
+    import torch
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+
+    out = {}
+    for name, module in model.named_modules():
+        if is_deferred_attention_layer(module):
+            for attr in ("W_UK_T", "W_UV", "W_UK"):
+                t = getattr(module, attr, None)
+                if isinstance(t, torch.Tensor):
+                    out[f"{name}.{attr}"] = t
+    return out
+
+
+def _mla_derived_against_fresh(state, checkpoint: str) -> dict:
+    """The live model's derived MLA weights (the plugin ran the post-load step after the
+    round) against those of a fresh vLLM load of ``checkpoint``, post-processed as vLLM's
+    loader does (``process_weights_after_loading`` of each attention layer)."""
+    import torch
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+
+    from m2nkit.engine.tools.vllm_workers import build_cpu_worker, set_current_config
+
+    live = _mla_derived(state["model"])
+    fresh, config = build_cpu_worker(checkpoint, state["spec"], state["worker"])
+    with set_current_config(config):
+        for module in fresh.modules():
+            if is_deferred_attention_layer(module):
+                module.process_weights_after_loading(config.model_config.dtype)
+    ref = _mla_derived(fresh)
+    return {"compared": sorted(ref), "live": sorted(live),
+            "differ": sorted(n for n in ref if n not in live or live[n].shape != ref[n].shape
+                             or not torch.equal(live[n], ref[n]))}
 
 
 def _param_dtypes(state) -> list[str]:
@@ -221,6 +275,32 @@ def test_vllm_plugin_loading_registers_both_sides(host, versions):
     (got,) = host.client.collective_rpc(_entry_point_registers)
     assert got == {"entry_points": [("m2nkit", "m2nkit.engine.plugins.vllm:register")],
                    "worker": "M2NVLLMEngine", "trainer": "M2NTrainerEngine"}
+
+
+#: Loggers that print vLLM's and torch's notes about the CPU platform in every worker
+#: ("Failed to import from vllm._C", "Triton is not installed", torch's "Triton not
+#: available", "Failed to import Triton kernels"), which the demo's screen must not show.
+PLATFORM_NOTES = ("vllm.platforms.cpu", "vllm.platforms.interface", "vllm.config.vllm",
+                  "vllm.model_executor.layers.fused_moe.config", "torch._library.triton")
+
+
+def _logger_levels(state) -> dict:
+    import logging
+
+    return {n: logging.getLogger(n).getEffectiveLevel() for n in PLATFORM_NOTES}
+
+
+def test_workers_print_none_of_vllms_platform_notes(host, versions):
+    """The host (the one process that imports vLLM and forks every worker) silences
+    vLLM's and torch's notes about this CPU platform: vLLM 0.33 installs no handler of
+    its own here, so Python's last-resort handler would print each warning bare."""
+    import logging
+
+    v0, _ = versions("tiny-llama")
+    host.start_workers(v0, "vllm:tp=1")
+    for levels in host.client.collective_rpc(_logger_levels):
+        assert all(level >= logging.ERROR for level in levels.values()), levels
+        assert levels["vllm.model_executor.layers.fused_moe.config"] > logging.ERROR, levels
 
 
 def test_demo_with_vllm_receiver_verifies_every_round(tmp_path):

@@ -48,3 +48,40 @@ def test_cli_refuses_in_one_line_exit_2(argv, says, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert says in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+class _Reached(Exception):
+    """Raised where the demo would start its processes: every check before it passed."""
+
+
+@pytest.fixture
+def stop_at_process_start(monkeypatch):
+    import m2nkit.engine.tools.server as server
+
+    def reached(*args, **kwargs):
+        raise _Reached
+
+    monkeypatch.setattr(server, "InferenceServer", reached)
+
+
+def test_export_mode_carries_gpt_oss_so_it_is_not_refused(tmp_path, stop_at_process_start):
+    """bridge_source(mode="export") carries GPT-OSS (Bridge's export, full tensors): the
+    demo must get as far as starting its processes, not refuse for want of m2nkit's
+    Megatron-Core names (those are what the shard-level modes need)."""
+    from m2nkit.engine.tools.demo_bridge import run_bridge_demo
+
+    with pytest.raises(_Reached):
+        run_bridge_demo("tiny-gpt-oss", "bridge:tp=2,ep=2,etp=1", "vllm:tp=2", mode="export",
+                        rounds=1, workdir=str(tmp_path), log=lambda m: None)
+
+
+def test_a_refusal_names_the_spec_the_user_typed(tmp_path, stop_at_process_start):
+    from m2nkit.engine.tools.demo_bridge import run_bridge_demo
+
+    with pytest.raises(ValueError) as e:
+        run_bridge_demo("tiny-gpt-oss", "bridge:tp=2,ep=2,etp=1", "vllm:tp=2", mode="tasks",
+                        rounds=1, workdir=str(tmp_path), log=lambda m: None)
+    msg = str(e.value)
+    assert msg.startswith("trainer spec 'bridge:tp=2,ep=2,etp=1': GptOssForCausalLM has no "
+                          "Megatron-Core names"), msg
+    assert "'megatron:" not in msg, msg

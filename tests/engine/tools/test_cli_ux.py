@@ -30,13 +30,20 @@ from m2nkit.engine.tools.cli import main
 
 CONFIG = json.loads((EXAMPLE / "config.json").read_text())
 
-#: Runs the CLI in a fresh interpreter and reports what it imported.
+#: Runs the CLI in a fresh interpreter and reports what it imported and whether it
+#: started a process (the demo's supervisor starts its driver with subprocess.Popen).
 _PROBE = """
-import json, sys
+import json, subprocess, sys
+spawned = []
+class _Popen(subprocess.Popen):
+    def __init__(self, *args, **kwargs):
+        spawned.append(True)
+        super().__init__(*args, **kwargs)
+subprocess.Popen = _Popen
 from m2nkit.engine.tools.cli import main
 rc = main(sys.argv[1:])
 print(json.dumps({"rc": rc, "torch": "torch" in sys.modules,
-                  "transformers": "transformers" in sys.modules}))
+                  "transformers": "transformers" in sys.modules, "spawned": bool(spawned)}))
 """
 
 
@@ -68,6 +75,16 @@ def _unsupported(tmp_path: Path, arch: str = "PhiForCausalLM") -> Path:
     ("demo_arch", "architecture 'PhiForCausalLM' is not supported; supported: "),
     ("demo_processes", "needs 42 processes"),
     ("demo_inference", "must start with 'vllm:'"),
+    # issue 21 item 8: refused before torch, as bad specs are
+    ("plan_missing_checkpoint", "no such file or directory"),
+    ("demo_misspelt_tiny", "--model 'tiny-lama' is neither a built-in tiny model (tiny-deepseek-v3"),
+    ("plan_bridge", "bridge: is a trainer of m2nkit demo"),
+    ("plan_megatron_heads", "num_attention_heads (6) must be a multiple of tp (4)"),
+    ("demo_megatron_heads", "trainer spec 'megatron:tp=4': num_attention_heads (6) must be a "
+                            "multiple of tp (4)"),
+    ("demo_megatron_vocab", "vocab_size (200) must be divisible by tp (3)"),
+    # issue 21 item 7: vLLM 0.33 builds no GPT-OSS MoE layer on CPU
+    ("demo_vllm_gpt_oss", "No Unquantized MoE backend supports the deployment configuration"),
 ])
 def test_refusals_come_before_torch_is_imported(tmp_path, case, needle):
     plan = ["plan", EXAMPLE, "--trainer", "fsdp:2", "--inference", "vllm:tp=2"]
@@ -85,9 +102,24 @@ def test_refusals_come_before_torch_is_imported(tmp_path, case, needle):
         "demo_arch": lambda: ["demo", "--model", _unsupported(tmp_path)],
         "demo_processes": lambda: ["demo", "--trainer", "fsdp:40", "--inference", "vllm:tp=2"],
         "demo_inference": lambda: ["demo", "--inference", "sglang:tp=2"],
+        "plan_missing_checkpoint": lambda: ["plan", tmp_path / "no-such-dir", "--trainer", "fsdp:2",
+                                            "--inference", "vllm:tp=2"],
+        "demo_misspelt_tiny": lambda: ["demo", "--model", "tiny-lama"],
+        "plan_bridge": lambda: ["plan", EXAMPLE, "--trainer", "bridge:tp=2", "--inference",
+                                "vllm:tp=2"],
+        "plan_megatron_heads": lambda: ["plan", _llama_6_heads(tmp_path), "--trainer",
+                                        "megatron:tp=4", "--inference", "vllm:tp=2"],
+        "demo_megatron_heads": lambda: ["demo", "--model", _llama_6_heads(tmp_path), "--trainer",
+                                        "megatron:tp=4", "--inference", "vllm:tp=2"],
+        "demo_megatron_vocab": lambda: ["demo", "--model", _llama_6_heads(tmp_path, heads=6, kv=3,
+                                                                          vocab=200),
+                                        "--trainer", "bridge:tp=3", "--inference", "vllm:tp=1"],
+        "demo_vllm_gpt_oss": lambda: ["demo", "--receiver", "vllm", "--model", "tiny-gpt-oss",
+                                      "--trainer", "fsdp:2", "--inference", "vllm:tp=2"],
     }[case]()
     report, err = _probe(*args)
-    assert report == {"rc": 2, "torch": False, "transformers": False}, err
+    # refused here, before torch and before any process (the demo's driver) starts
+    assert report == {"rc": 2, "torch": False, "transformers": False, "spawned": False}, err
     assert err.startswith("m2nkit: error:") and err.count("\n") == 1, err
     assert needle in err
     if case.startswith("arch") or case == "demo_arch":
@@ -96,6 +128,73 @@ def test_refusals_come_before_torch_is_imported(tmp_path, case, needle):
         assert "Qwen3MoeForCausalLM" in listed and "LlamaForCausalLM" in listed
         assert all(re.fullmatch(r"[A-Za-z0-9]+ForCausalLM", a) for a in listed), listed
     assert not (tmp_path / "dump").exists()
+
+
+def _llama_6_heads(tmp_path: Path, heads: int = 6, kv: int = 2, vocab: int = 256) -> Path:
+    """A Llama checkpoint directory (its config.json only) with 6 attention heads."""
+    from _paths import CONFIGS
+
+    d = tmp_path / f"llama-{heads}-heads-{kv}-kv-{vocab}"
+    d.mkdir(exist_ok=True)
+    cfg = json.loads((CONFIGS / "meta-llama__Llama-3.1-70B" / "config.json").read_text())
+    cfg.update(num_attention_heads=heads, num_key_value_heads=kv, hidden_size=16 * heads,
+               head_dim=16, intermediate_size=192, num_hidden_layers=2, vocab_size=vocab)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def test_a_closed_pipe_ends_quietly(tmp_path):
+    """``m2nkit plan ... -v | head -1``: the reader goes away after one line; the command
+    stops with 141 (128 + SIGPIPE, what a shell shows for a Unix tool there) or 0, and
+    says nothing (no traceback, no "Exception ignored")."""
+    import fcntl
+    import os
+
+    from _paths import CONFIGS
+
+    r, w = os.pipe()
+    try:
+        fcntl.fcntl(w, 1031, 4096)      # F_SETPIPE_SZ: the output overflows it for sure
+    except OSError:
+        pass
+    proc = subprocess.Popen([sys.executable, "-m", "m2nkit.engine.tools.cli", "plan",
+                             str(CONFIGS / "Qwen__Qwen3-8B" / "config.json"), "--trainer", "fsdp:2",
+                             "--inference", "vllm:tp=2", "-v"],
+                            stdout=w, stderr=subprocess.PIPE, text=True)
+    os.close(w)
+    with os.fdopen(r, "rb") as reader:
+        first = reader.readline()
+    _, err = proc.communicate(timeout=120)
+    assert first.startswith(b"m2nkit plan")
+    assert proc.returncode in (0, 141), (proc.returncode, err)
+    assert err == ""
+
+
+def test_ep_on_a_dense_model_gets_a_note(capsys, monkeypatch):
+    from _paths import CONFIGS
+
+    monkeypatch.setenv("COLUMNS", "400")
+    dense = CONFIGS / "Qwen__Qwen3-8B" / "config.json"
+    assert main(["plan", str(dense), "--trainer", "fsdp:2", "--inference", "vllm:tp=2,ep"]) == 0
+    assert ("ep has no effect here: Qwen3ForCausalLM has no experts (a dense model), so "
+            "every worker holds what tp=2 alone gives it") in capsys.readouterr().out
+    assert main(["plan", str(EXAMPLE), "--trainer", "fsdp:2", "--inference", "vllm:tp=2,ep"]) == 0
+    assert "ep has no effect" not in capsys.readouterr().out      # MoE: ep places experts
+
+
+def test_progress_lines_are_not_wrapped_in_a_file(capsys, monkeypatch):
+    """A progress line written to a file or pipe stays one line, whatever the width."""
+    from m2nkit.engine.tools import cli
+
+    monkeypatch.setenv("COLUMNS", "40")
+    args = cli._parser().parse_args(["demo", "--model", "tiny-no-such-model", "--trainer",
+                                     "fsdp:2", "--inference", "vllm:tp=2,dp=1", "--rounds", "3"])
+    with pytest.raises(ValueError, match="neither a built-in tiny model"):
+        cli._demo_here(args)        # the first lines, then the model is refused
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("] m2nkit demo: tiny-no-such-model, fsdp:2 -> vllm:tp=2,dp=1, "
+                             "3 rounds (Ctrl-C stops it)"), lines
+    assert all(line.startswith("[") for line in lines), lines
 
 
 def test_a_good_spec_still_plans_in_process(capsys):

@@ -134,6 +134,22 @@ def test_demo_reports_progress_and_announces_the_baseline(tmp_path):
     demo.assert_nothing_left()
 
 
+@pytest.mark.timeout(600)
+def test_the_fsdp2_tp_demo_prints_only_m2nkits_lines(tmp_path):
+    """FSDP2 + TP trainers: torch's DTensor note that the (dp_shard, tp) mesh is not
+    flattened ("... sequential ... operations will be performed", logged by
+    torch.distributed.tensor._redistribute) is silenced in the trainer processes, so
+    stderr stays empty; progress lines come whole (COLUMNS is 200 here)."""
+    demo = Demo(tmp_path, "--model", "tiny-qwen3-moe", "--trainer", "fsdp2:dp_shard=2,tp=2",
+                "--inference", "vllm:tp=2", "--rounds", "1", "--no-baseline", "--timeout", "120")
+    rc = demo.finish(580)
+    out, err = "".join(demo.out), "".join(demo.err)
+    assert rc == 0, out + err
+    assert err == "", err
+    assert "sequential" not in out and "_redistribute" not in out, out
+    demo.assert_nothing_left()
+
+
 @pytest.mark.timeout(300)
 def test_ctrl_c_stops_the_demo_with_one_line_and_status_130(tmp_path):
     demo = Demo(tmp_path, "--model", "tiny-llama", "--trainer", "fsdp:2",

@@ -162,7 +162,15 @@ def _gpu_check_module() -> dict:
     return runpy.run_path(str(GPU_CHECK), run_name="gpu_check")   # stdlib and m2nkit.engine.tools.procs only
 
 
-def test_the_server_process_group_is_stopped_when_it_never_becomes_ready(tmp_path):
+@pytest.fixture
+def without_requests(monkeypatch):
+    """``import requests`` fails, as after ``scripts/setup.sh --core`` (vLLM brings
+    ``requests``; m2nkit[dev,nccl] does not): the serve helpers use the standard library."""
+    monkeypatch.setitem(sys.modules, "requests", None)
+
+
+def test_the_server_process_group_is_stopped_when_it_never_becomes_ready(tmp_path,
+                                                                        without_requests):
     """What the serve check does with a server that hangs: a named timeout, then the whole
     process group it started (the server and its children) is gone."""
     import os
@@ -189,7 +197,7 @@ def test_the_server_process_group_is_stopped_when_it_never_becomes_ready(tmp_pat
             time.sleep(0.1)
 
 
-def test_a_server_that_exits_early_is_reported_with_its_log(tmp_path):
+def test_a_server_that_exits_early_is_reported_with_its_log(tmp_path, without_requests):
     import os
 
     g = _gpu_check_module()
