@@ -326,8 +326,21 @@ class M2NVLLMEngine(WeightTransferEngine):
         that cannot be traced leave the tables' word standing (logged).
         ``M2NKIT_TRACE_CHECK=0`` skips the check.
         """
+        from m2nkit.adapters.families import UnsupportedArchitecture, family_for
         from m2nkit.adapters.vllm.trace import TraceError, experts_on_disk, traced_problems
 
+        try:
+            permuted = family_for(self.model_config.hf_config).hf.permuted
+        except UnsupportedArchitecture:
+            permuted = {}
+        if permuted:
+            # Wire tensors stored on disk in another dim order (GPT-OSS's stacked
+            # experts): vLLM's loaders read the on-disk order, so a trace on the
+            # wire's order proves nothing either way.
+            _log.warning("%s: the layout was not checked against vLLM's loaders: the wire "
+                         "carries %s in another dim order than the checkpoint vLLM's "
+                         "loaders read", self.identity, sorted(permuted))
+            return []
         try:
             return traced_problems(self.model, plan.destination, self.worker,
                                    [w.meta for w in plan.wires], self.vllm_config,
