@@ -41,8 +41,8 @@ FOLDERS = {"package": "m2nkit", "manifest": "m2nkit.manifest",
            "adapters": "m2nkit.adapters", "engine": "m2nkit.engine"}
 
 #: not part of a checkout a user builds from; skipped when copying it.
-NOT_SOURCE = {".git", ".venv", "venv", "build", "dist", "tests", "out", ".pytest_cache",
-              ".hypothesis"}
+NOT_SOURCE = {".git", ".venv", ".venv-tf", "venv", "build", "dist", "tests", "out",
+              ".pytest_cache", ".hypothesis"}
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -118,7 +118,10 @@ def installed(tmp_path_factory):
     python = venv / "bin" / "python"
     site = Path(_run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                      tmp, 30).stdout.strip())
-    borrowed = dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))
+    # Also the site-packages the running interpreter borrows itself, in its order
+    # (scripts/side_transformers.sh's .venv-tf puts .venv's behind its own).
+    borrowed = dict.fromkeys([*(sysconfig.get_paths()[k] for k in ("purelib", "platlib")),
+                              *(p for p in sys.path if Path(p).name == "site-packages")])
     (site / "_m2nkit_test_dependencies.pth").write_text("".join(f"{p}\n" for p in borrowed))
     _check(_run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps",
                  "--no-index", "--disable-pip-version-check", "-q", wheel], tmp, 120),
