@@ -125,23 +125,71 @@ def _transport_rules(names: Sequence[str]) -> dict[str, Callable]:
     return out
 
 
-def _choose_sources(holders: np.ndarray, vol: np.ndarray, piece_rank: np.ndarray,
-                    load: np.ndarray) -> np.ndarray:
-    """One holder piece per slab; among replicas, the rank that has sent least so far.
+class _ReplicaGroups:
+    """The slabs of one structure grouped by holder set, for :func:`_choose`.
 
-    Greedy in slab order, ``load`` being the bytes each rank sends for the
-    wire tensors planned before this one.
+    A *holder set* is the tuple of pieces that hold a grid cell (under HSDP:
+    the ``R`` replicas of one shard); every slab of a cell may come from any
+    of them. Per group: its candidate pieces ``cand`` ``[G, rep]`` (-1
+    padded), their ranks, the group's bytes ``total``; per slab its group
+    and twice the midpoint of its byte range within the group, slabs of a
+    group in slab order (``mid2``).
     """
-    if holders.shape[1] == 1 or not len(holders):
-        return holders[:, 0].copy()
-    sent = load.tolist()
-    rank_of = piece_rank.tolist()
-    out = []
-    for cand, v in zip(holders.tolist(), vol.tolist()):
-        best = min((k for k in cand if k >= 0), key=lambda k: (sent[rank_of[k]], rank_of[k], k))
-        out.append(best)
-        sent[rank_of[best]] += v
-    return np.array(out, dtype=np.int64)
+
+    def __init__(self, holders: np.ndarray, vol: np.ndarray, piece_rank: np.ndarray) -> None:
+        cand, group = np.unique(holders, axis=0, return_inverse=True)
+        group = group.reshape(-1)
+        G = len(cand)
+        self.cand, self.group = cand, group
+        self.valid = cand >= 0
+        self.rank = np.where(self.valid, piece_rank[np.maximum(cand, 0)], -1)
+        self.total = np.bincount(group, weights=vol, minlength=G).astype(np.int64)
+        order = np.argsort(group, kind="stable")
+        cum = np.cumsum(vol[order])
+        first = np.searchsorted(group[order], np.arange(G), side="left")
+        start = np.concatenate(([0], cum))[first]   # bytes before each group, in slab order
+        mid2 = np.empty_like(vol)
+        mid2[order] = 2 * (cum - vol[order] - start[group[order]]) + vol[order]
+        self.mid2 = mid2
+
+
+def _choose(groups: _ReplicaGroups, load: np.ndarray) -> np.ndarray:
+    """One holder piece per slab: water-filling per holder set, vectorised.
+
+    Per group, its candidates are sorted by the bytes their ranks have sent
+    so far (``load``: the wire tensors planned before this one), ties by
+    rank then piece. The group's bytes ``V`` raise the least-loaded ones to
+    one level ``L`` (integer: ``sum(max(0, L - load)) <= V < that + m`` over
+    the ``m`` candidates below the level), each candidate getting a share
+    ``L - load`` of the group's bytes; the shares are laid end to end in
+    that order and a slab goes to the candidate whose share holds the
+    midpoint of its byte range (slabs in slab order). Each rank so ends
+    within one slab of the level, and the next tensor starts from the loads
+    this one left. Integer arithmetic only: the same on every machine.
+    """
+    cand, valid, rank = groups.cand, groups.valid, groups.rank
+    G, rep = cand.shape
+    big = np.iinfo(np.int64).max // 4
+    cur = np.where(valid, load[np.maximum(rank, 0)], big)
+    gid = np.repeat(np.arange(G, dtype=np.int64), rep)
+    order = np.lexsort((cand.ravel(), rank.ravel(), cur.ravel(), gid)).reshape(G, rep)
+    order -= (np.arange(G, dtype=np.int64) * rep)[:, None]
+    cur = np.take_along_axis(cur, order, 1)
+    cand = np.take_along_axis(cand, order, 1)
+    ok = np.take_along_axis(valid, order, 1)        # valid ones first (pads load ``big``)
+    prefix = np.cumsum(np.where(ok, cur, 0), axis=1)
+    level = (groups.total[:, None] + prefix) // np.arange(1, rep + 1, dtype=np.int64)
+    below = np.cumprod(ok & (cur <= level), axis=1, dtype=bool)
+    m = below.sum(axis=1)                           # >= 1: the least-loaded is always below
+    top = level[np.arange(G), m - 1]
+    share = np.where(below, top[:, None] - cur, 0)
+    bound2 = 2 * np.cumsum(share, axis=1)[:, :-1]   # ends of the shares, doubled
+    g = groups.group
+    k = np.zeros(len(g), dtype=np.int64)
+    for j in range(rep - 1):
+        k += bound2[g, j] <= groups.mid2
+    k = np.minimum(k, m[g] - 1)
+    return cand[g, k]
 
 
 class _Structure:
@@ -171,7 +219,7 @@ class _Structure:
         self.regions: tuple[Box, ...] = tuple(b.region for b in bindings)
         self.piece_rank = np.array([p.rank for p in pieces], dtype=np.int64)
         self.dst = np.array([b.worker for b in bindings], dtype=np.int64)[binding]
-        self.binding, self.holders, self.starts, self.stops = binding, holders, starts, stops
+        self.binding, self.starts, self.stops = binding, starts, stops
         self.shape_tw = (num_trainer_ranks, num_workers)
         self.table: np.ndarray | None = None
         if holders.shape[1] == 1 or not n:
@@ -179,7 +227,14 @@ class _Structure:
             self.table = self._table(piece)
             self.table.flags.writeable = False
             self.send, self.recv, self.link = self._bytes(self.piece_rank[piece])
-            self.holders = self.starts = self.stops = None   # in the table now
+            self.starts = self.stops = None   # in the table now
+        else:  # what a receiver gets does not depend on which replica sends it
+            self.groups = _ReplicaGroups(holders, self.vol, self.piece_rank)
+            self.recv = np.bincount(self.dst, weights=self.vol,
+                                    minlength=num_workers).astype(np.int64)
+            self.base = self._table(holders[:, 0])   # SRC and PIECE rewritten per tensor
+            self.base.flags.writeable = False
+            self.starts = self.stops = None
 
     def _table(self, piece: np.ndarray) -> np.ndarray:
         nd = self.starts.shape[1]
@@ -201,15 +256,16 @@ class _Structure:
                 np.bincount(src * W + self.dst, weights=vol,
                             minlength=T * W).astype(np.int64).reshape(T, W))
 
-    def choose(self, send: np.ndarray, recv: np.ndarray, link: np.ndarray) -> np.ndarray:
-        """The table of one tensor with replicas (holders chosen against ``send``);
-        adds its bytes to ``send``, ``recv`` and ``link``."""
-        piece = _choose_sources(self.holders, self.vol, self.piece_rank, send)
-        sent, received, linked = self._bytes(self.piece_rank[piece])
-        send += sent
-        recv += received
-        link += linked
-        return self._table(piece)
+    def choose(self, send: np.ndarray) -> np.ndarray:
+        """The table of one tensor with replicas, holders chosen against ``send``
+        (:func:`_choose`); adds the bytes each rank sends to ``send``."""
+        piece = _choose(self.groups, send)
+        src = self.piece_rank[piece]
+        send += np.bincount(src, weights=self.vol, minlength=len(send)).astype(np.int64)
+        table = self.base.copy()
+        table[:, SlabTable.SRC] = src
+        table[:, SlabTable.PIECE] = piece
+        return table
 
 
 def _judge(rules: dict[str, Callable], wp: WirePlan, params, key: tuple | None,
@@ -272,6 +328,9 @@ def build_plan(
             (names the tensor); an unknown transport.
     """
     rules = _transport_rules(transports)
+    # Rules whose verdict never depends on which replica sends (they read the
+    # table only through each piece's shard) judge replica twins once.
+    blind = all(getattr(rule, "replica_blind", False) for rule in rules.values())
     problems: list[Problem] = []
     params = destination.param_index()
     wires: list[WirePlan] = []
@@ -281,6 +340,7 @@ def build_plan(
     send = np.zeros(num_trainer_ranks, dtype=np.int64)
     recv = np.zeros(destination.num_workers, dtype=np.int64)
     link = np.zeros((num_trainer_ranks, destination.num_workers), dtype=np.int64)
+    chosen: list[tuple[np.ndarray, np.ndarray]] = []   # (link, bytes) of replica slabs
     seen = set()
     for meta in metas:
         if meta.name in seen:
@@ -323,14 +383,17 @@ def build_plan(
             recv += st.recv
             link += st.link
         else:  # replicas: the choice depends on what earlier tensors sent
-            table = st.choose(send, recv, link)
+            table = st.choose(send)
+            recv += st.recv
+            chosen.append((table[:, SlabTable.SRC] * destination.num_workers
+                           + table[:, SlabTable.DST], st.vol))
         wp = WirePlan(meta, pieces, bindings, table, num_trainer_ranks=num_trainer_ranks,
                       _moved=st.moved, _min=st.min)
         if wp.nbytes_moved != wp.nbytes_min and not any(p.subject == meta.name for p in problems):
             problems.append(Problem(meta.name, f"slabs carry {wp.nbytes_moved} bytes but the "
                                                f"workers hold {wp.nbytes_min}"))
-        wp.verdicts = _judge(rules, wp, params,
-                             (key, meta.dtype, dest) if st.table is not None else None, verdicts)
+        wp.verdicts = _judge(rules, wp, params, (key, meta.dtype, dest)
+                             if st.table is not None or blind else None, verdicts)
         wires.append(wp)
         for t, region in zip(targets, st.regions):
             regions.setdefault(id(t), []).append(region)
@@ -349,8 +412,13 @@ def build_plan(
             why = checked[sig] = _regions_disjoint_and_fill(p.shape, regs)
         if why:
             problems.append(Problem(f"worker {key[0]} {key[1]}", why))
+    if chosen:  # the links of replica slabs, counted once at the end
+        link += np.bincount(np.concatenate([c for c, _ in chosen]),
+                            weights=np.concatenate([v for _, v in chosen]),
+                            minlength=link.size).astype(np.int64).reshape(link.shape)
     nz = np.nonzero(link)
-    link_bytes = {(int(s), int(d)): int(link[s, d]) for s, d in zip(*nz)}
+    link_bytes = {(s, d): b for s, d, b in zip(nz[0].tolist(), nz[1].tolist(),
+                                               link[nz].tolist())}
     return Plan(num_trainer_ranks, destination, wires, problems, send, recv, link_bytes,
                 manifest_digest)
 
