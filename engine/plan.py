@@ -61,6 +61,11 @@ class _Grid:
         self.holders = np.full(cells + (max(self.rep, 1),), -1, dtype=np.int64)
         for cell, held in grid.holders.items():
             self.holders[cell][: len(held)] = held
+        self.group = self.cand = None
+        if self.rep > 1:  # holder sets: cells held by the same pieces are one group
+            self.cand, group = np.unique(self.holders.reshape(-1, self.rep), axis=0,
+                                         return_inverse=True)
+            self.group = group.reshape(cells)
 
 
 @lru_cache(maxsize=1024)
@@ -72,13 +77,15 @@ def _intersect_all(grid: _Grid, bindings: Sequence[Binding], nd: int):
     """Every (binding, grid cell) overlap, vectorised over bindings.
 
     Returns ``(binding index [n], holder pieces [n, rep], starts [n, nd],
-    stops [n, nd])``, grouped by binding in order, cells row-major within a
-    binding (the slab order of the table).
+    stops [n, nd], holder set [n] or None)``, grouped by binding in order,
+    cells row-major within a binding (the slab order of the table); the
+    holder set (a row of ``grid.cand``) only where elements have replicas.
     """
     B = len(bindings)
     if nd == 0:
         return (np.arange(B, dtype=np.int64), np.repeat(grid.holders.reshape(1, -1), B, axis=0),
-                np.zeros((B, 0), np.int64), np.zeros((B, 0), np.int64))
+                np.zeros((B, 0), np.int64), np.zeros((B, 0), np.int64),
+                None if grid.group is None else np.repeat(grid.group.reshape(1), B))
     lo = np.array([[a for a, _ in b.box] for b in bindings], dtype=np.int64).reshape(B, nd)
     hi = np.array([[c for _, c in b.box] for b in bindings], dtype=np.int64).reshape(B, nd)
     rows = np.arange(B, dtype=np.int64)
@@ -94,7 +101,8 @@ def _intersect_all(grid: _Grid, bindings: Sequence[Binding], nd: int):
     holders = grid.holders[tuple(cells)]
     starts = np.stack([np.maximum(grid.starts[d][cells[d]], lo[rows, d]) for d in range(nd)], 1)
     stops = np.stack([np.minimum(grid.stops[d][cells[d]], hi[rows, d]) for d in range(nd)], 1)
-    return rows, holders, starts, stops
+    group = None if grid.group is None else grid.group[tuple(cells)]
+    return rows, holders, starts, stops, group
 
 
 def _regions_disjoint_and_fill(shape: tuple[int, ...], regions: list[Box]) -> str:
@@ -125,71 +133,126 @@ def _transport_rules(names: Sequence[str]) -> dict[str, Callable]:
     return out
 
 
-class _ReplicaGroups:
-    """The slabs of one structure grouped by holder set, for :func:`_choose`.
+#: Rotations of the even split a tensor with replicas may take, at most
+#: (spread over the ``R`` positions when ``R`` is larger): bounds the work per
+#: tensor and the tables per structure.
+_ROTATIONS = 16
+
+
+class _Replicas:
+    """Which replica sends each slab of a structure whose elements have replicas.
 
     A *holder set* is the tuple of pieces that hold a grid cell (under HSDP:
-    the ``R`` replicas of one shard); every slab of a cell may come from any
-    of them. Per group: its candidate pieces ``cand`` ``[G, rep]`` (-1
-    padded), their ranks, the group's bytes ``total``; per slab its group
-    and twice the midpoint of its byte range within the group, slabs of a
-    group in slab order (``mid2``).
+    the ``R`` replicas of one shard); any of them may send the cell's slabs.
+    Per holder set (a *group*), the slabs in slab order are laid end to end
+    by bytes and cut into ``n`` equal byte ranges, ``n`` being the group's
+    holders: a slab goes to the holder (position ``k`` in the set) whose
+    range holds the midpoint of its bytes, so each holder sends within one
+    slab of ``1/n`` of the group (:attr:`pos`, the *even split*).
+
+    Each tensor takes one *variant* of that split, the same in every group:
+    a rotation ``r`` of it (position ``k`` sends as ``(k + r) mod n``), or
+    the whole group from one position ``p`` (a small tensor filling in for
+    a big one that fell unevenly). Of the variants, the tensor takes the one
+    that leaves, given what earlier tensors sent (:meth:`choose`), the
+    lowest busiest holder overall, then the lowest sum over groups of each
+    group's busiest holder, then the lowest sum of squared loads, then the
+    first. Twins (the same tensor in every layer) with the same variant
+    share one read-only table, so a structure has at most ``16 + R``
+    tables. Integer arithmetic only: the same plan on every machine.
     """
 
-    def __init__(self, holders: np.ndarray, vol: np.ndarray, piece_rank: np.ndarray) -> None:
-        cand, group = np.unique(holders, axis=0, return_inverse=True)
-        group = group.reshape(-1)
-        G = len(cand)
-        self.cand, self.group = cand, group
-        self.valid = cand >= 0
-        self.rank = np.where(self.valid, piece_rank[np.maximum(cand, 0)], -1)
-        self.total = np.bincount(group, weights=vol, minlength=G).astype(np.int64)
-        order = np.argsort(group, kind="stable")
+    def __init__(self, st: "_Structure", cand: np.ndarray, group: np.ndarray,
+                 base: np.ndarray) -> None:
+        used, group = np.unique(group, return_inverse=True)   # the holder sets these slabs have
+        group = group.reshape(-1).astype(np.int64)
+        cand = cand[used]
+        G, rep = cand.shape
+        vol = st.vol
+        valid = cand >= 0                              # pads are -1, after the holders
+        n = valid.sum(axis=1)
+        total = np.bincount(group, weights=vol, minlength=G).astype(np.int64)
+        small = group.astype(np.int16) if G < 2**15 else group   # radix sort when it fits
+        order = np.argsort(small, kind="stable")
         cum = np.cumsum(vol[order])
-        first = np.searchsorted(group[order], np.arange(G), side="left")
-        start = np.concatenate(([0], cum))[first]   # bytes before each group, in slab order
-        mid2 = np.empty_like(vol)
-        mid2[order] = 2 * (cum - vol[order] - start[group[order]]) + vol[order]
-        self.mid2 = mid2
+        start = np.concatenate(([0], cum))[np.searchsorted(group[order], np.arange(G))]
+        mid2 = np.empty_like(vol)                      # twice each slab's midpoint in its group
+        mid2[order] = 2 * (cum - start[group[order]]) - vol[order]
+        pos = mid2 * n[group] // (2 * np.maximum(total[group], 1))
+        self.pos = np.minimum(pos, n[group] - 1)
+        self.cand, self.group, self.n, self.valid, self.total = cand, group, n, valid, total
+        self.rank = np.where(valid, st.piece_rank[np.maximum(cand, 0)], 0)
+        q = min(rep, _ROTATIONS)
+        self.rotations = [k * rep // q for k in range(q)]
+        # adds[i, g, j]: bytes position j of group g sends under rotation i (what
+        # even-split position (j - r) mod n sends); 0 on pads.
+        share = np.bincount(group * rep + self.pos, weights=vol,
+                            minlength=G * rep).astype(np.int64).reshape(G, rep)
+        j = np.arange(rep)
+        r = np.array(self.rotations)[:, None, None]
+        src = (j[None, None, :] - r) % n[None, :, None]
+        self.adds = np.where(valid[None], np.take_along_axis(
+            np.broadcast_to(share, (q, G, rep)), src, 2), 0)
+        self.whole = j[:, None] % n[None, :]           # [rep, G]: position p in each group
+        self.st, self.base = st, base
+        self.tables: dict[int, np.ndarray] = {}
+        self.sends: dict[int, np.ndarray] = {}
+        self.uses: dict[int, int] = {}
 
+    def choose(self, load: np.ndarray) -> int:
+        """The variant for a tensor, ``load`` being the bytes each rank has sent:
+        ``i < len(rotations)`` is rotation ``rotations[i]``, else the whole group
+        from position ``i - len(rotations)``."""
+        G, rep = self.cand.shape
+        cur = np.where(self.valid, load[self.rank], 0)  # [G, rep]
+        top = int(cur.max()) + int(self.total.max())
+        bits = max(1, (62 - (G * rep).bit_length()) // 2)
+        shift = max(0, top.bit_length() - bits)       # squares of loads >> shift fit int64
+        # rotations of the even split
+        after = cur[None] + self.adds
+        peak = np.where(self.valid[None], after, -1).max(axis=2)      # [q, G]
+        sq = ((after >> shift) ** 2 * self.valid[None]).sum(axis=(1, 2))
+        # the whole group from one position
+        g = np.arange(G)
+        k1 = np.where(self.valid, cur, -1).argmax(axis=1)
+        m1 = cur[g, k1]
+        m2 = np.where(self.valid & (np.arange(rep) != k1[:, None]), cur, -1).max(axis=1)
+        at = cur[g, self.whole]                        # [rep, G]
+        got = at + self.total
+        wpeak = np.maximum(got, np.where(self.whole == k1, m2, m1))
+        sq0 = ((cur >> shift) ** 2 * self.valid).sum()
+        wsq = sq0 + ((got >> shift) ** 2 - (at >> shift) ** 2).sum(axis=1)
+        peak = np.concatenate([peak, wpeak])
+        sq = np.concatenate([sq, wsq])
+        return int(np.lexsort((np.arange(len(sq)), sq, peak.sum(axis=1), peak.max(axis=1)))[0])
 
-def _choose(groups: _ReplicaGroups, load: np.ndarray) -> np.ndarray:
-    """One holder piece per slab: water-filling per holder set, vectorised.
+    def table(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """Variant ``i``'s table (read-only, shared) and the bytes it sends per rank."""
+        if i not in self.tables:
+            g = self.group
+            q = len(self.rotations)
+            k = (self.pos + self.rotations[i]) % self.n[g] if i < q else self.whole[i - q, g]
+            piece = self.cand[g, k]
+            src = self.st.piece_rank[piece]
+            table = self.base.copy()
+            table[:, SlabTable.SRC] = src
+            table[:, SlabTable.PIECE] = piece
+            table.flags.writeable = False
+            self.tables[i] = table
+            self.sends[i] = np.bincount(src, weights=self.st.vol,
+                                        minlength=self.st.shape_tw[0]).astype(np.int64)
+        self.uses[i] = self.uses.get(i, 0) + 1
+        return self.tables[i], self.sends[i]
 
-    Per group, its candidates are sorted by the bytes their ranks have sent
-    so far (``load``: the wire tensors planned before this one), ties by
-    rank then piece. The group's bytes ``V`` raise the least-loaded ones to
-    one level ``L`` (integer: ``sum(max(0, L - load)) <= V < that + m`` over
-    the ``m`` candidates below the level), each candidate getting a share
-    ``L - load`` of the group's bytes; the shares are laid end to end in
-    that order and a slab goes to the candidate whose share holds the
-    midpoint of its byte range (slabs in slab order). Each rank so ends
-    within one slab of the level, and the next tensor starts from the loads
-    this one left. Integer arithmetic only: the same on every machine.
-    """
-    cand, valid, rank = groups.cand, groups.valid, groups.rank
-    G, rep = cand.shape
-    big = np.iinfo(np.int64).max // 4
-    cur = np.where(valid, load[np.maximum(rank, 0)], big)
-    gid = np.repeat(np.arange(G, dtype=np.int64), rep)
-    order = np.lexsort((cand.ravel(), rank.ravel(), cur.ravel(), gid)).reshape(G, rep)
-    order -= (np.arange(G, dtype=np.int64) * rep)[:, None]
-    cur = np.take_along_axis(cur, order, 1)
-    cand = np.take_along_axis(cand, order, 1)
-    ok = np.take_along_axis(valid, order, 1)        # valid ones first (pads load ``big``)
-    prefix = np.cumsum(np.where(ok, cur, 0), axis=1)
-    level = (groups.total[:, None] + prefix) // np.arange(1, rep + 1, dtype=np.int64)
-    below = np.cumprod(ok & (cur <= level), axis=1, dtype=bool)
-    m = below.sum(axis=1)                           # >= 1: the least-loaded is always below
-    top = level[np.arange(G), m - 1]
-    share = np.where(below, top[:, None] - cur, 0)
-    bound2 = 2 * np.cumsum(share, axis=1)[:, :-1]   # ends of the shares, doubled
-    g = groups.group
-    k = np.zeros(len(g), dtype=np.int64)
-    for j in range(rep - 1):
-        k += bound2[g, j] <= groups.mid2
-    k = np.minimum(k, m[g] - 1)
-    return cand[g, k]
+    def link(self) -> np.ndarray:
+        """Bytes per (rank, worker) link, over every use of every rotation."""
+        T, W = self.st.shape_tw
+        out = np.zeros(T * W, dtype=np.int64)
+        for r, uses in self.uses.items():
+            t = self.tables[r]
+            out += uses * np.bincount(t[:, SlabTable.SRC] * W + t[:, SlabTable.DST],
+                                      weights=self.st.vol, minlength=T * W).astype(np.int64)
+        return out.reshape(T, W)
 
 
 class _Structure:
@@ -199,19 +262,22 @@ class _Structure:
     has the same pieces and the same worker boxes, hence the same slab
     table. The planner intersects once per structure and, where each
     element has one holder, shares the table (read-only) and the bytes it
-    adds per rank and link. With replicas the holder choice depends on what
-    earlier tensors sent, so :meth:`choose` builds each tensor's table.
+    adds per rank and link. With replicas, which replica sends depends on
+    what earlier tensors sent: each tensor takes one of at most ``R``
+    rotations of the structure's split, and twins with the same rotation
+    share its table (:class:`_Replicas`).
     """
 
     def __init__(self, grid: _Grid, pieces: tuple[Piece, ...], bindings: Sequence[Binding],
                  nd: int, itemsize: int, num_trainer_ranks: int, num_workers: int) -> None:
-        binding, holders, starts, stops = _intersect_all(grid, bindings, nd)
+        binding, holders, starts, stops, group = _intersect_all(grid, bindings, nd)
         held = holders[:, 0] >= 0
         self.unheld: list[int] = []
         if not held.all():
             self.unheld = np.unique(binding[~held]).tolist()
             binding, holders, starts, stops = (binding[held], holders[held], starts[held],
                                                stops[held])
+            group = None if group is None else group[held]
         n = len(holders)
         self.vol = ((stops - starts).prod(axis=1) if nd else np.ones(n, dtype=np.int64)) * itemsize
         self.moved = int(self.vol.sum())
@@ -222,19 +288,17 @@ class _Structure:
         self.binding, self.starts, self.stops = binding, starts, stops
         self.shape_tw = (num_trainer_ranks, num_workers)
         self.table: np.ndarray | None = None
+        self.replicas: _Replicas | None = None
         if holders.shape[1] == 1 or not n:
             piece = holders[:, 0].copy()
             self.table = self._table(piece)
             self.table.flags.writeable = False
             self.send, self.recv, self.link = self._bytes(self.piece_rank[piece])
-            self.starts = self.stops = None   # in the table now
-        else:  # what a receiver gets does not depend on which replica sends it
-            self.groups = _ReplicaGroups(holders, self.vol, self.piece_rank)
+        else:  # what a worker receives does not depend on which replica sends it
             self.recv = np.bincount(self.dst, weights=self.vol,
                                     minlength=num_workers).astype(np.int64)
-            self.base = self._table(holders[:, 0])   # SRC and PIECE rewritten per tensor
-            self.base.flags.writeable = False
-            self.starts = self.stops = None
+            self.replicas = _Replicas(self, grid.cand, group, self._table(holders[:, 0]))
+        self.starts = self.stops = None   # in the table now
 
     def _table(self, piece: np.ndarray) -> np.ndarray:
         nd = self.starts.shape[1]
@@ -257,14 +321,10 @@ class _Structure:
                             minlength=T * W).astype(np.int64).reshape(T, W))
 
     def choose(self, send: np.ndarray) -> np.ndarray:
-        """The table of one tensor with replicas, holders chosen against ``send``
-        (:func:`_choose`); adds the bytes each rank sends to ``send``."""
-        piece = _choose(self.groups, send)
-        src = self.piece_rank[piece]
-        send += np.bincount(src, weights=self.vol, minlength=len(send)).astype(np.int64)
-        table = self.base.copy()
-        table[:, SlabTable.SRC] = src
-        table[:, SlabTable.PIECE] = piece
+        """The table of one tensor with replicas, its variant chosen against
+        ``send`` (bytes each rank has sent so far), which it adds to."""
+        table, sent = self.replicas.table(self.replicas.choose(send))
+        send += sent
         return table
 
 
@@ -340,7 +400,8 @@ def build_plan(
     send = np.zeros(num_trainer_ranks, dtype=np.int64)
     recv = np.zeros(destination.num_workers, dtype=np.int64)
     link = np.zeros((num_trainer_ranks, destination.num_workers), dtype=np.int64)
-    chosen: list[tuple[np.ndarray, np.ndarray]] = []   # (link, bytes) of replica slabs
+    pending: list[tuple[WirePlan, _Structure, tuple | None]] = []   # tensors with replicas
+    grids: dict[tuple, tuple] = {}   # (id(pieces), shape) -> (pieces, kept alive; grid)
     seen = set()
     for meta in metas:
         if meta.name in seen:
@@ -368,7 +429,10 @@ def build_plan(
             raise RuntimeError(f"binding of '{meta.name}' names unknown parameter "
                                f"'{b.param}' on worker {b.worker}") from None
         dest = tuple((t.shape, t.dtype) for t in targets)
-        grid = _grid(pieces, meta.shape)
+        g = grids.get((id(pieces), meta.shape))   # hashing 2048 pieces per tensor is slow
+        if g is None:
+            g = grids[(id(pieces), meta.shape)] = (pieces, _grid(pieces, meta.shape))
+        grid = g[1]
         key = (grid, meta.dtype.itemsize, sig)
         st = structures.get(key)
         if st is None:
@@ -382,21 +446,28 @@ def build_plan(
             send += st.send
             recv += st.recv
             link += st.link
-        else:  # replicas: the choice depends on what earlier tensors sent
-            table = st.choose(send)
+        else:  # replicas: chosen below, once every tensor's fixed bytes are known
+            table = st.replicas.base
             recv += st.recv
-            chosen.append((table[:, SlabTable.SRC] * destination.num_workers
-                           + table[:, SlabTable.DST], st.vol))
         wp = WirePlan(meta, pieces, bindings, table, num_trainer_ranks=num_trainer_ranks,
                       _moved=st.moved, _min=st.min)
         if wp.nbytes_moved != wp.nbytes_min and not any(p.subject == meta.name for p in problems):
             problems.append(Problem(meta.name, f"slabs carry {wp.nbytes_moved} bytes but the "
                                                f"workers hold {wp.nbytes_min}"))
-        wp.verdicts = _judge(rules, wp, params, (key, meta.dtype, dest)
-                             if st.table is not None or blind else None, verdicts)
+        if st.table is None:
+            pending.append((wp, st, (key, meta.dtype, dest) if blind else None))
+        else:
+            wp.verdicts = _judge(rules, wp, params, (key, meta.dtype, dest), verdicts)
         wires.append(wp)
         for t, region in zip(targets, st.regions):
             regions.setdefault(id(t), []).append(region)
+
+    # Which replica sends: biggest slabs first, each tensor against what the
+    # tensors before it (single-holder ones all first) send; small ones fill in.
+    pending.sort(key=lambda item: -int(item[1].vol.max()))   # stable: manifest order on ties
+    for wp, st, key in pending:
+        wp.table = st.choose(send)
+        wp.verdicts = _judge(rules, wp, params, key, verdicts)
 
     # Coverage of every worker parameter: bindings + zero regions, once each.
     # Parameters of the same shape filled the same way (every layer, every dp
@@ -412,10 +483,9 @@ def build_plan(
             why = checked[sig] = _regions_disjoint_and_fill(p.shape, regs)
         if why:
             problems.append(Problem(f"worker {key[0]} {key[1]}", why))
-    if chosen:  # the links of replica slabs, counted once at the end
-        link += np.bincount(np.concatenate([c for c, _ in chosen]),
-                            weights=np.concatenate([v for _, v in chosen]),
-                            minlength=link.size).astype(np.int64).reshape(link.shape)
+    for st in structures.values():  # the links of replica slabs, per rotation used
+        if st.replicas is not None:
+            link += st.replicas.link()
     nz = np.nonzero(link)
     link_bytes = {(s, d): b for s, d, b in zip(nz[0].tolist(), nz[1].tolist(),
                                                link[nz].tolist())}
