@@ -4,9 +4,10 @@ Every source piece (a box of a wire tensor that a trainer rank holds, and
 where it sits in the rank's local tensor; ``m2nkit.manifest.pieces``) is
 intersected with every destination binding (a box some worker needs, and
 where it lands in that worker's vLLM storage). Each non-empty intersection
-is a *slab*. Where several pieces hold the same elements (replicas), one is
-chosen per slab, greedily, to balance bytes sent per rank. Nothing is ever
-gathered: bytes moved equal the bytes the workers hold, exactly.
+is a *slab*. Where several pieces hold the same elements (replicas: HSDP,
+FSDP2 ``dp_replicate``), one is chosen per slab to balance the bytes each
+rank sends (:class:`_Replicas`). Nothing is ever gathered: bytes moved equal
+the bytes the workers hold, exactly.
 
 The plan proves its own coverage: per worker parameter, the regions written
 by bindings plus the declared zero regions (vocab padding) are disjoint and
@@ -22,8 +23,11 @@ Slabs are kept as one int64 table per wire tensor (numpy, columns in
 ``SlabTable``). Tensors with the same pieces, dtype size and bindings (the same
 tensor in every layer) have the same slabs: they are intersected once and
 share one read-only table (:class:`_Structure`), so Kimi-K2 from 256 FSDP
-ranks into 64 vLLM workers (10.4 M slabs, 32 structures) plans in under half
-a second on two cores and the tables take 10 MiB.
+ranks into 64 vLLM workers (11.5 M slabs, 32 structures) plans in under half
+a second on two cores and the tables take 10 MiB. With replicas, twins that
+take the same variant of their structure's split share its table too: the
+same model from ``hsdp:8,256`` (2048 ranks) plans in under a second, its
+busiest rank at the per-replica-group bound (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -363,8 +367,9 @@ def build_plan(
 
     Every source piece is intersected with every destination binding; each
     non-empty intersection is a slab. Where several pieces hold the same
-    element (replicas), the slab goes to the holder whose rank has sent the
-    fewest bytes so far (greedy, deterministic).
+    element (replicas), which one sends it is chosen to balance the bytes
+    each rank sends: tensors with the biggest slabs first, each against
+    what is already sent (:class:`_Replicas`; deterministic, integer only).
 
     Args:
         metas: wire tensors in send order; placement layouts with
