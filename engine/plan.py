@@ -43,7 +43,7 @@ from m2nkit.engine.plan_types import Plan, Problem, SlabTable, Verdict, WirePlan
 from m2nkit.engine.transports.registry import TRANSPORT_RULES
 from m2nkit.manifest.destination import Binding, DestinationLayout
 from m2nkit.manifest.meta import ParamMeta
-from m2nkit.manifest.pieces import Box, Piece, box_volume, piece_grid
+from m2nkit.manifest.pieces import Box, Piece, box_volume
 
 __all__ = ["build_plan", "count_coverage"]
 
@@ -56,20 +56,37 @@ class _Grid:
     """Numpy view of a ``PieceGrid``: cell bounds per dim, holder pieces per cell."""
 
     def __init__(self, pieces: tuple[Piece, ...], shape: tuple[int, ...]):
-        grid = piece_grid(pieces, shape)
-        self.starts = [np.array([a for a, _ in ivs], dtype=np.int64) for ivs in grid.intervals]
-        self.stops = [np.array([b for _, b in ivs], dtype=np.int64) for ivs in grid.intervals]
-        reps = [len(h) for h in grid.holders.values()]
-        self.rep = max(reps, default=0)
-        cells = tuple(len(ivs) for ivs in grid.intervals)
-        self.holders = np.full(cells + (max(self.rep, 1),), -1, dtype=np.int64)
-        for cell, held in grid.holders.items():
-            self.holders[cell][: len(held)] = held
+        # ``piece_grid``'s cells and holders (each cell's pieces in piece
+        # order), vectorised over pieces: thousands of ranks hold pieces.
+        nd, P = len(shape), len(pieces)
+        box = np.array([p.box for p in pieces], dtype=np.int64).reshape(P, nd, 2)
+        self.starts, self.stops = [], []
+        rows = np.arange(P, dtype=np.int64)
+        cells: list[np.ndarray] = []
+        for d in range(nd):
+            cuts = np.unique(np.concatenate(([0, shape[d]], box[:, d].ravel())))
+            self.starts.append(cuts[:-1])
+            self.stops.append(cuts[1:])
+            i0 = np.searchsorted(cuts, box[rows, d, 0])
+            n = np.maximum(np.searchsorted(cuts, box[rows, d, 1]) - i0, 0)
+            within = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)
+            cells = [np.repeat(c, n) for c in cells] + [np.repeat(i0, n) + within]
+            rows = np.repeat(rows, n)
+        dims = tuple(len(s) for s in self.starts)
+        flat = np.ravel_multi_index(tuple(cells), dims) if nd else np.zeros(len(rows), np.int64)
+        order = np.argsort(flat, kind="stable")      # by cell, pieces in order within one
+        flat, rows = flat[order], rows[order]
+        count = np.bincount(flat, minlength=math.prod(dims))
+        self.rep = int(count.max(initial=0))
+        slot = np.arange(len(flat)) - (np.cumsum(count) - count)[flat]
+        self.holders = np.full((math.prod(dims), max(self.rep, 1)), -1, dtype=np.int64)
+        self.holders[flat, slot] = rows
+        self.holders = self.holders.reshape(dims + (max(self.rep, 1),))
         self.group = self.cand = None
         if self.rep > 1:  # holder sets: cells held by the same pieces are one group
             self.cand, group = np.unique(self.holders.reshape(-1, self.rep), axis=0,
                                          return_inverse=True)
-            self.group = group.reshape(cells)
+            self.group = group.reshape(dims)
 
 
 @lru_cache(maxsize=1024)
