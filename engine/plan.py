@@ -154,9 +154,9 @@ def _transport_rules(names: Sequence[str]) -> dict[str, Callable]:
     return out
 
 
-#: Rotations of the even split a tensor with replicas may take, at most
-#: (spread over the ``R`` positions when ``R`` is larger): bounds the work per
-#: tensor and the tables per structure.
+#: The most replicas per holder set for which a tensor takes a variant of its
+#: structure's split (``R`` rotations, ``R`` whole-group choices, tables
+#: shared by twins); larger groups fill each tensor's own (:meth:`_Replicas.fill`).
 _ROTATIONS = 16
 
 
@@ -179,8 +179,11 @@ class _Replicas:
     lowest busiest holder overall, then the lowest sum over groups of each
     group's busiest holder, then the lowest sum of squared loads, then the
     first. Twins (the same tensor in every layer) with the same variant
-    share one read-only table, so a structure has at most ``16 + R``
-    tables. Integer arithmetic only: the same plan on every machine.
+    share one read-only table, so a structure has at most ``2 R`` tables.
+    Groups of more than ``_ROTATIONS`` holders (a tensor has too few slabs
+    per group to reach them all by rotations) water-fill each tensor
+    instead (:meth:`fill`), one table per tensor. Integer arithmetic only:
+    the same plan on every machine.
     """
 
     def __init__(self, st: "_Structure", cand: np.ndarray, group: np.ndarray,
@@ -203,8 +206,17 @@ class _Replicas:
         self.pos = np.minimum(pos, n[group] - 1)
         self.cand, self.group, self.n, self.valid, self.total = cand, group, n, valid, total
         self.rank = np.where(valid, st.piece_rank[np.maximum(cand, 0)], 0)
-        q = min(rep, _ROTATIONS)
-        self.rotations = [k * rep // q for k in range(q)]
+        self.st, self.base = st, base
+        self.tables: dict[int, np.ndarray] = {}
+        self.sends: dict[int, np.ndarray] = {}
+        self.uses: dict[int, int] = {}
+        self.fills = rep > _ROTATIONS
+        if self.fills:  # more replicas than rotations: each tensor fills its own (:meth:`fill`)
+            self.mid2 = mid2
+            self.filled = np.zeros(st.shape_tw[0] * st.shape_tw[1], dtype=np.int64)
+            return
+        q = rep
+        self.rotations = list(range(q))
         # adds[i, g, j]: bytes position j of group g sends under rotation i (what
         # even-split position (j - r) mod n sends); 0 on pads.
         share = np.bincount(group * rep + self.pos, weights=vol,
@@ -215,10 +227,6 @@ class _Replicas:
         self.adds = np.where(valid[None], np.take_along_axis(
             np.broadcast_to(share, (q, G, rep)), src, 2), 0)
         self.whole = j[:, None] % n[None, :]           # [rep, G]: position p in each group
-        self.st, self.base = st, base
-        self.tables: dict[int, np.ndarray] = {}
-        self.sends: dict[int, np.ndarray] = {}
-        self.uses: dict[int, int] = {}
 
     def choose(self, load: np.ndarray) -> int:
         """The variant for a tensor, ``load`` being the bytes each rank has sent:
@@ -265,10 +273,62 @@ class _Replicas:
         self.uses[i] = self.uses.get(i, 0) + 1
         return self.tables[i], self.sends[i]
 
+    def fill(self, load: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A table of its own for one tensor, by water-filling each group
+        (``load``: bytes each rank has sent), and the bytes it sends per rank.
+
+        For groups of more than ``_ROTATIONS`` holders (``replicated:N``, HSDP
+        with many replicas), where a tensor's few slabs per group leave most
+        positions of a rotation empty. Per group the holders are sorted by
+        load (ties by rank, then piece); the group's bytes raise the least
+        loaded to one level ``L`` (integer), each holder's share being
+        ``L - load``; a slab goes to the holder whose share, laid end to end
+        in that order, holds its midpoint (slabs in slab order).
+        """
+        cand, valid, rank = self.cand, self.valid, self.rank
+        G, rep = cand.shape
+        big = np.iinfo(np.int64).max // 4
+        cur = np.where(valid, load[rank], big)
+        gid = np.repeat(np.arange(G, dtype=np.int64), rep)
+        order = np.lexsort((cand.ravel(), rank.ravel(), cur.ravel(), gid)).reshape(G, rep)
+        order -= (np.arange(G, dtype=np.int64) * rep)[:, None]
+        cur = np.take_along_axis(cur, order, 1)
+        cand = np.take_along_axis(cand, order, 1)
+        ok = np.take_along_axis(valid, order, 1)        # holders first (pads load ``big``)
+        prefix = np.cumsum(np.where(ok, cur, 0), axis=1)
+        level = (self.total[:, None] + prefix) // np.arange(1, rep + 1, dtype=np.int64)
+        below = np.cumprod(ok & (cur <= level), axis=1, dtype=bool)
+        m = below.sum(axis=1)                           # >= 1: the least loaded is below
+        top = level[np.arange(G), m - 1]
+        share = np.where(below, top[:, None] - cur, 0)
+        ends = 2 * np.cumsum(share, axis=1)[:, :-1]     # where the shares end, doubled
+        g = self.group
+        span = 2 * int(self.total.max()) + 2            # > every end and midpoint of a group
+        if G * span < 2 ** 62:   # one sorted search over all groups, each offset by ``span``
+            off = np.arange(G, dtype=np.int64) * span
+            k = np.searchsorted((ends + off[:, None]).ravel(), self.mid2 + off[g], side="right")
+            k -= g * (rep - 1)
+        else:
+            k = np.zeros(len(g), dtype=np.int64)
+            for j in range(rep - 1):
+                k += ends[g, j] <= self.mid2
+        piece = cand[g, np.minimum(k, m[g] - 1)]
+        st = self.st
+        src = st.piece_rank[piece]
+        T, W = st.shape_tw
+        table = self.base.copy()
+        table[:, SlabTable.SRC] = src
+        table[:, SlabTable.PIECE] = piece
+        self.filled += np.bincount(src * W + st.dst, weights=st.vol,
+                                   minlength=T * W).astype(np.int64)
+        return table, np.bincount(src, weights=st.vol, minlength=T).astype(np.int64)
+
     def link(self) -> np.ndarray:
         """Bytes per (rank, worker) link, over every use of every rotation."""
         T, W = self.st.shape_tw
         out = np.zeros(T * W, dtype=np.int64)
+        if self.fills:
+            return self.filled.reshape(T, W)
         for r, uses in self.uses.items():
             t = self.tables[r]
             out += uses * np.bincount(t[:, SlabTable.SRC] * W + t[:, SlabTable.DST],
@@ -344,7 +404,8 @@ class _Structure:
     def choose(self, send: np.ndarray) -> np.ndarray:
         """The table of one tensor with replicas, its variant chosen against
         ``send`` (bytes each rank has sent so far), which it adds to."""
-        table, sent = self.replicas.table(self.replicas.choose(send))
+        rp = self.replicas
+        table, sent = rp.fill(send) if rp.fills else rp.table(rp.choose(send))
         send += sent
         return table
 

@@ -162,3 +162,26 @@ def test_uneven_layers_reach_the_best_assignment_within_one_slab():
     best, n = _best_possible(plan, 3, 1)
     assert n == 9
     assert best <= int(plan.send_bytes.max()) <= best + 2 * 4
+
+
+def test_many_replicas_are_balanced_and_covered_once():
+    # 20 replicas per shard (more than the planner rotates): each tensor
+    # water-fills its own table; still within 5 % of the bound, every slab
+    # from a replica of its shard, every worker element written once. (36
+    # layers: each replica's share is some 30 slabs, so whole slabs can
+    # come within 5 % of the fractional bound.)
+    R, S, W = 20, 2, 4
+    metas, dest, wanted = _hsdp_model(36, R, S, W, KINDS)
+    plan = build_plan(metas, R * S, dest)
+    assert plan.problems == [] and plan.nbytes_moved == plan.nbytes_min
+    bound, total = _lower_bound(metas, wanted, R, S)
+    assert plan.nbytes_moved == total
+    assert bound <= int(plan.send_bytes.max()) <= 1.05 * bound
+    for wp in plan.wires:
+        lo = SlabTable.lo(wp.table, wp.ndim)[:, 0]
+        for src, a in zip(wp.table[:, SlabTable.SRC], lo):
+            s0, s1 = _chunk(wp.meta.shape[0], S, int(src) % S)
+            assert s0 <= a < s1
+    assert all(bool((c == 1).all()) for c in count_coverage(plan).values())
+    metas2, dest2, _ = _hsdp_model(36, R, S, W, KINDS)
+    assert build_plan(metas2, R * S, dest2).digest() == plan.digest()
