@@ -13,8 +13,21 @@ proof); "rest" is everything else (interpreter start, printing, exit). The
 load average before and after each case goes with it: the machine is shared,
 and wall time follows the load. Prints a table; ``--json PATH`` writes it all.
 
-    python benchmarks/plan_scale.py [--case NAME ...] [--repeat N] [--json PATH]
-                                    [--models DIR]
+For each case it also plans twice more in this process (after all the timed
+runs) and measures the send balance and that the two digests agree: the busiest link (the most bytes one trainer
+rank sends), ``mean`` = bytes moved / the trainer ranks that hold data, and
+``bound`` = the per-replica-group lower bound, computed from the layouts
+alone (not from the planner's choice): the bytes that the ranks of one holder
+set (the ranks holding one box, e.g. the replicas of one HSDP shard) alone
+hold must leave from those ranks, so one of them sends at least that share;
+``bound`` is the largest such share over all holder sets (and never below
+``mean``). No plan can send less from its busiest rank than ``bound``; a
+split that does not divide evenly (``torch.chunk`` over 256 shards) puts it
+above ``mean``, for any sender choice (``fsdp:256`` has no choice at all).
+``--no-balance`` skips it.
+
+    python benchmarks/plan_scale.py [--case NAME ...] [--match TEXT] [--repeat N]
+                                    [--json PATH] [--models DIR] [--no-balance]
 
 ``--models DIR`` takes any folder laid out the same way,
 ``<org>__<name>/config.json``.
@@ -46,6 +59,16 @@ CASES = {
     "qwen3-30b-a3b fsdp:256 -> tp8 ep": ("Qwen__Qwen3-30B-A3B", "fsdp:256", "vllm:tp=8,ep"),
     "mixtral-8x7b fsdp:64 -> tp8": ("mistralai__Mixtral-8x7B-v0.1", "fsdp:64", "vllm:tp=8"),
     "llama-3.1-70b fsdp:128 -> tp8 dp2": ("meta-llama__Llama-3.1-70B", "fsdp:128", "vllm:tp=8,dp=2"),
+    # HSDP and FSDP2 with dp_replicate: which replica sends each slab is the planner's choice.
+    "kimi-k2 hsdp:2,128 -> tp8 dp8 ep": ("moonshotai__Kimi-K2-Instruct", "hsdp:2,128", "vllm:tp=8,dp=8,ep"),
+    "kimi-k2 hsdp:8,256 -> tp8 dp8 ep": ("moonshotai__Kimi-K2-Instruct", "hsdp:8,256", "vllm:tp=8,dp=8,ep"),
+    "kimi-k2 hsdp:16,128 -> tp8 dp8 ep": ("moonshotai__Kimi-K2-Instruct", "hsdp:16,128", "vllm:tp=8,dp=8,ep"),
+    "kimi-k2 hsdp:2,1024 -> tp8 dp8 ep": ("moonshotai__Kimi-K2-Instruct", "hsdp:2,1024", "vllm:tp=8,dp=8,ep"),
+    "kimi-k2 hsdp:64,32 -> tp8 dp8 ep": ("moonshotai__Kimi-K2-Instruct", "hsdp:64,32", "vllm:tp=8,dp=8,ep"),
+    "kimi-k2 fsdp2:dp_replicate=8,dp_shard=256 -> tp8 dp8 ep": (
+        "moonshotai__Kimi-K2-Instruct", "fsdp2:dp_replicate=8,dp_shard=256", "vllm:tp=8,dp=8,ep"),
+    "kimi-k2 fsdp2:dp_replicate=4,dp_shard=512 -> tp8 dp8 ep": (
+        "moonshotai__Kimi-K2-Instruct", "fsdp2:dp_replicate=4,dp_shard=512", "vllm:tp=8,dp=8,ep"),
 }
 
 #: Phases of the command's "planning time" row, in order.
@@ -106,6 +129,73 @@ def run_once(cmd: list[str]) -> dict:
     }
 
 
+def balance(config: Path, trainer: str, inference: str) -> dict:
+    """Plan in this process; the busiest link against ``mean`` and ``bound``.
+
+    ``bound`` comes from the layouts alone: per wire tensor, each binding's
+    box (what a worker needs) is intersected with each piece's box, and the
+    bytes of elements held by exactly the ranks ``H`` are added to ``H``.
+    Every byte of ``H``'s leaves from a rank of ``H``, so one of them sends
+    at least ``bytes(subsets of H) / |H|``.
+    """
+    import numpy as np
+
+    from m2nkit.adapters.hf_checkpoint import checkpoint_metas, read_checkpoint
+    from m2nkit.adapters.trainer_spec import parse_trainer_spec
+    from m2nkit.adapters.vllm import destination_layout, parse_inference_spec
+    from m2nkit.engine.plan import build_plan
+
+    tspec = parse_trainer_spec(trainer)
+    ckpt = read_checkpoint(config)
+    metas = checkpoint_metas(ckpt, tspec)
+    dest = destination_layout(ckpt.config, metas, parse_inference_spec(inference))
+    t0 = time.perf_counter()
+    plan = build_plan(metas, tspec.num_ranks, dest)
+    again = build_plan(metas, tspec.num_ranks, dest).digest()
+    plan_s = time.perf_counter() - t0
+    held: dict[frozenset, int] = {}
+    holding: set[int] = set()
+    for meta in metas:
+        bindings = dest.bindings.get(meta.name, ())
+        if meta.name in dest.skipped or not bindings:
+            continue
+        pieces = meta.source_pieces(tspec.num_ranks)
+        boxes: dict[tuple, set[int]] = {}   # box -> the ranks holding exactly it
+        for p in pieces:
+            boxes.setdefault(p.box, set()).add(p.rank)
+        if len(boxes) * len(bindings) == 0:
+            continue
+        # vectorised box overlaps: [boxes, bindings] volume of each intersection
+        pb = np.array(list(boxes), dtype=np.int64).reshape(len(boxes), len(meta.shape), 2)
+        bb = np.array([b.box for b in bindings], dtype=np.int64).reshape(
+            len(bindings), len(meta.shape), 2)
+        lo = np.maximum(pb[:, None, :, 0], bb[None, :, :, 0])
+        hi = np.minimum(pb[:, None, :, 1], bb[None, :, :, 1])
+        vol = np.clip(hi - lo, 0, None).prod(axis=2).sum(axis=1) * meta.dtype.itemsize
+        for ranks, v in zip(boxes.values(), vol.tolist()):
+            if v:
+                key = frozenset(ranks)
+                held[key] = held.get(key, 0) + v
+                holding |= ranks
+    # Pieces of different boxes may overlap (not under fsdp/hsdp): then the
+    # bytes of their common elements were counted for both, and the bound
+    # would not be one. Check it against the plan's own total.
+    sets = list(held)
+    total = plan.nbytes_moved
+    counted = sum(held.values())
+    mean = total / len(holding) if holding else 0.0
+    bound = max([mean] + [sum(held[t] for t in sets if t <= h) / len(h) for h in sets])
+    busiest = int(plan.send_bytes.max(initial=0))
+    return {"busiest_send_bytes": busiest, "mean_send_bytes": mean, "bound_send_bytes": bound,
+            "busiest_over_bound": busiest / bound if bound else None,
+            "busiest_over_mean": busiest / mean if mean else None,
+            "bound_is_exact": counted == total, "holder_sets": len(sets),
+            "ranks_holding": len(holding), "deterministic": again == plan.digest(),
+            "moved_is_min": plan.nbytes_moved == plan.nbytes_min,
+            "problems": len(plan.problems), "digest": plan.digest(),
+            "two_plans_in_process_s": plan_s}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", type=Path, default=DEFAULT_MODELS,
@@ -114,7 +204,10 @@ def main() -> None:
                    help="run only this case (repeatable; default: all)")
     p.add_argument("--repeat", type=int, default=1, help="runs per case; the table shows the "
                    "median wall time and the run that had it (default 1)")
+    p.add_argument("--match", help="run only the cases whose name contains this text")
     p.add_argument("--json", type=Path, help="also write every run as JSON here")
+    p.add_argument("--no-balance", action="store_true",
+                   help="skip the in-process plan that measures the send balance")
     args = p.parse_args()
     if not args.models.is_dir():
         sys.exit(f"plan_scale: no model configs at {args.models}; pass --models DIR "
@@ -122,15 +215,26 @@ def main() -> None:
     if args.repeat < 1:
         sys.exit(f"plan_scale: --repeat must be >= 1, got {args.repeat}")
     results = []
-    for name in args.case or CASES:
+    names = [n for n in (args.case or CASES) if args.match is None or args.match in n]
+    if not names:
+        sys.exit(f"plan_scale: no case matches {args.match!r}")
+    for name in names:
         model, trainer, inference = CASES[name]
-        cmd = _command(args.models / model / "config.json", trainer, inference)
+        config = args.models / model / "config.json"
+        cmd = _command(config, trainer, inference)
         runs = [run_once(cmd) for _ in range(args.repeat)]
         median = sorted(runs, key=lambda r: r["wall_s"])[(len(runs) - 1) // 2]
         results.append({"case": name, "command": " ".join(["m2nkit"] + cmd[-6:]), "runs": runs,
                         "median": median,
-                        "wall_s_all": [round(r["wall_s"], 2) for r in runs]})
-    head = (f"{'case':40} {'wire':>5} {'slabs':>11} {'m2n':>6} {'imports':>8} {'read':>6} "
+                        "wall_s_all": [round(r["wall_s"], 2) for r in runs],
+                        "balance": None, "_args": (config, trainer, inference)})
+    # After every timed run: a child's ru_maxrss starts from this process's
+    # size at fork (Linux keeps the high-water mark across exec).
+    for r in results:
+        args3 = r.pop("_args")
+        if not args.no_balance:
+            r["balance"] = balance(*args3)
+    head = (f"{'case':56} {'wire':>5} {'slabs':>11} {'m2n':>6} {'imports':>8} {'read':>6} "
             f"{'layout':>7} {'plan':>6} {'rest':>6} {'wall s':>7} {'cpu s':>6} {'peak RSS':>9} "
             f"{'load':>10}")
     print(head)
@@ -138,7 +242,7 @@ def main() -> None:
     for r in results:
         m = r["median"]
         ph = m["phases_s"]
-        print(f"{r['case']:40} {m['wire']:>5} {m['slabs']:>11,} {m['m2n'].split()[0]:>6} "
+        print(f"{r['case']:56} {m['wire']:>5} {m['slabs']:>11,} {m['m2n'].split()[0]:>6} "
               f"{ph['imports']:>8.2f} "
               f"{ph['read']:>6.2f} {ph['vLLM layout']:>7.2f} {ph['plan']:>6.2f} {m['rest_s']:>6.2f} "
               f"{m['wall_s']:>7.2f} {m['cpu_s']:>6.2f} {m['peak_rss_mib']:>5.0f} MiB "
@@ -146,13 +250,33 @@ def main() -> None:
     if args.repeat > 1:
         for r in results:
             print(f"  {r['case']}: wall s of the {args.repeat} runs {r['wall_s_all']}")
+    if not args.no_balance:
+        head = (f"\n{'case':56} {'busiest send':>13} {'mean':>11} {'bound':>11} "
+                f"{'/bound':>7} {'/mean':>6} {'sets':>5} {'same digest':>11}")
+        print(head)
+        print("-" * len(head.strip()))
+        mib = 2 ** 20
+        for r in results:
+            b = r["balance"]
+            print(f"{r['case']:56} {b['busiest_send_bytes'] / mib:>9.1f} MiB "
+                  f"{b['mean_send_bytes'] / mib:>7.1f} MiB {b['bound_send_bytes'] / mib:>7.1f} MiB "
+                  f"{b['busiest_over_bound']:>7.4f} {b['busiest_over_mean']:>6.3f} "
+                  f"{b['holder_sets']:>5} {'yes' if b['deterministic'] else 'NO':>11}")
     print("m2n: share of the bytes one nccl.m2n reshard per tensor carries (torch_p2p the rest)\n"
           "wall: the whole command, interpreter start to exit; imports, read, layout, plan: the\n"
           "  command's own 'planning time' row; rest: start, printing, exit\n"
           "cpu: user+system seconds of the command; peak RSS: its ru_maxrss\n"
           "load: 1-minute load average before -> after the case")
+    if not args.no_balance:
+        print("busiest send: the most bytes one trainer rank sends; mean: bytes moved / ranks\n"
+              "  holding data; bound: the per-replica-group lower bound (no plan does better);\n"
+              "  sets: holder sets (ranks holding one box); same digest: two plans in one\n"
+              "  process have one digest")
     bad = [r["case"] for r in results
-           if r["median"]["moved_over_min"] != 1.0 or r["median"]["problems"] != "none"]
+           if r["median"]["moved_over_min"] != 1.0 or r["median"]["problems"] != "none"
+           or (r["balance"] and (not r["balance"]["moved_is_min"] or r["balance"]["problems"]
+                                 or not r["balance"]["deterministic"]
+                                 or not r["balance"]["bound_is_exact"]))]
     if bad:  # every plan moves exactly the bytes the workers hold
         print(f"plans with problems or moving more than the minimum: {bad}")
     if args.json:

@@ -233,9 +233,17 @@ def rank_boxes(layout: SourceLayout, shape: Sequence[int]) -> list[tuple[int, Bo
 
 @lru_cache(maxsize=4096)
 def _pieces_cached(shape, owners, mesh_shape, placements) -> tuple[Piece, ...]:
+    # A box depends only on the coordinates along sharding axes: replicas
+    # (HSDP's outer axis) share it, so each box is computed once.
+    sharded = [a for a, p in enumerate(placements or ()) if isinstance(p, Shard)]
+    boxes: dict[tuple[int, ...], Box | None] = {}
     out = []
     for rank, coord in zip(owners, _coords(mesh_shape)):
-        box = local_box(shape, mesh_shape, placements, coord)
-        if len(shape) == 0 or box_volume(box):
-            out.append(Piece(rank, box))
+        k = tuple(coord[a] for a in sharded)
+        if k not in boxes:
+            box = local_box(shape, mesh_shape, placements, coord)
+            boxes[k] = box if len(shape) == 0 or box_volume(box) else None
+        box = boxes[k]
+        if box is not None:
+            out.append(Piece.checked_box(rank, box))
     return tuple(out)

@@ -142,6 +142,21 @@ class Piece:
     def __hash__(self) -> int:
         return self._hash
 
+    @classmethod
+    def checked_box(cls, rank: int, box: Box) -> "Piece":
+        """``Piece(rank, box)`` for a ``box`` already checked (a tuple of int
+        pairs ``0 <= start <= stop``, as ``local_box`` returns): the rank is
+        checked, the box is not re-checked. For layouts of thousands of ranks."""
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            return cls(rank, box)   # raises, naming the rank
+        p = object.__new__(cls)
+        start = (0,) * len(box)
+        object.__setattr__(p, "rank", rank)
+        object.__setattr__(p, "box", box)
+        object.__setattr__(p, "local_start", start)
+        object.__setattr__(p, "_hash", hash((rank, box, start)))
+        return p
+
     @property
     def local_box(self) -> Box:
         """Where ``box`` sits in the rank's local tensor (local coordinates)."""

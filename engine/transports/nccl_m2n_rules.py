@@ -254,6 +254,12 @@ def can_carry(wp: WirePlan, params: Mapping[tuple[int, str], DestinationParam]) 
     return Verdict(True, "", M2NRoute(src, dst))
 
 
+#: The verdict reads the slab table only through each piece's shard (replicas
+#: are one shard) and each slab's worker: which replica sends never changes
+#: it, so the planner judges tensors that differ only in that choice once.
+can_carry.replica_blind = True
+
+
 def m2n_local_box(mesh_dims: Sequence[int], codes: Sequence[int], shape: Sequence[int],
                   index: int) -> Box:
     """The global box the rank at row-major position ``index`` of an m2n mesh holds.

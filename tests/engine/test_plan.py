@@ -294,7 +294,7 @@ def test_repeated_layers_plan_like_each_layer_alone():
 
 def test_repeated_layers_with_replicas_balance_across_layers():
     """hsdp replicas: which replica sends depends on what earlier tensors sent, so twin
-    tensors get tables of their own, and over the layers every rank sends."""
+    tensors need not share one table, and over the layers every rank sends."""
     metas, dest = _layers(4, mesh=(2, 2), placements=(Replicate(), Shard(0)))
     plan = build_plan(metas, 4, dest)
     assert plan.problems == []
