@@ -221,8 +221,8 @@ def weight_layout(x: Weight, root: _Root, num_trainer_ranks: int
             naming the parameter.
     """
     shape = tuple(int(n) for n in x.param.shape)
-    if x.buffer:
-        return _layout_cached(shape, None, root, None, None, num_trainer_ranks)
+    if x.whole:   # in wire dim order: the whole tensor, on every rank
+        return _layout_cached(x.wire_shape, None, root, None, None, num_trainer_ranks)
     sub = mesh_of(x.param.device_mesh)
     if _sub_coords_cached(root, sub) is None:
         _sub_coords(root, sub, x.name)  # raises, naming the parameter

@@ -36,7 +36,13 @@ class Weight:
     attr: str
     param: torch.Tensor
     buffer: bool = False      # a persistent buffer: never sharded by FSDP2
+    ignored: bool = False     # left out by fully_shard(..., ignored_params=...): whole on every rank
     order: tuple[int, ...] | None = None  # HFNaming.permuted: wire = local.permute(order)
+
+    @property
+    def whole(self) -> bool:
+        """Every rank holds all of it (a buffer, or a parameter FSDP2 was told to ignore)."""
+        return self.buffer or self.ignored
 
     @property
     def wire_shape(self) -> tuple[int, ...]:

@@ -203,10 +203,20 @@ def fsdp2_source(
     sharded = [x for x in params if is_dtensor(x.param)]
     plain = [x for x in params if not x.buffer and not is_dtensor(x.param)]
     if sharded and plain:
-        raise FSDP2SourceError(
-            f"parameter '{plain[0].name}' is a plain tensor, but {len(sharded)} of the model's "
-            f"{len(sharded) + len(plain)} parameters are DTensors (sharded): every parameter "
-            "must be sharded by fully_shard (call fully_shard(model) on the root module too)")
+        from torch.distributed.fsdp import FSDPModule
+
+        if not isinstance(model, FSDPModule):
+            raise FSDP2SourceError(
+                f"parameter '{plain[0].name}' is a plain tensor, but {len(sharded)} of the "
+                f"model's {len(sharded) + len(plain)} parameters are DTensors (sharded): every "
+                "parameter must be sharded by fully_shard (call fully_shard(model) on the root "
+                "module too; parameters it should leave whole go in its ignored_params)")
+        # fully_shard(model) manages every parameter of the root that no child
+        # group or ignored_params took (torch fsdp/_fully_shard/_fsdp_init.py,
+        # _get_managed_states): under a sharded root a plain parameter was
+        # ignored on purpose, and every rank holds it whole.
+        for x in plain:
+            x.ignored = True
 
     if mesh is not None:
         root = mesh_of(mesh)
@@ -290,7 +300,7 @@ def _provider(x: Weight, sharded: bool, dtype: torch.dtype,
               ) -> Callable[[], torch.Tensor]:
     """This rank's local tensor of ``x``: ``to_local()``, LoRA merged, permuted, cast."""
     module, attr, name, order = x.module, x.attr, x.name, x.order
-    sharded = sharded and not x.buffer
+    sharded = sharded and not x.whole
 
     def local() -> torch.Tensor:
         t = live(module, attr, name, sharded)

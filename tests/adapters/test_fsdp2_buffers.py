@@ -225,3 +225,91 @@ def test_fsdp2_source_refuses_a_live_tp_the_heads_do_not_allow():
     assert len(set(errors)) == 1
     assert "'tp' axis: tp=4 does not divide num_key_value_heads=2" in errors[0]
     assert errors[0].endswith(VALID_TP)
+
+
+# --------------------------------------------------------------------------
+# parameters fully_shard was told to ignore (issue 21 item 2, trl#6622)
+
+
+def test_ignored_params_are_sent_whole_from_every_rank_bit_exact(tmp_path):
+    """``fully_shard(layer)`` per block, then ``fully_shard(model,
+    ignored_params=set(model.lm_head.parameters()))``: lm_head stays a plain tensor
+    every rank holds whole. It is declared replicated, every rank's pieces hold the
+    checkpoint's bytes, and a plan into vLLM tp=2 covers every element and moves
+    exactly what vLLM's loaders load (reference_load on the checkpoint)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+
+    import torch.distributed as dist
+
+    from m2nkit.adapters.hf_checkpoint import full_checkpoint_tensors
+    from m2nkit.adapters.vllm import destination_layout, reference_load
+    from m2nkit.engine.in_process import allocate_storage, bitwise_equal, execute_plan
+    from m2nkit.engine.plan import build_plan, count_coverage
+
+    cfg = tiny_config("tiny-llama")
+    torch.manual_seed(0)
+    built = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    built.save_pretrained(tmp_path)
+    ckpt = read_checkpoint(tmp_path)
+    T = 3
+    streams, metas = {}, None
+    for rank in range(T):
+        _fake_rank(rank, T)
+        try:
+            model = copy.deepcopy(built)
+            mesh = init_device_mesh("cpu", (T,), mesh_dim_names=("dp_shard",))
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh, ignored_params=set(model.lm_head.parameters()))
+            assert not isinstance(model.lm_head.weight, DTensor)
+            assert isinstance(model.model.embed_tokens.weight, DTensor)
+            src = fsdp2_source(model)
+            metas = list(src.metadata)
+            head = next(m for m in metas if m.name == "lm_head.weight")
+            assert {(p.rank, p.box) for p in head.source_pieces(T)} == {
+                (r, ((0, cfg.vocab_size), (0, cfg.hidden_size))) for r in range(T)}
+            streams[rank] = [(n, t.clone()) for n, t in src.iter_local()]
+            local = dict(streams[rank])
+            assert torch.equal(local["lm_head.weight"], ckpt.read_full("lm_head.weight"))
+        finally:
+            dist.destroy_process_group()
+    dest = destination_layout(ckpt.config, metas, "vllm:tp=2")
+    plan = build_plan(metas, T, dest)
+    assert plan.problems == []
+    for counts in count_coverage(plan).values():
+        assert bool((counts == 1).all())
+    storage = {w: allocate_storage(dest, w) for w in range(2)}
+    execute_plan(plan, {r: iter(s) for r, s in streams.items()}, storage)
+    full = full_checkpoint_tensors(ckpt)
+    for w in range(2):
+        ref = reference_load(ckpt.config, full, "vllm:tp=2", w)
+        for name, t in storage[w].items():
+            assert bitwise_equal(t, ref[name]), (w, name)
+
+
+def test_a_plain_parameter_without_a_sharded_root_is_still_refused():
+    """Without ``fully_shard(model)`` on the root, a plain parameter is a mistake, not a
+    choice: refused, naming ignored_params as the way to leave one whole."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("tiny-llama"), dtype=torch.bfloat16)
+    _fake_rank(0, 2)
+    try:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        with pytest.raises(FSDP2SourceError, match=r"is a plain tensor, but .*call "
+                                                    r"fully_shard\(model\) on the root module "
+                                                    r"too; parameters it should leave whole go "
+                                                    r"in its ignored_params"):
+            fsdp2_source(model)
+    finally:
+        dist.destroy_process_group()
