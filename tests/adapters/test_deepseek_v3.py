@@ -254,6 +254,15 @@ def test_tiny_deepseek_stores_a_nonzero_fp32_score_correction_bias(tiny_checkpoi
     t = bias["model.layers.1.mlp.gate.e_score_correction_bias"]
     assert t.dtype == torch.float32 and t.shape == (8,)
     assert torch.unique(t).numel() == 8 and not torch.equal(t, t.to(torch.bfloat16).float())
-    # everything else stays in the checkpoint dtype (bf16; fp8 weights and their scales)
-    assert {v.dtype for n, v in tensors.items() if n not in bias} <= {
-        torch.bfloat16, torch.float8_e4m3fn, torch.float32 if name.endswith("fp8") else torch.bfloat16}
+    # everything else stays in the checkpoint dtype (bf16; fp8 weights and their fp32
+    # scales), except what transformers' model class keeps in fp32 (its
+    # _keep_in_fp32_modules_strict: the router, from transformers 5.24 on)
+    from transformers import DeepseekV3ForCausalLM
+
+    keep = tuple(getattr(DeepseekV3ForCausalLM, "_keep_in_fp32_modules_strict", None) or ())
+    rest = {n: v.dtype for n, v in tensors.items() if n not in bias}
+    fp32 = {n for n, d in rest.items() if d == torch.float32}
+    allowed = {n for n in fp32 if n.endswith(keep) or (name.endswith("fp8")
+                                                          and n.endswith("weight_scale_inv"))}
+    assert fp32 == allowed, sorted(fp32 - allowed)
+    assert set(rest.values()) <= {torch.bfloat16, torch.float8_e4m3fn, torch.float32}
