@@ -115,3 +115,33 @@ def _same(ours: torch.Tensor, vllm: torch.Tensor, what: str) -> None:
     nan_o, nan_v = torch.isnan(ours.float()), torch.isnan(vllm.float())
     assert torch.equal(nan_o, nan_v), f"{what}: written elements differ from vLLM's"
     assert torch.equal(_bits(ours[~nan_o]), _bits(vllm[~nan_v])), f"{what}: values differ"
+
+
+def assert_layout_equals_dumps(layout, wire, model: str, tp: int, ep: bool, placement: str,
+                               dtype: str, what: str = "") -> None:
+    """Every worker filled through ``layout``'s bindings from ``wire`` equals vLLM's dump.
+
+    Checks, per rank of the dump: the aliases, the parameter names, that the
+    declared zero boxes are zero in vLLM's dump, and every parameter bit for
+    bit (NaN where vLLM wrote nothing must be NaN here too).
+    """
+    for rank in range(tp):
+        vllm, meta = _oracle(model, tp, ep, rank, placement, dtype)
+        assert layout.aliases == json.loads(meta["aliases"])
+        store = layout.allocate(rank, fill=float("nan"))
+        assert set(store) == set(vllm) - set(layout.aliases)
+        for p in layout.params:
+            if p.worker == rank:
+                for box in p.zero_boxes:
+                    sl = tuple(slice(a, b) for a, b in box)
+                    assert not vllm[p.name][sl].any(), "vLLM's padding rows are zero"
+                    store[p.name][sl] = 0
+        for wname, bindings in layout.bindings.items():
+            for b in bindings:
+                if b.worker == rank:
+                    src = wire[wname][tuple(slice(a, c) for a, c in b.box)]
+                    dst = tuple(slice(o, o + (c - a)) for o, (a, c) in zip(b.offset, b.box))
+                    store[b.param][dst] = src
+        for name, t in store.items():
+            _same(t, vllm[name], f"{what}{model} tp={tp} ep={ep} rank {rank} {name}")
+

@@ -87,3 +87,42 @@ def in_threads(fns: dict, timeout_s: float, what: str = "a thread") -> dict:
         t.join(timeout_s)
         assert not t.is_alive(), f"{what} hung"
     return out
+
+
+def p2p_round_in_threads(plan, schedule, streams: dict, storage: dict,
+                         timeout_s: float = 60.0) -> dict:
+    """One real ``torch_p2p`` round over gloo on 127.0.0.1, one thread per rank.
+
+    Trainer rank ``r`` sends ``streams[r]`` (its ``iter_local()`` list);
+    worker ``w`` receives into ``storage[w]``. Returns ``{worker: bytes
+    received}``; every group is aborted afterwards.
+
+    Raises:
+        AssertionError: a rank hung or failed (names the rank and its error).
+    """
+    from m2nkit.engine.control import create_group
+    from m2nkit.engine.tools.procs import free_port
+    from m2nkit.engine.transports.torch_p2p import recv_round, send_round
+
+    T, N = plan.num_trainer_ranks, plan.num_workers
+    port, groups = free_port(), []
+
+    def rank_fn(rank):
+        def run():
+            store, group = create_group("127.0.0.1", port, rank, T + N, timeout_s=timeout_s)
+            groups.append(group)
+            if rank < T:
+                return send_round(group, plan, schedule, rank, iter(streams[rank]),
+                                  timeout_s=timeout_s)
+            return recv_round(group, plan, schedule, rank - T, storage[rank - T],
+                              timeout_s=timeout_s)[1]
+        return run
+
+    try:
+        out = in_threads({r: rank_fn(r) for r in range(T + N)}, timeout_s + 30, "a rank")
+    finally:
+        for group in groups:
+            group.abort()
+    errors = {r: e for r, (kind, e) in out.items() if kind == "err"}
+    assert not errors, errors
+    return {r - T: out[r][1] for r in range(T, T + N)}

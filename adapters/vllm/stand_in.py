@@ -13,8 +13,9 @@ vLLM is imported only when :meth:`StandInGroups.install` runs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["StandInGroups"]
+__all__ = ["StandInGroups", "worker_config"]
 
 
 class _StandInProcessGroup:
@@ -80,3 +81,31 @@ class StandInGroups:
         ps._DCP = _StandInCoordinator("dcp", 1, 0)
         ps._EP = (_StandInCoordinator("ep", self.dp * self.tp, worker) if self.ep
                   else _StandInCoordinator("ep", 1, 0))
+
+
+def worker_config(model_dir: str, spec: Any, worker: int, **extra: Any) -> Any:
+    """The ``VllmConfig`` of ``worker`` of ``spec`` (an ``InferenceSpec``), its groups installed.
+
+    ``model_dir`` holds the ``config.json`` vLLM's ``ModelConfig`` reads
+    (and the checkpoint, when one is loaded). The parallel config carries
+    ``rank`` and ``data_parallel_rank`` as a vLLM worker's does, with the
+    spec's EP, expert placement and all2all backend; the device is the CPU.
+    ``extra`` goes to ``VllmConfig`` (a ``load_config``, a
+    ``weight_transfer_config``). Sets the process's parallel state for this
+    worker (:class:`StandInGroups`), which stays so.
+    """
+    from vllm.config import DeviceConfig, LoadConfig, ModelConfig, ParallelConfig, VllmConfig
+
+    tp_rank, dp_index = spec.tp_rank(worker), spec.dp_index(worker)
+    StandInGroups(spec.tp, tp_rank, spec.dp, dp_index, spec.ep).install()
+    model_config = ModelConfig(model=model_dir, tokenizer=model_dir, skip_tokenizer_init=True,
+                               dtype=spec.dtype, enforce_eager=True, seed=0)
+    parallel = ParallelConfig(tensor_parallel_size=spec.tp, data_parallel_size=spec.dp,
+                              data_parallel_rank=dp_index, rank=tp_rank,
+                              enable_expert_parallel=spec.ep,
+                              expert_placement_strategy=spec.placement,
+                              all2all_backend=spec.all2all)
+    extra.setdefault("load_config", LoadConfig(load_format="safetensors"))
+    return VllmConfig(model_config=model_config, parallel_config=parallel,
+                      device_config=DeviceConfig(device="cpu"), **extra)
+

@@ -366,9 +366,10 @@ def trace_worker(model: torch.nn.Module, feeds: Sequence[Feed],
     copy is attributed to its parameter, then restored.
 
     Returns:
-        ``(copies, touched)``: the copies in wire coordinates, and the
+        ``(copies, touched, copied)``: the copies in wire coordinates; the
         parameters whose loader copied nothing into them (an empty slice:
-        a worker whose vocabulary rows are all padding).
+        a worker whose vocabulary rows are all padding); the feed names some
+        loader copied from.
 
     Raises:
         TraceError: a loader op that is not a box, a broadcasting copy, or a
@@ -434,13 +435,7 @@ def trace_worker(model: torch.nn.Module, feeds: Sequence[Feed],
                 raise TraceError(f"wire tensor '{feed.wire.name}' into parameter '{pname}': "
                                  f"{e}") from None
             out.append(_pair(feed.wire.name, pname, box, kept, region, dims))
-    _last_copied.clear()
-    _last_copied.update(sink.copied_names)
-    return out, touched
-
-
-#: The feed names some loader copied from in the last :func:`trace_worker` call.
-_last_copied: set[str] = set()
+    return out, touched, set(sink.copied_names)
 
 
 def _feeds(wire: Sequence[ParamMeta], experts: dict[str, str], fused: bool,
@@ -558,32 +553,19 @@ def experts_on_disk(config: Any) -> dict[str, str]:
 def _build_meta_model(config_dir: str, spec: InferenceSpec, worker: int):
     """vLLM's model object of ``worker`` on the meta device, with its ``VllmConfig``."""
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    from vllm.config import (DeviceConfig, LoadConfig, ModelConfig, ParallelConfig, VllmConfig,
-                             set_current_vllm_config)
+    from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.platforms import current_platform
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    from vllm.platforms import current_platform
-
-    from .stand_in import StandInGroups   # stand-in parallel state (sizes and ranks only)
+    from .stand_in import worker_config   # stand-in parallel state (sizes and ranks only)
 
     if current_platform.is_unspecified():
         raise TraceError("vLLM found no platform in this process (no GPU, and vLLM was "
                          "imported before VLLM_TARGET_DEVICE=cpu was set): set "
                          "VLLM_TARGET_DEVICE=cpu before vLLM is first imported")
-
-    tp_rank, dp_index = spec.tp_rank(worker), spec.dp_index(worker)
-    StandInGroups(spec.tp, tp_rank, spec.dp, dp_index, spec.ep).install()
-    model_config = ModelConfig(model=config_dir, tokenizer=config_dir, skip_tokenizer_init=True,
-                               dtype=spec.dtype, enforce_eager=True, seed=0)
-    parallel = ParallelConfig(tensor_parallel_size=spec.tp, data_parallel_size=spec.dp,
-                              data_parallel_rank=dp_index, rank=tp_rank,
-                              enable_expert_parallel=spec.ep,
-                              expert_placement_strategy=spec.placement,
-                              all2all_backend=spec.all2all)
-    vllm_config = VllmConfig(model_config=model_config, parallel_config=parallel,
-                             device_config=DeviceConfig(device="cpu"),
-                             load_config=LoadConfig(load_format="safetensors"))
+    vllm_config = worker_config(config_dir, spec, worker)
+    model_config = vllm_config.model_config
     with set_current_vllm_config(vllm_config), _no_fp8_kernel_choice():
         with set_default_torch_dtype(model_config.dtype), torch.device("meta"):
             model = initialize_model(vllm_config=vllm_config)
@@ -667,8 +649,9 @@ def trace_destination(config: Any, wire: Sequence[ParamMeta],
             copies = None
             if fused:
                 try:
-                    copies, touched = trace_worker(model, _feeds(wire, experts, True), vllm_config)
-                    if w == 0 and not stacked <= _last_copied:
+                    copies, touched, copied = trace_worker(model, _feeds(wire, experts, True),
+                                                           vllm_config)
+                    if w == 0 and not stacked <= copied:
                         copies = None
                 except TraceError:
                     if w > 0:
@@ -677,8 +660,8 @@ def trace_destination(config: Any, wire: Sequence[ParamMeta],
                     fused = False
                     model, vllm_config = _build_meta_model(config_dir, spec, w)
             if copies is None:
-                copies, touched = trace_worker(model, _feeds(wire, experts, False, model),
-                                               vllm_config)
+                copies, touched, _ = trace_worker(model, _feeds(wire, experts, False, model),
+                                                  vllm_config)
             copies = merge_copies(copies)
             by_param: dict[str, list[tuple]] = {p: [] for p in touched}
             for c in copies:
@@ -723,7 +706,8 @@ def traced_problems(model: torch.nn.Module, layout: DestinationLayout, worker: i
         TraceError: the loaders cannot be traced (the caller decides whether
             the tables alone may stand).
     """
-    copies, _ = trace_worker(model, _feeds(wire, experts_on_disk or {}, False), vllm_config)
+    copies, _, _ = trace_worker(model, _feeds(wire, experts_on_disk or {}, False, model),
+                                vllm_config)
     traced = {(c.name, c.param, c.box, c.region) for c in merge_copies(copies)}
     declared = [TracedCopy(b.name, b.param, b.box,
                            tuple((o, o + hi - lo) for o, (lo, hi) in zip(b.offset, b.box)))

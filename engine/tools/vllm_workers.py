@@ -7,9 +7,9 @@ vLLM worker does (through ``WeightTransferEngineFactory``). A vLLM server
 never calls any of this: it has its own workers and parallel state, and
 the plugin (``m2nkit.engine.plugins.vllm``) is all it loads.
 
-* :class:`StandInGroups` sets vLLM's parallel state
+* ``m2nkit.adapters.vllm.stand_in.worker_config`` sets vLLM's parallel state
   (``vllm/distributed/parallel_state.py``) to stand-in groups that only
-  carry sizes and ranks;
+  carry sizes and ranks, and builds the worker's ``VllmConfig``;
 * :func:`build_cpu_worker` builds and loads the model
   (``initialize_model``, ``DefaultModelLoader.load_weights``);
   :func:`fresh_load` loads a checkpoint into a new one, the oracle of a
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,7 @@ import torch
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from m2nkit.adapters.vllm.spec import InferenceSpec
-from m2nkit.adapters.vllm.stand_in import StandInGroups
+from m2nkit.adapters.vllm.stand_in import worker_config
 from m2nkit.engine.plugins.vllm import BACKEND, M2NVLLMEngine, register
 
 __all__ = ["build_cpu_worker", "load_checkpoint", "fresh_load",
@@ -51,7 +50,7 @@ def build_cpu_worker(checkpoint: str | os.PathLike, spec: InferenceSpec, worker:
     load_weights`` (its per-parameter weight loaders). Nothing is
     post-processed (``process_weights_after_loading`` would repack linear
     weights for the CPU kernels). The process's vLLM parallel state is set
-    for this worker (:class:`StandInGroups`) and stays so.
+    for this worker (``stand_in.worker_config``) and stays so.
 
     Returns:
         ``(model, vllm_config)``: ``vllm_config.parallel_config`` carries
@@ -61,33 +60,16 @@ def build_cpu_worker(checkpoint: str | os.PathLike, spec: InferenceSpec, worker:
     here if unset; too late if vLLM was imported for another platform).
     """
     _cpu_environment()
-    from vllm.config import (
-        DeviceConfig,
-        LoadConfig,
-        ModelConfig,
-        ParallelConfig,
-        VllmConfig,
-        WeightTransferConfig,
-        set_current_vllm_config,
-    )
+    from vllm.config import LoadConfig, WeightTransferConfig, set_current_vllm_config
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     path = str(Path(checkpoint).resolve())
-    tp_rank, dp_index = spec.tp_rank(worker), spec.dp_index(worker)
-    StandInGroups(spec.tp, tp_rank, spec.dp, dp_index, spec.ep).install()
-    model_config = ModelConfig(model=path, tokenizer=path, skip_tokenizer_init=True,
-                               dtype=spec.dtype, enforce_eager=True, seed=0)
-    parallel = ParallelConfig(tensor_parallel_size=spec.tp, data_parallel_size=spec.dp,
-                              data_parallel_rank=dp_index, rank=tp_rank,
-                              enable_expert_parallel=spec.ep,
-                              expert_placement_strategy=spec.placement,
-                              all2all_backend=spec.all2all)
-    vllm_config = VllmConfig(model_config=model_config, parallel_config=parallel,
-                             device_config=DeviceConfig(device="cpu"),
-                             load_config=LoadConfig(load_format="safetensors",
-                                                    use_tqdm_on_load=False),
-                             weight_transfer_config=WeightTransferConfig(backend=BACKEND))
+    vllm_config = worker_config(path, spec, worker,
+                                load_config=LoadConfig(load_format="safetensors",
+                                                       use_tqdm_on_load=False),
+                                weight_transfer_config=WeightTransferConfig(backend=BACKEND))
+    model_config = vllm_config.model_config
     with set_current_vllm_config(vllm_config):
         with set_default_torch_dtype(model_config.dtype), torch.device("cpu"):
             model = initialize_model(vllm_config=vllm_config)

@@ -47,7 +47,7 @@ from m2nkit.adapters.vllm import InferenceSpec, destination_layout, reference_lo
 from m2nkit.manifest import ParamMeta
 
 from _oracle import (ALL_FIXTURES, DATA, FIXTURES, _architecture, _layout_dir,  # noqa: F401
-                     _model, _oracle, _same)
+                     _model, _oracle, _same, assert_layout_equals_dumps)
 
 
 def test_fixtures_are_shipped():
@@ -95,25 +95,7 @@ def test_destination_layout_equals_vllm(model, tp, ep, placement, dtype):
     layout = destination_layout(config, metas, InferenceSpec(tp, 1, ep, placement=placement,
                                                              dtype=dtype))
     assert not layout.unknown
-    for rank in range(tp):
-        vllm, meta = _oracle(model, tp, ep, rank, placement, dtype)
-        assert layout.aliases == json.loads(meta["aliases"])
-        store = layout.allocate(rank, fill=float("nan"))
-        assert set(store) == set(vllm) - set(layout.aliases)
-        for p in layout.params:
-            if p.worker == rank:
-                for box in p.zero_boxes:
-                    sl = tuple(slice(a, b) for a, b in box)
-                    assert not vllm[p.name][sl].any(), "vLLM's padding rows are zero"
-                    store[p.name][sl] = 0
-        for wname, bindings in layout.bindings.items():
-            for b in bindings:
-                if b.worker == rank:
-                    src = wire[wname][tuple(slice(a, c) for a, c in b.box)]
-                    dst = tuple(slice(o, o + (c - a)) for o, (a, c) in zip(b.offset, b.box))
-                    store[b.param][dst] = src
-        for name, t in store.items():
-            _same(t, vllm[name], f"{model} tp={tp} ep={ep} rank {rank} {name}")
+    assert_layout_equals_dumps(layout, wire, model, tp, ep, placement, dtype)
 
 
 # --------------------------------------------------------------------------

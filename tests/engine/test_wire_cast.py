@@ -19,20 +19,19 @@ runs the transport's own messages; and the field report's own command,
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
-import threading
 
 import pytest
 import torch
 
 from _layouts import own_param_destination
-from m2nkit.engine.control import TransferError, create_group
+from _procs import p2p_round_in_threads
+from m2nkit.engine.control import TransferError
 from m2nkit.engine.in_process import allocate_storage, bitwise_equal, execute_plan
 from m2nkit.engine.plan import build_plan
 from m2nkit.engine.transports import torch_p2p
-from m2nkit.engine.transports.torch_p2p import DIRECT_BYTES, BucketSchedule, recv_round, send_round
+from m2nkit.engine.transports.torch_p2p import DIRECT_BYTES, BucketSchedule
 from m2nkit.manifest import ParamMeta, Shard
 from m2nkit.manifest.destination import DestinationLayout
 
@@ -81,30 +80,7 @@ def test_gloo_round_casts_an_fp32_wire_into_bf16_parameters_on_direct_and_packed
     schedule = BucketSchedule.build(plan)
     streams = _streams(fulls)
     storage = {w: allocate_storage(dest, w) for w in range(N)}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    errors, groups, got = [], [], {}
-
-    def run(rank):
-        try:
-            store, group = create_group("127.0.0.1", port, rank, T + N, timeout_s=60)
-            groups.append((store, group))
-            if rank < T:
-                send_round(group, plan, schedule, rank, iter(streams[rank]), timeout_s=60)
-            else:
-                got[rank - T] = recv_round(group, plan, schedule, rank - T, storage[rank - T],
-                                           timeout_s=60)[1]
-        except BaseException as e:  # reported below, with the rank
-            errors.append((rank, e))
-
-    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(T + N)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(90)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    assert errors == []
+    got = p2p_round_in_threads(plan, schedule, streams, storage)
     for w in range(N):
         want = _expected(fulls, w)
         assert set(storage[w]) == set(want)
@@ -113,8 +89,6 @@ def test_gloo_round_casts_an_fp32_wire_into_bf16_parameters_on_direct_and_packed
             assert bitwise_equal(storage[w][name], t), (w, name)
         # what crossed the wire is fp32: the worker's own rows of both tensors, 4 bytes each
         assert got[w] == 4 * (BIG[0] * BIG[1] + SMALL[0] * SMALL[1]) // N
-    for _, group in groups:
-        group.abort()
 
 
 def test_in_process_executor_runs_the_transports_receive_path_and_casts_alike():

@@ -20,7 +20,7 @@ import os
 import pytest
 import torch
 
-from _oracle import FIXTURES, _model, _oracle, _same
+from _oracle import FIXTURES, _model, assert_layout_equals_dumps
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]
 
@@ -60,27 +60,7 @@ def test_traced_layout_equals_vllm_dumps(model, tp, ep, placement, dtype):
     _, _, wire = _model(model)
     layout = _trace(model, InferenceSpec(tp, 1, ep, placement=placement, dtype=dtype))
     assert layout.notes == ("layout traced from vLLM's own weight loaders",)
-    for rank in range(tp):
-        vllm, meta = _oracle(model, tp, ep, rank, placement, dtype)
-        import json
-
-        assert layout.aliases == json.loads(meta["aliases"])
-        store = layout.allocate(rank, fill=float("nan"))
-        assert set(store) == set(vllm) - set(layout.aliases)
-        for p in layout.params:
-            if p.worker == rank:
-                for box in p.zero_boxes:
-                    sl = tuple(slice(a, b) for a, b in box)
-                    assert not vllm[p.name][sl].any(), "vLLM's padding rows are zero"
-                    store[p.name][sl] = 0
-        for wname, bindings in layout.bindings.items():
-            for b in bindings:
-                if b.worker == rank:
-                    src = wire[wname][tuple(slice(a, c) for a, c in b.box)]
-                    dst = tuple(slice(o, o + (c - a)) for o, (a, c) in zip(b.offset, b.box))
-                    store[b.param][dst] = src
-        for name, t in store.items():
-            _same(t, vllm[name], f"traced {model} tp={tp} ep={ep} rank {rank} {name}")
+    assert_layout_equals_dumps(layout, wire, model, tp, ep, placement, dtype, "traced ")
 
 
 def _canonical(layout):

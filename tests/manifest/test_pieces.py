@@ -344,11 +344,8 @@ def test_torch_p2p_moves_multi_piece_sources_bit_exact_over_gloo():
     """ETP-style two boxes per rank, strided rows with replicas and a padded
     vocab, in one plan, sent by 4 trainer ranks (threads, each with its own
     gloo group member over 127.0.0.1) into 2 workers."""
-    import socket
-    import threading
-
-    from m2nkit.engine.control import create_group
-    from m2nkit.engine.transports.torch_p2p import BucketSchedule, recv_round, send_round
+    from _procs import p2p_round_in_threads
+    from m2nkit.engine.transports.torch_p2p import BucketSchedule
 
     E, I, H = 2, 4, 3
     gate_up = torch.randn(E, 2 * I, H)
@@ -382,29 +379,7 @@ def test_torch_p2p_moves_multi_piece_sources_bit_exact_over_gloo():
     schedule = BucketSchedule.build(plan, bucket_bytes=1 << 20)  # one bucket, mixed dtypes
     streams = {r: list(s) for r, s in streams_for(metas, fulls, T, pad=1).items()}
     storage = {w: allocate_storage(dest, w) for w in range(N)}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    errors, groups = [], []
-
-    def run(rank):
-        try:
-            store, group = create_group("127.0.0.1", port, rank, T + N, timeout_s=30)
-            groups.append((store, group))
-            if rank < T:
-                send_round(group, plan, schedule, rank, iter(streams[rank]), timeout_s=30)
-            else:
-                recv_round(group, plan, schedule, rank - T, storage[rank - T], timeout_s=30)
-        except BaseException as e:  # reported below, with the rank
-            errors.append((rank, e))
-
-    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(T + N)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    assert errors == []
+    p2p_round_in_threads(plan, schedule, streams, storage, timeout_s=30)
     for n, boxes in per_worker.items():
         for w, (box,) in enumerate(boxes):
             assert bitwise_equal(storage[w][f"{n}.0"], fulls[n][box_slices(box)]), (n, w)
