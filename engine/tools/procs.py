@@ -67,13 +67,25 @@ def start_ranks(target: Callable, args_of: Callable[[int], tuple], count: int, *
     each process is appended to as soon as it runs, so that a caller's
     ``finally`` can stop the ones started before a later start failed.
     Returns that list (a new one without ``started``).
+
+    Every process starts with SIGINT ignored (an ignored signal stays
+    ignored across the ``exec`` of a spawned interpreter, and Python keeps
+    it so): a terminal's Ctrl-C reaches the whole process group, and a child
+    still importing its target when it arrives would otherwise print a
+    ``KeyboardInterrupt`` traceback; the parent tears its children down.
     """
     ctx = ctx or mp.get_context("spawn")
     procs = started if started is not None else []
     for r in range(count):
         p = ctx.Process(target=target, args=args_of(r), daemon=True,
                         name=None if name is None else name.format(rank=r))
-        p.start()
+        main = threading.current_thread() is threading.main_thread()  # signals: main only
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+        try:
+            p.start()
+        finally:
+            if main:
+                signal.signal(signal.SIGINT, previous)
         procs.append(p)
     return procs
 
