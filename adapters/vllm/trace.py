@@ -355,6 +355,42 @@ def per_expert_feeds(meta: ParamMeta, patterns: dict[str, str]) -> list[Feed] | 
     return None
 
 
+@functools.lru_cache(maxsize=1)
+def _fake_class():
+    """vLLM's ``FakeRDTTensor`` with the two loader idioms it does not record, as views.
+
+    vLLM 0.33.0's mamba loaders (``mamba_v2_sharded_weight_loader``,
+    ``layers/mamba/mamba_mixer2.py``; Qwen3.5's and Qwen3-Next's ``conv1d``)
+    write ``param.data[a:b, ...] = loaded_weight[c:d].view_as(target)``:
+    ``view_as`` is not in ``SUPPORTED_OPS`` and the slice assignment is no
+    ``copy_``. Here ``view_as(t)`` is recorded as ``view(t.shape)`` (what
+    torch defines it to be) and ``dest[idx] = fake`` as ``dest[idx].copy_(fake)``
+    (what a basic-index assignment does), so both reach vLLM's own chain and
+    sink; every other op still fails in vLLM's ``__torch_dispatch__``.
+    """
+    from vllm.distributed.weight_transfer.sharded_rdt_fake import FakeRDTTensor
+
+    class Fake(FakeRDTTensor):
+        def _make_child(self, new_shape, new_dtype, *new_ops):
+            return Fake(name=self._name, shape=new_shape, dtype=new_dtype, device=self.device,
+                        ops=self._ops + new_ops, sink=self._sink)
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.Tensor.view_as and args and isinstance(args[0], cls):
+                return args[0].view(tuple(args[1].shape))
+            if (func is torch.Tensor.__setitem__ and len(args) == 3
+                    and isinstance(args[2], cls) and not isinstance(args[0], cls)):
+                dest, index, src = args
+                with torch._C.DisableTorchFunctionSubclass():
+                    view = dest[index]
+                return view.copy_(src)
+            return super().__torch_function__(func, types, args, kwargs)
+
+    return Fake
+
+
 def trace_worker(model: torch.nn.Module, feeds: Sequence[Feed],
                  vllm_config: Any = None) -> tuple[list[TracedCopy], set[str]]:
     """Run ``model.load_weights`` on fake checkpoint tensors; every copy as a :class:`TracedCopy`.
@@ -375,7 +411,7 @@ def trace_worker(model: torch.nn.Module, feeds: Sequence[Feed],
         TraceError: a loader op that is not a box, a broadcasting copy, or a
             loader vLLM cannot run on fake tensors.
     """
-    from vllm.distributed.weight_transfer.sharded_rdt_fake import BakeSink, FakeRDTTensor
+    from vllm.distributed.weight_transfer.sharded_rdt_fake import BakeSink
     from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
     sink = BakeSink()
@@ -397,7 +433,8 @@ def trace_worker(model: torch.nn.Module, feeds: Sequence[Feed],
         saved.append((p, getattr(p, "weight_loader", None), had))
         p.weight_loader = stamp
     by_name = {f.name: f for f in feeds}
-    fakes = [(f.name, FakeRDTTensor(f.name, torch.Size(f.shape), f.wire.dtype,
+    fake = _fake_class()
+    fakes = [(f.name, fake(f.name, torch.Size(f.shape), f.wire.dtype,
                                     torch.device("meta"), sink=sink)) for f in feeds]
     try:
         with _config_context(vllm_config), torch.no_grad():
