@@ -190,9 +190,10 @@ class TrainerSpec:
             return megatron_wire_rules(self.megatron, config, str(self))
         if self.tp == 1:
             return lambda name: None
-        from .families import ARCHITECTURES, family, family_for
+        from .families import ARCHITECTURES, family
+        from .families.tableless import family_or_tableless
 
-        fam = family_for(config)
+        fam = family_or_tableless(config)
         if fam.tp_plan is None:
             having = sorted(a for a in ARCHITECTURES if family(a).tp_plan is not None)
             raise ValueError(
@@ -216,9 +217,9 @@ class TrainerSpec:
         """
         if self.kind in ("replicated", "megatron"):  # megatron: tp_dims() knows buffers
             return lambda name: False
-        from .families import family_for
+        from .families.tableless import family_or_tableless
 
-        return family_for(config).hf.is_buffer
+        return family_or_tableless(config).hf.is_buffer
 
     def coord(self, rank: int) -> tuple[int, ...]:
         """The mesh coordinate of trainer ``rank`` (row-major).

@@ -35,6 +35,17 @@ CASES = {
     "qwen3-8b tp8": ("Qwen__Qwen3-8B", "vllm:tp=8"),
     "qwen3-235b-a22b tp8 ep": ("Qwen__Qwen3-235B-A22B", "vllm:tp=8,ep"),
     "kimi-k2 tp8 dp8 ep": ("moonshotai__Kimi-K2-Instruct", "vllm:tp=8,dp=8,ep"),
+    # architectures without a table (families/tableless.py: wire tensors from
+    # transformers' meta model; "tables" is then "-")
+    "qwen3.5-27b tp8": ("Qwen__Qwen3.5-27B", "vllm:tp=8"),
+    "qwen3.5-397b-a17b tp8 dp4 ep": ("Qwen__Qwen3.5-397B-A17B", "vllm:tp=8,dp=4,ep"),
+    "qwen3-next-80b-a3b tp4 ep": ("Qwen__Qwen3-Next-80B-A3B-Instruct", "vllm:tp=4,ep"),
+    "qwen3-vl-8b tp4": ("Qwen__Qwen3-VL-8B-Instruct", "vllm:tp=4"),
+    "qwen3-vl-30b-a3b tp4 ep": ("Qwen__Qwen3-VL-30B-A3B-Instruct", "vllm:tp=4,ep"),
+    "glm-4.7-flash tp4 ep": ("zai-org__GLM-4.7-Flash", "vllm:tp=4,ep"),
+    "glm-5 tp8 dp2 ep": ("zai-org__GLM-5", "vllm:tp=8,dp=2,ep"),
+    "deepseek-v3.2 tp8 dp2 ep": ("deepseek-ai__DeepSeek-V3.2", "vllm:tp=8,dp=2,ep"),
+    "llama-4-scout tp8": ("meta-llama__Llama-4-Scout-17B-16E-Instruct", "vllm:tp=8"),
 }
 
 
@@ -50,7 +61,9 @@ def _run(name: str) -> dict:
     metas = checkpoint_metas(ckpt, "fsdp:8")
     spec = parse_inference_spec(spec_text)
     t1 = time.perf_counter()
-    table = destination_layout(ckpt.config, metas, spec)
+    from m2nkit.adapters.families import has_table
+
+    table = destination_layout(ckpt.config, metas, spec) if has_table(ckpt.architecture) else None
     t2 = time.perf_counter()
     spent = {"build": 0.0, "trace": 0.0}
     build, trace_worker = trace._build_meta_model, trace.trace_worker
@@ -67,15 +80,23 @@ def _run(name: str) -> dict:
     trace._build_meta_model = timed("build", build)
     trace.trace_worker = timed("trace", trace_worker)
     try:
-        traced = trace.trace_destination(ckpt.config, metas, spec)
+        traced = trace.trace_destination(path.parent, metas, spec)
+    except Exception as e:      # a loader that does not trace: reported as the row's result
+        return {"case": name, "spec": spec_text, "wire_tensors": len(metas),
+                "workers": spec.num_workers, "error": f"{type(e).__name__}: {e}"[:200]}
     finally:
         trace._build_meta_model, trace.trace_worker = build, trace_worker
     t3 = time.perf_counter()
+    from m2nkit.engine.plan import build_plan
+
+    plan = build_plan(metas, 8, traced)
     return {"case": name, "spec": spec_text, "wire_tensors": len(metas),
             "workers": spec.num_workers, "read_s": t1 - t0, "tables_s": t2 - t1,
             "traced_s": t3 - t2, "build_s": spent["build"], "trace_s": spent["trace"],
             "bindings": sum(len(b) for b in traced.bindings.values()),
-            "table_bindings": sum(len(b) for b in table.bindings.values())}
+            "table_bindings": sum(len(b) for b in table.bindings.values()) if table else None,
+            "problems": len(plan.problems),
+            "bytes_moved_over_min": plan.nbytes_moved / plan.nbytes_min}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,12 +115,17 @@ def main(argv: list[str] | None = None) -> int:
     table = Table(title=f"traced vLLM layouts (vLLM import {import_s:.1f} s, load "
                         f"{os.getloadavg()[0]:.2f})", title_justify="left")
     for col in ("case", "workers", "wire tensors", "tables", "traced", "build", "trace",
-                "bindings (traced / tables)"):
+                "bindings (traced / tables)", "plan problems", "moved / min"):
         table.add_column(col)
     for r in rows:
+        if "error" in r:
+            table.add_row(r["case"], str(r["workers"]), str(r["wire_tensors"]), "", r["error"])
+            continue
         table.add_row(r["case"], str(r["workers"]), str(r["wire_tensors"]),
-                      f"{r['tables_s']:.2f} s", f"{r['traced_s']:.1f} s", f"{r['build_s']:.1f} s",
-                      f"{r['trace_s']:.1f} s", f"{r['bindings']} / {r['table_bindings']}")
+                      "-" if r["table_bindings"] is None else f"{r['tables_s']:.2f} s",
+                      f"{r['traced_s']:.1f} s", f"{r['build_s']:.1f} s", f"{r['trace_s']:.1f} s",
+                      f"{r['bindings']} / {r['table_bindings'] or '-'}", str(r["problems"]),
+                      f"{r['bytes_moved_over_min']:.3f}")
     Console(width=160).print(table)
     if args.json:
         Path(args.json).write_text(json.dumps({"vllm_import_s": import_s,

@@ -35,24 +35,30 @@ m2nkit.adapters.families`` does not import torch or transformers.
 
 from .registry import (
     ARCHITECTURES,
+    TRACED_HINT,
     TINY_MODEL_ARCHITECTURES,
     UnsupportedArchitecture,
+    architecture_name,
     architecture_of,
     check_architecture,
     family,
     family_for,
+    has_table,
     supported_architectures,
     unsupported_architecture,
 )
 
 __all__ = [
     "ARCHITECTURES",
+    "TRACED_HINT",
     "TINY_MODEL_ARCHITECTURES",
     "UnsupportedArchitecture",
+    "architecture_name",
     "architecture_of",
     "check_architecture",
     "family",
     "family_for",
+    "has_table",
     "supported_architectures",
     "unsupported_architecture",
 ]

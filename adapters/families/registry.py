@@ -29,6 +29,9 @@ __all__ = [
     "architecture_of",
     "family",
     "family_for",
+    "has_table",
+    "architecture_name",
+    "TRACED_HINT",
 ]
 
 #: ``config.architectures[0]`` -> module of ``m2nkit.adapters.families``.
@@ -74,14 +77,26 @@ def supported_architectures() -> list[str]:
     return sorted(ARCHITECTURES)
 
 
+#: The second sentence of every refusal of an architecture without a table.
+TRACED_HINT = ("an architecture without an m2nkit table is planned from vLLM's own weight "
+               "loaders: --layout traced (needs vLLM installed)")
+
+
 def unsupported_architecture(architecture: Any) -> str:
-    """The one message refusing ``architecture``.
+    """The one message refusing ``architecture`` where a family table is needed.
 
     ``architecture 'PhiForCausalLM' is not supported; supported:
-    LlamaForCausalLM, MixtralForCausalLM, ...``.
+    LlamaForCausalLM, MixtralForCausalLM, ...; an architecture without an
+    m2nkit table is planned from vLLM's own weight loaders: --layout traced
+    (needs vLLM installed)``.
     """
     return (f"architecture {architecture!r} is not supported; supported: "
-            f"{', '.join(supported_architectures())}")
+            f"{', '.join(supported_architectures())}; {TRACED_HINT}")
+
+
+def has_table(architecture: Any) -> bool:
+    """Whether m2nkit has a family table for ``architecture`` (no import needed)."""
+    return isinstance(architecture, str) and architecture in ARCHITECTURES
 
 
 def check_architecture(architecture: Any) -> str:
@@ -93,6 +108,16 @@ def check_architecture(architecture: Any) -> str:
     if not isinstance(architecture, str) or architecture not in ARCHITECTURES:
         raise UnsupportedArchitecture(unsupported_architecture(architecture))
     return architecture
+
+
+def architecture_name(config: Any) -> str | None:
+    """``config.architectures[0]`` of a config object or ``config.json`` dict, unchecked (or ``None``)."""
+    archs = config.get("architectures") if isinstance(config, Mapping) else getattr(
+        config, "architectures", None)
+    if isinstance(archs, str):
+        return archs
+    return archs[0] if isinstance(archs, (list, tuple)) and archs and isinstance(archs[0], str) \
+        else None
 
 
 def architecture_of(config: Any) -> str:
@@ -129,6 +154,8 @@ def family(architecture: str) -> "Family":
 
 def family_for(config: Any) -> "Family":
     """The family of ``config.architectures[0]`` (config object or ``config.json`` dict).
+
+    (An architecture without a table: ``tableless.family_or_tableless``.)
 
     Raises:
         UnsupportedArchitecture: no ``architectures``, or one without a family

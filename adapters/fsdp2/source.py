@@ -26,7 +26,7 @@ from m2nkit.manifest import (
 )
 from m2nkit.manifest.pieces import Box
 
-from ..families import family_for
+from ..families.tableless import family_or_tableless
 from .dtensor import mesh_of, weight_layout
 from .dtype import fp32_patterns, policy_dtypes, wire_dtype_rule
 from .errors import FSDP2SourceError
@@ -177,7 +177,7 @@ def fsdp2_source(
         raise TypeError(f"fsdp2_source needs a torch.nn.Module, got {type(model).__name__}")
     config = _find_config(model) if config is None else config
     try:
-        family = family_for(config)
+        family = family_or_tableless(config)
     except ValueError as e:
         raise FSDP2SourceError(f"fsdp2_source: {e}") from None
     params = named_weights(model)
@@ -265,7 +265,9 @@ def fsdp2_source(
             return None, SourceLayout()
         return weight_layout(x, root, num_trainer_ranks)
 
-    known = known_wire_names(family, config)
+    # Without a table every parameter is a wire tensor under its own name
+    # (families.tableless); the traced layout says which ones vLLM takes.
+    known = known_wire_names(family, config) if family.params else {x.clean for x in params}
     merge = None
     if merge_lora:  # before the names: a LoRA target vLLM cannot take gets its own message
         merge = plan_lora_merge(model, params, family, known, lambda x: layout_of(x)[0])

@@ -20,9 +20,9 @@ from m2nkit.manifest.layout import Box
 from m2nkit.manifest.meta import ParamMeta
 
 from ..experts import StackedExperts
-from ..families import family
+from ..families import family, has_table
 from ..families.quant import QuantizedWires
-from .config import check_supported, config_architecture, expected_params, load_config, peek_config
+from .config import config_architecture, expected_params, load_config, peek_config
 from .errors import CheckpointError
 from .files import (SINGLE_FILE, Header, Permuted, open_safetensors, read_headers, resolve_path,
                     sharded_headers)
@@ -34,7 +34,8 @@ __all__ = ["Checkpoint", "read_checkpoint", "full_checkpoint_tensors"]
 class Checkpoint:
     """A checkpoint's wire tensors: metadata up front, data by box on demand.
 
-    Built by :func:`read_checkpoint`; holds no tensor data. safetensors
+    Built by :func:`read_checkpoint`; holds no tensor data (except for an
+    architecture without a table, whose tensors transformers loaded). safetensors
     files are opened once (memory-mapped, headers parsed) and the handles
     are kept for later reads; :meth:`close` drops them.
 
@@ -42,8 +43,9 @@ class Checkpoint:
         path: the path given to ``read_checkpoint``.
         root: the checkpoint directory.
         config: the transformers config.
-        architecture: ``config.architectures[0]``, a supported architecture
-            (``m2nkit.adapters.families.supported_architectures()``).
+        architecture: ``config.architectures[0]``: one with a family table
+            (``m2nkit.adapters.families.supported_architectures()``), or a
+            transformers model class without one (``families.tableless``).
         dtype: the dtype holding most wire elements (bf16 for a bf16
             checkpoint with an fp32 router).
         params: wire tensors as ``ParamMeta`` (no layout), in wire order.
@@ -54,7 +56,8 @@ class Checkpoint:
     def __init__(self, *, path: Path, root: Path, config: Any, architecture: str,
                  params: Sequence[ParamMeta],
                  sources: Mapping[str, str | StackedExperts | Permuted],
-                 headers: Mapping[str, Header], handles: dict[Path, Any]) -> None:
+                 headers: Mapping[str, Header], handles: dict[Path, Any],
+                 has_data: bool | None = None) -> None:
         self.path = path
         self.root = root
         self.config = config
@@ -65,7 +68,7 @@ class Checkpoint:
         self._headers = dict(headers)
         self._handles = handles
         self.files: tuple[Path, ...] = tuple(sorted({h.file for h in self._headers.values()}))
-        self.has_data = bool(self.files)
+        self.has_data = bool(self.files) if has_data is None else has_data
         elements: Counter = Counter()
         for p in self.params:
             elements[p.dtype] += p.nbytes // p.dtype.itemsize
@@ -102,6 +105,8 @@ class Checkpoint:
         """
         self.meta(name)
         src = self._sources[name]
+        if isinstance(src, torch.Tensor):     # transformers' in-memory tensor: no on-disk name
+            return ()
         if isinstance(src, Permuted):
             return (src.disk,)
         return src.source_names() if isinstance(src, StackedExperts) else (src,)
@@ -164,6 +169,8 @@ class Checkpoint:
         if any(e == 0 for e in extents):
             return torch.empty(extents, dtype=meta.dtype)
         src = self._sources[name]
+        if isinstance(src, torch.Tensor):     # held in memory (an architecture without a table)
+            return src[tuple(slice(a, b) for a, b in box)].clone()
         if isinstance(src, StackedExperts):
             return src.read_box(box, self._read_slice)
         if isinstance(src, Permuted):
@@ -185,7 +192,8 @@ class Checkpoint:
         self.close()
 
     def __repr__(self) -> str:
-        kind = "config-only" if not self.has_data else f"{len(self.files)} file(s)"
+        kind = ("config-only" if not self.has_data else f"{len(self.files)} file(s)"
+                if self.files else "loaded by transformers")
         return (f"Checkpoint({str(self.root)!r}, {self.architecture}, {kind}, "
                 f"{len(self.params)} wire tensors, {self.dtype})")
 
@@ -247,6 +255,8 @@ def read_checkpoint(path: str | os.PathLike, *, via_transformers: bool = False) 
             return fast
     config = load_config(config_path)
     arch = config_architecture(config, config_path)
+    if not has_table(arch):
+        return _tableless(path, root, config_path, config, arch, kind)
     expected = expected_params(config, arch, config_path)
     hf = family(arch).hf
 
@@ -266,6 +276,60 @@ def read_checkpoint(path: str | os.PathLike, *, via_transformers: bool = False) 
         params += _skipped_layers(fam, config, quant, sources)
     return Checkpoint(path=path, root=root, config=config, architecture=arch,
                       params=params, sources=sources, headers=headers, handles=handles)
+
+
+def _tableless(path: Path, root: Path, config_path: Path, config: Any, arch: str,
+               kind: str) -> Checkpoint:
+    """A checkpoint of an architecture without a table, as transformers holds it in memory.
+
+    The wire tensors are transformers' own: the model class's
+    ``named_parameters()`` and persistent buffers, under their in-memory
+    names, tied duplicates once (``m2nkit.adapters.families.tableless``).
+    Config-only: built on the meta device (no data). With files: loaded by
+    ``from_pretrained`` (transformers' own on-disk conversion: experts
+    stacked, prefixes renamed, dtypes as the checkpoint stores them), and
+    kept in memory; boxes are read from those tensors. That holds the whole
+    model in host memory, which the family tables avoid by reading boxes
+    from disk; it is the price of not restating transformers' on-disk
+    naming for an architecture m2nkit has no table for.
+
+    Raises:
+        CheckpointError: transformers cannot build or load the model (its
+            message, on one line).
+    """
+    from ..families.tableless import meta_model, transformers_class
+
+    if kind == "config":
+        try:
+            model = meta_model(config)
+        except ValueError as e:
+            raise CheckpointError(f"{config_path}: {e}") from None
+    else:
+        from transformers.utils import logging as hf_logging
+
+        bars = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()     # m2nkit's own lines only
+        try:
+            model = transformers_class(arch).from_pretrained(
+                str(root), config=config, dtype="auto", local_files_only=True)
+        except Exception as e:   # transformers' refusals come as several exception types
+            first = " ".join(str(e).split())[:300] or type(e).__name__
+            raise CheckpointError(f"transformers cannot load {arch} from {root}: {first}") from e
+        finally:
+            if bars:
+                hf_logging.enable_progress_bar()
+    seen: set[int] = set()
+    params: list[ParamMeta] = []
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) in seen:      # a tied duplicate (lm_head.weight of tied embeddings)
+            continue
+        seen.add(id(t))
+        params.append(ParamMeta(name, t.dtype, tuple(t.shape)))
+        if kind != "config":
+            tensors[name] = t.detach()
+    return Checkpoint(path=path, root=root, config=config, architecture=arch, params=params,
+                      sources=tensors, headers={}, handles={}, has_data=kind != "config")
 
 
 def _config_only_from_table(path: Path, root: Path, config_path: Path) -> Checkpoint | None:
@@ -290,9 +354,9 @@ def _config_only_from_table(path: Path, root: Path, config_path: Path) -> Checkp
 
     data = peek_config(config_path)
     archs = data.get("architectures")
-    if not (isinstance(archs, list) and archs and isinstance(archs[0], str)):
+    if not (isinstance(archs, list) and archs and isinstance(archs[0], str)
+            and has_table(archs[0])):
         return None
-    check_supported(archs[0], config_path)
     fam = family(archs[0])
     config = read_config_json(data, fam)
     if config is None or (fam.hf.table_differs is not None and fam.hf.table_differs(config)):

@@ -7,8 +7,10 @@ the class a family names for a ``model_type`` transformers lacks,
 (``AutoModelForCausalLM.from_config``) and its ``named_parameters()`` (and
 persistent buffers) are taken in order, the wire order. Nothing is read
 from the Hub (``HF_HUB_OFFLINE``) and no model code is run. An architecture
-without a family is refused with the registry's one message before
-transformers is imported.
+without a family table is read as transformers builds it
+(``m2nkit.adapters.families.tableless``: its model class by name, for
+multimodal ``...ForConditionalGeneration`` wrappers too), for layouts traced
+from vLLM's loaders; one transformers has no class for is refused, naming it.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from typing import Any
 
 import torch
 
-from ..families import UnsupportedArchitecture, check_architecture, family, supported_architectures
+from ..families import (UnsupportedArchitecture, check_architecture, family, has_table,
+                        supported_architectures)
 from .errors import CheckpointError
 
 __all__ = ["load_config", "peek_config", "supported_list", "check_supported",
@@ -48,8 +51,7 @@ def load_config(config_path: Path):
         # before transformers, whose own refusal (5.12) does not say what would be valid
         raise CheckpointError(f"{config_path}: 'architectures' must be a list of class names "
                               f"like [\"{supported_architectures()[0]}\"], got {archs!r}")
-    if isinstance(archs, list) and archs and isinstance(archs[0], str):
-        check_supported(archs[0], config_path)  # before transformers is imported
+    # (an architecture without a table is checked against transformers' classes below)
     model_type = data.get("model_type")
 
     # Nothing may come from the Hub: config.json is always a local file here.
@@ -91,6 +93,7 @@ def _config_class(archs: Any, model_type: Any) -> str | None:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     if (not isinstance(archs, list) or not archs or not isinstance(archs[0], str)
+            or not has_table(archs[0])
             or not isinstance(model_type, str) or model_type in CONFIG_MAPPING):
         return None
     alias = family(archs[0]).hf.config_classes.get(model_type)
@@ -133,6 +136,14 @@ def config_architecture(config, config_path: Path) -> str:
         raise CheckpointError(f"{config_path}: 'architectures' must be a list of class names "
                               f"like [\"{supported_architectures()[0]}\"], got {archs!r}")
     arch = archs[0] if archs else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+    if arch is not None and not has_table(arch):   # read as transformers builds it
+        from ..families.tableless import transformers_class
+
+        try:
+            transformers_class(arch)
+        except UnsupportedArchitecture as e:
+            raise CheckpointError(f"{config_path}: {e}") from None
+        return arch
     if arch is None:
         raise CheckpointError(
             f"{config_path}: no 'architectures', and model_type {config.model_type!r} is not "
@@ -154,12 +165,21 @@ class Expected:
 
 
 def expected_params(config, arch: str, config_path: Path) -> list[Expected]:
-    """``named_parameters()`` of the model built on the meta device, in order."""
+    """``named_parameters()`` of the model built on the meta device, in order.
+
+    An architecture without a table is built by its own class, in the dtype
+    its config names (``m2nkit.adapters.families.tableless.meta_model``).
+    """
     from transformers import AutoModelForCausalLM
 
     try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+        if not has_table(arch):
+            from ..families.tableless import meta_model
+
+            model = meta_model(config)
+        else:
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config)
     except Exception as e:
         raise CheckpointError(
             f"transformers cannot build {arch} from {config_path}: {type(e).__name__}: {e}"

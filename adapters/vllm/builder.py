@@ -17,12 +17,19 @@ __all__ = ["VLLMDestination", "vllm_destination", "LAYOUTS", "resolve_layout"]
 
 #: Where a destination layout comes from: m2nkit's family tables (no vLLM
 #: needed), or vLLM's own weight loaders, traced (``adapters/vllm/trace.py``;
-#: needs vLLM). ``auto``: traced when vLLM is importable, else the tables.
+#: needs vLLM). ``auto``: the table where the architecture has one (the same
+#: layout, checked against the trace by the integration tests, in a fraction
+#: of the time), else traced when vLLM is importable.
 LAYOUTS = ("tables", "traced", "auto")
 
 
-def resolve_layout(layout: str) -> str:
-    """``"tables"`` or ``"traced"`` for a ``LAYOUTS`` choice (``auto``: whether vLLM imports).
+def resolve_layout(layout: str, architecture: str | None = None) -> str:
+    """``"tables"`` or ``"traced"`` for a ``LAYOUTS`` choice.
+
+    ``auto``: ``"tables"`` for an ``architecture`` with a family table (or
+    none given, when vLLM is not importable), else ``"traced"`` when vLLM is
+    importable; without vLLM an architecture without a table resolves to
+    ``"tables"``, whose refusal says what would work.
 
     Raises:
         ValueError: ``layout`` is not one of ``LAYOUTS``.
@@ -33,6 +40,10 @@ def resolve_layout(layout: str) -> str:
         return layout
     import importlib.util
 
+    from ..families import has_table
+
+    if architecture is not None and has_table(architecture):
+        return "tables"
     return "traced" if importlib.util.find_spec("vllm") is not None else "tables"
 
 
@@ -70,12 +81,13 @@ class VLLMDestination:
         return destination_layout(self.config, metas, self.spec)
 
 
-def vllm_destination(config: Any, spec: Any, layout: str = "tables") -> VLLMDestination:
+def vllm_destination(config: Any, spec: Any, layout: str = "auto") -> VLLMDestination:
     """The ``DestinationBuilder`` of vLLM workers serving ``config`` with ``spec``.
 
     ``spec`` is ``"vllm:tp=T[,dp=D][,ep]"`` or an ``InferenceSpec``; the
     builder carries its canonical text. ``layout`` is one of ``LAYOUTS``
-    (``auto`` is resolved here, by whether vLLM is importable).
+    (``auto``, the default, is resolved here: the family table where the
+    architecture has one, else traced when vLLM is importable).
 
     Raises:
         ValueError: a spec that does not parse (its message names the part
@@ -83,5 +95,8 @@ def vllm_destination(config: Any, spec: Any, layout: str = "tables") -> VLLMDest
     """
     from m2nkit.adapters.vllm.spec import parse_inference_spec
 
+    from ..families import architecture_name
+
     parsed = parse_inference_spec(spec)
-    return VLLMDestination(config, str(parsed), parsed.num_workers, resolve_layout(layout))
+    return VLLMDestination(config, str(parsed), parsed.num_workers,
+                           resolve_layout(layout, architecture_name(config)))

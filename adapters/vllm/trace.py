@@ -36,6 +36,7 @@ takes whole (``layers/fused_moe/routed_experts.py``, ``load_weights``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import os
@@ -360,8 +361,8 @@ def _fake_class():
     """vLLM's ``FakeRDTTensor`` with the two loader idioms it does not record, as views.
 
     vLLM 0.33.0's mamba loaders (``mamba_v2_sharded_weight_loader``,
-    ``layers/mamba/mamba_mixer2.py``; Qwen3.5's and Qwen3-Next's ``conv1d``)
-    write ``param.data[a:b, ...] = loaded_weight[c:d].view_as(target)``:
+    ``layers/mamba/mamba_mixer2.py``; the Gated DeltaNet ``conv1d`` of
+    ``layers/mamba/gdn/*_gdn_linear_attn.py``) write ``param.data[a:b, ...] = loaded_weight[c:d].view_as(target)``:
     ``view_as`` is not in ``SUPPORTED_OPS`` and the slice assignment is no
     ``copy_``. Here ``view_as(t)`` is recorded as ``view(t.shape)`` (what
     torch defines it to be) and ``dest[idx] = fake`` as ``dest[idx].copy_(fake)``
@@ -675,7 +676,20 @@ def trace_destination(config: Any, wire: Sequence[ParamMeta],
         stacked = {vllm_checkpoint_name(m.name) for m in wire
                    if per_expert_feeds(m, experts) is not None}
         fused = bool(stacked)
+        # Without EP a worker's layout depends on its TP rank only (vLLM's
+        # ``ParallelConfig`` gives dp replicas identical models and loaders):
+        # each TP rank is traced once and its bindings repeated for every replica.
+        first_of_rank: dict[int, int] = {}
         for w in range(spec.num_workers):
+            twin = first_of_rank.get(spec.tp_rank(w)) if not spec.ep else None
+            if twin is not None:
+                for name, bs in bindings.items():
+                    bs.extend(dataclasses.replace(b, worker=w) for b in list(bs)
+                              if b.worker == twin)
+                params.extend(dataclasses.replace(p, worker=w) for p in list(params)
+                              if p.worker == twin)
+                continue
+            first_of_rank[spec.tp_rank(w)] = w
             model, vllm_config = _build_meta_model(config_dir, spec, w)
             # Stacked experts go in whole, under transformers 5's fused name,
             # where vLLM's loader takes that (one fake per layer instead of

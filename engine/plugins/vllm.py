@@ -308,7 +308,8 @@ class M2NVLLMEngine(WeightTransferEngine):
         except ValueError:
             return []       # the receiver refuses it with its own message
         found = live_model_problems(self.model, plan.destination, self.worker)
-        if not found and os.environ.get(TRACE_CHECK_ENV, "1") != "0":
+        if (not found and self.destination.layout != "traced"
+                and os.environ.get(TRACE_CHECK_ENV, "1") != "0"):
             found = self._traced_problems(plan)
         if found:
             more = f" ... and {len(found) - _LIST_AT_MOST} more" if len(found) > _LIST_AT_MOST else ""

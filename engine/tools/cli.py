@@ -86,24 +86,33 @@ def _config_path(path: str | os.PathLike) -> Path:
     return p / "config.json" if p.is_dir() else p
 
 
-def _check_architecture(path: str | os.PathLike, what: str) -> str | None:
-    """Refuse a checkpoint whose ``config.json`` names an unsupported architecture.
+def _check_architecture(path: str | os.PathLike, what: str,
+                        layout: str = "tables") -> str | None:
+    """Refuse a checkpoint whose ``config.json`` names an architecture the layout cannot carry.
 
-    Reads the file with ``json`` only. Anything else wrong with it (missing,
-    not JSON) is left to the checkpoint reader, which says what is wrong.
+    Reads the file with ``json`` only. An architecture without a family
+    table passes when ``layout`` may trace it (``traced``, or ``auto`` with
+    vLLM importable: transformers and vLLM then say whether they know it).
+    Anything else wrong with the file (missing, not JSON) is left to the
+    checkpoint reader, which says what is wrong.
 
     Returns:
         The architecture, or ``None`` when there is no readable ``config.json``.
 
     Raises:
-        UserError: ``architectures[0]`` has no model family (the message lists
-            the supported ones: ``m2nkit.adapters.families``).
+        UserError: ``architectures[0]`` has no model family and the layout
+            is the tables (the message lists the supported ones and names
+            ``--layout traced``: ``m2nkit.adapters.families``).
     """
-    from m2nkit.adapters.families import architecture_of
+    from m2nkit.adapters.families import architecture_name, architecture_of, has_table
+    from m2nkit.adapters.vllm.builder import resolve_layout
 
     doc = _read_config(path)
     if doc is None:
         return None
+    arch = architecture_name(doc)
+    if arch is not None and not has_table(arch) and resolve_layout(layout, arch) == "traced":
+        return arch
     try:
         return architecture_of(doc)
     except ValueError as e:
@@ -170,7 +179,7 @@ def _precheck(args) -> None:
         if not Path(args.checkpoint).exists():
             raise UserError(f"checkpoint {args.checkpoint}: no such file or directory (give a "
                             "checkpoint directory or its config.json)")
-        _check_architecture(args.checkpoint, "checkpoint")
+        _check_architecture(args.checkpoint, "checkpoint", args.layout)
         if getattr(tspec, "megatron", None) is not None:
             _check_megatron_sizes(args, tspec.megatron, _read_config(args.checkpoint), "plan")
         return
@@ -228,7 +237,7 @@ def _build(args):
     ckpt = read_checkpoint(args.checkpoint)
     metas = checkpoint_metas(ckpt, tspec)
     t2 = time.perf_counter()
-    args.layout = resolve_layout(args.layout)
+    args.layout = resolve_layout(args.layout, ckpt.architecture)
     if args.layout == "traced":
         dest = _traced(ckpt, metas, ispec)
     else:
@@ -378,7 +387,7 @@ def _plan_and_report(args, console, json_file, dump_dir) -> int:
             console.print("[red]verify skipped: the plan has problems"
                           + (" (nothing dumped)" if dump_dir else "") + "[/red]")
             return status
-        ok, storage = verify_plan(console, ckpt, tspec, ispec, plan)
+        ok, storage = verify_plan(console, ckpt, tspec, ispec, plan, args.layout)
         if dump_dir is not None:
             dump_storage(console, dump_dir, storage, plan, ckpt, ispec)
         if not ok:
@@ -561,10 +570,11 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--bindings", action="store_true",
                       help="print where each wire tensor (HF name) lands: vLLM parameter, "
                            "rows/cols/experts, workers")
-    plan.add_argument("--layout", choices=("tables", "traced", "auto"), default="tables",
-                      help="where the vLLM layout comes from: m2nkit's family tables (default; "
-                           "no vLLM needed), or vLLM's own weight loaders, traced on the meta "
-                           "device (needs vLLM); auto: traced when vLLM is importable")
+    plan.add_argument("--layout", choices=("tables", "traced", "auto"), default="auto",
+                      help="where the vLLM layout comes from: m2nkit's family tables (no vLLM "
+                           "needed), or vLLM's own weight loaders, traced on the meta device "
+                           "(needs vLLM); auto (default): the table where the architecture has "
+                           "one, else traced")
     plan.add_argument("-v", "--verbose", action="store_true", help="print the per-tensor table")
     plan.set_defaults(func=_cmd_plan)
     demo = sub.add_parser("demo", help="real multi-process transfer on this machine, verified")

@@ -19,15 +19,36 @@ from m2nkit.engine.tools.report import fmt_seconds
 __all__ = ["verify_plan", "dump_storage"]
 
 
-def verify_plan(console, ckpt, tspec, ispec, plan):
-    """Execute ``plan`` in this process and compare every worker with ``reference_load``.
+def verify_plan(console, ckpt, tspec, ispec, plan, layout: str = "tables"):
+    """Execute ``plan`` in this process and compare every worker with vLLM's loaders.
+
+    The reference is independent of the plan: for a layout from the tables,
+    m2nkit's restatement of vLLM's loaders (``reference_load``); for a
+    traced layout, vLLM itself: each worker's model built on the CPU and
+    filled from the checkpoint's files by vLLM's ``DefaultModelLoader``
+    (``engine/tools/vllm_workers.fresh_load``; needs vLLM, and memory for one
+    worker's parameters at a time).
 
     Returns ``(ok, storage)``: whether every worker is bit-exact, and each
     worker's storage ``{worker: {vLLM param: tensor}}``.
     """
     from m2nkit.adapters.hf_checkpoint import checkpoint_manifest, full_checkpoint_tensors
-    from m2nkit.adapters.vllm import reference_load
     from m2nkit.engine.in_process import allocate_storage, bitwise_equal, execute_plan
+
+    if layout == "traced":
+        from m2nkit.engine.tools.vllm_workers import fresh_load
+
+        def reference(w):
+            return fresh_load(ckpt.root, ispec, w)
+        what = ok_what = "vLLM's own loaders"
+    else:
+        from m2nkit.adapters.vllm import reference_load
+
+        full = full_checkpoint_tensors(ckpt)
+
+        def reference(w):
+            return reference_load(ckpt.config, full, ispec, w)
+        what, ok_what = "vLLM's loader semantics", "vLLM's loaders"
 
     workers = range(plan.num_workers)
     storage = {w: allocate_storage(plan.destination, w) for w in workers}
@@ -35,11 +56,10 @@ def verify_plan(console, ckpt, tspec, ispec, plan):
     t0 = time.perf_counter()
     execute_plan(plan, {r: s.iter_local() for r, s in sources.items()}, storage)
     t1 = time.perf_counter()
-    full = full_checkpoint_tensors(ckpt)
     ok = True
     aliases = plan.destination.aliases
     for w in workers:
-        ref = reference_load(ckpt.config, full, ispec, w)
+        ref = reference(w)
         got = storage[w]
         names = set(ref) - set(aliases)
         missing, extra = names - set(got), set(got) - names
@@ -49,12 +69,12 @@ def verify_plan(console, ckpt, tspec, ispec, plan):
                 bad.append(alias)
         if missing or extra or bad:
             ok = False
-            console.print(f"[red]worker {w}: {len(bad)} tensors differ from vLLM's loader "
-                          f"semantics {bad[:5]}, missing {sorted(missing)[:5]}, "
+            console.print(f"[red]worker {w}: {len(bad)} tensors differ from {what} "
+                          f"{bad[:5]}, missing {sorted(missing)[:5]}, "
                           f"unexpected {sorted(extra)[:5]}[/red]")
     if ok:
-        console.print(f"[green]verify: all {plan.num_workers} workers hold exactly what vLLM's "
-                      f"loaders would ({len(names)} parameters each; executed "
+        console.print(f"[green]verify: all {plan.num_workers} workers hold exactly what "
+                      f"{ok_what} would ({len(names)} parameters each; executed "
                       f"{plan.num_slabs:,} slabs in {fmt_seconds(t1 - t0)})[/green]")
     return ok, storage
 

@@ -26,6 +26,7 @@ import torch
 
 from m2nkit.adapters.families import (
     ARCHITECTURES,
+    TRACED_HINT,
     UnsupportedArchitecture,
     check_architecture,
     family,
@@ -63,7 +64,8 @@ WITH_MEGATRON_NAMES = ("LlamaForCausalLM", "MixtralForCausalLM", "Qwen2ForCausal
 ONE_MESSAGE = ("architecture 'PhiForCausalLM' is not supported; supported: "
                "DeepseekV3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, GptOssForCausalLM, "
                "LlamaForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
-               "Qwen3MoeForCausalLM")
+               "Qwen3MoeForCausalLM; an architecture without an m2nkit table is planned from "
+               "vLLM's own weight loaders: --layout traced (needs vLLM installed)")
 
 
 # --------------------------------------------------------------------------
@@ -161,7 +163,7 @@ def test_registry_imports_without_torch_or_transformers():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("architecture 'X' is not supported; supported: ")
-    assert r.stdout.strip().endswith(", ".join(SUPPORTED))
+    assert r.stdout.strip().endswith(", ".join(SUPPORTED) + "; " + TRACED_HINT)
 
 
 # --------------------------------------------------------------------------

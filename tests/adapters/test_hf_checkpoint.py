@@ -487,23 +487,50 @@ def test_error_unreadable_index(tiny_checkpoints, tmp_path):
     _raises(d, "cannot read", d / "model.safetensors.index.json", "weight_map")
 
 
+def test_error_an_architecture_transformers_lacks_lists_the_tables(tiny_checkpoints, tmp_path):
+    d = copy_ckpt(tiny_checkpoints("tiny-qwen3"), tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["architectures"] = ["FooForCausalLM"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    msg = _raises(d, d / "config.json")
+    import transformers
+
+    assert msg == (f"{d / 'config.json'}: architecture 'FooForCausalLM': transformers "
+                   f"{transformers.__version__} has no such model class and m2nkit has no table "
+                   "for it; tables: " + ", ".join(sorted(ARCHITECTURES)))
+
+
 @pytest.mark.parametrize("arch,model_type", [
-    ("FooForCausalLM", "qwen3"),                    # unknown to transformers too
     ("PhiForCausalLM", "phi"),                      # known to transformers, no family
     ("GPT2LMHeadModel", "gpt2"),                    # dense, known to transformers, no family
 ])
-def test_error_unknown_architecture_lists_supported_families(tiny_checkpoints, tmp_path, arch,
-                                                             model_type):
-    d = copy_ckpt(tiny_checkpoints("tiny-qwen3"), tmp_path)
-    cfg = json.loads((d / "config.json").read_text())
-    cfg["architectures"] = [arch]
-    cfg["model_type"] = model_type
-    (d / "config.json").write_text(json.dumps(cfg))
-    msg = _raises(d, d / "config.json")
-    # the registry's one message, after the file it comes from
-    assert msg == (f"{d / 'config.json'}: architecture '{arch}' is not supported; supported: "
-                   + ", ".join(sorted(ARCHITECTURES)))
-    assert "GptOssForCausalLM, LlamaForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM" in msg
+def test_an_architecture_without_a_table_is_read_as_transformers_builds_it(arch, model_type,
+                                                                           tmp_path):
+    """No table: the wire tensors are transformers' own (names, shapes, dtypes, data),
+    loaded by from_pretrained; checked against safetensors' own read of the files."""
+    import transformers
+    from safetensors.torch import load_file
+
+    config = transformers.AutoConfig.for_model(
+        model_type, vocab_size=96, hidden_size=32, n_embd=32, num_hidden_layers=2, n_layer=2,
+        num_attention_heads=4, n_head=4, intermediate_size=64, architectures=[arch])
+    torch.manual_seed(0)
+    model = getattr(transformers, arch)(config).to(torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    on_disk = load_file(str(tmp_path / "model.safetensors"))
+    ckpt = read_checkpoint(tmp_path)
+    assert ckpt.architecture == arch and ckpt.has_data
+    names = [n for n, _ in model.named_parameters()]
+    assert ckpt.names[:len(names)] == names
+    for name in ckpt.names:
+        got = ckpt.read_full(name)
+        assert torch.equal(got, on_disk[name]), name      # these two save names as held
+        box = tuple((0, max(1, n // 2)) for n in got.shape)
+        assert torch.equal(ckpt.read_box(name, box), got[tuple(slice(a, b) for a, b in box)])
+    config_only = read_checkpoint(tmp_path / "config.json")
+    assert not config_only.has_data
+    assert [(p.name, p.shape, p.dtype) for p in config_only.params] == \
+        [(p.name, p.shape, p.dtype) for p in ckpt.params]
 
 
 def test_error_unknown_model_type(tiny_checkpoints, tmp_path):

@@ -146,7 +146,8 @@ def test_plan_layout_traced_verifies_and_says_so():
              "--verify")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "traced from vLLM's own weight loaders" in r.stdout
-    assert "verify: all 2 workers hold exactly what vLLM's loaders would" in r.stdout
+    # traced: the reference is vLLM's own DefaultModelLoader on the checkpoint's files
+    assert "verify: all 2 workers hold exactly what vLLM's own loaders would" in r.stdout
     tables = _cli(EXAMPLE, "--trainer", "fsdp:3", "--inference", "vllm:tp=2,ep")
     assert "m2nkit's family tables (no vLLM needed)" in tables.stdout
 

@@ -94,10 +94,13 @@ def test_refusals_come_before_torch_is_imported(tmp_path, case, needle):
         "inference": lambda: ["plan", EXAMPLE, "--trainer", "fsdp:2", "--inference", "vllm:tp=2,pp=2"],
         "trainer_fsdp2": lambda: ["plan", EXAMPLE, "--trainer", "fsdp2:dp_shard=2,pp=2",
                                   "--inference", "vllm:tp=2"],
+        # an architecture without a table, where the tables were asked for (the
+        # default, auto, traces it: tests/integration/test_traced_plans.py)
         "arch_dir": lambda: ["plan", _unsupported(tmp_path), "--trainer", "fsdp:2",
-                             "--inference", "vllm:tp=2"],
+                             "--inference", "vllm:tp=2", "--layout", "tables"],
         "arch_config_file": lambda: ["plan", _unsupported(tmp_path, "GPT2LMHeadModel") / "config.json",
-                                     "--trainer", "fsdp:2", "--inference", "vllm:tp=2"],
+                                     "--trainer", "fsdp:2", "--inference", "vllm:tp=2",
+                                     "--layout", "tables"],
         "dump_without_verify": lambda: [*plan, "--dump", tmp_path / "dump"],
         "demo_arch": lambda: ["demo", "--model", _unsupported(tmp_path)],
         "demo_processes": lambda: ["demo", "--trainer", "fsdp:40", "--inference", "vllm:tp=2"],
@@ -124,8 +127,9 @@ def test_refusals_come_before_torch_is_imported(tmp_path, case, needle):
     assert needle in err
     if case.startswith("arch") or case == "demo_arch":
         # one format, naming every supported architecture
-        listed = err.strip().split("supported: ")[-1].split(", ")
+        listed = err.strip().split("supported: ")[-1].split("; ")[0].split(", ")
         assert "Qwen3MoeForCausalLM" in listed and "LlamaForCausalLM" in listed
+        assert err.strip().endswith("--layout traced (needs vLLM installed)")
         assert all(re.fullmatch(r"[A-Za-z0-9]+ForCausalLM", a) for a in listed), listed
     assert not (tmp_path / "dump").exists()
 

@@ -1,0 +1,123 @@
+"""Architectures without an m2nkit table, planned from vLLM 0.33.0's own loaders.
+
+The trainer side is transformers' own model (``adapters/families/tableless.py``:
+in-memory names, a checkpoint loaded by ``from_pretrained``); the vLLM side is
+the trace (``adapters/vllm/trace.py``). Checked against things m2nkit did not
+compute: vLLM's own ``DefaultModelLoader`` filling each worker's model from the
+checkpoint's files (``plan --verify`` on a traced layout), and the parameters
+of vLLM's model objects (every element of every worker parameter written once,
+no byte moved twice) for the published configs in ``examples/configs``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from _paths import REPO
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]
+
+M2NKIT = [sys.executable, "-m", "m2nkit.engine.tools.cli"]
+
+#: A tiny hybrid Gated DeltaNet MoE (one linear-attention and one full-attention layer).
+TINY_QWEN3_5_MOE = dict(
+    hidden_size=128, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+    moe_intermediate_size=32, shared_expert_intermediate_size=32, num_hidden_layers=2,
+    vocab_size=200, num_experts=8, num_experts_per_tok=2, max_position_embeddings=256,
+    layer_types=["linear_attention", "full_attention"], linear_num_key_heads=4,
+    linear_num_value_heads=8, linear_key_head_dim=16, linear_value_head_dim=16)
+
+
+@pytest.fixture(scope="module")
+def tiny_hybrid_moe(tmp_path_factory):
+    import transformers
+
+    d = tmp_path_factory.mktemp("tiny-qwen3_5-moe")
+    config = transformers.Qwen3_5MoeTextConfig(architectures=["Qwen3_5MoeForCausalLM"],
+                                               **TINY_QWEN3_5_MOE)
+    torch.manual_seed(0)
+    transformers.Qwen3_5MoeForCausalLM(config).to(torch.bfloat16).save_pretrained(d)
+    return d
+
+
+def _cli(*args):
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "COLUMNS": "250"}
+    return subprocess.run([*M2NKIT, "plan", *map(str, args)], capture_output=True, text=True,
+                          timeout=900, env=env, cwd=REPO)
+
+
+def test_plan_traces_an_architecture_without_a_table_and_vllm_agrees(tiny_hybrid_moe):
+    r = _cli(tiny_hybrid_moe, "--trainer", "fsdp:2", "--inference", "vllm:tp=2,ep", "--verify")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "traced from vLLM's own weight loaders" in r.stdout
+    assert "(ratio 1.000)" in r.stdout
+    # the reference is vLLM itself: each worker's model filled from the files by
+    # vLLM's DefaultModelLoader, compared bit for bit with what the plan delivered
+    assert "verify: all 2 workers hold exactly what vLLM's own loaders would" in r.stdout
+
+
+def test_plan_from_the_tables_refuses_it_naming_the_traced_layout(tiny_hybrid_moe):
+    r = _cli(tiny_hybrid_moe, "--trainer", "fsdp:2", "--inference", "vllm:tp=2",
+             "--layout", "tables")
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1, r.stderr
+    assert "architecture 'Qwen3_5MoeForCausalLM' is not supported" in r.stderr
+    assert r.stderr.strip().endswith("--layout traced (needs vLLM installed)")
+
+
+#: Published configs without a table, each planned config-only at tp 2 (with EP
+#: for the MoE ones); realistic layouts: benchmarks/trace.py and docs/benchmarks.md.
+TABLELESS_CONFIGS = {
+    "Qwen__Qwen3.5-27B": "vllm:tp=2",
+    "Qwen__Qwen3.5-397B-A17B": "vllm:tp=2,ep",
+    "Qwen__Qwen3-Next-80B-A3B-Instruct": "vllm:tp=2,ep",
+    "Qwen__Qwen3-VL-8B-Instruct": "vllm:tp=2",
+    "Qwen__Qwen3-VL-30B-A3B-Instruct": "vllm:tp=2,ep",
+}
+
+
+@pytest.mark.parametrize("model", sorted(TABLELESS_CONFIGS))
+def test_config_only_traced_plans_write_every_element_once(model):
+    from m2nkit.adapters.hf_checkpoint import checkpoint_metas, read_checkpoint
+    from m2nkit.adapters.vllm.trace import trace_destination
+    from m2nkit.engine.plan import build_plan
+
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    config = REPO / "examples" / "configs" / model / "config.json"
+    ckpt = read_checkpoint(config)
+    assert ckpt.architecture == json.loads(config.read_text())["architectures"][0]
+    metas = checkpoint_metas(ckpt, "fsdp:4")
+    layout = trace_destination(config.parent, metas, TABLELESS_CONFIGS[model])
+    plan = build_plan(metas, 4, layout)
+    assert not plan.problems, plan.problems[:3]
+    # Every element of every parameter of vLLM's model objects is written exactly
+    # once (or is a padding element its loader leaves zero), in the wire's dtype.
+    wire_bytes = {m.name: m.dtype.itemsize for m in metas}
+    bound = 0
+    for name, bindings in layout.bindings.items():
+        for b in bindings:
+            bound += math.prod(hi - lo for lo, hi in b.box) * wire_bytes[name]
+    params = sum(math.prod(p.shape) * wire_bytes_of(p, layout, wire_bytes)
+                 - sum(math.prod(hi - lo for lo, hi in z) for z in p.zero_boxes)
+                 * wire_bytes_of(p, layout, wire_bytes)
+                 for p in layout.params)
+    assert bound == params
+    assert plan.nbytes_moved == plan.nbytes_min == bound
+    # vision towers travel too
+    if "VL" in model or "3.5" in model:
+        assert any(".visual." in n for n in layout.bindings), "no vision-tower tensor is bound"
+
+
+def wire_bytes_of(param, layout, wire_bytes) -> int:
+    """The wire itemsize of the tensors feeding ``param`` (one dtype per parameter)."""
+    sizes = {wire_bytes[n] for n, bs in layout.bindings.items() for b in bs
+             if b.param == param.name and b.worker == param.worker}
+    assert len(sizes) == 1, (param.name, sizes)
+    return sizes.pop()
