@@ -36,7 +36,6 @@ takes whole (``layers/fused_moe/routed_experts.py``, ``load_weights``).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import math
 import os
@@ -676,20 +675,10 @@ def trace_destination(config: Any, wire: Sequence[ParamMeta],
         stacked = {vllm_checkpoint_name(m.name) for m in wire
                    if per_expert_feeds(m, experts) is not None}
         fused = bool(stacked)
-        # Without EP a worker's layout depends on its TP rank only (vLLM's
-        # ``ParallelConfig`` gives dp replicas identical models and loaders):
-        # each TP rank is traced once and its bindings repeated for every replica.
-        first_of_rank: dict[int, int] = {}
+        # (Every worker is traced: dp replicas are not alike even without EP,
+        # since vLLM's MoE layers split experts over dp * tp then,
+        # ``FusedMoEParallelConfig``; tests/integration/test_vllm_trace.py.)
         for w in range(spec.num_workers):
-            twin = first_of_rank.get(spec.tp_rank(w)) if not spec.ep else None
-            if twin is not None:
-                for name, bs in bindings.items():
-                    bs.extend(dataclasses.replace(b, worker=w) for b in list(bs)
-                              if b.worker == twin)
-                params.extend(dataclasses.replace(p, worker=w) for p in list(params)
-                              if p.worker == twin)
-                continue
-            first_of_rank[spec.tp_rank(w)] = w
             model, vllm_config = _build_meta_model(config_dir, spec, w)
             # Stacked experts go in whole, under transformers 5's fused name,
             # where vLLM's loader takes that (one fake per layer instead of
