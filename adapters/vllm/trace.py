@@ -588,14 +588,19 @@ def experts_on_disk(config: Any) -> dict[str, str]:
 
 
 def _build_meta_model(config_dir: str, spec: InferenceSpec, worker: int):
-    """vLLM's model object of ``worker`` on the meta device, with its ``VllmConfig``."""
+    """vLLM's model object of ``worker`` on the meta device, with its ``VllmConfig``.
+
+    Built under the stand-ins of ``stand_in.py``: the parallel groups, and for
+    sparse-attention (DSA) models on a CPU the GPU's sparse attention backend
+    and an empty workspace (``gpu_sparse_attention``; neither owns a parameter).
+    """
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.platforms import current_platform
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    from .stand_in import worker_config   # stand-in parallel state (sizes and ranks only)
+    from .stand_in import gpu_sparse_attention, worker_config   # stand-ins (see there)
 
     if current_platform.is_unspecified():
         raise TraceError("vLLM found no platform in this process (no GPU, and vLLM was "
@@ -603,7 +608,7 @@ def _build_meta_model(config_dir: str, spec: InferenceSpec, worker: int):
                          "VLLM_TARGET_DEVICE=cpu before vLLM is first imported")
     vllm_config = worker_config(config_dir, spec, worker)
     model_config = vllm_config.model_config
-    with set_current_vllm_config(vllm_config), _no_fp8_kernel_choice():
+    with set_current_vllm_config(vllm_config), _no_fp8_kernel_choice(), gpu_sparse_attention():
         with set_default_torch_dtype(model_config.dtype), torch.device("meta"):
             model = initialize_model(vllm_config=vllm_config)
     return model, vllm_config
