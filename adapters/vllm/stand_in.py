@@ -8,14 +8,23 @@ a worker's model outside a vLLM server (the traced layout,
 ``engine/tools/vllm_workers.py``) those globals are set to stand-ins that
 answer sizes and ranks and nothing else: any collective on them fails.
 vLLM is imported only when :meth:`StandInGroups.install` runs.
+
+:func:`gpu_sparse_attention` stands in for what a CPU process lacks to
+build a sparse-attention (DSA) model: the GPU's sparse MLA backend and its
+scratch workspace. Neither owns a parameter, so the layout is vLLM's own.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
-__all__ = ["StandInGroups", "worker_config"]
+__all__ = ["StandInGroups", "worker_config", "gpu_sparse_attention", "SPARSE_BACKEND"]
+
+#: The sparse MLA backend a CUDA worker of vLLM 0.33.0 builds DSA models with
+#: (``AttentionBackendEnum.FLASHMLA_SPARSE``); the oracle's default too.
+SPARSE_BACKEND = "FLASHMLA_SPARSE"
 
 
 class _StandInProcessGroup:
@@ -109,3 +118,70 @@ def worker_config(model_dir: str, spec: Any, worker: int, **extra: Any) -> Any:
     return VllmConfig(model_config=model_config, parallel_config=parallel,
                       device_config=DeviceConfig(device="cpu"), **extra)
 
+
+
+class _NoWorkspace:
+    """vLLM's ``WorkspaceManager`` for a model that is built, never run: empty scratch."""
+
+    def get_simultaneous(self, *specs: Any) -> list[Any]:
+        import torch
+
+        return [torch.empty(0, dtype=dtype) for _, dtype in specs]
+
+
+@contextlib.contextmanager
+def gpu_sparse_attention(backend: str = SPARSE_BACKEND) -> Iterator[None]:
+    """Build sparse-attention (DSA) layers as a GPU worker would, in a CPU process.
+
+    vLLM 0.33.0 builds GLM-5 and the other architectures with a
+    sparse-attention indexer (``tests/integration/test_traced_glm.py``) with
+    a sparse MLA attention layer
+    (``model_executor/layers/attention/mla_attention.py``, ``use_sparse``).
+    Two things stop a CPU process from building one:
+
+    * ``CpuPlatform.get_attn_backend_cls`` (``vllm/platforms/cpu.py``) raises
+      ``NotImplementedError("Sparse Attention is not supported on CPU.")``;
+      inside this context it answers a sparse request with ``backend`` (an
+      ``AttentionBackendEnum`` name), what a CUDA worker picks, and leaves
+      every other request to vLLM;
+    * the GPU sparse backend's ``__init__`` reserves forward scratch from
+      vLLM's ``WorkspaceManager`` (``vllm/v1/worker/workspace.py``), which a
+      GPU worker makes in ``GPUModelRunner.__init__``: where none exists, a
+      stand-in hands back empty tensors.
+
+    Attention backends and scratch own no parameters: the parameters, their
+    loaders and so the layout stay vLLM's own. This is what the oracle that
+    made the shipped dumps does (``shared/tools/vllm_oracle/oracle.py``,
+    ``_patch_sparse_attn_backend``, with the same default backend). Both
+    are restored on exit, and vLLM's memo of backend choices
+    (``v1/attention/selector.py``, ``_cached_get_attn_backend``) is cleared
+    so no sparse choice made here outlives the context.
+    """
+    from vllm.platforms import current_platform
+    from vllm.v1.attention import selector
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.worker import workspace
+
+    path = AttentionBackendEnum[backend].get_path()
+    platform = type(current_platform) if current_platform.is_cpu() else None
+    original = platform.__dict__["get_attn_backend_cls"] if platform is not None else None
+    if platform is not None:
+        vllm_choice = original.__func__
+
+        def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
+            if attn_selector_config.use_sparse:
+                return path
+            return vllm_choice(cls, selected_backend, attn_selector_config, num_heads)
+
+        platform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+    stand_in = workspace._manager is None
+    if stand_in:
+        workspace._manager = _NoWorkspace()
+    try:
+        yield
+    finally:
+        if platform is not None:
+            platform.get_attn_backend_cls = original
+        if stand_in and isinstance(workspace._manager, _NoWorkspace):
+            workspace._manager = None
+        selector._cached_get_attn_backend.cache_clear()

@@ -31,6 +31,12 @@ Wire names are Hugging Face checkpoint names; the re-fused stacked experts
 under the name transformers 5 keeps them by in memory
 (``...mlp.experts.gate_up_proj``), which vLLM 0.33.0's fused-MoE loader
 takes whole (``layers/fused_moe/routed_experts.py``, ``load_weights``).
+A model loader that takes only per-expert tensors (several MLA models'
+``load_weights`` in ``model_executor/models/``, which match expert names
+from ``fused_moe_make_expert_params_mapping``) is fed each expert's gate,
+up and down boxes under the per-expert names of the family table or, for
+an architecture without one, of transformers' own conversion rule
+(:func:`experts_on_disk`).
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ from m2nkit.manifest import Binding, DestinationLayout, DestinationParam, ParamM
 
 from .spec import InferenceSpec, parse_inference_spec
 
-__all__ = ["TraceError", "TracedCopy", "Feed", "per_expert_feeds", "trace_worker", "traced_problems", "experts_on_disk", "trace_destination", "chain_box",
+__all__ = ["TraceError", "TracedCopy", "Feed", "per_expert_feeds", "trace_worker", "traced_problems", "experts_on_disk", "transformers_experts_on_disk", "trace_destination", "chain_box",
            "view_region", "vllm_checkpoint_name", "merge_copies"]
 
 #: Stacked-expert wire names whose vLLM checkpoint name drops ``.weight``.
@@ -334,22 +340,29 @@ def per_expert_feeds(meta: ParamMeta, patterns: dict[str, str]) -> list[Feed] | 
 
     ``patterns``: part -> on-disk pattern (``{prefix}``, ``{e}``), the
     family's ``experts_on_disk``. ``None`` when ``meta`` is not a stacked
-    expert tensor or a part has no pattern.
+    expert tensor or a part has no pattern. The stacked weight is named as
+    a family table's wire names it (``<block>.experts.gate_up_proj.weight``)
+    or as transformers 5 keeps it in memory (``<block>.experts.gate_up_proj``,
+    the wire of an architecture without a table); its per-expert parts are
+    ``.weight`` tensors either way.
     """
     from ..experts import expert_name
     from ..families.table import TRANSFORMERS_FUSED_EXPERTS
 
     for leaf, parts in TRANSFORMERS_FUSED_EXPERTS.values():
         stem = leaf.removesuffix(".weight")
-        # the weight, or its fp8 block scales (``weight_scale_inv``), stacked alike
-        suffix = next((x for x in (".weight", ".weight_scale_inv")
+        # the weight (with or without ".weight"), or its fp8 block scales
+        # (``weight_scale_inv``), stacked alike: wire suffix -> per-expert suffix
+        suffix = next(((x, y) for x, y in ((".weight", ".weight"),
+                                           (".weight_scale_inv", ".weight_scale_inv"),
+                                           ("", ".weight"))
                        if meta.name.endswith("." + stem + x)), None)
         if suffix is None or any(p not in patterns for p in parts) or len(meta.shape) != 3:
             continue
-        prefix = meta.name[: -len("." + stem + suffix)].removesuffix(".experts")
+        prefix = meta.name[: len(meta.name) - len("." + stem + suffix[0])]
         E, rows, cols = meta.shape
         R = rows // len(parts)
-        return [Feed(expert_name(patterns[part], prefix, e).removesuffix(".weight") + suffix,
+        return [Feed(expert_name(patterns[part], prefix, e).removesuffix(".weight") + suffix[1],
                      meta, (R, cols), (e, k * R, 0), (1, 2), prefix, e)
                 for e in range(E) for k, part in enumerate(parts)]
     return None
@@ -570,10 +583,13 @@ def _uncovered(shape: tuple[int, ...], regions: list[tuple]) -> tuple[tuple, ...
 
 
 def experts_on_disk(config: Any) -> dict[str, str]:
-    """The family table's per-expert on-disk patterns of ``config`` (none without a table).
+    """The per-expert on-disk patterns of ``config``'s stacked experts (``{}``: none known).
 
-    ``config``: a transformers config, a ``config.json`` dict, or a
-    checkpoint directory.
+    From the family table where m2nkit has one; otherwise from transformers'
+    own conversion rules (:func:`transformers_experts_on_disk`), so a
+    tableless MoE whose vLLM loader takes only per-expert checkpoint
+    tensors still traces. ``config``: a transformers config, a
+    ``config.json`` dict, or a checkpoint directory.
     """
     import json
 
@@ -584,18 +600,76 @@ def experts_on_disk(config: Any) -> dict[str, str]:
     try:
         return dict(family_for(config).hf.experts_on_disk)
     except UnsupportedArchitecture:
+        return transformers_experts_on_disk(config)
+
+
+def transformers_experts_on_disk(config: Any) -> dict[str, str]:
+    """Per-expert on-disk patterns read off transformers' own conversion rules for ``config``.
+
+    transformers 5 fuses per-expert checkpoint tensors into stacked ones as
+    it loads, and splits them again as it saves, by the ``WeightConverter``
+    rules of its ``conversion_mapping.py`` (``get_checkpoint_conversion_mapping``
+    of the config's ``model_type``, or its ``text_config``'s). The one rule
+    the stacked wire tensors of :data:`TRANSFORMERS_FUSED_EXPERTS` mean is
+    taken: sources ``<block>.experts.*.<gate leaf>`` and ``.*.<up leaf>``,
+    ``MergeModulelist(dim=0)`` then ``Concatenate(dim=1)``, into
+    ``<block>.experts.gate_up_proj`` (expert ``e``'s gate rows, then its up
+    rows), and ``.*.<down leaf>`` by ``MergeModulelist(dim=0)`` alone into
+    ``<block>.experts.down_proj``. Returns part -> pattern in the family
+    tables' form (``{"gate": "{prefix}.experts.{e}.<gate leaf>", ...}``;
+    ``{prefix}`` is the in-memory MoE block, as the wire names it); ``{}``
+    where transformers has no such rule (experts kept stacked on disk, or
+    fused another way: a transpose): no pattern is ever guessed.
+    """
+    from ..families.table import TRANSFORMERS_FUSED_EXPERTS
+
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:
         return {}
+
+    def field(c, key):
+        return c.get(key) if isinstance(c, dict) else getattr(c, key, None)
+
+    text = field(config, "text_config")
+    model_types = [t for t in (field(config, "model_type"),
+                               field(text, "model_type") if text else None) if t]
+    #: the operations of the rule for a leaf of one part (down) or two (gate, up)
+    merge = {1: [("MergeModulelist", 0)], 2: [("MergeModulelist", 0), ("Concatenate", 1)]}
+    out: dict[str, str] = {}
+    for model_type in model_types:
+        for rule in get_checkpoint_conversion_mapping(model_type) or ():
+            targets = [t.lstrip(".") for t in getattr(rule, "target_patterns", ())]
+            sources = [src.lstrip(".") for src in getattr(rule, "source_patterns", ())]
+            ops = [(type(o).__name__, getattr(o, "dim", None))
+                   for o in getattr(rule, "operations", ())]
+            for leaf, (_, parts) in TRANSFORMERS_FUSED_EXPERTS.items():
+                if len(targets) != 1 or not (targets[0] == leaf or targets[0].endswith("." + leaf)):
+                    continue
+                block = targets[0][: -len(leaf)]                 # "mlp." or ""
+                if (len(sources) == len(parts) and ops == merge[len(parts)]
+                        and all(src.startswith(block + "experts.*.") for src in sources)):
+                    for part, src in zip(parts, sources):
+                        out.setdefault(part, "{prefix}.experts.{e}."
+                                       + src[len(block + "experts.*."):])
+    every = [p for _, parts in TRANSFORMERS_FUSED_EXPERTS.values() for p in parts]
+    return out if all(p in out for p in every) else {}
 
 
 def _build_meta_model(config_dir: str, spec: InferenceSpec, worker: int):
-    """vLLM's model object of ``worker`` on the meta device, with its ``VllmConfig``."""
+    """vLLM's model object of ``worker`` on the meta device, with its ``VllmConfig``.
+
+    Built under the stand-ins of ``stand_in.py``: the parallel groups, and for
+    sparse-attention (DSA) models on a CPU the GPU's sparse attention backend
+    and an empty workspace (``gpu_sparse_attention``; neither owns a parameter).
+    """
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.platforms import current_platform
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    from .stand_in import worker_config   # stand-in parallel state (sizes and ranks only)
+    from .stand_in import gpu_sparse_attention, worker_config   # stand-ins (see there)
 
     if current_platform.is_unspecified():
         raise TraceError("vLLM found no platform in this process (no GPU, and vLLM was "
@@ -603,7 +677,7 @@ def _build_meta_model(config_dir: str, spec: InferenceSpec, worker: int):
                          "VLLM_TARGET_DEVICE=cpu before vLLM is first imported")
     vllm_config = worker_config(config_dir, spec, worker)
     model_config = vllm_config.model_config
-    with set_current_vllm_config(vllm_config), _no_fp8_kernel_choice():
+    with set_current_vllm_config(vllm_config), _no_fp8_kernel_choice(), gpu_sparse_attention():
         with set_default_torch_dtype(model_config.dtype), torch.device("meta"):
             model = initialize_model(vllm_config=vllm_config)
     return model, vllm_config

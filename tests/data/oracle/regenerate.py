@@ -22,7 +22,9 @@ Besides the built-in tiny models, ``CHECKPOINTS`` builds variants that pin
 vLLM's expert placement and dtype rules: an expert count EP does not divide
 (``-e10``, ``-e6``), experts stored stacked on disk (``-stacked``), configs
 without a dtype or with float32 (``tiny-qwen3-nodtype*``, ``-fp32``), and a
-DeepSeek-V3 with two expert groups (round-robin placement). A layout may add
+DeepSeek-V3 with two expert groups (round-robin placement), and tiny GLM-4.5,
+GLM-4.7-Flash, GLM-5 and DeepSeek-V3.2 from transformers' own config classes
+(``_glm``; no m2nkit family table). A layout may add
 options after ``(tp, ep)``: ``"round_robin"`` (``--expert-placement``) or a
 dtype (``--dtype``); without one vLLM's default ``--dtype auto`` is passed.
 The folder is named ``tp<T>[_ep][_<option>...]``.
@@ -73,6 +75,11 @@ LAYOUTS: dict[str, list[tuple]] = {  # (tp, ep, *options)
     "tiny-deepseek-v3": [(1, False), (2, False), (4, False), (2, True), (4, True)],
     "tiny-deepseek-v3-fp8": [(1, False), (2, False), (4, False), (2, True), (4, True)],
     "tiny-deepseek-v3-no-q-lora": [(1, False), (2, False)],
+    # GLM-4.5 (QKV bias, q/k norms, 2 KV heads: tp 4 shares them), GLM-4.7-Flash
+    # (MLA), GLM-5 and DeepSeek-V3.2 (MLA + DSA indexer); layer 0 dense, layer 1 MoE
+    # (4 routed + 1 shared expert); tp 1/2/4 and EP 2/4 (checkpoints: _glm below)
+    **{m: [(1, False), (2, False), (4, False), (2, True), (4, True)]
+       for m in ("tiny-glm4-moe", "tiny-glm4-moe-lite", "tiny-glm-moe-dsa", "tiny-deepseek-v32")},
 }
 
 PLACEMENTS = ("round_robin",)
@@ -157,6 +164,42 @@ def _deepseek_v3_groups(d: Path) -> None:
     save_tiny_checkpoint(config, d, seed=0)
 
 
+#: Sizes the tiny GLM / DeepSeek-V3.2 models share: hidden 32 (no layout rule splits
+#: it; 4 checkpoints and 20 layouts take 4.3 MB), 4 heads (one per rank at tp 4), vocab 200
+#: (vLLM pads it to 256), layer 0 dense (``first_k_dense_replace``), layer 1 MoE with
+#: 4 routed experts (ep 4: one per rank) and 1 shared expert.
+_GLM_SIZES = dict(hidden_size=32, num_attention_heads=4, intermediate_size=32,
+                  moe_intermediate_size=32, n_routed_experts=4, num_experts=4,
+                  n_shared_experts=1, num_experts_per_tok=2, num_hidden_layers=2,
+                  first_k_dense_replace=1, vocab_size=200)
+#: MLA (GLM-4.7-Flash, GLM-5, DeepSeek-V3.2): q_lora_rank set, so vLLM fuses
+#: q_a_proj and kv_a_proj_with_mqa into fused_qkv_a_proj; head_dim is the rope dim
+#: (as GLM-5's config has it). ``topk_method``/``scoring_func`` as the published
+#: configs: transformers' config classes drop them, and vLLM's DeepSeek-V2 MoE makes
+#: no ``e_score_correction_bias`` without ``noaux_tc`` (REFERENCE.md section 9).
+_MLA_SIZES = dict(_GLM_SIZES, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16,
+                  qk_nope_head_dim=16, qk_rope_head_dim=8, qk_head_dim=24, v_head_dim=16,
+                  head_dim=8, mlp_layer_types=["dense", "sparse"], topk_method="noaux_tc",
+                  scoring_func="sigmoid")
+#: The DSA indexer: wq_b [n*d, q_lora], wk [d, H], weights_proj [n, H], k_norm [d]
+_DSA_SIZES = dict(_MLA_SIZES, index_n_heads=4, index_head_dim=16, index_topk=16)
+
+
+def _glm(model_type: str, architecture: str, **sizes):
+    """A tiny GLM-4.5 / GLM-4.7-Flash / GLM-5 / DeepSeek-V3.2 from transformers' own config
+    class (``save_tiny_checkpoint``: seed 0, bf16, non-zero fp32 ``e_score_correction_bias``).
+    Their families need not be in m2nkit."""
+    def build(d: Path) -> None:
+        from transformers import AutoConfig
+
+        from m2nkit.adapters.tiny import save_tiny_checkpoint, shrink_config
+
+        config = shrink_config(AutoConfig.for_model(model_type, architectures=[architecture]),
+                               derived={}, **sizes)
+        save_tiny_checkpoint(config, d, seed=0)
+    return build
+
+
 #: Checkpoints that are not a built-in tiny model: name -> builder(directory).
 CHECKPOINTS = {
     "tiny-qwen3-moe-e10": _tiny("tiny-qwen3-moe", num_local_experts=10),
@@ -167,6 +210,16 @@ CHECKPOINTS = {
     "tiny-qwen3-nodtype-fp32": _dtype_variant("tiny-qwen3", None, "float32"),
     "tiny-qwen3-nodtype-fp16": _dtype_variant("tiny-qwen3", None, "float16"),
     "tiny-qwen3-fp32": _dtype_variant("tiny-qwen3", "float32", "float32"),
+    # GLM-4.5/4.6: QKV bias and q/k norms (attention_bias, use_qk_norm: GLM-4.5's and
+    # 4.6's configs set both; shared/models has neither); 2 KV heads of head_dim 16
+    "tiny-glm4-moe": _glm("glm4_moe", "Glm4MoeForCausalLM", **_GLM_SIZES, num_key_value_heads=2,
+                          head_dim=16, attention_bias=True, use_qk_norm=True),
+    "tiny-glm4-moe-lite": _glm("glm4_moe_lite", "Glm4MoeLiteForCausalLM", **_MLA_SIZES),
+    "tiny-glm-moe-dsa": _glm("glm_moe_dsa", "GlmMoeDsaForCausalLM", **_DSA_SIZES,
+                             indexer_types=["full", "full"], indexer_rope_interleave=True),
+    # DeepSeek-V3.2 as published but bf16 (its config is fp8): two expert groups
+    "tiny-deepseek-v32": _glm("deepseek_v32", "DeepseekV32ForCausalLM", **_DSA_SIZES, n_group=2,
+                              topk_group=1),
 }
 
 
