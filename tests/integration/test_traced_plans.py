@@ -80,6 +80,8 @@ TABLELESS_CONFIGS = {
     "Qwen__Qwen3-Next-80B-A3B-Instruct": "vllm:tp=2,ep",
     "Qwen__Qwen3-VL-8B-Instruct": "vllm:tp=2",
     "Qwen__Qwen3-VL-30B-A3B-Instruct": "vllm:tp=2,ep",
+    "zai-org__GLM-4.7-Flash": "vllm:tp=2,ep",
+    "zai-org__GLM-5": "vllm:tp=2,ep",
 }
 
 
