@@ -28,7 +28,7 @@ import torch
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from m2nkit.adapters.vllm.spec import InferenceSpec
-from m2nkit.adapters.vllm.stand_in import worker_config
+from m2nkit.adapters.vllm.stand_in import gpu_sparse_attention, worker_config
 from m2nkit.engine.plugins.vllm import BACKEND, M2NVLLMEngine, register
 
 __all__ = ["build_cpu_worker", "load_checkpoint", "fresh_load",
@@ -70,7 +70,9 @@ def build_cpu_worker(checkpoint: str | os.PathLike, spec: InferenceSpec, worker:
                                                        use_tqdm_on_load=False),
                                 weight_transfer_config=WeightTransferConfig(backend=BACKEND))
     model_config = vllm_config.model_config
-    with set_current_vllm_config(vllm_config):
+    # sparse-attention (DSA) layers build as on a GPU worker: their backend owns no
+    # parameter (m2nkit.adapters.vllm.stand_in.gpu_sparse_attention)
+    with set_current_vllm_config(vllm_config), gpu_sparse_attention():
         with set_default_torch_dtype(model_config.dtype), torch.device("cpu"):
             model = initialize_model(vllm_config=vllm_config)
     if load:
