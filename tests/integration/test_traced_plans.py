@@ -123,3 +123,38 @@ def wire_bytes_of(param, layout, wire_bytes) -> int:
              if b.param == param.name and b.worker == param.worker}
     assert len(sizes) == 1, (param.name, sizes)
     return sizes.pop()
+
+
+def _tableless_fixtures():
+    """The shipped tiny checkpoints (tests/data/oracle) of architectures without a table."""
+    from _paths import ORACLE
+    from m2nkit.adapters.families import has_table
+
+    out = []
+    for d in sorted(ORACLE.iterdir()):
+        config = d / "checkpoint" / "config.json"
+        if config.is_file():
+            doc = json.loads(config.read_text())
+            if not has_table(doc["architectures"][0]):
+                moe = any(k in doc for k in ("num_experts", "n_routed_experts",
+                                             "num_local_experts"))
+                out.append(pytest.param(d / "checkpoint", "vllm:tp=2,ep" if moe else "vllm:tp=2",
+                                        id=d.name))
+    return out
+
+
+@pytest.mark.parametrize("checkpoint,spec", _tableless_fixtures())
+def test_plan_verify_of_every_tableless_checkpoint_equals_vllms_own_load(checkpoint, spec,
+                                                                         capsys):
+    """The user's path, in process: the checkpoint read by transformers, the layout
+    traced, the plan executed, every worker held against vLLM's DefaultModelLoader."""
+    from m2nkit.engine.tools.cli import main
+
+    capsys.readouterr()
+    code = main(["plan", str(checkpoint), "--trainer", "fsdp:3", "--inference", spec,
+                 "--verify"])
+    out = capsys.readouterr().out
+    assert code == 0, out[-3000:]
+    assert "traced from vLLM's own weight loaders" in out
+    assert "(ratio 1.000)" in out
+    assert f"verify: all {int(spec[8])} workers hold exactly what vLLM's own loaders would" in out
