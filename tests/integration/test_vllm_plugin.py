@@ -33,6 +33,7 @@ import time
 
 import pytest
 
+from _paths import ORACLE
 from _procs import CTX, ensure_forkserver
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -53,7 +54,13 @@ CASES = [  # (tiny model, vLLM layout, what it covers)
     # tied, one KV head replicated over tp=4, vocab 1024, hidden 64; CI runs it under the
     # pinned transformers, scripts/side_transformers.sh + this test under the newest
     ("tied-qwen3-kv1-tp4", "vllm:tp=4", "tied embeddings, 1 KV head over tp=4"),
+    # issue 16: architectures without a table, through the layout traced from the live
+    # vLLM's loaders on both sides (trainers: transformers' own model of v1)
+    ("tiny-glm4-moe", "vllm:tp=2,ep", "GLM-4.5, no table: traced layout"),
 ]
+#: Checkpoints of architectures without a table: v0 is the shipped oracle checkpoint,
+#: v1 the same config with seed-1 weights from transformers' own class.
+TRACED = {"tiny-glm4-moe"}
 #: Checkpoints beyond the built-in tiny models: name -> (tiny model, config overrides, dtype).
 WIDER = {"fp32-llama-h512": ("tiny-llama", {"hidden_size": 512, "num_attention_heads": 32,
                                             "head_dim": 16}, "float32"),
@@ -87,7 +94,10 @@ def versions(tmp_path_factory, tiny_checkpoints):
     def get(name):
         if name in made:
             return made[name]
-        if name in WIDER:
+        if name in TRACED:
+            made[name] = (ORACLE / name / "checkpoint", _reseeded(ORACLE / name / "checkpoint",
+                                                                  root / name))
+        elif name in WIDER:
             base, overrides, dtype = WIDER[name]
             config = tiny_config(base, **overrides)
             made[name] = tuple(save_tiny_checkpoint(config, root / f"{name}-seed{seed}", seed=seed,
@@ -98,6 +108,24 @@ def versions(tmp_path_factory, tiny_checkpoints):
         return made[name]
 
     return get
+
+
+def _reseeded(checkpoint, out):
+    """The checkpoint's config, new weights (seed 1) from transformers' own class, saved."""
+    import json
+
+    import torch
+    import transformers
+
+    arch = json.loads((checkpoint / "config.json").read_text())["architectures"][0]
+    config = transformers.AutoConfig.from_pretrained(checkpoint)
+    torch.manual_seed(1)
+    model = getattr(transformers, arch)(config).to(torch.bfloat16)
+    for name, b in model.named_buffers():          # fp32 router biases: non-zero, as shipped
+        if b.is_floating_point() and "correction_bias" in name:
+            b.copy_(torch.randn_like(b, dtype=torch.float32))
+    model.save_pretrained(out)
+    return out
 
 
 def _run_trainers(client, checkpoints, inference, timeout_s=ROUND_TIMEOUT_S) -> dict:
