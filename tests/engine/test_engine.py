@@ -68,8 +68,12 @@ def server():
 
 
 def _trainer(rank, T, model_dir, trainer, inference, url, port, fault, results, rounds, go,
-             timeout_s, reorder=False, extra=False, misorder=False):
+             timeout_s, reorder=False, extra=False, misorder=False, client_fault=None):
     """A trainer process; ``fault`` = (round, wire index, action) or None.
+
+    ``client_fault`` (rank 0) = (round, ``"stale session"``): in that round
+    its ``update_weights`` carries another session's id, which every worker
+    refuses up front.
 
     Reports ``("ok", rank, {round, bytes, seconds})`` per round, ``("error",
     rank, {message, seconds})`` when ``send_weights`` (or init) raised, with
@@ -135,6 +139,15 @@ def _trainer(rank, T, model_dir, trainer, inference, url, port, fault, results, 
                                   destination=vllm_destination(ckpt.config, inference),
                                   master_port=port, timeout_s=timeout_s, bucket_bytes=16 << 10)
         client = HTTPClient(url, timeout_s=10 * timeout_s) if rank == 0 else None
+        if client_fault is not None:
+            f_round, action = client_fault
+            update = client.update_weights
+
+            def faulty_update(info):
+                if state["round"] == f_round and action == "stale session":
+                    info = {**info, "session": "stale"}
+                return update(info)
+            client.update_weights = faulty_update
         t0 = time.monotonic()
         engine = M2NTrainerEngine.trainer_init(info, client=client, source=source)
         for k in range(1, rounds + 1):
@@ -188,7 +201,8 @@ def _run_trainers(url, T, trainer, inference, *, model_dir=EXAMPLE, faults=None,
     procs = []
     for r in range(T):
         kwargs = {k: v for k, v in kw.items()
-                  if k in ("reorder", "extra", "misorder") and r in kw.get("ranks", ())}
+                  if k in ("reorder", "extra", "misorder", "client_fault")
+                  and r in kw.get("ranks", ())}
         procs.append(CTX.Process(target=_trainer, daemon=True, kwargs=kwargs, args=(
             r, T, str(model_dir), trainer, inference, url, port, (faults or {}).get(r), results,
             rounds, gos[r], timeout_s)))
@@ -542,6 +556,47 @@ def test_a_worker_refusal_mid_session_reaches_every_trainer_rank_at_once():
             assert e["seconds"] < timeout_s / 3 + REPORT_GRACE_S, e
             retry = [p for k, p in msgs[r] if k == "retry"]
             assert retry and "broke in an earlier round" in retry[0]["message"], msgs[r]
+        first = min(errors[r][0]["at"] for r in range(3))
+        assert all(errors[r][0]["at"] - first <= REPORT_GRACE_S for r in range(3)), errors
+        # Nothing was sent in round 2: the workers keep round 1's version.
+        assert srv.weight_versions() == ["v1", "v1"]
+    finally:
+        srv.stop()
+
+
+@pytest.mark.timeout(180)
+def test_an_update_weights_the_workers_refuse_mid_session_reaches_every_trainer_rank_at_once():
+    # Issue 21, item 3, the call after start_weight_update that only trainer rank 0
+    # makes. Round 1 succeeds; in round 2 every worker refuses update_weights before
+    # it joins the round (it carries another session's id). Every trainer rank must
+    # raise naming that refusal first, within moments; before, every rank waited out
+    # timeout_s in sends no worker received, and only rank 0 heard the refusal.
+    timeout_s = 30.0
+    cause = "trainer rank 0: update_weights failed: "
+    refusal = ("update_weights failed on workers [0, 1]: workers 0, 1: SupersededError: "
+               "update_weights of session 'stale' refused")
+    srv = start_server(EXAMPLE, "vllm:tp=2")
+    try:
+        msgs, _, _, killed = _run_trainers(
+            srv.url, 3, "fsdp:3", "vllm:tp=2", rounds=2, timeout_s=timeout_s,
+            budget=3 * timeout_s, client_fault=(2, "stale session"), ranks=(0,))
+        assert not killed, msgs
+        assert all(any(k == "ok" and p["round"] == 1 for k, p in msgs[r])
+                   for r in range(3)), msgs
+        errors = _errors(msgs)
+        print("raised after",
+              {r: round(p["seconds"], 2) for r, ps in errors.items() for p in ps[:1]})
+        for r in (2, 1, 0):
+            assert errors[r], msgs[r]
+            e = errors[r][0]
+            assert e["round"] == 2 and e["message"].startswith("TransferError"), e
+            # The root cause comes first: rank 0's failed call, with the server's own words.
+            assert e["message"].startswith(
+                f"TransferError: trainer rank {r}: round 2 failed: {cause}"), e
+            assert refusal in e["message"], e
+            assert "stopped answering" not in e["message"], e
+            assert "sent no report" not in e["message"], e
+            assert e["seconds"] < timeout_s / 3 + REPORT_GRACE_S, e     # not at the deadline
         first = min(errors[r][0]["at"] for r in range(3))
         assert all(errors[r][0]["at"] - first <= REPORT_GRACE_S for r in range(3)), errors
         # Nothing was sent in round 2: the workers keep round 1's version.

@@ -15,6 +15,7 @@ import threading
 import time
 from datetime import timedelta
 
+import pytest
 import torch.distributed as dist
 
 from m2nkit.engine.tools.procs import free_port
@@ -173,3 +174,30 @@ def test_a_trainer_rank_absent_from_an_aborted_round_is_named_after_the_reason()
         msg = str(out[r])
         assert msg.startswith(f"trainer rank {r}: round 1 failed: {reason}; nothing was sent"), msg
         assert "; trainer rank 2 sent no report" in msg and "worker" not in msg, msg
+
+
+@pytest.mark.timeout(30)
+def test_rank_0_waits_for_every_worker_to_join_or_names_why_the_round_cannot_start():
+    # Trainer rank 0 opens a round only once every worker joined it; until then it
+    # watches its own update_weights call. Each way out: all joined (None), the call
+    # failed first (its text), the deadline with a worker missing (that worker).
+    from m2nkit.engine.control import join_round, wait_workers_joined
+    from m2nkit.engine.deadline import Deadline
+
+    stores = _stores(4)                       # 2 trainer ranks, 2 workers
+    kw = dict(num_workers=2, num_trainer_ranks=2)
+    join_round(stores[2], 1, 0)
+    join_round(stores[3], 1, 1)
+    assert wait_workers_joined(stores[0], 1, deadline=Deadline(5), refused=lambda: None,
+                               **kw) is None
+    refusal = "trainer rank 0: update_weights failed: HTTP 500: the server refused it"
+    t0 = time.monotonic()
+    assert wait_workers_joined(stores[0], 2, deadline=Deadline(20), refused=lambda: refusal,
+                               **kw) == refusal
+    assert time.monotonic() - t0 < 2, "the failed call was not noticed before the deadline"
+    join_round(stores[2], 3, 0)
+    reason = wait_workers_joined(stores[0], 3, deadline=Deadline(0.3), refused=lambda: None,
+                                 **kw)
+    assert reason == ("trainer rank 0: worker 1 (rank 3) did not join round 3 by the deadline "
+                      "(0.3 s after the start) (update_weights never reached their receive)")
+
