@@ -27,6 +27,10 @@ and lives apart from them, as vLLM keeps its plan agreement
   workers or the server refused ``update_weights`` before the workers
   joined) it aborts it there instead, with its reason, and every trainer
   rank fails at once naming it.
+* **Commit** (:func:`report_commit`, :func:`wait_commit`): after the
+  verdict rank 0 alone asks the workers to commit (``finish_weight_update``);
+  it tells the other trainer ranks whether they did, so a refused commit
+  fails every trainer rank, not only rank 0.
 * **Verdicts** (:func:`finish_round`): every round ends with one verdict for
   every rank, exchanged through the session's store rather than the group,
   so a silent rank is named instead of blocking the others;
@@ -71,6 +75,8 @@ __all__ = [
     "wait_workers_joined",
     "open_round",
     "wait_round_open",
+    "report_commit",
+    "wait_commit",
     "finish_round",
     "wait_verdict_seen",
 ]
@@ -495,9 +501,70 @@ def wait_round_open(store, rank: int, round_id, deadline: Deadline) -> None:
                                 f"{reason}")
 
 
-def wait_verdict_seen(store, round_id, world_size: int, timeout_s: float) -> bool:
+def _commit_key(round_id) -> str:
+    return f"verdict/{round_id}/commit"
+
+
+def report_commit(store, round_id, error: str | None = None, *, readers: int = 0,
+                  until: float = 0.0) -> None:
+    """Trainer rank 0, after a round every rank succeeded in: did the workers commit it?
+
+    Only rank 0 calls ``finish_weight_update``; the other trainer ranks wait
+    for this word in :func:`wait_commit`. ``error=None``: committed.
+    Otherwise ``error`` (``"trainer rank 0: finish_weight_update failed:
+    ..."``) is what every trainer rank raises; rank 0 is about to raise too
+    and close the store it hosts, so it first waits, until ``until``
+    (``time.monotonic``), for ``readers`` ranks to read it. After a commit
+    the store's shutdown waits for them (:func:`wait_verdict_seen`,
+    ``commit_readers``). Once per round; never raises for a store that is
+    gone (a reader that died is the next session's problem).
+    """
+    key = _commit_key(round_id)
+    try:
+        store.set(key, json.dumps({"error": error}))
+        while error is not None and store.add(key + "/read", 0) < readers \
+                and time.monotonic() < until:
+            time.sleep(0.005)
+    except RuntimeError:
+        pass
+
+
+def wait_commit(store, rank: int, round_id, until: float) -> None:
+    """Trainer ranks other than 0: wait, until ``until`` (``time.monotonic``), for
+    rank 0's :func:`report_commit` of round ``round_id``; return once the workers committed.
+
+    Event-driven: a commit costs one store round trip after rank 0's call.
+
+    Raises:
+        TransferError: the workers did not commit (rank 0's reason, named
+            first), no word by ``until``, or the store stopped answering
+            (rank 0 is gone).
+    """
+    key = _commit_key(round_id)
+    me = f"trainer rank {rank}: round {round_id} failed"
+    try:
+        said = _wait_key(store, key, until)
+        if said:
+            reason = json.loads(store.get(key))["error"]
+            store.add(key + "/read", 1)
+    except RuntimeError as e:
+        raise TransferError(
+            f"{me}: the session store (hosted by trainer rank 0) stopped answering "
+            f"({str(e).splitlines()[0]}) after every rank's part succeeded, so trainer rank 0 "
+            "is dead or gone; whether the workers committed the round is unknown: check their "
+            "weight_version") from e
+    if not said:
+        raise TransferError(f"{me}: trainer rank 0 did not say by the deadline whether the "
+                            "workers committed the round; check their weight_version")
+    if reason:
+        raise TransferError(f"{me}: {reason}")
+
+
+def wait_verdict_seen(store, round_id, world_size: int, timeout_s: float, *,
+                      commit_readers: int = 0) -> bool:
     """On the store's host, before the store goes: wait until all ``world_size``
-    ranks have read round ``round_id``'s verdict (``finish_round`` counts them).
+    ranks have read round ``round_id``'s verdict (``finish_round`` counts them),
+    and ``commit_readers`` trainer ranks rank 0's commit word (:func:`wait_commit`).
 
     Without it the host (trainer rank 0) can return from its last round and
     shut down while a slower rank still polls the verdict, which then fails
@@ -505,13 +572,15 @@ def wait_verdict_seen(store, round_id, world_size: int, timeout_s: float) -> boo
     Returns whether every rank read it within ``timeout_s`` (seconds); never
     raises: a rank that died is the next session's problem, not this one's.
     """
-    key = f"verdict/{round_id}/read"
+    counts = ((f"verdict/{round_id}/read", world_size),
+              (_commit_key(round_id) + "/read", commit_readers))
     until = time.monotonic() + timeout_s
     try:
-        while store.add(key, 0) < world_size:
-            if time.monotonic() >= until:
-                return False
-            time.sleep(0.01)
+        for key, n in counts:
+            while store.add(key, 0) < n:
+                if time.monotonic() >= until:
+                    return False
+                time.sleep(0.01)
     except RuntimeError:
         return False
     return True

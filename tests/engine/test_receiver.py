@@ -766,6 +766,40 @@ def test_update_weights_refused_before_the_workers_join_fails_every_trainer_rank
             r.shutdown()
 
 
+@pytest.mark.timeout(90)
+def test_a_failed_commit_fails_every_trainer_rank_with_its_reason(ck):
+    # Issue 21, item 3: the round arrived whole on every worker, but rank 0's
+    # finish_weight_update (a call only it makes) fails: the server is gone.
+    # Every trainer rank must raise that reason; before, rank 1 returned success
+    # for a version no worker committed.
+    timeout_s = 40.0
+    receivers = receivers_for(ck)
+    inner = InProcessClient(receivers, timeout_s=60)
+    client = _Refusing(inner, "finish_weight_update", "server gone")
+    eng = Engines(ck, client, timeout_s=timeout_s)
+    try:
+        ok(eng.init())
+        out = eng.send("v1", 2.0)
+        _assert_every_rank_raised_first(
+            out, eng.took, "trainer rank 0: finish_weight_update failed: ",
+            [f"POST {client.url}/finish_weight_update failed"], timeout_s)
+        assert inner.weight_versions() == [None, None]      # never committed
+    finally:
+        eng.shutdown()
+    # The workers are not left stuck in the uncommitted round: a fresh session commits.
+    fresh = Engines(ck, inner)
+    try:
+        ok(fresh.init())
+        ok(fresh.send("v2", 3.0))
+        assert inner.weight_versions() == ["v2", "v2"]
+        for r in receivers:
+            assert_storage(r, reference(ck, 3.0, r.worker))
+    finally:
+        fresh.shutdown()
+        for r in receivers:
+            r.shutdown()
+
+
 @pytest.mark.parametrize("bucket_bytes", [4 << 10, 16 << 10, 100 << 10])
 def test_no_bucket_holds_more_than_bucket_bytes_for_any_rank(ck, bucket_bytes):
     # Issue 8: a rank's staged bytes stay within one bucket. Per bucket, the bytes
