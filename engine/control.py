@@ -19,11 +19,18 @@ and lives apart from them, as vLLM keeps its plan agreement
   of its plan before any byte moves; a difference, or a rank that could not
   build a plan, ends the session on every rank (``PlanMismatchError``).
 * **Round start** (:func:`open_round`, :func:`wait_round_open`): trainer
-  rank 0 starts each round on the inference side (its client calls) and
-  then opens it in the store; the other trainer ranks wait for that word
-  before they post a send. When rank 0 cannot start the round (a worker
-  refused ``start_weight_update``) it aborts it there instead, with its
-  reason, and every trainer rank fails at once naming it.
+  rank 0 starts each round on the inference side (its client calls), waits
+  until every worker joined it (:func:`join_round`,
+  :func:`wait_workers_joined`) and then opens it in the store; the other
+  trainer ranks wait for that word before they post a send. When rank 0
+  cannot start the round (a worker refused ``start_weight_update``, the
+  workers or the server refused ``update_weights`` before the workers
+  joined) it aborts it there instead, with its reason, and every trainer
+  rank fails at once naming it.
+* **Commit** (:func:`report_commit`, :func:`wait_commit`): after the
+  verdict rank 0 alone asks the workers to commit (``finish_weight_update``);
+  it tells the other trainer ranks whether they did, so a refused commit
+  fails every trainer rank, not only rank 0.
 * **Verdicts** (:func:`finish_round`): every round ends with one verdict for
   every rank, exchanged through the session's store rather than the group,
   so a silent rank is named instead of blocking the others;
@@ -64,8 +71,12 @@ __all__ = [
     "rank_label",
     "agree_on_plan",
     "RoundAbortedError",
+    "join_round",
+    "wait_workers_joined",
     "open_round",
     "wait_round_open",
+    "report_commit",
+    "wait_commit",
     "finish_round",
     "wait_verdict_seen",
 ]
@@ -375,18 +386,65 @@ def _open_key(round_id) -> str:
     return f"verdict/{round_id}/open"
 
 
+def _joined_key(round_id, worker: int) -> str:
+    return f"verdict/{round_id}/joined/{worker}"
+
+
+def join_round(store, round_id, worker: int) -> None:
+    """Worker ``worker``: its ``update_weights`` of round ``round_id`` passed its checks.
+
+    Called right before the worker posts its receives, so trainer rank 0
+    (:func:`wait_workers_joined`) can tell a round the workers took part in
+    from one they refused up front (or never heard of) while no trainer
+    rank has posted a send yet: a send already waiting in gloo cannot be
+    interrupted, so a refusal must be known before the first one.
+    """
+    store.set(_joined_key(round_id, worker), "")
+
+
+def wait_workers_joined(store, round_id, *, num_workers: int, num_trainer_ranks: int,
+                        deadline: Deadline, refused: Callable[[], str | None]) -> str | None:
+    """Trainer rank 0: wait until all ``num_workers`` workers joined round ``round_id``.
+
+    Returns ``None`` once every worker's :func:`join_round` is in; else the
+    reason the round cannot start, for :func:`open_round`: ``refused()``
+    (polled meanwhile; rank 0's ``update_weights`` call already failed, say
+    the server or every worker refused it) when it returns a text, or, at
+    ``deadline``, which workers did not join. Polls the store (1 to 10 ms
+    apart); the workers join within moments of the call.
+
+    Raises:
+        RuntimeError: the store failed (it lives in this process: a bug).
+    """
+    keys = [_joined_key(round_id, w) for w in range(num_workers)]
+    pause = 0.001
+    while not store.check(keys):
+        reason = refused()
+        if reason is not None:
+            return reason
+        if deadline.expired():
+            missing = [w for w, key in enumerate(keys) if not store.check([key])]
+            who = ", ".join(rank_label(num_trainer_ranks + w, num_trainer_ranks) for w in missing)
+            return (f"trainer rank 0: {who} did not join round {round_id} by "
+                    f"{deadline.describe()} (update_weights never reached their receive)")
+        time.sleep(min(pause, deadline.left()))
+        pause = min(pause * 2, 0.01)
+    return None
+
+
 def open_round(store, round_id, error: str | None = None) -> None:
     """Trainer rank 0: round ``round_id`` has started on the inference side, or is aborted.
 
     Rank 0 makes the round's client calls (``start_weight_update``,
     ``update_weights``) alone; the other trainer ranks wait in
     :func:`wait_round_open` before they post a single send. Rank 0 calls
-    this with ``error=None`` once ``start_weight_update`` returned (before
-    ``update_weights``: a worker's round always finds the word in), or with
-    ``error`` when it could not start the round: then it is aborted on every
-    rank, before any byte moved and with the workers never asked, and
-    ``error`` (``"trainer rank 0: start_weight_update failed: ..."``) is the
-    root cause every rank's :func:`finish_round` names first. Once per round.
+    this with ``error=None`` once every worker joined the round
+    (:func:`wait_workers_joined`), or with ``error`` when it could not start
+    the round: then it is aborted on every rank before any byte moved, the
+    workers never asked or refusing up front, and ``error`` (``"trainer
+    rank 0: start_weight_update failed: ..."``, ``"trainer rank 0:
+    update_weights failed: ..."``) is the root cause every rank's
+    :func:`finish_round` names first. Once per round.
     """
     store.set(_open_key(round_id), json.dumps({"error": error}))
 
@@ -400,6 +458,24 @@ def _aborted(store, round_id) -> str | None:
     if not store.check([key]):
         return None
     return json.loads(store.get(key))["error"] or ""
+
+
+def _wait_key(store, key: str, until: float) -> bool:
+    """Wait for ``key`` until ``until`` (``time.monotonic``); whether it is in.
+
+    Event-driven (the store answers when the key is set).
+
+    Raises:
+        RuntimeError: the store stopped answering before ``until``.
+    """
+    try:
+        # c10d treats a zero timeout as "wait forever": never pass one.
+        store.wait([key], timedelta(seconds=max(until - time.monotonic(), 0.01)))
+    except RuntimeError:
+        if until - time.monotonic() > 0.05:     # (the store's clock counts whole ms)
+            raise                               # the store is gone, not late
+        return False
+    return True
 
 
 def wait_round_open(store, rank: int, round_id, deadline: Deadline) -> None:
@@ -416,23 +492,79 @@ def wait_round_open(store, rank: int, round_id, deadline: Deadline) -> None:
             verdict (:func:`finish_round`) says so.
     """
     key = _open_key(round_id)
-    try:
-        # c10d treats a zero timeout as "wait forever": never pass one.
-        store.wait([key], timedelta(seconds=max(deadline.left(), 0.01)))
-    except RuntimeError:
-        if deadline.left() > 0.05:              # (the store's clock counts whole ms)
-            raise                               # the store is gone, not late
+    if not _wait_key(store, key, deadline.at):
         raise TransferError(f"trainer rank {rank}: trainer rank 0 did not start round {round_id} "
-                            f"by {deadline.describe()}") from None
+                            f"by {deadline.describe()}")
     reason = json.loads(store.get(key))["error"]
     if reason:
         raise RoundAbortedError(f"trainer rank {rank}: round {round_id} was not started: "
                                 f"{reason}")
 
 
-def wait_verdict_seen(store, round_id, world_size: int, timeout_s: float) -> bool:
+def _commit_key(round_id) -> str:
+    return f"verdict/{round_id}/commit"
+
+
+def report_commit(store, round_id, error: str | None = None, *, readers: int = 0,
+                  until: float = 0.0) -> None:
+    """Trainer rank 0, after a round every rank succeeded in: did the workers commit it?
+
+    Only rank 0 calls ``finish_weight_update``; the other trainer ranks wait
+    for this word in :func:`wait_commit`. ``error=None``: committed.
+    Otherwise ``error`` (``"trainer rank 0: finish_weight_update failed:
+    ..."``) is what every trainer rank raises; rank 0 is about to raise too
+    and close the store it hosts, so it first waits, until ``until``
+    (``time.monotonic``), for ``readers`` ranks to read it. After a commit
+    the store's shutdown waits for them (:func:`wait_verdict_seen`,
+    ``commit_readers``). Once per round; never raises for a store that is
+    gone (a reader that died is the next session's problem).
+    """
+    key = _commit_key(round_id)
+    try:
+        store.set(key, json.dumps({"error": error}))
+        while error is not None and store.add(key + "/read", 0) < readers \
+                and time.monotonic() < until:
+            time.sleep(0.005)
+    except RuntimeError:
+        pass
+
+
+def wait_commit(store, rank: int, round_id, until: float) -> None:
+    """Trainer ranks other than 0: wait, until ``until`` (``time.monotonic``), for
+    rank 0's :func:`report_commit` of round ``round_id``; return once the workers committed.
+
+    Event-driven: a commit costs one store round trip after rank 0's call.
+
+    Raises:
+        TransferError: the workers did not commit (rank 0's reason, named
+            first), no word by ``until``, or the store stopped answering
+            (rank 0 is gone).
+    """
+    key = _commit_key(round_id)
+    me = f"trainer rank {rank}: round {round_id} failed"
+    try:
+        said = _wait_key(store, key, until)
+        if said:
+            reason = json.loads(store.get(key))["error"]
+            store.add(key + "/read", 1)
+    except RuntimeError as e:
+        raise TransferError(
+            f"{me}: the session store (hosted by trainer rank 0) stopped answering "
+            f"({str(e).splitlines()[0]}) after every rank's part succeeded, so trainer rank 0 "
+            "is dead or gone; whether the workers committed the round is unknown: check their "
+            "weight_version") from e
+    if not said:
+        raise TransferError(f"{me}: trainer rank 0 did not say by the deadline whether the "
+                            "workers committed the round; check their weight_version")
+    if reason:
+        raise TransferError(f"{me}: {reason}")
+
+
+def wait_verdict_seen(store, round_id, world_size: int, timeout_s: float, *,
+                      commit_readers: int = 0) -> bool:
     """On the store's host, before the store goes: wait until all ``world_size``
-    ranks have read round ``round_id``'s verdict (``finish_round`` counts them).
+    ranks have read round ``round_id``'s verdict (``finish_round`` counts them),
+    and ``commit_readers`` trainer ranks rank 0's commit word (:func:`wait_commit`).
 
     Without it the host (trainer rank 0) can return from its last round and
     shut down while a slower rank still polls the verdict, which then fails
@@ -440,13 +572,15 @@ def wait_verdict_seen(store, round_id, world_size: int, timeout_s: float) -> boo
     Returns whether every rank read it within ``timeout_s`` (seconds); never
     raises: a rank that died is the next session's problem, not this one's.
     """
-    key = f"verdict/{round_id}/read"
+    counts = ((f"verdict/{round_id}/read", world_size),
+              (_commit_key(round_id) + "/read", commit_readers))
     until = time.monotonic() + timeout_s
     try:
-        while store.add(key, 0) < world_size:
-            if time.monotonic() >= until:
-                return False
-            time.sleep(0.01)
+        for key, n in counts:
+            while store.add(key, 0) < n:
+                if time.monotonic() >= until:
+                    return False
+                time.sleep(0.01)
     except RuntimeError:
         return False
     return True
@@ -478,10 +612,12 @@ def finish_round(store, rank: int, world_size: int, *, num_trainer_ranks: int, r
     ``grace_s`` of the first reported failure.
 
     A round that trainer rank 0 aborted before it started (:func:`open_round`
-    with its reason: a worker refused ``start_weight_update``) involves the
-    trainer ranks alone (the workers were never asked): reports are
-    collected until every trainer rank's is in, and the message names rank
-    0's reason first.
+    with its reason: a worker refused ``start_weight_update``, or
+    ``update_weights`` was refused before every worker joined) involves the
+    trainer ranks alone (no send was posted; a worker that did join fails
+    once the trainers close their connections, and is not waited for):
+    reports are collected until every trainer rank's is in, and the message
+    names rank 0's reason first.
 
     ``round_id`` must be new within the session (the trainer's round
     number); ``num_trainer_ranks`` names ranks in messages. ``on_reported``
@@ -524,7 +660,7 @@ def finish_round(store, rank: int, world_size: int, *, num_trainer_ranks: int, r
                 # Rank 0 aborts (open_round) before it reports its own failure.
                 aborted = _aborted(store, round_id)
                 if aborted:
-                    expected = num_trainer_ranks         # the workers were never asked
+                    expected = num_trainer_ranks         # no trainer sent a byte
             now = time.monotonic()
             if reported >= expected:
                 break

@@ -32,7 +32,10 @@ destination layout, the plan digest) and then ``agree_on_plan`` with every rank;
 any difference is an error on every rank, never a hang or shifted weights
 (docs/engine.md, "What happens in a round"; docs/reference.md §2: workers reject a payload whose
 recomputed digest differs). A refusal is told to the trainers through the
-same agreement. After its receives every rank takes part in ``finish_round``,
+same agreement. Each round it tells the trainers, in the session store, that
+it joined (``join_round``: its ``update_weights`` passed its checks) right
+before it posts its receives; the trainers send only once every worker did.
+After its receives every rank takes part in ``finish_round``,
 one verdict for the round: a worker whose own bytes all arrived still does
 not commit when another rank failed.
 
@@ -66,6 +69,7 @@ from m2nkit.engine.control import (
     agree_on_plan,
     create_group,
     finish_round,
+    join_round,
     refuse_rendezvous,
     release_group,
 )
@@ -554,6 +558,9 @@ class M2NReceiver(WeightTransferEngine):
             # From the first byte on, the live weights may be partly this round's.
             self._mixed = f"round {update_info.round}"
         try:
+            # The trainers post their sends only once every worker joined
+            # (control.wait_workers_joined): a refusal above reaches them first.
+            join_round(self._store, update_info.round, self.worker)
             done, _ = self._transport.recv_round(self._plan, self.worker, target,
                                                  deadline=deadline)
             self._received = set(done)

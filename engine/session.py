@@ -77,7 +77,10 @@ def check_destination(destination: Any, where: str) -> DestinationBuilder:
                          f"got {type(destination).__name__}")
     return destination
 
-INIT_SCHEMA_VERSION = 1
+#: The session protocol both sides speak. 2: a worker joins each round in the
+#: session store before it receives (``control.join_round``), and the trainers
+#: wait for that before they send; a worker of version 1 never would.
+INIT_SCHEMA_VERSION = 2
 
 
 @dataclass(frozen=True)

@@ -8,16 +8,23 @@ process group with the workers (trainer ranks ``[0, T)``, workers
 ``[T, T+N)``, vLLM ``m2n_common.py``) and, before any byte moves, every rank
 agrees on the manifest digest and the plan.
 
-A round (``send_weights``) on rank 0: ``start_weight_update()``, then it
-opens the round in the session's store (``control.open_round``), then
-``update_weights(...)`` in a thread — the inference side's RPC returns only
-once the workers have received everything, so it must overlap the send —
-while every rank runs the transport; then ``finish_weight_update(version)``,
-which commits the new version on the workers only if the round arrived whole.
+A round (``send_weights``) on rank 0: ``start_weight_update()``, then
+``update_weights(...)`` in a thread (the inference side's RPC returns only
+once the workers have received everything, so it must overlap the send).
+Once every worker joined the round (``control.wait_workers_joined``) rank 0
+opens it in the session's store (``control.open_round``) and every rank
+runs the transport; then ``finish_weight_update(version)``, which commits
+the new version on the workers only if the round arrived whole, and rank 0
+tells the other ranks whether they committed (``control.report_commit``).
 The other ranks post no send before rank 0 opened the round
-(``control.wait_round_open``); when rank 0 could not start it (a worker
-refused ``start_weight_update``) it aborts the round there with its reason,
-and every rank raises at once naming it first.
+(``control.wait_round_open``) and return only after its commit word
+(``control.wait_commit``). When rank 0 could not start the round (a worker
+refused ``start_weight_update``; the server or the workers refused
+``update_weights`` before the workers joined) it aborts the round there
+with its reason, and every rank raises at once naming it first; a refused
+commit likewise fails every rank with rank 0's reason. (A gloo send that
+is already waiting cannot be interrupted, so a refusal has to be known
+before the first send.)
 
 The engine knows no model family: the caller passes the destination layout
 as a ``DestinationBuilder`` (``m2nkit.adapters.vllm.vllm_destination``).
@@ -52,8 +59,11 @@ from .control import (
     finish_round,
     open_round,
     release_group,
+    report_commit,
+    wait_commit,
     wait_round_open,
     wait_verdict_seen,
+    wait_workers_joined,
 )
 from .deadline import REPORT_GRACE_S, Deadline
 from .session import DestinationBuilder, InitPayload, check_destination, plan_from_manifest
@@ -298,11 +308,14 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
             RuntimeError: another ``send_weights`` is running on this engine.
             TransferError: a peer died or stalled, the source broke the
                 manifest order or came after the deadline, the inference
-                side refused to start the round (every rank, at once: rank 0
-                aborts it before any send) or to commit (rank 0). The message names the root
-                cause first (the ranks that sent no report, else the first
-                failure reported, with its rank). The workers' version is
-                then unchanged, this engine has released its group and
+                side refused to start the round or to receive it (every
+                rank, at once: rank 0 aborts it before any send) or to
+                commit it (every rank, with rank 0's reason). The message
+                names the root cause first (rank 0's reason, else the ranks
+                that sent no report, else the first failure reported, with
+                its rank). The workers' version is then unchanged (after a
+                failed commit: see the reason and check their
+                weight_version), this engine has released its group and
                 refuses further rounds: build a fresh engine
                 (``trainer_init``) for the next round.
         """
@@ -343,6 +356,7 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
                 rpc = _call_in_thread(self.client.update_weights,
                                       {"round": self._round, "version": version,
                                        "session": self.payload.session})
+                self._open_round(deadline, rpc)
             else:
                 self._check_superseded()
                 # Nothing is sent before rank 0 started the round on the
@@ -372,28 +386,78 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
                 pass                                     # the store is gone: report e
             if rpc is not None:
                 rpc[0].join(max(0.0, hard - time.monotonic()))
-                if "error" in rpc[1]:
+                if "error" in rpc[1] and str(rpc[1]["error"]) not in str(e):
                     raise TransferError(f"{e}; the inference side said: {rpc[1]['error']}") from e
             raise
-        if rpc is not None:
+        if self.is_sender:
+            self._commit(rpc, version, deadline, hard)
+        else:
+            # Rank 0 alone asks the workers to commit: its word ends the round here.
+            wait_commit(self._store, rank, self._round, deadline.at + 0.9 * REPORT_GRACE_S)
+        return RoundStats(self._round, version, sent, deadline.elapsed())
+
+    def _open_round(self, deadline: Deadline, rpc) -> None:
+        """Rank 0: open the round for the other trainer ranks once every worker joined it.
+
+        ``rpc`` is the running ``update_weights`` call. When it fails before
+        every worker joined (the server or the workers refused it up front)
+        or a worker has not joined by the deadline, the round is aborted in
+        the store with that reason (``control.open_round``): no trainer rank
+        has posted a send yet, so every one fails at once naming it, instead
+        of waiting in a send no worker will ever receive.
+
+        Raises:
+            TransferError: the reason, after the abort is in the store.
+        """
+        def refused() -> str | None:
+            if rpc[0].is_alive() or "error" not in rpc[1]:
+                return None
+            return f"trainer rank 0: update_weights failed: {rpc[1]['error']}"
+
+        reason = wait_workers_joined(self._store, self._round, num_workers=self.plan.num_workers,
+                                     num_trainer_ranks=self.plan.num_trainer_ranks,
+                                     deadline=deadline, refused=refused)
+        open_round(self._store, self._round, reason)
+        if reason is not None:
+            raise TransferError(reason)
+
+    def _commit(self, rpc, version: str, deadline: Deadline, hard: float) -> None:
+        """Rank 0, after a round every rank succeeded in: ``finish_weight_update``, then tell
+        the other trainer ranks whether the workers committed (``control.report_commit``).
+
+        Raises:
+            TransferError: ``update_weights`` or ``finish_weight_update``
+                failed or did not return by ``hard``; every trainer rank
+                raises the same reason (rank 0 first waits, at most
+                ``REPORT_GRACE_S / 2``, until they have read it).
+        """
+        try:
             _join(*rpc, hard, "update_weights")
             commit = _call_in_thread(self.client.finish_weight_update, version)
             commit[0].join(max(0.0, hard - time.monotonic()))
             if commit[0].is_alive():
-                raise TransferError(f"trainer rank 0: finish_weight_update (the commit of "
-                                    f"{version!r}) did not return by the deadline; whether the "
-                                    "workers committed is unknown: check their weight_version")
+                raise TransferError(f"finish_weight_update (the commit of {version!r}) did not "
+                                    "return by the deadline; whether the workers committed is "
+                                    "unknown: check their weight_version")
             _join(*commit, hard, "finish_weight_update")
-        return RoundStats(self._round, version, sent, deadline.elapsed())
+        except TransferError as e:
+            reason = f"trainer rank 0: {e}"
+            report_commit(self._store, self._round, reason,
+                          readers=self.plan.num_trainer_ranks - 1,
+                          until=min(deadline.at + REPORT_GRACE_S,
+                                    time.monotonic() + 0.5 * REPORT_GRACE_S))
+            raise TransferError(f"trainer rank 0: round {self._round} failed: {reason}") from e
+        report_commit(self._store, self._round)
 
     def _start_round(self, deadline: Deadline) -> None:
-        """Rank 0: start the round on the workers, then open it for the other trainer ranks.
+        """Rank 0: start the round on the workers (``start_weight_update``).
 
         When it cannot (the session was superseded, or ``start_weight_update``
         failed: a worker refused, the server is gone), the round is aborted
         in the store with that reason (``control.open_round``), so every
         trainer rank fails at once naming it instead of sending into
-        workers that were never asked to receive.
+        workers that were never asked to receive. Else
+        :meth:`_open_round` opens it once the workers joined.
 
         Raises:
             TransferError: the reason, after the abort is in the store.
@@ -413,7 +477,6 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
             except RuntimeError:
                 pass                        # the store lives here; the verdict says the rest
             raise
-        open_round(self._store, self._round)
 
     def _check_superseded(self) -> None:
         """Raise if a worker left word that a newer init replaced this session.
@@ -466,7 +529,8 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
         """
         if (self._store is not None and self.init_info.rank == 0 and self._round > 0
                 and self._broken is None and self.payload is not None):
-            wait_verdict_seen(self._store, self._round, self.payload.world_size, REPORT_GRACE_S)
+            wait_verdict_seen(self._store, self._round, self.payload.world_size, REPORT_GRACE_S,
+                              commit_readers=self.plan.num_trainer_ranks - 1)
         transport, self._transport = self._transport, None
         if transport is not None:
             transport.close()

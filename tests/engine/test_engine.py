@@ -4,8 +4,10 @@ Everything here is real: trainer processes, the inference server's worker
 processes, gloo over 127.0.0.1, vLLM's weight-transfer routes. Faults are
 injected from inside the trainer's own source (a provider that stalls, dies
 or kills a worker when the engine reaches a given wire tensor), so
-"mid-round" is exact, not a race. Expected bytes come from
-``reference_load`` of the shifted checkpoint, never from the planner.
+"mid-round" is exact, not a race; faults around rank 0's own calls to the
+server come from its client (another session's id, a worker killed before
+the commit). Expected bytes come from ``reference_load`` of the shifted
+checkpoint, never from the planner.
 
 Processes fork from a ``forkserver`` that has torch, transformers and m2nkit
 loaded, so each starts in milliseconds instead of importing torch again;
@@ -68,8 +70,13 @@ def server():
 
 
 def _trainer(rank, T, model_dir, trainer, inference, url, port, fault, results, rounds, go,
-             timeout_s, reorder=False, extra=False, misorder=False):
+             timeout_s, reorder=False, extra=False, misorder=False, client_fault=None):
     """A trainer process; ``fault`` = (round, wire index, action) or None.
+
+    ``client_fault`` (rank 0) = (round, action): in that round its
+    ``update_weights`` carries another session's id (``"stale session"``,
+    which every worker refuses up front), or it SIGKILLs the worker process
+    ``pid`` right before ``finish_weight_update`` (``("kill before commit", pid)``).
 
     Reports ``("ok", rank, {round, bytes, seconds})`` per round, ``("error",
     rank, {message, seconds})`` when ``send_weights`` (or init) raised, with
@@ -135,6 +142,23 @@ def _trainer(rank, T, model_dir, trainer, inference, url, port, fault, results, 
                                   destination=vllm_destination(ckpt.config, inference),
                                   master_port=port, timeout_s=timeout_s, bucket_bytes=16 << 10)
         client = HTTPClient(url, timeout_s=10 * timeout_s) if rank == 0 else None
+        if client_fault is not None:
+            f_round, action = client_fault
+            update, commit = client.update_weights, client.finish_weight_update
+
+            def faulty_update(info):
+                if state["round"] == f_round and action == "stale session":
+                    info = {**info, "session": "stale"}
+                return update(info)
+
+            def faulty_commit(version=None):
+                if state["round"] == f_round and isinstance(action, tuple):
+                    os.kill(action[1], signal.SIGKILL)
+                    until = time.monotonic() + 5
+                    while not _exited(action[1]) and time.monotonic() < until:
+                        time.sleep(0.005)                 # dead before the call goes out
+                return commit(version)
+            client.update_weights, client.finish_weight_update = faulty_update, faulty_commit
         t0 = time.monotonic()
         engine = M2NTrainerEngine.trainer_init(info, client=client, source=source)
         for k in range(1, rounds + 1):
@@ -171,6 +195,15 @@ def _trainer(rank, T, model_dir, trainer, inference, url, port, fault, results, 
                                      "trace": traceback.format_exc()}))
 
 
+def _exited(pid: int) -> bool:
+    """Whether process ``pid`` has exited (a zombie its parent has not reaped counts; Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
 def _run_trainers(url, T, trainer, inference, *, model_dir=EXAMPLE, faults=None, rounds=1,
                   budget=60.0, hang=(), check=None, timeout_s=TIMEOUT, **kw):
     """Run T trainer processes; return ({rank: [(kind, payload)]}, seconds, exit codes, killed).
@@ -188,7 +221,8 @@ def _run_trainers(url, T, trainer, inference, *, model_dir=EXAMPLE, faults=None,
     procs = []
     for r in range(T):
         kwargs = {k: v for k, v in kw.items()
-                  if k in ("reorder", "extra", "misorder") and r in kw.get("ranks", ())}
+                  if k in ("reorder", "extra", "misorder", "client_fault")
+                  and r in kw.get("ranks", ())}
         procs.append(CTX.Process(target=_trainer, daemon=True, kwargs=kwargs, args=(
             r, T, str(model_dir), trainer, inference, url, port, (faults or {}).get(r), results,
             rounds, gos[r], timeout_s)))
@@ -546,5 +580,83 @@ def test_a_worker_refusal_mid_session_reaches_every_trainer_rank_at_once():
         assert all(errors[r][0]["at"] - first <= REPORT_GRACE_S for r in range(3)), errors
         # Nothing was sent in round 2: the workers keep round 1's version.
         assert srv.weight_versions() == ["v1", "v1"]
+    finally:
+        srv.stop()
+
+
+@pytest.mark.timeout(180)
+def test_an_update_weights_the_workers_refuse_mid_session_reaches_every_trainer_rank_at_once():
+    # Issue 21, item 3, the call after start_weight_update that only trainer rank 0
+    # makes. Round 1 succeeds; in round 2 every worker refuses update_weights before
+    # it joins the round (it carries another session's id). Every trainer rank must
+    # raise naming that refusal first, within moments; before, every rank waited out
+    # timeout_s in sends no worker received, and only rank 0 heard the refusal.
+    timeout_s = 30.0
+    cause = "trainer rank 0: update_weights failed: "
+    refusal = ("update_weights failed on workers [0, 1]: workers 0, 1: SupersededError: "
+               "update_weights of session 'stale' refused")
+    srv = start_server(EXAMPLE, "vllm:tp=2")
+    try:
+        msgs, _, _, killed = _run_trainers(
+            srv.url, 3, "fsdp:3", "vllm:tp=2", rounds=2, timeout_s=timeout_s,
+            budget=3 * timeout_s, client_fault=(2, "stale session"), ranks=(0,))
+        assert not killed, msgs
+        assert all(any(k == "ok" and p["round"] == 1 for k, p in msgs[r])
+                   for r in range(3)), msgs
+        errors = _errors(msgs)
+        print("raised after",
+              {r: round(p["seconds"], 2) for r, ps in errors.items() for p in ps[:1]})
+        for r in (2, 1, 0):
+            assert errors[r], msgs[r]
+            e = errors[r][0]
+            assert e["round"] == 2 and e["message"].startswith("TransferError"), e
+            # The root cause comes first: rank 0's failed call, with the server's own words.
+            assert e["message"].startswith(
+                f"TransferError: trainer rank {r}: round 2 failed: {cause}"), e
+            assert refusal in e["message"], e
+            assert "stopped answering" not in e["message"], e
+            assert "sent no report" not in e["message"], e
+            assert e["seconds"] < timeout_s / 3 + REPORT_GRACE_S, e     # not at the deadline
+        first = min(errors[r][0]["at"] for r in range(3))
+        assert all(errors[r][0]["at"] - first <= REPORT_GRACE_S for r in range(3)), errors
+        # Nothing was sent in round 2: the workers keep round 1's version.
+        assert srv.weight_versions() == ["v1", "v1"]
+    finally:
+        srv.stop()
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_lost_before_the_commit_fails_every_trainer_rank_at_once():
+    # Issue 21, item 3, the commit: only trainer rank 0 calls finish_weight_update.
+    # Round 1 succeeds; round 2 arrives whole, then worker 1's process is killed
+    # before the commit, so finish_weight_update fails. Every trainer rank must
+    # raise naming that failure first, within moments; before, ranks 1 and 2
+    # returned success for a version the workers never all committed.
+    timeout_s = 30.0
+    srv = start_server(EXAMPLE, "vllm:tp=2")
+    try:
+        pid = srv.worker_pids[1]
+        cause = "trainer rank 0: finish_weight_update failed: "
+        refusal = (f"finish_weight_update failed on workers [1]: worker 1: worker 1 (pid {pid}) "
+                   "died during finish_weight_update")
+        msgs, _, _, killed = _run_trainers(
+            srv.url, 3, "fsdp:3", "vllm:tp=2", rounds=2, timeout_s=timeout_s,
+            budget=3 * timeout_s, client_fault=(2, ("kill before commit", pid)), ranks=(0,))
+        assert not killed, msgs
+        errors = _errors(msgs)
+        print("raised after",
+              {r: round(p["seconds"], 2) for r, ps in errors.items() for p in ps[:1]})
+        for r in (2, 1, 0):
+            assert any(k == "ok" and p["round"] == 1 for k, p in msgs[r]), msgs[r]
+            assert errors[r], msgs[r]
+            e = errors[r][0]
+            assert e["round"] == 2, e
+            assert e["message"].startswith(
+                f"TransferError: trainer rank {r}: round 2 failed: {cause}"), e
+            assert refusal in e["message"], e
+            assert "stopped answering" not in e["message"], e
+            assert e["seconds"] < timeout_s / 3 + REPORT_GRACE_S, e     # not at the deadline
+        first = min(errors[r][0]["at"] for r in range(3))
+        assert all(errors[r][0]["at"] - first <= REPORT_GRACE_S for r in range(3)), errors
     finally:
         srv.stop()

@@ -583,8 +583,16 @@ class Engines:
         return self._each(one)
 
     def send(self, version: str, scale: float) -> dict:
-        self.scale = scale
-        return self._each(lambda r: self.engines[r].send_weights(version))
+        """One round on every rank; ``self.took[r]``: seconds rank r spent in ``send_weights``."""
+        self.scale, self.took = scale, {}
+
+        def one(r):
+            t0 = time.monotonic()
+            try:
+                return self.engines[r].send_weights(version)
+            finally:
+                self.took[r] = time.monotonic() - t0
+        return self._each(one)
 
     def shutdown(self) -> None:
         for e in self.engines.values():
@@ -682,6 +690,112 @@ def test_payload_a_worker_cannot_parse_fails_every_trainer_at_once(ck, extra, wo
             assert r.weight_version is None and r.plan is None
     finally:
         eng.shutdown()
+        for r in receivers:
+            r.shutdown()
+
+
+class _Refusing:
+    """Rank 0's client, with one call refused as the inference side can refuse it.
+
+    ``"workers refuse"``: ``update_weights`` reaches the workers with another
+    session's id, and each refuses it up front (``SupersededError``), before it
+    joins the round. ``"server gone"``: the call goes to a server that is gone
+    (nothing listens on its port). Every other call reaches the workers.
+    """
+
+    def __init__(self, inner: InProcessClient, call: str, how: str) -> None:
+        self.inner, self.call, self.how = inner, call, how
+        self.url = f"http://127.0.0.1:{free_port()}"
+
+    def __getattr__(self, name):
+        if name != self.call:
+            return getattr(self.inner, name)
+        if self.how == "server gone":
+            from m2nkit.engine.clients import HTTPClient
+
+            return getattr(HTTPClient(self.url, timeout_s=10), name)
+        return lambda info: self.inner.update_weights({**info, "session": "stale"})
+
+
+def _assert_every_rank_raised_first(out: dict, took: dict, cause: str, words: list[str],
+                                    timeout_s: float) -> None:
+    """Every trainer rank raised ``"trainer rank r: round 1 failed: " + cause ...``,
+    quoting ``words``, long before ``timeout_s``."""
+    for r in range(T):
+        kind, e = out[r]
+        assert kind == "err" and isinstance(e, TransferError), out[r]
+        msg = str(e)
+        assert msg.startswith(f"trainer rank {r}: round 1 failed: {cause}"), msg
+        for w in words:
+            assert w in msg, msg
+        for stale in ("stopped answering", "dead or gone", "sent no report",
+                      "did not complete by the deadline"):
+            assert stale not in msg, msg
+        # At once, not at the deadline: a bound far below timeout_s, however loaded the machine.
+        assert took[r] < timeout_s / 4, (r, took[r])
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("how", ["workers refuse", "server gone"])
+def test_update_weights_refused_before_the_workers_join_fails_every_trainer_rank_at_once(ck, how):
+    # Issue 21, item 3: rank 0's update_weights call is refused before any worker
+    # joined the round (the workers refuse it up front, or the server is gone).
+    # Every trainer rank, rank 1 too (it makes no client call), must raise with
+    # that refusal first, at once; before, every rank waited in a send no worker
+    # would receive until its 40 s deadline, and only rank 0 heard the refusal.
+    timeout_s = 40.0
+    receivers = receivers_for(ck)
+    client = _Refusing(InProcessClient(receivers, timeout_s=60), "update_weights", how)
+    eng = Engines(ck, client, timeout_s=timeout_s)
+    try:
+        ok(eng.init())
+        out = eng.send("v1", 2.0)
+        if how == "server gone":
+            words = [f"POST {client.url}/update_weights failed"]
+        else:
+            words = [f"worker {w}: SupersededError: worker {w}: update_weights of session "
+                     "'stale' refused" for w in range(N)]
+        _assert_every_rank_raised_first(out, eng.took, "trainer rank 0: update_weights failed: ",
+                                        words, timeout_s)
+        for r in range(T):
+            assert "nothing was sent" in str(out[r][1]), out[r]
+        assert client.weight_versions() == [None, None]
+    finally:
+        eng.shutdown()
+        for r in receivers:
+            r.shutdown()
+
+
+@pytest.mark.timeout(90)
+def test_a_failed_commit_fails_every_trainer_rank_with_its_reason(ck):
+    # Issue 21, item 3: the round arrived whole on every worker, but rank 0's
+    # finish_weight_update (a call only it makes) fails: the server is gone.
+    # Every trainer rank must raise that reason; before, rank 1 returned success
+    # for a version no worker committed.
+    timeout_s = 40.0
+    receivers = receivers_for(ck)
+    inner = InProcessClient(receivers, timeout_s=60)
+    client = _Refusing(inner, "finish_weight_update", "server gone")
+    eng = Engines(ck, client, timeout_s=timeout_s)
+    try:
+        ok(eng.init())
+        out = eng.send("v1", 2.0)
+        _assert_every_rank_raised_first(
+            out, eng.took, "trainer rank 0: finish_weight_update failed: ",
+            [f"POST {client.url}/finish_weight_update failed"], timeout_s)
+        assert inner.weight_versions() == [None, None]      # never committed
+    finally:
+        eng.shutdown()
+    # The workers are not left stuck in the uncommitted round: a fresh session commits.
+    fresh = Engines(ck, inner)
+    try:
+        ok(fresh.init())
+        ok(fresh.send("v2", 3.0))
+        assert inner.weight_versions() == ["v2", "v2"]
+        for r in receivers:
+            assert_storage(r, reference(ck, 3.0, r.worker))
+    finally:
+        fresh.shutdown()
         for r in receivers:
             r.shutdown()
 

@@ -15,6 +15,7 @@ import threading
 import time
 from datetime import timedelta
 
+import pytest
 import torch.distributed as dist
 
 from m2nkit.engine.tools.procs import free_port
@@ -173,3 +174,76 @@ def test_a_trainer_rank_absent_from_an_aborted_round_is_named_after_the_reason()
         msg = str(out[r])
         assert msg.startswith(f"trainer rank {r}: round 1 failed: {reason}; nothing was sent"), msg
         assert "; trainer rank 2 sent no report" in msg and "worker" not in msg, msg
+
+
+@pytest.mark.timeout(30)
+def test_rank_0_waits_for_every_worker_to_join_or_names_why_the_round_cannot_start():
+    # Trainer rank 0 opens a round only once every worker joined it; until then it
+    # watches its own update_weights call. Each way out: all joined (None), the call
+    # failed first (its text), the deadline with a worker missing (that worker).
+    from m2nkit.engine.control import join_round, wait_workers_joined
+    from m2nkit.engine.deadline import Deadline
+
+    stores = _stores(4)                       # 2 trainer ranks, 2 workers
+    kw = dict(num_workers=2, num_trainer_ranks=2)
+    join_round(stores[2], 1, 0)
+    join_round(stores[3], 1, 1)
+    assert wait_workers_joined(stores[0], 1, deadline=Deadline(5), refused=lambda: None,
+                               **kw) is None
+    refusal = "trainer rank 0: update_weights failed: HTTP 500: the server refused it"
+    t0 = time.monotonic()
+    assert wait_workers_joined(stores[0], 2, deadline=Deadline(20), refused=lambda: refusal,
+                               **kw) == refusal
+    assert time.monotonic() - t0 < 2, "the failed call was not noticed before the deadline"
+    join_round(stores[2], 3, 0)
+    reason = wait_workers_joined(stores[0], 3, deadline=Deadline(0.3), refused=lambda: None,
+                                 **kw)
+    assert reason == ("trainer rank 0: worker 1 (rank 3) did not join round 3 by the deadline "
+                      "(0.3 s after the start) (update_weights never reached their receive)")
+
+
+@pytest.mark.timeout(30)
+def test_a_commit_rank_0_could_not_make_reaches_every_trainer_rank_before_the_store_goes():
+    # Only trainer rank 0 calls finish_weight_update. Its word reaches the other
+    # trainer ranks through the store it hosts: a commit returns there too, a failed
+    # one raises its reason first; rank 0 keeps the store up until they have read it.
+    from m2nkit.engine.control import TransferError, report_commit, wait_commit
+
+    stores = _stores(3)                       # 3 trainer ranks
+    readers = (1, 2)
+    report_commit(stores[0], 1)
+    for r in readers:
+        wait_commit(stores[r], r, 1, time.monotonic() + 5)      # committed: returns
+    assert wait_verdict_seen(stores[0], 1, 0, timeout_s=5, commit_readers=2) is True
+
+    reason = ("trainer rank 0: finish_weight_update failed: finish_weight_update failed on "
+              "workers [1]: worker 1 (pid 7) died during finish_weight_update (exit code -9)")
+    out: dict[int, tuple[float, BaseException | None]] = {}
+
+    def rank(r: int) -> None:
+        try:
+            wait_commit(stores[r], r, 2, time.monotonic() + 20)
+            out[r] = (time.monotonic(), None)
+        except BaseException as e:  # noqa: BLE001 - asserted below
+            out[r] = (time.monotonic(), e)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in readers]
+    for t in threads:
+        t.start()
+    t0 = time.monotonic()
+    report_commit(stores[0], 2, reason, readers=2, until=t0 + 10)
+    done = time.monotonic()
+    for t in threads:
+        t.join(20)
+    assert done - t0 < 5, "rank 0 waited past its readers"
+    for r in readers:
+        at, e = out[r]
+        assert isinstance(e, TransferError), out[r]
+        assert str(e) == f"trainer rank {r}: round 2 failed: {reason}", e
+        assert at - t0 < 5, (r, at - t0)
+    # Rank 0 went on only after both had read the word.
+    assert stores[0].add("verdict/2/commit/read", 0) == 2
+    # No word at all is bounded, and says what is unknown.
+    with pytest.raises(TransferError, match="trainer rank 0 did not say by the deadline whether "
+                                            "the workers committed the round"):
+        wait_commit(stores[1], 1, 3, time.monotonic() + 0.3)
