@@ -30,7 +30,10 @@ Wire names are Hugging Face checkpoint names; the re-fused stacked experts
 (``...mlp.experts.gate_up_proj.weight`` ``[E, 2*I, H]``) are handed to vLLM
 under the name transformers 5 keeps them by in memory
 (``...mlp.experts.gate_up_proj``), which vLLM 0.33.0's fused-MoE loader
-takes whole (``layers/fused_moe/routed_experts.py``, ``load_weights``).
+takes whole (``layers/fused_moe/routed_experts.py``, ``load_weights``);
+where that loader reads them ``[E, in, out]`` (``is_fused_checkpoint_transposed``)
+the fake is the wire's transpose, which the loader's own ``transpose(-1, -2)``
+undoes (a transpose that is not undone is refused).
 A model loader that takes only per-expert tensors (several MLA models'
 ``load_weights`` in ``model_executor/models/``, which match expert names
 from ``fused_moe_make_expert_params_mapping``) is fed each expert's gate,
@@ -61,6 +64,9 @@ __all__ = ["TraceError", "TracedCopy", "Feed", "per_expert_feeds", "trace_worker
 
 #: Stacked-expert wire names whose vLLM checkpoint name drops ``.weight``.
 _STACKED = (".experts.gate_up_proj.weight", ".experts.down_proj.weight")
+
+#: transformers 5's in-memory names of stacked experts (``[E, out, in]``).
+_STACKED_IN_MEMORY = (".experts.gate_up_proj", ".experts.down_proj")
 
 _SKIPPED = "vLLM 0.33.0's load_weights writes none of it on any worker (traced)"
 
@@ -100,8 +106,16 @@ class TracedCopy:
 # op chains -> boxes
 # --------------------------------------------------------------------------
 
-def chain_box(name: str, shape: Sequence[int], ops: Iterable[tuple]) -> tuple[tuple, list[int]]:
+def chain_box(name: str, shape: Sequence[int], ops: Iterable[tuple],
+              dims: Sequence[int] | None = None) -> tuple[tuple, list[int]]:
     """Replay a ``FakeRDTTensor`` op chain on a tensor of ``shape``: the box it selects.
+
+    ``dims[k]``: the wire dim that dim ``k`` of ``shape`` runs along (default
+    ``0..rank-1``; a :class:`Feed` handed to vLLM in its on-disk dim order has
+    others). Transposes and permutes only relabel dims; the result must run
+    along the wire's dims in the wire's order, so a chain that transposes a
+    feed given transposed (vLLM's ``_orient_fused_weight``) is a box, and a
+    lone transpose of a wire-ordered tensor is not.
 
     Returns ``(box, kept)``: ``box`` is one ``(lo, hi)`` per dim of
     ``shape``; ``kept[j]`` is the dim of ``shape`` that dim ``j`` of the
@@ -115,6 +129,7 @@ def chain_box(name: str, shape: Sequence[int], ops: Iterable[tuple]) -> tuple[tu
     ext = list(shape)
     cur: list[int] = list(range(len(shape)))    # result dim -> source dim (-1: inserted)
     pending = None                              # a multi-return op awaiting its index
+    permuted = None                             # the first op that reordered dims
 
     def size(j):
         return 1 if cur[j] < 0 else ext[cur[j]]
@@ -196,6 +211,23 @@ def chain_box(name: str, shape: Sequence[int], ops: Iterable[tuple]) -> tuple[tu
                     refuse(f"__getitem__[{type(k).__name__}]", "advanced indexing")
             out.extend(cur[j:])
             cur = out
+        elif op in ("transpose", "t", "permute"):
+            if op == "permute":
+                perm = args[0] if len(args) == 1 and isinstance(args[0], (tuple, list)) \
+                    else (args or kw["dims"])
+                perm = [norm(d, len(cur)) for d in perm]
+            else:
+                perm = list(range(len(cur)))
+                if op == "t" and len(cur) == 2:
+                    perm = [1, 0]
+                elif op == "transpose":
+                    a = norm(args[0] if args else kw["dim0"], len(cur))
+                    b = norm(args[1] if len(args) > 1 else kw["dim1"], len(cur))
+                    perm[a], perm[b] = perm[b], perm[a]
+            if sorted(perm) != list(range(len(cur))):
+                refuse(f"{op}{tuple(args)}", "not a permutation of the dims")
+            cur = [cur[d] for d in perm]
+            permuted = permuted or f"{op}{tuple(args)}"
         elif op in ("view", "reshape", "flatten", "squeeze", "unsqueeze", "contiguous"):
             if op == "contiguous":
                 continue
@@ -235,6 +267,13 @@ def chain_box(name: str, shape: Sequence[int], ops: Iterable[tuple]) -> tuple[tu
             refuse(op, "not a slice")
     if pending is not None:
         refuse(pending[0], "its outputs are never indexed")
+    dims = list(range(len(shape))) if dims is None else list(dims)
+    order = [dims[k] for k in cur if k >= 0 and ext[k] != 1]
+    if order != sorted(order):
+        if permuted:
+            refuse(permuted, "a transpose of the tensor's dims")
+        refuse("no transpose", f"the tensor is handed to it with its dims in the order "
+               f"{tuple(dims)} of the wire's, which the loader does not undo")
     return tuple((s, s + e) for s, e in zip(start, ext)), cur
 
 
@@ -373,8 +412,8 @@ def _fake_class():
     """vLLM's ``FakeRDTTensor`` with the two loader idioms it does not record, as views.
 
     vLLM 0.33.0's mamba loaders (``mamba_v2_sharded_weight_loader``,
-    ``layers/mamba/mamba_mixer2.py``; the Gated DeltaNet ``conv1d`` of
-    ``layers/mamba/gdn/*_gdn_linear_attn.py``) write ``param.data[a:b, ...] = loaded_weight[c:d].view_as(target)``:
+    ``layers/mamba/mamba_mixer2.py``; the Gated DeltaNet models' ``conv1d``)
+    write ``param.data[a:b, ...] = loaded_weight[c:d].view_as(target)``:
     ``view_as`` is not in ``SUPPORTED_OPS`` and the slice assignment is no
     ``copy_``. Here ``view_as(t)`` is recorded as ``view(t.shape)`` (what
     torch defines it to be) and ``dest[idx] = fake`` as ``dest[idx].copy_(fake)``
@@ -478,7 +517,7 @@ def trace_worker(model: torch.nn.Module, feeds: Sequence[Feed],
                 continue
             src_name, ops = c.src
             feed = by_name[src_name]
-            box, kept = feed.to_wire(*chain_box(src_name, feed.shape, ops))
+            box, kept = feed.to_wire(*chain_box(src_name, feed.shape, ops, feed.dims))
             try:
                 region, dims = view_region(pshape, c.offset, c.shape, c.stride)
             except ValueError as e:
@@ -498,16 +537,61 @@ def _feeds(wire: Sequence[ParamMeta], experts: dict[str, str], fused: bool,
     model). The loaders skip the others anyway; with 384 experts over 64
     workers this hands each worker 6 of them instead of 384.
     """
+    transposed = model is not None and _fused_experts_read_transposed(model)
     if fused:
-        return [Feed.whole(m) for m in wire]
+        return [_whole_feed(m, transposed) for m in wire]
     local = _expert_maps(model) if model is not None else {}
     out = []
     for m in wire:
-        for f in per_expert_feeds(m, experts) or [Feed.whole(m)]:
+        for f in per_expert_feeds(m, experts) or [_whole_feed(m, transposed)]:
             manager = local.get(f.block) if f.block is not None else None
             if manager is None or manager.is_local_expert(f.expert):
                 out.append(f)
     return out
+
+
+def _fused_experts_read_transposed(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s fused-MoE loaders read stacked experts as ``[E, in, out]``.
+
+    vLLM 0.33.0's ``RoutedExperts`` (``layers/fused_moe/routed_experts.py``)
+    keeps ``is_fused_checkpoint_transposed``, set by the model classes whose
+    published checkpoints store fused experts ``[E, in, out]`` (their decoder
+    layers pass ``is_fused_checkpoint_transposed=True``, ``models/``), and its
+    ``load_weights`` turns such a tensor to ``[E, out, in]`` with
+    ``_orient_fused_weight`` (``transpose(-1, -2)``) before it slices it.
+
+    Raises:
+        TraceError: some MoE layers of the model read them transposed and
+            others not (which wire tensor feeds which layer is not known here).
+    """
+    flags = {m.is_fused_checkpoint_transposed for m in model.modules()
+             if isinstance(getattr(m, "is_fused_checkpoint_transposed", None), bool)}
+    if len(flags) > 1:
+        raise TraceError(f"{type(model).__name__}: some of vLLM's MoE layers read fused experts "
+                         "[E, in, out] and others [E, out, in]; m2nkit cannot tell which "
+                         "stacked wire tensor is which (use the family table: --layout tables)")
+    return flags == {True}
+
+
+def _whole_feed(meta: ParamMeta, transposed: bool) -> Feed:
+    """A whole wire tensor as the checkpoint tensor vLLM reads.
+
+    Stacked experts (transformers 5's in-memory ``[E, out, in]``,
+    ``...experts.gate_up_proj``/``down_proj``) go to a loader that reads
+    them ``[E, in, out]`` (``transposed``, :func:`_fused_experts_read_transposed`)
+    as such: the fake is the wire's transpose of its last two dims (``dims``
+    ``(0, 2, 1)``), the loader's own ``transpose(-1, -2)`` undoes it, and the
+    copies it records are boxes of the wire in its own axis order. Handed
+    ``[E, out, in]`` under that name, the loader would slice the wrong dims
+    (transformers 5.12.1's ``save_pretrained`` writes such experts that way,
+    and vLLM reads such a file wrongly or not at all; see
+    tests/data/oracle/README.md).
+    """
+    name = vllm_checkpoint_name(meta.name)
+    if transposed and len(meta.shape) == 3 and name.endswith(_STACKED_IN_MEMORY):
+        experts, rows, cols = meta.shape
+        return Feed(name, meta, (experts, cols, rows), (0, 0, 0), (0, 2, 1))
+    return Feed.whole(meta)
 
 
 def _expert_maps(model: torch.nn.Module) -> dict[str, Any]:
@@ -763,8 +847,8 @@ def trace_destination(config: Any, wire: Sequence[ParamMeta],
             copies = None
             if fused:
                 try:
-                    copies, touched, copied = trace_worker(model, _feeds(wire, experts, True),
-                                                           vllm_config)
+                    copies, touched, copied = trace_worker(
+                        model, _feeds(wire, experts, True, model), vllm_config)
                     if w == 0 and not stacked <= copied:
                         copies = None
                 except TraceError:

@@ -223,6 +223,131 @@ CHECKPOINTS = {
 }
 
 
+# --------------------------------------------------------------------------
+# Qwen3.5 (dense, MoE, and their multimodal wrappers), Qwen3-Next, Qwen3-VL
+# (dense, MoE): architectures without an m2nkit family table, checked by
+# tests/integration/test_traced_qwen.py against the layout traced from vLLM's
+# loaders. Built from transformers' own classes here (adapters/tiny builds
+# only families m2nkit has). Sizes: hidden 64, 4 query heads over 2 KV heads
+# of 16 (tp 4 replicates them), vocab 200 (vLLM pads to 256), 4 experts of
+# 8 (EP 4: one each; tp 4: 2 rows), Gated DeltaNet with 4 key / 8 value heads of 8 (tp 4:
+# one key head per rank), a 2-block vision tower of width 16 with 4 heads.
+
+_QWEN_TEXT = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  intermediate_size=32, vocab_size=200, max_position_embeddings=256,
+                  num_hidden_layers=2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+#: Gated DeltaNet; full_attention_interval 2: layer 0 linear attention, layer 1 full
+_QWEN_LINEAR = dict(linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8,
+                    linear_value_head_dim=8, linear_conv_kernel_dim=4, full_attention_interval=2)
+_QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+                 shared_expert_intermediate_size=8)
+#: keys of the published Qwen3.5 text configs that vLLM reads (attn_output_gate,
+#: mamba_ssm_dtype) or that describe them (mtp, mrope); rotary dim 16 * 0.25 = 4, so
+#: the mrope sections sum to 2
+_QWEN35_KEYS = dict(attn_output_gate=True, mamba_ssm_dtype="float32", mtp_num_hidden_layers=1,
+                    mtp_use_dedicated_embeddings=False,
+                    rope_parameters=dict(mrope_interleaved=True, mrope_section=[1, 1, 0],
+                                         rope_type="default", rope_theta=10000000,
+                                         partial_rotary_factor=0.25))
+_QWEN_VISION = dict(depth=2, hidden_size=16, num_heads=4, intermediate_size=32, patch_size=4,
+                    temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16,
+                    out_hidden_size=64, in_channels=3, hidden_act="gelu_pytorch_tanh")
+#: multimodal token ids inside the tiny vocab
+_QWEN_MM = dict(image_token_id=196, video_token_id=197, vision_start_token_id=198,
+                vision_end_token_id=199)
+_QWEN3_VL_ROPE = dict(rope_parameters=dict(mrope_interleaved=True, mrope_section=[3, 3, 2],
+                                           rope_type="default", rope_theta=5000000))
+
+
+def _transformers_tiny(model_type: str, arch: str, *, tie: bool = False,
+                       hub_expert_layout: bool = False, **keys):
+    """A tiny ``arch`` built by transformers' own class and saved by its ``save_pretrained``.
+
+    ``keys`` are the config's keys (``text_config``/``vision_config`` dicts for
+    a multimodal wrapper); ``tie`` sets ``tie_word_embeddings`` at both levels.
+    Weights: seed 0, bf16; 1-D parameters and biases drawn from randn (a norm
+    at exactly 1.0 would pass a byte comparison anywhere). ``hub_expert_layout``:
+    the fused experts are rewritten ``[E, in, out]`` as the published
+    checkpoints hold them (Qwen3-VL-MoE): transformers 5.12.1's
+    ``save_pretrained`` writes its in-memory ``[E, out, in]``, which vLLM's
+    loader (``is_fused_checkpoint_transposed``) would read transposed.
+    """
+    def build(d: Path) -> None:
+        import torch
+        import transformers
+        from safetensors.torch import load_file, save_file
+
+        config = transformers.AutoConfig.for_model(model_type, architectures=[arch], **keys)
+        config.tie_word_embeddings = tie
+        if hasattr(config, "text_config"):
+            config.text_config.tie_word_embeddings = tie
+        config.dtype = torch.bfloat16
+        torch.manual_seed(0)
+        model = getattr(transformers, arch)._from_config(config, dtype=torch.bfloat16)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.dim() == 1 or name.endswith("bias"):
+                    p.copy_(torch.randn_like(p))
+        model.save_pretrained(d)
+        if hub_expert_layout:
+            file = d / "model.safetensors"
+            tensors = load_file(str(file))
+            for name, t in tensors.items():
+                if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+                    tensors[name] = t.transpose(1, 2).contiguous()
+            save_file(tensors, str(file), metadata={"format": "pt"})
+    return build
+
+
+def _qwen35(moe: bool, vision: bool):
+    text = {**_QWEN_TEXT, **_QWEN_LINEAR, **_QWEN35_KEYS, **(_QWEN_MOE if moe else {})}
+    kind = "qwen3_5_moe" if moe else "qwen3_5"
+    if not vision:
+        arch = "Qwen3_5MoeForCausalLM" if moe else "Qwen3_5ForCausalLM"
+        # the dense text model ties its embeddings (lm_head skipped), the MoE does not
+        return _transformers_tiny(f"{kind}_text", arch, tie=not moe, **text)
+    arch = "Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"
+    return _transformers_tiny(kind, arch, text_config=text, **_QWEN_MM,
+                              vision_config={**_QWEN_VISION, "deepstack_visual_indexes": []})
+
+
+def _qwen3_vl(moe: bool):
+    text = {**_QWEN_TEXT, **_QWEN3_VL_ROPE,
+            **({**_QWEN_MOE, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                "mlp_only_layers": []} if moe else {})}
+    text.pop("shared_expert_intermediate_size", None)     # Qwen3-VL-MoE has no shared expert
+    vision = {**_QWEN_VISION, "deepstack_visual_indexes": [0]}   # one deepstack merger
+    if moe:
+        return _transformers_tiny("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration",
+                                  hub_expert_layout=True, text_config=text,
+                                  vision_config=vision, **_QWEN_MM)
+    return _transformers_tiny("qwen3_vl", "Qwen3VLForConditionalGeneration", tie=True,
+                              text_config=text, vision_config=vision, **_QWEN_MM)
+
+
+_QWEN_DENSE_LAYOUTS = [(1, False), (2, False), (4, False)]
+_QWEN_MOE_LAYOUTS = [(1, False), (2, False), (4, False), (2, True), (4, True)]
+CHECKPOINTS.update({
+    "tiny-qwen3.5": _qwen35(moe=False, vision=False),
+    "tiny-qwen3.5-moe": _qwen35(moe=True, vision=False),
+    "tiny-qwen3.5-vl": _qwen35(moe=False, vision=True),
+    "tiny-qwen3.5-moe-vl": _qwen35(moe=True, vision=True),
+    # layer 0: linear attention with a dense MLP (mlp_only_layers), layer 1: full + MoE
+    "tiny-qwen3-next": _transformers_tiny(
+        "qwen3_next", "Qwen3NextForCausalLM", **_QWEN_TEXT, **_QWEN_LINEAR, **_QWEN_MOE,
+        norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[0], partial_rotary_factor=0.25),
+    "tiny-qwen3-vl": _qwen3_vl(moe=False),
+    "tiny-qwen3-vl-moe": _qwen3_vl(moe=True),
+})
+LAYOUTS.update({
+    "tiny-qwen3.5": _QWEN_DENSE_LAYOUTS, "tiny-qwen3.5-vl": _QWEN_DENSE_LAYOUTS,
+    "tiny-qwen3-vl": _QWEN_DENSE_LAYOUTS,
+    "tiny-qwen3.5-moe": _QWEN_MOE_LAYOUTS, "tiny-qwen3.5-moe-vl": _QWEN_MOE_LAYOUTS,
+    "tiny-qwen3-next": _QWEN_MOE_LAYOUTS, "tiny-qwen3-vl-moe": _QWEN_MOE_LAYOUTS,
+})
+
+
 def layout_dir(tp: int, ep: bool, *options: str) -> str:
     return f"tp{tp}" + ("_ep" if ep else "") + "".join(f"_{o}" for o in options)
 
