@@ -57,10 +57,12 @@ CASES = [  # (tiny model, vLLM layout, what it covers)
     # issue 16: architectures without a table, through the layout traced from the live
     # vLLM's loaders on both sides (trainers: transformers' own model of v1)
     ("tiny-glm4-moe", "vllm:tp=2,ep", "GLM-4.5, no table: traced layout"),
+    ("tiny-qwen3.5-moe", "vllm:tp=2,ep", "Qwen3.5-MoE (Gated DeltaNet), no table: traced"),
+    ("tiny-qwen3-vl", "vllm:tp=2", "Qwen3-VL with its vision tower, no table: traced"),
 ]
 #: Checkpoints of architectures without a table: v0 is the shipped oracle checkpoint,
 #: v1 the same config with seed-1 weights from transformers' own class.
-TRACED = {"tiny-glm4-moe"}
+TRACED = {"tiny-glm4-moe", "tiny-qwen3.5-moe", "tiny-qwen3-vl"}
 #: Checkpoints beyond the built-in tiny models: name -> (tiny model, config overrides, dtype).
 WIDER = {"fp32-llama-h512": ("tiny-llama", {"hidden_size": 512, "num_attention_heads": 32,
                                             "head_dim": 16}, "float32"),
