@@ -791,6 +791,29 @@ def _no_fp8_kernel_choice():
         fp8.init_fp8_linear_kernel = original
 
 
+def _check_quantized_wire(vllm_config: Any, wire: Sequence[ParamMeta]) -> None:
+    """Refuse a quantized served model fed an unquantized wire: the layouts cannot meet.
+
+    vLLM builds the parameters the config's ``quantization_config`` asks for
+    (fp8 weights and ``weight_scale_inv`` blocks); a wire of only floating
+    point tensors of 16 bits or more (transformers' unquantized model of a
+    config-only plan) has no tensor for the scales, and would bind as bytes
+    of another dtype.
+
+    Raises:
+        TraceError: names the quantization and what would work.
+    """
+    quant = getattr(vllm_config.model_config, "quantization", None)
+    if quant is None:
+        return
+    if any(m.dtype.itemsize < 2 or not m.dtype.is_floating_point for m in wire):
+        return      # the wire carries the quantized tensors (a checkpoint read from disk)
+    raise TraceError(f"vLLM serves this config quantized ({quant}, its quantization_config) "
+                     f"while the wire tensors are unquantized ({wire[0].dtype} and wider): give "
+                     "the quantized checkpoint itself, or a config without quantization_config "
+                     "to plan the unquantized model")
+
+
 def trace_destination(config: Any, wire: Sequence[ParamMeta],
                       spec: InferenceSpec | str) -> DestinationLayout:
     """The ``DestinationLayout`` of ``spec`` as vLLM's own loaders place ``wire``.
@@ -838,6 +861,8 @@ def trace_destination(config: Any, wire: Sequence[ParamMeta],
         # ``FusedMoEParallelConfig``; tests/integration/test_vllm_trace.py.)
         for w in range(spec.num_workers):
             model, vllm_config = _build_meta_model(config_dir, spec, w)
+            if w == 0:
+                _check_quantized_wire(vllm_config, wire)
             # Stacked experts go in whole, under transformers 5's fused name,
             # where vLLM's loader takes that (one fake per layer instead of
             # one per expert and part: the trace of a 384-expert model is

@@ -158,3 +158,19 @@ def test_plan_verify_of_every_tableless_checkpoint_equals_vllms_own_load(checkpo
     assert "traced from vLLM's own weight loaders" in out
     assert "(ratio 1.000)" in out
     assert f"verify: all {int(spec[8])} workers hold exactly what vLLM's own loaders would" in out
+
+
+def test_a_quantized_config_without_its_quantized_wire_is_refused_naming_both():
+    """DeepSeek-V3.2 as published is fp8 (``quantization_config``): vLLM builds fp8 weights
+    and block scales; transformers' model of the config is unquantized, so the two
+    cannot meet. Refused with what would work, never bound as bytes of another dtype."""
+    from m2nkit.adapters.hf_checkpoint import checkpoint_metas, read_checkpoint
+    from m2nkit.adapters.vllm.trace import TraceError, trace_destination
+
+    folder = REPO / "examples" / "configs" / "deepseek-ai__DeepSeek-V3.2"
+    metas = checkpoint_metas(read_checkpoint(folder / "config.json"), "fsdp:4")
+    with pytest.raises(TraceError) as e:
+        trace_destination(folder, metas, "vllm:tp=2,ep")
+    assert str(e.value).startswith("vLLM serves this config quantized (fp8, its "
+                                   "quantization_config) while the wire tensors are unquantized")
+    assert "a config without quantization_config" in str(e.value)
