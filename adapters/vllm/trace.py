@@ -553,11 +553,15 @@ def trace_worker(model: torch.nn.Module, feeds: Sequence[Feed],
         # A loader that needs data, or a checkpoint layout the wire does not
         # have (stacked experts read in an on-disk dim order other than the
         # wire's): no trace, never a guess.
+        from ..families import has_table
+
         last = (f" (the last one handed to it: wire tensor '{by_name[handed[0]].wire.name}')"
                 if handed else "")
+        archs = getattr(getattr(vllm_config, "model_config", None), "architectures", None)
+        hint = ("use the family table (--layout tables)" if archs and has_table(archs[0])
+                else "m2nkit has no family table for it")
         raise TraceError(f"{type(model).__name__}: vLLM's load_weights failed on the fake "
-                         f"wire tensors{last} ({type(e).__name__}: {e}); use the family table "
-                         "(--layout tables)") from None
+                         f"wire tensors{last} ({type(e).__name__}: {e}); {hint}") from None
     finally:
         for p, loader, had in saved:
             if had:
@@ -736,7 +740,7 @@ def _uncovered(shape: tuple[int, ...], regions: list[tuple]) -> tuple[tuple, ...
     return tuple(out)
 
 
-def checkpoint_names(config_dir: str | os.PathLike, wire: Iterable[str]) -> dict[str, str]:
+def checkpoint_names(config: Any, wire: Iterable[str]) -> dict[str, str]:
     """Wire name -> checkpoint name for an architecture without a family table (the renamed ones).
 
     Such a wire is transformers 5's in-memory model (``named_parameters()``
@@ -755,9 +759,10 @@ def checkpoint_names(config_dir: str | os.PathLike, wire: Iterable[str]) -> dict
     own they are scoped to its module, so the class is built on the meta
     device for its module tree (nothing is allocated).
 
-    ``{}`` for an architecture with a family table (its wire names are
-    checkpoint names), for a class transformers does not have, and where
-    no rule renames anything.
+    ``config``: a checkpoint directory, a ``config.json`` dict or a
+    transformers config. ``{}`` for an architecture with a family table
+    (its wire names are checkpoint names), for a class transformers does
+    not have, and where no rule renames anything.
     """
     import json
 
@@ -766,14 +771,18 @@ def checkpoint_names(config_dir: str | os.PathLike, wire: Iterable[str]) -> dict
                                                  get_model_conversion_mapping)
     from transformers.core_model_loading import PrefixChange, WeightConverter, rename_source_key
 
-    from ..families import has_table
+    from ..families import architecture_name, has_table
 
-    data = json.loads(Path(config_dir, "config.json").read_text())
-    arch = (data.get("architectures") or [""])[0]
+    if isinstance(config, (str, os.PathLike)):
+        config = json.loads(Path(config, "config.json").read_text())
+    arch = architecture_name(config) or ""
     cls = getattr(transformers, arch, None)
     if has_table(arch) or cls is None:
         return {}
-    config = transformers.AutoConfig.from_pretrained(str(config_dir))
+    if isinstance(config, dict):
+        from ..families.tableless import transformers_config
+
+        config = transformers_config(config)
     subs = [getattr(config, k, None) for k in getattr(config, "sub_configs", {}) or {}]
     if any(get_checkpoint_conversion_mapping(c.model_type) for c in subs if c is not None):
         with torch.device("meta"):

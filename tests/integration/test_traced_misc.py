@@ -195,6 +195,30 @@ def test_checkpoint_names_revert_transformers_renames():
                             ["model.layers.0.block_sparse_moe.gate.weight"]) == {}
 
 
+def test_the_live_minimax_m2_worker_checks_the_traced_plan_under_checkpoint_names():
+    """What the vLLM plugin runs at init (``M2NVLLMEngine._traced_problems``): the live
+    worker's loaders, traced on the wire under its checkpoint names, agree with the
+    traced layout; under transformers' in-memory names vLLM's loader finds no module."""
+    from m2nkit.adapters.vllm import parse_inference_spec
+    from m2nkit.adapters.vllm.trace import (TraceError, checkpoint_names, experts_on_disk,
+                                            traced_problems)
+    from m2nkit.engine.tools.vllm_workers import build_cpu_worker
+
+    layout = _traced("tiny-minimax-m2", 2, True)
+    live, vllm_config = build_cpu_worker(DATA / "tiny-minimax-m2" / "checkpoint",
+                                         parse_inference_spec("vllm:tp=2,ep"), 1)
+    hf = vllm_config.model_config.hf_config
+    wire = _metas("tiny-minimax-m2")
+    names = checkpoint_names(hf, [m.name for m in wire])
+    assert names == checkpoint_names(DATA / "tiny-minimax-m2" / "checkpoint",
+                                     [m.name for m in wire])
+    assert traced_problems(live, layout, 1, wire, vllm_config, experts_on_disk(hf),
+                           names=names) == []
+    with pytest.raises(TraceError, match=r"There is no module or parameter named "
+                                         r"'layers\.0\.mlp'"):
+        traced_problems(live, layout, 1, wire, vllm_config, experts_on_disk(hf))
+
+
 # --------------------------------------------------------------------------
 # Llama-4: the rotary permutation and the transposed experts are refused; the rest traces
 
@@ -269,7 +293,8 @@ def test_llama4_routed_experts_are_refused_as_a_transpose():
     with pytest.raises(TraceError, match=re.escape(
             "Llama4ForCausalLM: vLLM's load_weights failed on the fake wire tensors (the last one "
             "handed to it: wire tensor 'model.layers.1.feed_forward.experts.gate_up_proj') "
-            "(RuntimeError: Tensor.item() cannot be called on meta tensors)")):
+            "(RuntimeError: Tensor.item() cannot be called on meta tensors); m2nkit has no "
+            "family table for it")):
         _trace("tiny-llama4", 2, True, drop=qk)
 
 
