@@ -17,7 +17,14 @@ with their trailing index, and views that only add or drop unit dims); the
 destination view must be a box of the parameter. A chain that is not such a
 box (a transpose, a strided slice, a reshape that mixes dims) is refused
 with :class:`TraceError`, naming the wire tensor, the parameter and the op:
-never a guess.
+never a guess. A row permutation is refused too, though it is a union of
+one-row boxes: vLLM's rotary reordering of q/k rows
+(``permute_qk_weight_for_rotary``: ``.view(nh, hd/2, 2, H).transpose(1,
+2).reshape(nh*hd, H)``) moves row ``2i+t`` of each head to row
+``t*hd/2+i``, so within a head no two rows adjacent in the wire stay
+adjacent; as boxes that is one binding per row (about ``(nh + nkv) * hd``
+per layer), a row gather like the strided slices above
+(tests/integration/test_traced_misc.py holds the evidence from vLLM's dumps).
 
 Parameters that some loader wrote only in part keep their unwritten
 elements as ``zero_boxes`` (vocab padding: vLLM's ``VocabParallelEmbedding``
@@ -39,7 +46,10 @@ A model loader that takes only per-expert tensors (several MLA models'
 from ``fused_moe_make_expert_params_mapping``) is fed each expert's gate,
 up and down boxes under the per-expert names of the family table or, for
 an architecture without one, of transformers' own conversion rule
-(:func:`experts_on_disk`).
+(:func:`experts_on_disk`). For an architecture without a family table
+the wire is transformers 5's in-memory model, names and all, and vLLM is
+handed the checkpoint names transformers' own renaming rules give them
+(:func:`checkpoint_names`; MiniMax-M2's MoE blocks are renamed on load).
 """
 
 from __future__ import annotations
@@ -60,7 +70,8 @@ from m2nkit.manifest import Binding, DestinationLayout, DestinationParam, ParamM
 from .spec import InferenceSpec, parse_inference_spec
 
 __all__ = ["TraceError", "TracedCopy", "Feed", "per_expert_feeds", "trace_worker", "traced_problems", "experts_on_disk", "transformers_experts_on_disk", "trace_destination", "chain_box",
-           "view_region", "vllm_checkpoint_name", "merge_copies"]
+           "chain_text", "view_region", "vllm_checkpoint_name", "merge_copies",
+           "checkpoint_names"]
 
 #: Stacked-expert wire names whose vLLM checkpoint name drops ``.weight``.
 _STACKED = (".experts.gate_up_proj.weight", ".experts.down_proj.weight")
@@ -106,8 +117,21 @@ class TracedCopy:
 # op chains -> boxes
 # --------------------------------------------------------------------------
 
+def chain_text(ops: Iterable[tuple]) -> str:
+    """A ``FakeRDTTensor`` op chain as the Python it records (``.view(4, 8, 2, 64).t()``)."""
+    out = []
+    for op, args, kwargs in ops:
+        if op == "__getitem__":
+            out.append(f"[{', '.join(map(repr, args))}]")
+        else:
+            out.append(f".{op}(" + ", ".join([*map(repr, args), *(f"{k}={v!r}" for k, v in kwargs)])
+                       + ")")
+    return "".join(out)
+
+
 def chain_box(name: str, shape: Sequence[int], ops: Iterable[tuple],
-              dims: Sequence[int] | None = None) -> tuple[tuple, list[int]]:
+              dims: Sequence[int] | None = None,
+              param: str | None = None) -> tuple[tuple, list[int]]:
     """Replay a ``FakeRDTTensor`` op chain on a tensor of ``shape``: the box it selects.
 
     ``dims[k]``: the wire dim that dim ``k`` of ``shape`` runs along (default
@@ -121,10 +145,15 @@ def chain_box(name: str, shape: Sequence[int], ops: Iterable[tuple],
     ``shape``; ``kept[j]`` is the dim of ``shape`` that dim ``j`` of the
     chain's result comes from (``-1`` for a unit dim a view inserted).
 
+    A cast (``to(dtype)``, see :func:`_fake_class`) keeps the box; whether
+    it equals the ``copy_`` that follows is the caller's check.
+
     Raises:
         TraceError: an op that does not keep the result a box of the tensor
-            in its axis order (names ``name`` and the op).
+            in its axis order (names ``name``, ``param`` when given, the op
+            and the whole chain).
     """
+    ops = tuple(ops)
     start = [0] * len(shape)
     ext = list(shape)
     cur: list[int] = list(range(len(shape)))    # result dim -> source dim (-1: inserted)
@@ -135,8 +164,10 @@ def chain_box(name: str, shape: Sequence[int], ops: Iterable[tuple],
         return 1 if cur[j] < 0 else ext[cur[j]]
 
     def refuse(op, why):
-        raise TraceError(f"wire tensor '{name}': vLLM's loader applies {op} ({why}); m2nkit "
-                         "carries only loaders that take a box of the tensor in its own axis order")
+        into = f" into parameter '{param}'" if param else ""
+        raise TraceError(f"wire tensor '{name}'{into}: vLLM's loader applies {op} ({why}) in "
+                         f"its op chain {chain_text(ops)}; m2nkit carries only loaders that "
+                         "take a box of the tensor in its own axis order")
 
     def norm(d, n):
         return d + n if d < 0 else d
@@ -228,8 +259,8 @@ def chain_box(name: str, shape: Sequence[int], ops: Iterable[tuple],
                 refuse(f"{op}{tuple(args)}", "not a permutation of the dims")
             cur = [cur[d] for d in perm]
             permuted = permuted or f"{op}{tuple(args)}"
-        elif op in ("view", "reshape", "flatten", "squeeze", "unsqueeze", "contiguous"):
-            if op == "contiguous":
+        elif op in ("view", "reshape", "flatten", "squeeze", "unsqueeze", "contiguous", "to"):
+            if op in ("contiguous", "to"):
                 continue
             if op in ("view", "reshape"):
                 target = args[0] if len(args) == 1 and isinstance(args[0], (tuple, list)) \
@@ -374,7 +405,8 @@ class Feed:
         return tuple(out), [self.dims[k] if k >= 0 else -1 for k in kept]
 
 
-def per_expert_feeds(meta: ParamMeta, patterns: dict[str, str]) -> list[Feed] | None:
+def per_expert_feeds(meta: ParamMeta, patterns: dict[str, str],
+                     name: str | None = None) -> list[Feed] | None:
     """Stacked wire experts as the per-expert checkpoint tensors they are fused from.
 
     ``patterns``: part -> on-disk pattern (``{prefix}``, ``{e}``), the
@@ -383,11 +415,13 @@ def per_expert_feeds(meta: ParamMeta, patterns: dict[str, str]) -> list[Feed] | 
     a family table's wire names it (``<block>.experts.gate_up_proj.weight``)
     or as transformers 5 keeps it in memory (``<block>.experts.gate_up_proj``,
     the wire of an architecture without a table); its per-expert parts are
-    ``.weight`` tensors either way.
+    ``.weight`` tensors either way. ``name``: the wire tensor's checkpoint
+    name where it differs from ``meta.name`` (:func:`checkpoint_names`).
     """
     from ..experts import expert_name
     from ..families.table import TRANSFORMERS_FUSED_EXPERTS
 
+    name = name or meta.name
     for leaf, parts in TRANSFORMERS_FUSED_EXPERTS.values():
         stem = leaf.removesuffix(".weight")
         # the weight (with or without ".weight"), or its fp8 block scales
@@ -395,10 +429,10 @@ def per_expert_feeds(meta: ParamMeta, patterns: dict[str, str]) -> list[Feed] | 
         suffix = next(((x, y) for x, y in ((".weight", ".weight"),
                                            (".weight_scale_inv", ".weight_scale_inv"),
                                            ("", ".weight"))
-                       if meta.name.endswith("." + stem + x)), None)
+                       if name.endswith("." + stem + x)), None)
         if suffix is None or any(p not in patterns for p in parts) or len(meta.shape) != 3:
             continue
-        prefix = meta.name[: len(meta.name) - len("." + stem + suffix[0])]
+        prefix = name[: len(name) - len("." + stem + suffix[0])]
         E, rows, cols = meta.shape
         R = rows // len(parts)
         return [Feed(expert_name(patterns[part], prefix, e).removesuffix(".weight") + suffix[1],
@@ -409,7 +443,7 @@ def per_expert_feeds(meta: ParamMeta, patterns: dict[str, str]) -> list[Feed] | 
 
 @functools.lru_cache(maxsize=1)
 def _fake_class():
-    """vLLM's ``FakeRDTTensor`` with the two loader idioms it does not record, as views.
+    """vLLM's ``FakeRDTTensor`` with the loader idioms it does not record, as what they are.
 
     vLLM 0.33.0's mamba loaders (``mamba_v2_sharded_weight_loader``,
     ``layers/mamba/mamba_mixer2.py``; the Gated DeltaNet models' ``conv1d``)
@@ -418,7 +452,16 @@ def _fake_class():
     ``copy_``. Here ``view_as(t)`` is recorded as ``view(t.shape)`` (what
     torch defines it to be) and ``dest[idx] = fake`` as ``dest[idx].copy_(fake)``
     (what a basic-index assignment does), so both reach vLLM's own chain and
-    sink; every other op still fails in vLLM's ``__torch_dispatch__``.
+    sink.
+
+    A cast ``to(dtype)`` (MiniMax-M2's ``MiniMaxM2MoE.ebias_weight_loader``,
+    ``models/minimax_m2.py``: ``param.data.copy_(loaded_weight.to(torch.float32))``)
+    is recorded as the op ``to`` and gives the child that dtype;
+    :func:`trace_worker` accepts it only where it casts to the parameter's
+    own dtype, i.e. where it is the cast ``copy_`` makes anyway (and the
+    receiver's ``copy_`` makes too). ``to`` with a device, a memory format
+    or ``copy=True``, and every other op, still fails in vLLM's
+    ``__torch_dispatch__``.
     """
     from vllm.distributed.weight_transfer.sharded_rdt_fake import FakeRDTTensor
 
@@ -432,6 +475,11 @@ def _fake_class():
             kwargs = kwargs or {}
             if func is torch.Tensor.view_as and args and isinstance(args[0], cls):
                 return args[0].view(tuple(args[1].shape))
+            if func is torch.Tensor.to and args and isinstance(args[0], cls):
+                rest = args[1:] or (kwargs.get("dtype"),)
+                if (len(rest) == 1 and isinstance(rest[0], torch.dtype)
+                        and set(kwargs) <= {"dtype"}):
+                    return args[0]._make_child(args[0].shape, rest[0], ("to", (rest[0],), ()))
             if (func is torch.Tensor.__setitem__ and len(args) == 3
                     and isinstance(args[2], cls) and not isinstance(args[0], cls)):
                 dest, index, src = args
@@ -488,9 +536,16 @@ def trace_worker(model: torch.nn.Module, feeds: Sequence[Feed],
     fake = _fake_class()
     fakes = [(f.name, fake(f.name, torch.Size(f.shape), f.wire.dtype,
                                     torch.device("meta"), sink=sink)) for f in feeds]
+    handed: list[str] = []          # the last fake load_weights took (it reads lazily)
+
+    def stream():
+        for name, t in fakes:
+            handed[:] = [name]
+            yield name, t
+
     try:
         with _config_context(vllm_config), torch.no_grad():
-            model.load_weights(iter(fakes))
+            model.load_weights(stream())
     except NotImplementedError as e:      # vLLM's _UnsupportedFakeOp
         raise TraceError(f"{type(model).__name__}: vLLM's loaders cannot be traced: {e}") \
             from None
@@ -498,9 +553,15 @@ def trace_worker(model: torch.nn.Module, feeds: Sequence[Feed],
         # A loader that needs data, or a checkpoint layout the wire does not
         # have (stacked experts read in an on-disk dim order other than the
         # wire's): no trace, never a guess.
+        from ..families import has_table
+
+        last = (f" (the last one handed to it: wire tensor '{by_name[handed[0]].wire.name}')"
+                if handed else "")
+        archs = getattr(getattr(vllm_config, "model_config", None), "architectures", None)
+        hint = ("use the family table (--layout tables)" if archs and has_table(archs[0])
+                else "m2nkit has no family table for it")
         raise TraceError(f"{type(model).__name__}: vLLM's load_weights failed on the fake "
-                         f"wire tensors ({type(e).__name__}: {e}); use the family table "
-                         "(--layout tables)") from None
+                         f"wire tensors{last} ({type(e).__name__}: {e}); {hint}") from None
     finally:
         for p, loader, had in saved:
             if had:
@@ -517,7 +578,15 @@ def trace_worker(model: torch.nn.Module, feeds: Sequence[Feed],
                 continue
             src_name, ops = c.src
             feed = by_name[src_name]
-            box, kept = feed.to_wire(*chain_box(src_name, feed.shape, ops, feed.dims))
+            box, kept = feed.to_wire(*chain_box(feed.wire.name, feed.shape, ops, feed.dims,
+                                                pname))
+            casts = [args[0] for op, args, _ in ops if op == "to"]
+            if casts and (len(casts) > 1 or casts[0] != params[pname].dtype):
+                raise TraceError(f"wire tensor '{feed.wire.name}' into parameter '{pname}' "
+                                 f"({params[pname].dtype}): vLLM's loader casts it "
+                                 f"{chain_text(o for o in ops if o[0] == 'to')}, which is not "
+                                 "the cast copy_ into the parameter makes; m2nkit binds only "
+                                 "casts to the parameter's own dtype")
             try:
                 region, dims = view_region(pshape, c.offset, c.shape, c.stride)
             except ValueError as e:
@@ -528,22 +597,26 @@ def trace_worker(model: torch.nn.Module, feeds: Sequence[Feed],
 
 
 def _feeds(wire: Sequence[ParamMeta], experts: dict[str, str], fused: bool,
-           model: torch.nn.Module | None = None) -> list[Feed]:
+           model: torch.nn.Module | None = None,
+           names: dict[str, str] | None = None) -> list[Feed]:
     """The fake checkpoint tensors of ``wire``: stacked experts whole (``fused``) or per expert.
 
     Per expert, with ``model``: only the experts vLLM placed on this worker
     (its own ``ExpertMapManager.is_local_expert`` of the block's MoE layer,
     ``layers/fused_moe/expert_map_manager.py``, kept on the CPU for a meta
     model). The loaders skip the others anyway; with 384 experts over 64
-    workers this hands each worker 6 of them instead of 384.
+    workers this hands each worker 6 of them instead of 384. ``names``:
+    wire name -> checkpoint name where they differ (:func:`checkpoint_names`).
     """
+    names = names or {}
     transposed = model is not None and _fused_experts_read_transposed(model)
     if fused:
-        return [_whole_feed(m, transposed) for m in wire]
+        return [_whole_feed(m, transposed, names.get(m.name)) for m in wire]
     local = _expert_maps(model) if model is not None else {}
     out = []
     for m in wire:
-        for f in per_expert_feeds(m, experts) or [_whole_feed(m, transposed)]:
+        for f in (per_expert_feeds(m, experts, names.get(m.name))
+                  or [_whole_feed(m, transposed, names.get(m.name))]):
             manager = local.get(f.block) if f.block is not None else None
             if manager is None or manager.is_local_expert(f.expert):
                 out.append(f)
@@ -573,7 +646,7 @@ def _fused_experts_read_transposed(model: torch.nn.Module) -> bool:
     return flags == {True}
 
 
-def _whole_feed(meta: ParamMeta, transposed: bool) -> Feed:
+def _whole_feed(meta: ParamMeta, transposed: bool, name: str | None = None) -> Feed:
     """A whole wire tensor as the checkpoint tensor vLLM reads.
 
     Stacked experts (transformers 5's in-memory ``[E, out, in]``,
@@ -585,13 +658,14 @@ def _whole_feed(meta: ParamMeta, transposed: bool) -> Feed:
     ``[E, out, in]`` under that name, the loader would slice the wrong dims
     (transformers 5.12.1's ``save_pretrained`` writes such experts that way,
     and vLLM reads such a file wrongly or not at all; see
-    tests/data/oracle/README.md).
+    tests/data/oracle/README.md). ``name``: the wire tensor's checkpoint
+    name where it differs from ``meta.name`` (:func:`checkpoint_names`).
     """
-    name = vllm_checkpoint_name(meta.name)
+    name = vllm_checkpoint_name(name or meta.name)
     if transposed and len(meta.shape) == 3 and name.endswith(_STACKED_IN_MEMORY):
         experts, rows, cols = meta.shape
         return Feed(name, meta, (experts, cols, rows), (0, 0, 0), (0, 2, 1))
-    return Feed.whole(meta)
+    return Feed.whole(meta, name)
 
 
 def _expert_maps(model: torch.nn.Module) -> dict[str, Any]:
@@ -664,6 +738,68 @@ def _uncovered(shape: tuple[int, ...], regions: list[tuple]) -> tuple[tuple, ...
                    for r in regions):
             out.append(cell)
     return tuple(out)
+
+
+def checkpoint_names(config: Any, wire: Iterable[str]) -> dict[str, str]:
+    """Wire name -> checkpoint name for an architecture without a family table (the renamed ones).
+
+    Such a wire is transformers 5's in-memory model (``named_parameters()``
+    and persistent buffers), and transformers renames some checkpoint keys
+    as it loads (``conversion_mapping.py``: MiniMax-M2's MoE blocks, say),
+    while vLLM's loaders
+    read checkpoint names. Each wire name gets transformers' own
+    ``WeightRenaming`` rules reverted, as ``save_pretrained`` does
+    (``core_model_loading.revert_weight_conversion``, its second phase;
+    ``PrefixChange`` dropped as there for a model built from a config). Its
+    ``WeightConverter`` rules are not: a fused in-memory tensor keeps its
+    fused leaf under the renamed block (per-expert names:
+    :func:`experts_on_disk`). The rules are the architecture class's (by
+    name, then ``model_type``) as ``get_model_conversion_mapping`` collects
+    them; where a sub-config (a wrapper's ``text_config``) has rules of its
+    own they are scoped to its module, so the class is built on the meta
+    device for its module tree (nothing is allocated).
+
+    ``config``: a checkpoint directory, a ``config.json`` dict or a
+    transformers config. ``{}`` for an architecture with a family table
+    (its wire names are checkpoint names), for a class transformers does
+    not have, and where no rule renames anything.
+    """
+    import json
+
+    import transformers
+    from transformers.conversion_mapping import (get_checkpoint_conversion_mapping,
+                                                 get_model_conversion_mapping)
+    from transformers.core_model_loading import PrefixChange, WeightConverter, rename_source_key
+
+    from ..families import architecture_name, has_table
+
+    if isinstance(config, (str, os.PathLike)):
+        config = json.loads(Path(config, "config.json").read_text())
+    arch = architecture_name(config) or ""
+    cls = getattr(transformers, arch, None)
+    if has_table(arch) or cls is None:
+        return {}
+    if isinstance(config, dict):
+        from ..families.tableless import transformers_config
+
+        config = transformers_config(config)
+    subs = [getattr(config, k, None) for k in getattr(config, "sub_configs", {}) or {}]
+    if any(get_checkpoint_conversion_mapping(c.model_type) for c in subs if c is not None):
+        with torch.device("meta"):
+            rules = get_model_conversion_mapping(cls(config), add_legacy=False)
+    else:
+        # the root's own rules, unscoped; no build (vLLM's Transformers backend
+        # decorates the classes it serves, which then build only inside a vLLM config)
+        rules = (get_checkpoint_conversion_mapping(arch)
+                 or get_checkpoint_conversion_mapping(config.model_type) or [])
+    renamings = [t.reverse_transform() for t in rules[::-1]
+                 if not isinstance(t, (WeightConverter, PrefixChange))]
+    out = {}
+    for name in wire:
+        renamed, _ = rename_source_key(name, renamings, [])
+        if renamed != name:
+            out[name] = renamed
+    return out
 
 
 def experts_on_disk(config: Any) -> dict[str, str]:
@@ -822,7 +958,9 @@ def trace_destination(config: Any, wire: Sequence[ParamMeta],
         config: a transformers config or a ``config.json`` dict (saved to a
             temporary directory for vLLM's ``ModelConfig``), or the path of
             a checkpoint directory.
-        wire: the wire tensors (``checkpoint_metas``, ``config_wires``).
+        wire: the wire tensors (``checkpoint_metas``, ``config_wires``; for an
+            architecture without a family table, transformers' in-memory
+            ``state_dict()`` under its in-memory names).
         spec: ``"vllm:tp=T[,dp=D][,ep]..."`` or an ``InferenceSpec``.
 
     Returns:
@@ -853,8 +991,9 @@ def trace_destination(config: Any, wire: Sequence[ParamMeta],
         bindings: dict[str, list[Binding]] = {m.name: [] for m in wire}
         aliases: dict[str, str] = {}
         experts = experts_on_disk(config_dir)
-        stacked = {vllm_checkpoint_name(m.name) for m in wire
-                   if per_expert_feeds(m, experts) is not None}
+        names = checkpoint_names(config_dir, [m.name for m in wire])
+        stacked = {vllm_checkpoint_name(names.get(m.name, m.name)) for m in wire
+                   if per_expert_feeds(m, experts, names.get(m.name)) is not None}
         fused = bool(stacked)
         # (Every worker is traced: dp replicas are not alike even without EP,
         # since vLLM's MoE layers split experts over dp * tp then,
@@ -873,7 +1012,7 @@ def trace_destination(config: Any, wire: Sequence[ParamMeta],
             if fused:
                 try:
                     copies, touched, copied = trace_worker(
-                        model, _feeds(wire, experts, True, model), vllm_config)
+                        model, _feeds(wire, experts, True, model, names), vllm_config)
                     if w == 0 and not stacked <= copied:
                         copies = None
                 except TraceError:
@@ -883,8 +1022,8 @@ def trace_destination(config: Any, wire: Sequence[ParamMeta],
                     fused = False
                     model, vllm_config = _build_meta_model(config_dir, spec, w)
             if copies is None:
-                copies, touched, _ = trace_worker(model, _feeds(wire, experts, False, model),
-                                                  vllm_config)
+                copies, touched, _ = trace_worker(
+                    model, _feeds(wire, experts, False, model, names), vllm_config)
             copies = merge_copies(copies)
             by_param: dict[str, list[tuple]] = {p: [] for p in touched}
             for c in copies:
@@ -912,7 +1051,7 @@ def trace_destination(config: Any, wire: Sequence[ParamMeta],
 def traced_problems(model: torch.nn.Module, layout: DestinationLayout, worker: int,
                     wire: Sequence[ParamMeta], vllm_config: Any = None,
                     experts_on_disk: dict[str, str] | None = None,
-                    at_most: int = 8) -> list[str]:
+                    at_most: int = 8, names: dict[str, str] | None = None) -> list[str]:
     """How ``layout``'s bindings for ``worker`` differ from what the live model's loaders do.
 
     For a vLLM worker (the plugin) holding its live ``model``: its own
@@ -923,13 +1062,14 @@ def traced_problems(model: torch.nn.Module, layout: DestinationLayout, worker: i
     :func:`merge_copies`, with the layout's bindings of ``worker``; a binding
     the loaders do not make, or a copy no binding makes, is one problem
     (wire tensor, parameter, box, region). Empty: the layout is what vLLM
-    does.
+    does. ``names``: the wire's checkpoint names where they differ, for an
+    architecture without a family table (:func:`checkpoint_names`).
 
     Raises:
         TraceError: the loaders cannot be traced (the caller decides whether
             the tables alone may stand).
     """
-    copies, _, _ = trace_worker(model, _feeds(wire, experts_on_disk or {}, False, model),
+    copies, _, _ = trace_worker(model, _feeds(wire, experts_on_disk or {}, False, model, names),
                                 vllm_config)
     traced = {(c.name, c.param, c.box, c.region) for c in merge_copies(copies)}
     declared = [TracedCopy(b.name, b.param, b.box,

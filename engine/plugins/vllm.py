@@ -328,7 +328,8 @@ class M2NVLLMEngine(WeightTransferEngine):
         ``M2NKIT_TRACE_CHECK=0`` skips the check.
         """
         from m2nkit.adapters.families import UnsupportedArchitecture, family_for
-        from m2nkit.adapters.vllm.trace import TraceError, experts_on_disk, traced_problems
+        from m2nkit.adapters.vllm.trace import (TraceError, checkpoint_names, experts_on_disk,
+                                                traced_problems)
 
         try:
             permuted = family_for(self.model_config.hf_config).hf.permuted
@@ -343,9 +344,11 @@ class M2NVLLMEngine(WeightTransferEngine):
                          "loaders read", self.identity, sorted(permuted))
             return []
         try:
-            return traced_problems(self.model, plan.destination, self.worker,
-                                   [w.meta for w in plan.wires], self.vllm_config,
-                                   experts_on_disk(self.model_config.hf_config))
+            wire = [w.meta for w in plan.wires]
+            return traced_problems(self.model, plan.destination, self.worker, wire,
+                                   self.vllm_config, experts_on_disk(self.model_config.hf_config),
+                                   names=checkpoint_names(self.model_config.hf_config,
+                                                          [m.name for m in wire]))
         except TraceError as e:
             _log.warning("%s: the layout was not checked against vLLM's loaders: %s",
                          self.identity, e)

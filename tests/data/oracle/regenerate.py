@@ -348,6 +348,130 @@ LAYOUTS.update({
 })
 
 
+# --- Llama-4, MiniMax-M2, Olmo3: architectures without a family table (traced layouts,
+# tests/integration/test_traced_misc.py). transformers' own classes and save_pretrained;
+# config keys from the published configs (Llama-4-Scout: shared/models; MiniMax-M2: the
+# keys vLLM reads that transformers' config drops, REFERENCE.md section 9).
+
+def _misc_tiny(architecture: str, make_config):
+    """transformers' ``architecture`` class built from ``make_config()`` (seed 0, bf16) and
+    saved by its own ``save_pretrained``; 1-D parameters, biases and persistent float
+    buffers randomised as ``save_tiny_checkpoint`` does, so a norm sent to the wrong place
+    fails a byte comparison."""
+    def build(d: Path) -> None:
+        import torch
+        import transformers
+
+        config = make_config()
+        config.architectures = [architecture]
+        torch.manual_seed(0)
+        model = getattr(transformers, architecture)._from_config(config, dtype=torch.bfloat16)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.dim() == 1 or name.endswith("bias"):
+                    p.copy_(torch.randn_like(p))
+            for module in model.modules():
+                for name, buf in list(module._buffers.items()):
+                    if (buf is not None and name not in module._non_persistent_buffers_set
+                            and buf.dtype.is_floating_point):
+                        module._buffers[name] = torch.randn(buf.shape).to(buf.dtype)
+        model.save_pretrained(d)
+    return build
+
+
+#: Llama-4-Scout's text_config, shrunk: 4 heads over 2 KV heads (tp 4 replicates them),
+#: layer 0 dense (intermediate_size_mlp) and layer 1 MoE (interleave_moe_layer_step 2,
+#: as Maverick; Scout's 1 makes every layer MoE): 4 routed experts of I = 32, stacked on
+#: disk as [E, H, 2*I] / [E, I, H], beside a shared expert; qk norm without weights;
+#: max_position_embeddings above the llama3 rope's original 8192.
+LLAMA4_TEXT = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                   intermediate_size=32, intermediate_size_mlp=64, num_hidden_layers=2,
+                   vocab_size=200, num_local_experts=4, num_experts_per_tok=1,
+                   interleave_moe_layer_step=2, max_position_embeddings=16384,
+                   attention_chunk_size=8192, use_qk_norm=True, attention_bias=False,
+                   rms_norm_eps=1e-5, hidden_act="silu", router_aux_loss_coef=0.001,
+                   bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                   rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0,
+                                    "factor": 16.0, "high_freq_factor": 1.0,
+                                    "low_freq_factor": 1.0,
+                                    "original_max_position_embeddings": 8192})
+#: Llama-4-Scout's vision_config, shrunk: 4 heads of 8 over hidden 32 (tp 4: one head
+#: per rank), 2 layers, 56 px images of 14 px patches (16 patches, pixel shuffle 0.5),
+#: intermediate_size = 4 * hidden as Scout's (1408 -> 5632) for the pixel-shuffle MLP.
+LLAMA4_VISION = dict(hidden_size=32, intermediate_size=128, num_attention_heads=4,
+                     num_hidden_layers=2, image_size=56, patch_size=14, num_channels=3,
+                     pixel_shuffle_ratio=0.5, projector_input_dim=64, projector_output_dim=64,
+                     vision_output_dim=64, hidden_act="gelu", norm_eps=1e-5,
+                     multi_modal_projector_bias=False, vision_feature_layer=-1,
+                     vision_feature_select_strategy="default",
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000})
+
+
+def _llama4_text():
+    from transformers import Llama4TextConfig
+
+    return Llama4TextConfig(**LLAMA4_TEXT)
+
+
+def _llama4_vision():
+    """The Scout wrapper: its language model as Scout's (every layer MoE,
+    ``interleave_moe_layer_step`` 1; one layer, tiny-llama4 has the dense one) and the
+    vision tower + projector above."""
+    from transformers import Llama4Config
+
+    text = {**LLAMA4_TEXT, "num_hidden_layers": 1, "interleave_moe_layer_step": 1}
+    return Llama4Config(text_config=text, vision_config=LLAMA4_VISION,
+                        boi_token_index=197, eoi_token_index=198, image_token_index=199)
+
+
+def _minimax_m2():
+    """MiniMax-M2 shrunk: 4 heads of 16 over 2 KV heads, q_norm/k_norm over the full width
+    (vLLM splits them by heads), partial rotary (``rotary_dim`` 8 of 16, as 64 of 128),
+    sigmoid routing with ``e_score_correction_bias`` (``use_routing_bias``), 4 experts."""
+    from transformers import MiniMaxM2Config
+
+    config = MiniMaxM2Config(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=32, num_hidden_layers=2, vocab_size=200, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=256, bos_token_id=None,
+        eos_token_id=None, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
+                         "partial_rotary_factor": 0.5})
+    # read by vLLM's minimax_m2.py, dropped by transformers' config class's own fields
+    config.rotary_dim = 8
+    config.scoring_func = "sigmoid"
+    config.use_routing_bias = True
+    return config
+
+
+def _olmo3():
+    """Olmo3 shrunk: 4 heads over 2 KV heads (Olmo-3-32B is GQA), q_norm/k_norm over the
+    full width, a sliding and a full attention layer."""
+    from transformers import Olmo3Config
+
+    return Olmo3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                       intermediate_size=96, num_hidden_layers=2, vocab_size=200,
+                       max_position_embeddings=256, sliding_window=32,
+                       layer_types=["sliding_attention", "full_attention"],
+                       pad_token_id=None, bos_token_id=None, eos_token_id=None,
+                       rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+
+
+CHECKPOINTS.update({
+    "tiny-llama4": _misc_tiny("Llama4ForCausalLM", _llama4_text),
+    "tiny-llama4-vision": _misc_tiny("Llama4ForConditionalGeneration", _llama4_vision),
+    "tiny-minimax-m2": _misc_tiny("MiniMaxM2ForCausalLM", _minimax_m2),
+    "tiny-olmo3": _misc_tiny("Olmo3ForCausalLM", _olmo3),
+})
+_MOE_TP_EP = [(1, False), (2, False), (4, False), (2, True), (4, True)]
+LAYOUTS.update({
+    "tiny-llama4": _MOE_TP_EP,
+    "tiny-llama4-vision": [(1, False), (2, False), (4, False)],   # EP: tiny-llama4's
+    "tiny-minimax-m2": _MOE_TP_EP,
+    "tiny-olmo3": [(1, False), (2, False), (4, False)],
+})
+
+
 def layout_dir(tp: int, ep: bool, *options: str) -> str:
     return f"tp{tp}" + ("_ep" if ep else "") + "".join(f"_{o}" for o in options)
 
