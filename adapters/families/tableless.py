@@ -36,7 +36,7 @@ from .registry import (TRACED_HINT, UnsupportedArchitecture, architecture_name, 
 from .table import Family, HFNaming
 
 __all__ = ["transformers_class", "transformers_config", "meta_model", "tableless_family",
-           "family_or_tableless", "TABLELESS_MODULE"]
+           "family_or_tableless", "builtin_config_class", "TABLELESS_MODULE"]
 
 #: ``Family.module`` of a tableless family (named in messages).
 TABLELESS_MODULE = "no m2nkit table: layout traced from vLLM's loaders"
@@ -60,6 +60,22 @@ def transformers_class(architecture: str):
     return cls
 
 
+def builtin_config_class(model_type: Any):
+    """transformers' own config class of ``model_type`` (its static name table), or ``None``.
+
+    Not ``AutoConfig``'s registry: vLLM registers its own config classes there
+    for some model types when it reads a config (``vllm/transformers_utils/
+    config.py``; ``deepseek_v32`` becomes its ``DeepseekV3Config``), so in a
+    process that traced such a model the registry answers with vLLM's class,
+    which transformers' model class cannot be built from.
+    """
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    name = CONFIG_MAPPING_NAMES.get(model_type) if isinstance(model_type, str) else None
+    return getattr(transformers, name, None) if name else None
+
+
 def transformers_config(config: Any):
     """``config`` as a transformers config object (a ``config.json`` dict is read by its class).
 
@@ -78,7 +94,8 @@ def transformers_config(config: Any):
         raise UnsupportedArchitecture(
             f"model_type {model_type!r} is not built into transformers (m2nkit never runs a "
             f"model's own code); tables: {', '.join(supported_architectures())}")
-    return AutoConfig.for_model(model_type, **data)
+    cls = builtin_config_class(model_type)      # not vLLM's registration of the type
+    return cls(**data) if cls is not None else AutoConfig.for_model(model_type, **data)
 
 
 def _dtype(config) -> torch.dtype:

@@ -76,6 +76,11 @@ def load_config(config_path: Path):
                                                              local_files_only=True)
             finally:
                 hf_logging.set_verbosity(level)
+        from ..families.tableless import builtin_config_class
+
+        cls = builtin_config_class(model_type)
+        if cls is not None:
+            return cls.from_pretrained(str(config_path), local_files_only=True)
         return AutoConfig.from_pretrained(str(config_path), local_files_only=True,
                                           trust_remote_code=False)
     except Exception as e:

@@ -31,6 +31,7 @@ from _oracle import ALL_FIXTURES, DATA, _oracle, assert_layout_equals_dumps
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]
 
+
 #: tiny model -> its architecture (transformers' class, vLLM's architecture name)
 MODELS = {
     "tiny-glm4-moe": "Glm4MoeForCausalLM",
