@@ -126,3 +126,28 @@ def p2p_round_in_threads(plan, schedule, streams: dict, storage: dict,
     errors = {r: e for r, (kind, e) in out.items() if kind == "err"}
     assert not errors, errors
     return {r - T: out[r][1] for r in range(T, T + N)}
+
+
+def join_ranks(ctx, timeout_s: float) -> float:
+    """Wait for the processes of ``torch.multiprocessing.start_processes(..., join=False)``.
+
+    Fails the test when they still run after ``timeout_s`` (a hang), raises
+    a rank's exception (``ctx.join`` does), and kills and reaps every process
+    on the way out. Returns the seconds waited.
+    """
+    import time
+
+    import pytest
+
+    start = time.monotonic()
+    deadline = start + timeout_s
+    try:
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                pytest.fail(f"ranks still running after {timeout_s} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+            p.join()
+    return time.monotonic() - start

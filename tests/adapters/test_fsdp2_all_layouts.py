@@ -42,6 +42,7 @@ import torch.multiprocessing as mp
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from _procs import join_ranks
 from test_fsdp2 import Case, _mesh, _shard
 
 from m2nkit.adapters.fsdp2 import fsdp2_source
@@ -129,20 +130,8 @@ def _run_ranks(models, out: Path) -> float:
     import torch.distributed.fsdp  # noqa: F401  (once here, not once per forked rank)
     import torch.distributed.tensor.parallel  # noqa: F401
 
-    start = time.monotonic()
-    ctx = mp.start_processes(_rank_main, args=(WORLD, free_port(), models, str(out)),
-                             nprocs=WORLD, join=False, start_method="fork")
-    deadline = start + TIMEOUT_S
-    try:
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                pytest.fail(f"ranks still running after {TIMEOUT_S} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-            p.join()
-    return time.monotonic() - start
+    return join_ranks(mp.start_processes(_rank_main, args=(WORLD, free_port(), models, str(out)),
+                                         nprocs=WORLD, join=False, start_method="fork"), TIMEOUT_S)
 
 
 @pytest.mark.timeout(300)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from _procs import join_ranks
 from m2nkit.adapters.fsdp2 import FSDP2SourceError, fsdp2_source
 from m2nkit.adapters.tiny import tiny_config
 from m2nkit.engine.tools.procs import free_port
@@ -160,18 +160,8 @@ def _run(world: int, cases: dict, refused, out: Path) -> None:
     import torch.distributed.fsdp  # noqa: F401  (once here, not once per forked rank)
     import torch.distributed.tensor.parallel  # noqa: F401
 
-    start = time.monotonic()
-    ctx = mp.start_processes(_rank_main, args=(world, free_port(), cases, refused, str(out)),
-                             nprocs=world, join=False, start_method="fork")
-    try:
-        while not ctx.join(timeout=max(0.1, start + TIMEOUT_S - time.monotonic())):
-            if time.monotonic() > start + TIMEOUT_S:
-                pytest.fail(f"ranks still running after {TIMEOUT_S} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-            p.join()
+    join_ranks(mp.start_processes(_rank_main, args=(world, free_port(), cases, refused, str(out)),
+                                  nprocs=world, join=False, start_method="fork"), TIMEOUT_S)
 
 
 def _check(world: int, expected: dict, out: Path, fp32_ulps: int = 0) -> None:

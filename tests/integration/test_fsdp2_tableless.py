@@ -14,13 +14,14 @@ bit.
 from __future__ import annotations
 
 import os
-import time
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+
+from _procs import join_ranks
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -87,18 +88,8 @@ def test_fsdp2_meshes_into_traced_layouts_equal_vllm_loads(tmp_path):
     ckpt = _tiny(tmp_path / "ckpt")
     out = tmp_path / "out"
     out.mkdir()
-    ctx = mp.start_processes(_rank_main, args=(WORLD, free_port(), str(ckpt), str(out)),
-                             nprocs=WORLD, join=False, start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                pytest.fail(f"ranks still running after {TIMEOUT_S} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-            p.join()
+    join_ranks(mp.start_processes(_rank_main, args=(WORLD, free_port(), str(ckpt), str(out)),
+                                  nprocs=WORLD, join=False, start_method="spawn"), TIMEOUT_S)
     for kind in KINDS:
         payloads = [torch.load(out / f"{kind}.r{r}.pt") for r in range(WORLD)]
         metas, _ = manifest_from_json(payloads[0]["manifest"])
