@@ -262,6 +262,9 @@ def _traced(ckpt, metas, ispec):
     # vLLM logs its import-time notes (no vllm._C, no Triton on this platform) at
     # WARNING; the plan's own output is what the user asked for.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    from m2nkit.engine.tools.demo_vllm import quiet_vllm_loggers
+
+    quiet_vllm_loggers()    # the CPU platform's notes reach stderr otherwise (no vLLM handler)
     from m2nkit.adapters.vllm.trace import TraceError, trace_destination
 
     path = Path(ckpt.path)

@@ -212,7 +212,7 @@ class _Host:
             c.close()
 
 
-def _quiet_vllm_loggers() -> None:
+def quiet_vllm_loggers() -> None:
     """vLLM's and torch's notes about this CPU platform, off in the host and its workers.
 
     Building a vLLM model on CPU logs, in every worker, what this platform lacks
@@ -253,7 +253,7 @@ def _host_main(conn, authkey: bytes, timeout_s: float) -> None:
         torch.set_num_threads(1)
         import m2nkit.engine.tools.vllm_workers  # noqa: F401 - vLLM's import, once for every fork
 
-        _quiet_vllm_loggers()
+        quiet_vllm_loggers()
         host = _Host(timeout_s)
         listener = Listener(("127.0.0.1", 0), authkey=authkey)
     except BaseException as e:  # noqa: BLE001 - reported to the parent
