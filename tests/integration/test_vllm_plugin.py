@@ -344,14 +344,32 @@ def test_workers_print_none_of_vllms_platform_notes(host, versions):
 
 def test_demo_with_vllm_receiver_verifies_every_round(tmp_path):
     """``m2nkit demo --receiver vllm``'s driver: 2 rounds into real vLLM workers, each checked
-    inside against a fresh vLLM load of that round's checkpoint (it raises otherwise)."""
-    from m2nkit.engine.tools.demo_vllm import run_vllm_demo
+    inside against a fresh vLLM load of that round's checkpoint (it raises otherwise).
 
-    ensure_forkserver()
-    lines: list[str] = []
-    result = run_vllm_demo("tiny-qwen3-moe", "fsdp:2", "vllm:tp=2,ep", rounds=2, timeout_s=90,
-                           workdir=str(tmp_path), log=lines.append, start_method="forkserver")
-    assert [r.index for r in result.rounds] == [1, 2]
-    assert all(r.verified_workers == 2 and len(r.bytes_per_rank) == 2 for r in result.rounds)
-    assert sum(result.rounds[0].bytes_per_rank) >= result.nbytes_min > 0
+    Driven from a fresh interpreter, as the command line drives it: this test process
+    has built vLLM models of other architectures by now, and vLLM changes transformers'
+    classes in a process that builds some of them (docs/families.md), while the demo
+    writes its checkpoints with transformers in the driving process. In this process
+    after the trace tests, every tensor of the demo's checkpoints differed from vLLM's
+    fresh load of them (cause not found yet; the same test alone passes)."""
+    import json
+    import subprocess
+    import sys
+
+    code = (
+        "import json, sys\n"
+        "from m2nkit.engine.tools.demo_vllm import run_vllm_demo\n"
+        "lines = []\n"
+        f"r = run_vllm_demo('tiny-qwen3-moe', 'fsdp:2', 'vllm:tp=2,ep', rounds=2, timeout_s=90, "
+        f"workdir={str(tmp_path)!r}, log=lines.append, start_method='forkserver')\n"
+        "print(json.dumps({'rounds': [[x.index, x.verified_workers, list(x.bytes_per_rank)] "
+        "for x in r.rounds], 'nbytes_min': r.nbytes_min, 'lines': lines}))\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert [r[0] for r in result["rounds"]] == [1, 2]
+    assert all(r[1] == 2 and len(r[2]) == 2 for r in result["rounds"])
+    assert sum(result["rounds"][0][2]) >= result["nbytes_min"] > 0
+    lines = result["lines"]
     assert any("equals a fresh vLLM load of v2" in line for line in lines), lines
