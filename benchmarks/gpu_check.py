@@ -898,8 +898,6 @@ def main(argv: list[str] | None = None) -> int:
             _parse_scenario(f"{args.serve_trainer}/vllm:tp={args.serve_tp}")
     except ValueError as e:
         p.error(str(e))
-    from transformers.utils import logging as hf_logging
-
     from m2nkit.adapters.tiny import BUILTIN_TINY_MODELS, save_tiny_checkpoint
     from m2nkit.engine.transports.nccl_m2n_runtime import NcclM2NUnavailableError, import_nccl_m2n
 
@@ -915,6 +913,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"gpu_check: {e}", file=sys.stderr)
             return EXIT_USAGE
         m2n, no_m2n = None, str(e)
+    if not args.dry_run:
+        import torch
+
+        if not torch.cuda.is_available():   # say so before building and checking anything
+            print("no CUDA device here: only --dry-run can run", file=sys.stderr)
+            return EXIT_USAGE
+    from transformers.utils import logging as hf_logging
+
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     with tempfile.TemporaryDirectory() as tmp:
@@ -946,11 +952,6 @@ def main(argv: list[str] | None = None) -> int:
             print("dry run: every worker byte matches vLLM's loaders" if ok else
                   "dry run: FAILED (see the table)")
             return EXIT_OK if ok else EXIT_FAILED
-        import torch
-
-        if not torch.cuda.is_available():
-            print("no CUDA device here: only --dry-run can run", file=sys.stderr)
-            return EXIT_USAGE
         end = started + args.total_timeout
         _watchdog(args.total_timeout + 30 - (time.monotonic() - started))
         if serve is not None:          # SIGTERM: unwind, so the server is stopped

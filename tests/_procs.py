@@ -32,6 +32,8 @@ CTX = mp.get_context("forkserver")
 #: changing the tree during a run, a preloaded m2nkit went stale).
 PRELOAD = [
     "numpy", "torch", "torch.distributed", "transformers", "safetensors.torch",
+    # the test modules whose functions the children run import it
+    "pytest",
     # the demo's FSDP2 trainers (tests/engine/tools/test_demo_fsdp2.py)
     "torch.distributed.fsdp", "torch.distributed.tensor.parallel",
     "torch.distributed.checkpoint.state_dict",

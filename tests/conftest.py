@@ -13,13 +13,28 @@ test or a fixture, a ``skipif`` mark) is reported as a failure here. Import
 the stack inside the test or a fixture, not with a module-level
 ``importorskip``, which would skip the whole module before any test exists.
 ``pytest -m "not integration"`` leaves these tests out.
+
+Every process of the suite runs torch with one intra-op thread
+(``OMP_NUM_THREADS=1``, set here before anything imports torch, and inherited
+by every process the tests start) unless the caller set it. The tests move
+and compare small tensors; on this 2-core machine with another process busy,
+torch's default of one thread per core made each small op wait for a thread
+that was not scheduled: the oracle comparisons (test_vllm_oracle.py) took
+three times the CPU, a loop of them ten times. Results do not depend on it
+(copies and comparisons are exact at any thread count).
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+if "torch" in sys.modules:      # imported before this file (by a plugin): its pool is made
+    sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 #: ``max_shard_size`` of the sharded variants: small enough that every tiny
 #: model spans several shards and expert sets cross shard boundaries.

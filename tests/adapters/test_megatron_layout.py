@@ -181,25 +181,43 @@ def test_an_empty_pipeline_stage_is_refused():
         stage_layers(2, 3, first=0, last=1)
 
 
-@pytest.mark.parametrize("trainer, match", [
+@pytest.mark.parametrize("trainer, match, how", [
     # megatron-core's own rules (m2nkit.adapters.megatron.spec.megatron_size_problem)
-    ("megatron:pp=3", "2 layers do not split over pp*vpp=3"),
-    ("bridge:tp=3", "num_attention_heads (8) must be a multiple of tp (3)"),
+    ("megatron:pp=3", "2 layers do not split over pp*vpp=3", "cli"),
+    ("bridge:tp=3", "num_attention_heads (8) must be a multiple of tp (3)", "in-process"),
 ])
-def test_megatron_demo_checks_the_model_before_starting_trainers(trainer, match):
+def test_megatron_demo_checks_the_model_before_starting_trainers(capsys, trainer, match, how):
     """Sizes the tiny model (2 layers, 8 heads, hidden 128) cannot take fail with exit 2
     and one error line before any trainer process starts, as ``m2nkit plan`` refuses
-    them, not later inside megatron-core with exit 1."""
+    them, not later inside megatron-core with exit 1. Both trainer kinds reach the same
+    check in the demo's driver (``run_bridge_demo``, after it built the tiny checkpoint):
+    ``cli`` runs the real command (its supervisor starts the driver as a process, whose
+    exit code it passes on); ``in-process`` calls the same ``main`` here, where stdout is
+    pytest's capture and no file descriptor, so ``main`` does the driver's work in this
+    process, which has torch loaded already."""
     import subprocess
     import sys
 
-    code = ("import sys; from m2nkit.engine.tools.cli import main; "
-            f"sys.exit(main(['demo', '--model', 'tiny-qwen3', '--trainer', {trainer!r}, "
-            "'--no-baseline']))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=240)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 2, out
+    args = ["demo", "--model", "tiny-qwen3", "--trainer", trainer, "--no-baseline"]
+    if how == "cli":
+        code = f"import sys; from m2nkit.engine.tools.cli import main; sys.exit(main({args!r}))"
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=240)
+        rc, out = proc.returncode, proc.stdout + proc.stderr
+    else:
+        from transformers.utils import logging as hf_logging
+
+        from m2nkit.engine.tools.cli import main
+
+        verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+        try:
+            rc = main(args)
+        finally:            # the driver quiets transformers' logging in its process
+            hf_logging.set_verbosity(verbosity)
+            (hf_logging.enable_progress_bar if bars else hf_logging.disable_progress_bar)()
+        captured = capsys.readouterr()
+        out = captured.out + captured.err
+    assert rc == 2, out
     errors = [line for line in out.splitlines() if line.startswith("m2nkit: error:")]
     assert len(errors) == 1 and match in errors[0], out
     assert "trainer processes" not in out and "Traceback" not in out, out

@@ -357,12 +357,15 @@ def _assert_failed_within_bound(msgs, ranks, needle, timeout_s=TIMEOUT):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("action", ["stall", "die", "stall under load"])
+@pytest.mark.parametrize("action", ["die", "stall under load"])
 def test_trainer_stall_or_death_mid_round_fails_everyone_and_keeps_the_version(
         server, tmp_path, action):
     # Round 1 succeeds; in round 2 trainer rank 1 stalls (or dies) when the engine
-    # reaches wire tensor 10 of 25. Under load, CPU-burning processes compete
-    # (load average heading for 8 on this 2-core machine) for the whole run.
+    # reaches wire tensor 10 of 25. A stall runs under load: CPU-burning processes compete
+    # (load average heading for 8 on this 2-core machine) for the whole run, so the
+    # deadline bound is held where it is hardest to hold (the same stall on an idle
+    # machine was a case of its own; its assertions are all here). Then, the burners
+    # gone, a fresh engine takes over the same workers.
     timeout_s = LONG_TIMEOUT if action == "die" else TIMEOUT
     burners = []
     if action == "stall under load":
@@ -398,7 +401,7 @@ def test_trainer_stall_or_death_mid_round_fails_everyone_and_keeps_the_version(
     # The workers refused to commit round 2: still at v1 with v1's bytes.
     assert server.weight_versions() == ["v1", "v1"]
     _check_workers(server, tmp_path, 1)
-    if action != "stall":
+    if action == "die":
         return
     # A fresh engine (new trainer processes, new group) runs the next rounds.
     msgs, _, codes, _ = _run_trainers(server.url, 3, "fsdp:3", "vllm:tp=2", rounds=2)

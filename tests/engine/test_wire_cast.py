@@ -12,21 +12,23 @@ the full tensor (never through m2nkit).
 
 Three paths: a real ``torch_p2p`` round over gloo (threads, one group member
 each, 127.0.0.1); the in-process executor behind ``plan --verify``, which
-runs the transport's own messages; and the field report's own command,
-``m2nkit demo`` with the stand-in server. The real-vLLM plugin case is in
+runs the transport's own messages; and the field report's own demo
+(``run_demo``, what ``m2nkit demo`` runs, with the stand-in server: real
+trainer and worker processes, gloo over 127.0.0.1). Its processes fork from
+the tests' preloaded forkserver (tests/_procs.py) instead of spawning, so
+the run costs no import of torch per process; the receive path is the same.
+The CLI around ``run_demo`` (spawned processes, exit codes, progress lines)
+is tests/engine/tools/test_demo_ux.py's. The real-vLLM plugin case is in
 ``tests/integration/test_vllm_plugin.py`` (``fp32-llama-h512``).
 """
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from _layouts import own_param_destination
-from _procs import p2p_round_in_threads
+from _procs import ensure_forkserver, p2p_round_in_threads
 from m2nkit.engine.control import TransferError
 from m2nkit.engine.in_process import allocate_storage, bitwise_equal, execute_plan
 from m2nkit.engine.plan import build_plan
@@ -126,14 +128,23 @@ def _fp32_wide_llama(out):
 
 @pytest.mark.timeout(300)
 def test_the_field_reports_demo_fp32_checkpoint_into_bf16_workers(tmp_path):
-    """``m2nkit demo --model <fp32 Llama, hidden 512> --trainer fsdp:2 --inference vllm:tp=2``:
-    before the fix every worker aborted and the demo exited 1 after about 100 s."""
+    """The field report's demo, ``--model <fp32 Llama, hidden 512> --trainer fsdp:2
+    --inference vllm:tp=2 --rounds 2 --no-baseline``: before the fix every worker aborted
+    and the demo exited 1 after about 100 s. ``run_demo`` raises unless every worker's
+    bytes equal ``reference_load`` of the round's tensors (torch's own cast) and every
+    worker committed the round's version."""
+    from m2nkit.adapters.hf_checkpoint import full_checkpoint_tensors, read_checkpoint
+    from m2nkit.engine.tools.demo import run_demo
+
+    ensure_forkserver()
     model = _fp32_wide_llama(tmp_path / "fp32-llama")
-    r = subprocess.run([sys.executable, "-m", "m2nkit.engine.tools.cli", "demo", "--model",
-                        str(model), "--trainer", "fsdp:2", "--inference", "vllm:tp=2",
-                        "--rounds", "2", "--no-baseline"],
-                       capture_output=True, text=True, timeout=280)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    out = " ".join(r.stdout.split())
+    lines: list[str] = []
+    result = run_demo(str(model), "fsdp:2", "vllm:tp=2", rounds=2, timeout_s=60,
+                      baseline=False, workdir=str(tmp_path / "work"), log=lines.append,
+                      start_method="forkserver")
+    assert [(r.index, r.verified_workers) for r in result.rounds] == [(1, 2), (2, 2)]
+    assert {t.dtype for t in full_checkpoint_tensors(read_checkpoint(model)).values()} == {
+        torch.float32}    # the wire is fp32, the workers bf16 (vllm:tp=2, dtype auto)
+    out = " ".join(" ".join(lines).split())
     for k in (1, 2):
-        assert f"all 2 workers bit-exact at version v{k}" in out, r.stdout
+        assert f"all 2 workers bit-exact at version v{k}" in out, lines

@@ -13,6 +13,7 @@ import math
 import shutil
 import subprocess
 import sys
+from functools import lru_cache
 from pathlib import Path
 
 from _paths import CONFIGS, EXAMPLE, ORACLE
@@ -54,6 +55,16 @@ def cases():
     yield from FSDP2_TP_CASES
 
 
+@lru_cache(maxsize=None)
+def _checkpoint_tensors(path: Path):
+    """``(read_checkpoint(path), its full tensors)``, read once per checkpoint (the tests
+    only read them)."""
+    from m2nkit.adapters.hf_checkpoint import full_checkpoint_tensors, read_checkpoint
+
+    ck = read_checkpoint(path)
+    return ck, full_checkpoint_tensors(ck)
+
+
 @pytest.mark.parametrize("model,trainer,inference", list(cases()))
 def test_plan_verify_bit_exact_and_minimal_bytes(tiny_checkpoints, tmp_path, capsys,
                                                  model, trainer, inference):
@@ -67,13 +78,10 @@ def test_plan_verify_bit_exact_and_minimal_bytes(tiny_checkpoints, tmp_path, cap
     assert plan["problems"] == []
     # Minimum from first principles: the worker parameters' own sizes, minus
     # the vocab padding rows nobody sends. Tied models count embed once.
-    from m2nkit.adapters.hf_checkpoint import read_checkpoint
     from m2nkit.adapters.vllm import parse_inference_spec, reference_load
-    from m2nkit.adapters.hf_checkpoint import full_checkpoint_tensors
 
-    ck = read_checkpoint(ckpt)
+    ck, full = _checkpoint_tensors(ckpt)
     spec = parse_inference_spec(inference)
-    full = full_checkpoint_tensors(ck)
     expected = 0
     for w in range(spec.tp * spec.dp):
         local = reference_load(ck.config, full, spec, w)

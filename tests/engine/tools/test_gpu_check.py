@@ -30,7 +30,11 @@ from m2nkit.engine.transports.nccl_m2n_runtime import NcclM2NUnavailableError, i
 
 ROOT = REPO
 GPU_CHECK = ROOT / "benchmarks" / "gpu_check.py"
-SCENARIOS = ("fsdp:2/vllm:tp=2", "fsdp:2/vllm:tp=2,dp=2,ep")
+#: FSDP, FSDP into dp replicas with EP, HSDP into dp replicas; with the serve check's
+#: round, the rows the one dry run below prints, and their ranks (trainers + workers).
+SCENARIOS = ("fsdp:2/vllm:tp=2", "fsdp:2/vllm:tp=2,dp=2,ep", "hsdp:2,2/vllm:tp=2,dp=2")
+RANKS = {"fsdp:2 -> vllm:tp=2": 4, "fsdp:2 -> vllm:tp=2,dp=2,ep": 6,
+         "hsdp:2,2 -> vllm:tp=2,dp=2": 8, "fsdp:2 -> vllm:tp=1,dp=1": 3}
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -58,13 +62,15 @@ def test_dry_run_plans_checks_bytes_and_names_what_it_skipped():
     assert proc.returncode == 0, out + proc.stderr
     rows = {line.split("|")[0].strip(): [c.strip() for c in line.split("|")]
             for line in out.splitlines() if " -> vllm:" in line and "|" in line}
-    assert set(rows) == {s.replace("/", " -> ") for s in SCENARIOS} | {SERVE_ROW}, out
+    assert set(rows) == {s.replace("/", " -> ") for s in SCENARIOS} | {SERVE_ROW} == set(RANKS), out
     for label, row in rows.items():
         assert row[-1] == "ok", f"{label}: {row}"
+        assert int(row[1]) == RANKS[label], f"{label}: {row}"
         if label == SERVE_ROW:      # its round is torch_p2p over gloo: no descriptors
             assert row[4] == "skipped", row
             continue
         assert int(row[2]) > 0, f"{label}: no tensor routed to nccl_m2n: {row}"
+        assert int(row[5]) > 0, f"{label}: no tensor left to torch_p2p: {row}"
         assert row[4] == (f"{row[2]} checked" if _has_m2n() else "skipped"), row
     # fsdp:2 into tp=2 sends the padded embedding through torch_p2p, and says why.
     assert "fsdp:2 -> vllm:tp=2: torch_p2p because destination: dim 0" in out
