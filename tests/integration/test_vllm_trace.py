@@ -105,6 +105,35 @@ def test_family_tables_equal_the_trace(model, spec):
     assert (r_skip, r_alias) == (t_skip, t_alias)
 
 
+#: dp-replicated layouts: MoE with the experts flattened over dp * tp (no EP), with EP, and
+#: EP that leaves 2 experts per worker; dense (no MoE layer to re-place); MLA with shared experts.
+REPLICAS = [("tiny-qwen3-moe", "vllm:tp=2,dp=2"), ("tiny-qwen3-moe", "vllm:tp=2,dp=2,ep"),
+            ("tiny-mixtral", "vllm:tp=1,dp=4,ep"), ("tiny-llama", "vllm:tp=2,dp=2"),
+            ("tiny-deepseek-v3", "vllm:tp=2,dp=2,ep")]
+
+
+@pytest.mark.parametrize("model,spec", REPLICAS, ids=[f"{m}-{s[5:]}" for m, s in REPLICAS])
+def test_replicas_re_placed_like_vllms_elastic_ep_trace_as_fresh_builds(model, spec, monkeypatch):
+    """dp replicas' models are re-placed (``_replace_for_worker``: vLLM's own elastic-EP
+    steps), not built: tp builds, not dp * tp; the layout is the fresh builds' exactly."""
+    from m2nkit.adapters.vllm import parse_inference_spec, trace
+
+    inference = parse_inference_spec(spec)
+    builds = []
+    build = trace._build_meta_model
+    monkeypatch.setattr(trace, "_build_meta_model",
+                        lambda d, s, w: (builds.append(w), build(d, s, w))[1])
+    replaced = _canonical(_trace(model, inference))
+    # dp group 0's only (worker 0's twice where its loaders refuse stacked experts: the
+    # per-expert retry gets a fresh model)
+    assert set(builds) == set(range(inference.tp)), builds
+    monkeypatch.setattr(trace, "REPLACE_REPLICAS", False)
+    builds.clear()
+    fresh = _canonical(_trace(model, inference))
+    assert set(builds) == set(range(inference.num_workers))
+    assert replaced == fresh
+
+
 def test_an_untraceable_loader_is_refused_naming_the_model_and_the_reason():
     from m2nkit.adapters.vllm.trace import TraceError
 
