@@ -249,6 +249,10 @@ def dsa_config_defaults(**values: Any) -> dict[str, Any]:
 #: ``weights_proj``; vLLM: ``wq_b``, the fused ``wk_weights_proj``, ``k_norm``).
 HF_NAMES = replace(
     v3.HF_NAMES, config_classes={}, model_types=("deepseek_v32",),
+    refused=((r"\.self_attn\.indexer\.wk\.weight_scale_inv$",
+              "an fp8 indexer.wk: vLLM dequantizes it into its bf16 wk_weights_proj at load "
+              "time (deepseek_v2.py _try_load_fp8_indexer_wk: scaled_dequantize), which is "
+              "arithmetic, not a copy m2nkit can plan; send indexer.wk in bfloat16"),),
     child_order={**v3.HF_NAMES.child_order,
                  v3.A: (*v3.HF_NAMES.child_order[v3.A], "indexer"),
                  IDX: ("wq_b", "wk", "k_norm", "weights_proj")},

@@ -85,6 +85,12 @@ MATRIX = [(m, s) for m in ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3
                     "vllm:tp=4,ep", "vllm:tp=8,ep", "vllm:tp=2,dp=2", "vllm:tp=2,dp=2,ep")]
 
 
+#: DeepSeek-V3.2 and GLM-5 (DSA indexer), MoE: with and without EP, dp replicas.
+MATRIX += [(m, s) for m in ("tiny-deepseek-v32", "tiny-glm-moe-dsa")
+           for s in ("vllm:tp=1", "vllm:tp=2", "vllm:tp=4", "vllm:tp=8", "vllm:tp=2,ep",
+                     "vllm:tp=4,ep", "vllm:tp=8,ep", "vllm:tp=2,dp=2", "vllm:tp=2,dp=2,ep")]
+
+
 @pytest.mark.parametrize("model,spec", MATRIX, ids=[f"{m}-{s[5:]}" for m, s in MATRIX])
 def test_family_tables_equal_the_trace(model, spec):
     from m2nkit.adapters.vllm import destination_layout, parse_inference_spec
