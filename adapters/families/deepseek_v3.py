@@ -373,6 +373,16 @@ def _table_differs(config: Any) -> str | None:
     return None
 
 
+def mla_heads_divide_tp(s: Sizes, spec: Any) -> str | None:
+    """A ``Family.checks`` rule: each TP rank holds whole attention heads (vLLM
+    ``DeepseekV2MLAAttention``: ``assert num_heads % tp_size == 0``; its config check,
+    ``ModelConfig.verify_with_parallel_config``, refuses it first)."""
+    if s.nh % spec.tp:
+        return (f"num_attention_heads={s.nh} is not divisible by tp={spec.tp} (vLLM's MLA "
+                "attention holds whole heads on each TP rank: DeepseekV2MLAAttention)")
+    return None
+
+
 def _n_group(config: Any) -> int | None:
     g = cfg_get(config, "n_group", default=None)
     return None if g is None else int(g)

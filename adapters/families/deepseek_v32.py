@@ -278,7 +278,7 @@ TINY_MODELS = {"tiny-deepseek-v32": TinyModel("deepseek_v32", {**_TINY, "num_exp
                                               v3._TINY_DERIVED)}
 
 FAMILY = Family(
-    ARCHITECTURE, HF_NAMES, VLLM_PARAMS, dsa_sizes, CONDITIONS,
+    ARCHITECTURE, HF_NAMES, VLLM_PARAMS, dsa_sizes, CONDITIONS, (v3.mla_heads_divide_tp,),
     tiny=TINY_MODELS, vllm_source="vllm/model_executor/models/deepseek_v2.py", module=__name__,
     num_expert_group=v3._n_group, skip=dsa_skip, notes=dsa_notes,
     skipped_layers=SkippedLayers(v3.mtp_layers, v3.MTP_EXTRAS),

@@ -84,7 +84,7 @@ HF_NAMES = replace(
 TINY_MODELS = {"tiny-glm-moe-dsa": TinyModel("glm_moe_dsa", v32._TINY, v3._TINY_DERIVED)}
 
 FAMILY = Family(
-    ARCHITECTURE, HF_NAMES, VLLM_PARAMS, v32.dsa_sizes, CONDITIONS,
+    ARCHITECTURE, HF_NAMES, VLLM_PARAMS, v32.dsa_sizes, CONDITIONS, (v3.mla_heads_divide_tp,),
     tiny=TINY_MODELS, vllm_source="vllm/model_executor/models/deepseek_v2.py", module=__name__,
     num_expert_group=v3._n_group, skip=v32.dsa_skip, notes=v32.dsa_notes,
     skipped_layers=SkippedLayers(v3.mtp_layers, v3.MTP_EXTRAS),

@@ -185,3 +185,12 @@ def test_published_config_plans_from_the_table_at_the_minimum(config, inference)
     assert L + "wk.weight_scale_inv" not in meta
     assert meta[L + "k_norm.weight"].dtype == torch.float32
     assert any("indexer.wk is planned in bfloat16" in n for n in layout.notes) == fp8
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_tp_must_divide_the_heads(model):
+    """4 heads over tp 8: vLLM refuses it (whole heads per TP rank), so does the table."""
+    ck = _ckpt(model)
+    with pytest.raises(ValueError, match=r"num_attention_heads=4 is not divisible by tp=8 .*"
+                                         r"valid tp with dp=1, ep: \[1, 2, 4\]"):
+        destination_layout(ck.config, ck.params, "vllm:tp=8,ep")
