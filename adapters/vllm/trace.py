@@ -1049,6 +1049,40 @@ def _check_quantized_wire(vllm_config: Any, wire: Sequence[ParamMeta]) -> None:
                      "to plan the unquantized model")
 
 
+@dataclass(frozen=True)
+class _Replica:
+    """What worker ``(0, t)``'s trace leaves for its dp replicas ``(d, t)``.
+
+    Under :func:`_replace_for_worker`'s premise (only the MoE layers read the
+    dp rank) every copy into a parameter outside the MoE layers is the same
+    on ``(d, t)`` as on ``(0, t)``; the copies into the MoE layers' parameters
+    are traced again on the re-placed model, from the wire tensors that
+    reached them on ``(0, t)`` (``moe_wires``). ``tests/integration/test_vllm_trace.py``
+    compares the result with fresh builds of every worker.
+    """
+
+    moe: tuple[str, ...]          # prefixes ("model.layers.3.mlp.experts.") of the MoE layers
+    copies: tuple                 # (0, t)'s copies outside them
+    touched: frozenset[str]       # (0, t)'s empty-slice parameters outside them
+    moe_wires: frozenset[str]     # wire tensors (0, t)'s loaders copied into them
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, copies: Sequence[TracedCopy],
+           touched: set[str]) -> "_Replica":
+        from vllm.utils import is_moe_layer
+
+        moe = tuple(f"{n}." for n, m in model.named_modules() if n and is_moe_layer(m))
+
+        def inside(p):
+            return p.startswith(moe)
+        return cls(moe, tuple(c for c in copies if not inside(c.param)),
+                   frozenset(p for p in touched if not inside(p)),
+                   frozenset(c.name for c in copies if inside(c.param)))
+
+    def in_moe(self, param: str) -> bool:
+        return param.startswith(self.moe)
+
+
 def trace_destination(config: Any, wire: Sequence[ParamMeta],
                       spec: InferenceSpec | str) -> DestinationLayout:
     """The ``DestinationLayout`` of ``spec`` as vLLM's own loaders place ``wire``.
@@ -1095,16 +1129,10 @@ def trace_destination(config: Any, wire: Sequence[ParamMeta],
                    if per_expert_feeds(m, experts, names.get(m.name)) is not None}
         fused = bool(stacked)
         split = _split_experts(wire, experts, names)    # the same for every worker
-        # (Every worker is traced: dp replicas are not alike even without EP,
-        # since vLLM's MoE layers split experts over dp * tp then,
-        # ``FusedMoEParallelConfig``; tests/integration/test_vllm_trace.py.)
-        built: dict[int, tuple[Any, Any]] = {}     # tp rank -> (model, vllm config)
-        for w in range(spec.num_workers):
-            t = spec.tp_rank(w)
-            if t in built and _replace_for_worker(*built[t], spec, w):
-                model, vllm_config = built[t]
-            else:
-                model, vllm_config = _build_meta_model(config_dir, spec, w)
+
+        def _trace_fresh(w: int):
+            nonlocal fused
+            model, vllm_config = _build_meta_model(config_dir, spec, w)
             if w == 0:
                 _check_quantized_wire(vllm_config, wire)
             # Stacked experts go in whole, under transformers 5's fused name,
@@ -1129,8 +1157,26 @@ def trace_destination(config: Any, wire: Sequence[ParamMeta],
             if copies is None:
                 copies, touched, _ = trace_worker(
                     model, _feeds(wire, experts, False, model, names, split), vllm_config)
-            if spec.dp > 1 and spec.dp_index(w) == 0:
-                built[t] = (model, vllm_config)
+            return model, vllm_config, copies, touched
+
+        # dp replicas: worker (d, t) is worker (0, t)'s model with its experts re-placed
+        # (_replace_for_worker), so only the wire tensors that reach its MoE layers
+        # are traced again; the rest of (0, t)'s copies stand (_Replica).
+        built: dict[int, tuple[Any, Any, _Replica]] = {}     # tp rank -> dp group 0's
+        for w in range(spec.num_workers):
+            t = spec.tp_rank(w)
+            if t in built and _replace_for_worker(*built[t][:2], spec, w):
+                model, vllm_config, base = built[t]
+                feeds = [f for f in _feeds(wire, experts, fused, model, names,
+                                           None if fused else split)
+                         if f.wire.name in base.moe_wires]
+                mine, touched, _ = trace_worker(model, feeds, vllm_config)
+                copies = [*base.copies, *(c for c in mine if base.in_moe(c.param))]
+                touched = base.touched | {p for p in touched if base.in_moe(p)}
+            else:
+                model, vllm_config, copies, touched = _trace_fresh(w)
+                if spec.dp > 1 and spec.dp_index(w) == 0:
+                    built[t] = (model, vllm_config, _Replica.of(model, copies, touched))
             copies = merge_copies(copies)
             by_param: dict[str, list[tuple]] = {p: [] for p in touched}
             for c in copies:
