@@ -599,7 +599,8 @@ def trace_worker(model: torch.nn.Module, feeds: Sequence[Feed],
 def _feeds(wire: Sequence[ParamMeta], experts: dict[str, str], fused: bool,
            model: torch.nn.Module | None = None,
            names: dict[str, str] | None = None,
-           split: "list[tuple[ParamMeta, list[Feed] | None]] | None" = None) -> list[Feed]:
+           split: "list[tuple[ParamMeta, list[Feed] | None]] | None" = None,
+           only: frozenset[str] | None = None) -> list[Feed]:
     """The fake checkpoint tensors of ``wire``: stacked experts whole (``fused``) or per expert.
 
     Per expert, with ``model``: only the experts vLLM placed on this worker
@@ -610,21 +611,28 @@ def _feeds(wire: Sequence[ParamMeta], experts: dict[str, str], fused: bool,
     6 of them instead of 384. ``names``: wire name -> checkpoint name where
     they differ (:func:`checkpoint_names`). ``split``: :func:`_split_experts`
     of the same arguments, computed once for every worker of a trace.
+    ``only``: the wire tensors to feed (default: all of them).
     """
     names = names or {}
     transposed = model is not None and _fused_experts_read_transposed(model)
     if fused:
-        return [_whole_feed(m, transposed, names.get(m.name)) for m in wire]
+        return [_whole_feed(m, transposed, names.get(m.name)) for m in wire
+                if only is None or m.name in only]
     local = _local_experts(model) if model is not None else {}
     out = []
     for m, per_expert in (split if split is not None else _split_experts(wire, experts, names)):
+        if only is not None and m.name not in only:
+            continue
         if per_expert is None:
             out.append(_whole_feed(m, transposed, names.get(m.name)))
             continue
-        for f in per_expert:
-            here = local.get(f.block)
-            if here is None or f.expert in here:
-                out.append(f)
+        here = local.get(per_expert[0].block) if per_expert else None
+        if here is None:
+            out.extend(per_expert)
+        else:       # expert-major: expert e's parts are per_expert[e * parts:(e + 1) * parts]
+            parts = len(per_expert) // (per_expert[-1].expert + 1)
+            for e in sorted(here):
+                out.extend(per_expert[e * parts:(e + 1) * parts])
     return out
 
 
@@ -939,7 +947,7 @@ REPLACE_REPLICAS = True
 
 
 def _replace_for_worker(model: torch.nn.Module, vllm_config: Any, spec: InferenceSpec,
-                        worker: int) -> bool:
+                        worker: int, layers: Sequence[torch.nn.Module]) -> bool:
     """Turn the meta model of worker ``(0, t)`` into worker ``(d, t)``'s, as vLLM's elastic EP does.
 
     Workers of one tensor-parallel rank in different dp replicas build the
@@ -960,22 +968,18 @@ def _replace_for_worker(model: torch.nn.Module, vllm_config: Any, spec: Inferenc
     expert count, hence the parameter shapes, differs by rank), a parallel
     size that would change, or a module caching a rank of its own
     (:data:`_CACHED_RANKS`); the caller then builds the worker's model.
+    ``layers``: the model's MoE layers (:func:`_moe_layers`).
     """
     from dataclasses import replace
 
     from vllm.model_executor.layers.fused_moe.config import FusedMoEParallelConfig
-    from vllm.utils import is_moe_layer
 
     from .stand_in import StandInGroups
 
     if not REPLACE_REPLICAS:
         return False
-    for module in model.modules():
-        if any(isinstance(getattr(module, k, None), int) for k in _CACHED_RANKS):
-            return False
     StandInGroups(spec.tp, spec.tp_rank(worker), spec.dp, spec.dp_index(worker),
                   spec.ep).install()
-    layers = [m for m in model.modules() if is_moe_layer(m)]
     configs = []
     sizes = ("tp_size", "pcp_size", "dp_size", "ep_size", "sp_size", "use_ep")
     for m in layers:
@@ -1065,19 +1069,25 @@ class _Replica:
     copies: tuple                 # (0, t)'s copies outside them
     touched: frozenset[str]       # (0, t)'s empty-slice parameters outside them
     moe_wires: frozenset[str]     # wire tensors (0, t)'s loaders copied into them
+    layers: tuple                 # the MoE layer modules
+    movable: bool                 # no module caches a rank of its own (_CACHED_RANKS)
 
     @classmethod
     def of(cls, model: torch.nn.Module, copies: Sequence[TracedCopy],
            touched: set[str]) -> "_Replica":
         from vllm.utils import is_moe_layer
 
-        moe = tuple(f"{n}." for n, m in model.named_modules() if n and is_moe_layer(m))
+        named = [(n, m) for n, m in model.named_modules() if n and is_moe_layer(m)]
+        moe = tuple(f"{n}." for n, _ in named)
+        movable = not any(isinstance(getattr(m, k, None), int)
+                          for m in model.modules() for k in _CACHED_RANKS)
 
         def inside(p):
             return p.startswith(moe)
         return cls(moe, tuple(c for c in copies if not inside(c.param)),
                    frozenset(p for p in touched if not inside(p)),
-                   frozenset(c.name for c in copies if inside(c.param)))
+                   frozenset(c.name for c in copies if inside(c.param)),
+                   tuple(m for _, m in named), movable)
 
     def in_moe(self, param: str) -> bool:
         return param.startswith(self.moe)
@@ -1165,11 +1175,11 @@ def trace_destination(config: Any, wire: Sequence[ParamMeta],
         built: dict[int, tuple[Any, Any, _Replica]] = {}     # tp rank -> dp group 0's
         for w in range(spec.num_workers):
             t = spec.tp_rank(w)
-            if t in built and _replace_for_worker(*built[t][:2], spec, w):
+            if (t in built and built[t][2].movable
+                    and _replace_for_worker(*built[t][:2], spec, w, built[t][2].layers)):
                 model, vllm_config, base = built[t]
-                feeds = [f for f in _feeds(wire, experts, fused, model, names,
-                                           None if fused else split)
-                         if f.wire.name in base.moe_wires]
+                feeds = _feeds(wire, experts, fused, model, names, None if fused else split,
+                               only=base.moe_wires)
                 mine, touched, _ = trace_worker(model, feeds, vllm_config)
                 copies = [*base.copies, *(c for c in mine if base.in_moe(c.param))]
                 touched = base.touched | {p for p in touched if base.in_moe(p)}
