@@ -20,8 +20,8 @@ from m2nkit.manifest.layout import Box
 from m2nkit.manifest.meta import ParamMeta
 
 from ..experts import StackedExperts
-from ..families import family, has_table
-from ..families.quant import QuantizedWires
+from ..families import architecture_name, family, has_table
+from ..families.quant import QuantizedWires, compressed_tensors_refusal
 from .config import config_architecture, expected_params, load_config, peek_config
 from .errors import CheckpointError
 from .files import (SINGLE_FILE, Header, Permuted, open_safetensors, read_headers, resolve_path,
@@ -242,13 +242,21 @@ def read_checkpoint(path: str | os.PathLike, *, via_transformers: bool = False) 
             files lack; an extra tensor; a dtype outside
             :data:`SAFETENSORS_DTYPES`; an incomplete expert set; a tensor
             the family refuses (``HFNaming.refused``, e.g. MXFP4 experts),
-            named with the family's reason. Names
+            named with the family's reason; a compressed-tensors
+            ``quantization_config`` (or ``text_config.quantization_config``:
+            Kimi-K2.5's int4), which no layout describes
+            (``families.quant.compressed_tensors_refusal``: method, bits,
+            group size, and the unquantized form as what is supported). Names
             carrying a wrapper prefix (``_orig_mod.`` of ``torch.compile``,
             ``module.`` of DDP, ...; ``m2nkit.adapters.module_names``) are
             refused with a message that names the prefix.
     """
     path = Path(path)
     root, config_path, kind = resolve_path(path)
+    data = peek_config(config_path)
+    why = compressed_tensors_refusal(data, architecture_name(data) or "this model")
+    if why:     # before any reader: neither the tables nor transformers' model describe it
+        raise CheckpointError(f"{config_path}: {why}")
     if kind == "config" and not via_transformers:
         fast = _config_only_from_table(path, root, config_path)
         if fast is not None:
