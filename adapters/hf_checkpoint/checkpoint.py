@@ -22,7 +22,7 @@ from m2nkit.manifest.meta import ParamMeta
 from ..experts import StackedExperts
 from ..families import architecture_name, family, has_table
 from ..families.quant import QuantizedWires, compressed_tensors_refusal
-from .config import config_architecture, expected_params, load_config, peek_config
+from .config import Expected, config_architecture, expected_params, load_config, peek_config
 from .errors import CheckpointError
 from .files import (SINGLE_FILE, Header, Permuted, open_safetensors, read_headers, resolve_path,
                     sharded_headers)
@@ -261,11 +261,16 @@ def read_checkpoint(path: str | os.PathLike, *, via_transformers: bool = False) 
         fast = _config_only_from_table(path, root, config_path)
         if fast is not None:
             return fast
-    config = load_config(config_path)
-    arch = config_architecture(config, config_path)
-    if not has_table(arch):
-        return _tableless(path, root, config_path, config, arch, kind)
-    expected = expected_params(config, arch, config_path)
+    table_only = _table_only_family(data)
+    if table_only is not None:
+        config, expected = _table_expected(table_only, data, config_path)
+        arch = table_only.architecture
+    else:
+        config = load_config(config_path)
+        arch = config_architecture(config, config_path)
+        if not has_table(arch):
+            return _tableless(path, root, config_path, config, arch, kind)
+        expected = expected_params(config, arch, config_path)
     hf = family(arch).hf
 
     handles: dict[Path, Any] = {}
@@ -284,6 +289,60 @@ def read_checkpoint(path: str | os.PathLike, *, via_transformers: bool = False) 
         params += _skipped_layers(fam, config, quant, sources)
     return Checkpoint(path=path, root=root, config=config, architecture=arch,
                       params=params, sources=sources, headers=headers, handles=handles)
+
+
+def _table_only_family(data: Mapping[str, Any]):
+    """The family of a table architecture whose model this transformers has no class for.
+
+    Kimi-K2.5 (``KimiK25ForConditionalGeneration``, ``model_type: kimi_k25``)
+    is one: transformers 5.12.1 has neither its config class nor its model,
+    so the table is the only description of its tensors (the family declares
+    the ``model_type`` in ``HFNaming.model_types``). ``None`` for every other
+    config: transformers reads it and builds the reference model.
+    """
+    archs = data.get("architectures")
+    arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
+    model_type = data.get("model_type")
+    if not has_table(arch) or not isinstance(model_type, str):
+        return None
+    fam = family(arch)
+    if model_type not in fam.hf.model_types:
+        return None
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if model_type in CONFIG_MAPPING or fam.hf.config_classes.get(model_type) in CONFIG_MAPPING:
+        return None
+    return fam
+
+
+def _table_expected(fam, data: Mapping[str, Any], config_path: Path):
+    """``(config, expected tensors)`` of a table-only architecture, from its table.
+
+    The config is ``config.json`` read with the family's declared defaults
+    (``config_wires.read_config_json``), the expected tensors are the
+    table's wire tensors in wire order (``config_wires.table_wires``) under
+    their in-memory names (stacked experts ``<block>.experts.gate_up_proj``),
+    as :func:`~.config.expected_params` gives them for a transformers model.
+
+    Raises:
+        CheckpointError: the family's ``sizes`` refuses the config (its message).
+    """
+    from ..config_wires import read_config_json, table_wires
+
+    config = read_config_json(data, fam)
+    try:
+        wires = table_wires(fam, config)
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{config_path}: {e}") from None
+    in_memory = {wire_leaf: leaf for leaf, (wire_leaf, _) in fam.hf.fused_experts.items()}
+    expected = []
+    for w in wires:
+        name = w.name
+        for wire_leaf, leaf in in_memory.items():
+            if w.stacked and name.endswith("." + wire_leaf):
+                name = name[: -len(wire_leaf)] + leaf
+        expected.append(Expected(name, w.shape, w.dtype, False))
+    return config, expected
 
 
 def _tableless(path: Path, root: Path, config_path: Path, config: Any, arch: str,

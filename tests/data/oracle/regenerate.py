@@ -485,12 +485,15 @@ LAYOUTS.update({
 
 #: The text part: MLA sizes of the GLM tinies (hidden 32, 4 heads), layer 0 dense, layer 1
 #: MoE with 4 routed experts + 1 shared, noaux_tc, one expert group as Kimi-K2.5 has;
-#: no MTP layer (Kimi-K2.5: num_nextn_predict_layers 0).
+#: no MTP layer (Kimi-K2.5: num_nextn_predict_layers 0). ``qk_head_dim`` is given: the
+#: config class derives it from its default head dims before shrink_config sets them,
+#: and vLLM's column loader would take the first rows of a too-large ``q_b_proj``.
 KIMI_TEXT = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=4,
                  intermediate_size=32, moe_intermediate_size=32, n_routed_experts=4,
                  n_shared_experts=1, num_experts_per_tok=2, num_hidden_layers=2,
                  first_k_dense_replace=1, vocab_size=200, q_lora_rank=16, kv_lora_rank=16,
-                 qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, head_dim=8,
+                 qk_nope_head_dim=16, qk_rope_head_dim=8, qk_head_dim=24, v_head_dim=16,
+                 head_dim=8,
                  topk_method="noaux_tc", scoring_func="sigmoid", n_group=1, topk_group=1,
                  num_nextn_predict_layers=0, routed_scaling_factor=2.827, norm_topk_prob=True)
 #: The MoonViT tower: 2 blocks of width 16 with 2 heads of 8 (tp 2 splits them; at tp 4
