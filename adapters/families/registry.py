@@ -45,6 +45,7 @@ ARCHITECTURES: dict[str, str] = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Qwen3VLForConditionalGeneration": "qwen3_vl",
 }
 
 
@@ -65,6 +66,7 @@ TINY_MODEL_ARCHITECTURES: dict[str, str] = {
     "tiny-deepseek-v3": "DeepseekV3ForCausalLM",
     "tiny-deepseek-v3-fp8": "DeepseekV3ForCausalLM",
     "tiny-deepseek-v3-no-q-lora": "DeepseekV3ForCausalLM",
+    "tiny-qwen3-vl": "Qwen3VLForConditionalGeneration",
 }
 
 

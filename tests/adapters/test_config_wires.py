@@ -161,21 +161,35 @@ def test_a_model_type_the_family_does_not_declare_is_refused_as_before(tmp_path)
 
 
 class _Recording(ConfigJson):
-    """A ``ConfigJson`` that records every key read from it."""
+    """A ``ConfigJson`` that records every key read from it; a sub-config read from it
+    (a wrapper's ``text_config``) records its keys as ``text_config.<key>``."""
 
     keys: set[str] = set()
+    prefix = ""
+
+    def _seen(self, key, value):
+        if isinstance(value, ConfigJson):       # a sub-config: its own keys are compared
+            sub = _Recording(value)
+            sub.prefix = f"{self.prefix}{key}."
+            return sub
+        _Recording.keys.add(self.prefix + key)
+        return value
 
     def get(self, key, default=None):
-        _Recording.keys.add(key)
-        return super().get(key, default)
+        return self._seen(key, super().get(key, default))
 
     def __getitem__(self, key):
-        _Recording.keys.add(key)
-        return super().__getitem__(key)
+        return self._seen(key, super().__getitem__(key))
 
     def __getattr__(self, key):
-        _Recording.keys.add(key)
-        return super().__getattr__(key)
+        return self._seen(key, super().__getattr__(key))
+
+
+def _at(config, key: str):
+    """Dotted ``key`` (``text_config.hidden_size``) of a config object or ``ConfigJson``."""
+    for part in key.split("."):
+        config = (config.get(part) if isinstance(config, dict) else getattr(config, part, None))
+    return config
 
 
 def _keys_read(config: ConfigJson) -> set[str]:
@@ -189,8 +203,8 @@ def _keys_read(config: ConfigJson) -> set[str]:
         fam.tp_plan.styles(rec)
     if fam.skipped_layers is not None:
         fam.skipped_layers.layers(rec)
-    return _Recording.keys - {"architectures", "model_type", "text_config", "dtype",
-                              "torch_dtype"}
+    return {k for k in _Recording.keys if k.rsplit(".", 1)[-1] not in {
+        "architectures", "model_type", "text_config", "dtype", "torch_dtype"}}
 
 
 def _model_types():
@@ -231,7 +245,7 @@ def test_config_json_reads_every_key_the_family_reads_like_transformers(arch, mo
     for key in sorted(keys):
         if key in VERSION_DEFAULTS and not hasattr(hf, key):
             continue
-        assert light.get(key) == getattr(hf, key, None), (arch, model_type, key)
+        assert _at(light, key) == _at(hf, key), (arch, model_type, key)
     assert config_dtype(light) == config_dtype(hf)
 
 
@@ -240,7 +254,7 @@ def test_real_configs_read_like_transformers(name):
     ckpt = read_checkpoint(CONFIGS / name / "config.json")
     ref = read_checkpoint(CONFIGS / name / "config.json", via_transformers=True)
     for key in sorted(_keys_read(ckpt.config) | {"model_type"}):
-        assert ckpt.config.get(key) == getattr(ref.config, key, None), (name, key)
+        assert _at(ckpt.config, key) == _at(ref.config, key), (name, key)
     assert config_dtype(ckpt.config) == config_dtype(ref.config)
 
 
