@@ -835,3 +835,68 @@ class FusedQkv(Kind):
 FUSED_QKV = FusedQkv()
 KINDS[FUSED_QKV.name] = FUSED_QKV
 __all__ += ["FusedQkv", "FUSED_QKV"]
+
+
+# --------------------------------------------------------------------------
+# A vision tower vLLM runs data-parallel when its heads do not divide by tp
+
+
+class VisionTowerSplit(Kind):
+    """``base`` when the tower's attention heads divide by tp, else whole on every worker.
+
+    vLLM ``models/vision.py`` ``is_vit_use_data_parallel(num_heads)``: when
+    ``num_heads % tp != 0`` (or ``mm_encoder_tp_mode="data"``, not vLLM's
+    default) the tower is data-parallel, and every split layer of it is
+    built with ``disable_tp=True`` (``models/kimi_k25_vit.py``
+    ``MoonViTEncoderLayer``, ``MLP2``: ``QKVParallelLinear``,
+    ``ColumnParallelLinear``, ``RowParallelLinear``): its weight loader then
+    copies the whole tensor (Kimi-K2.5's 2-head tiny tower at tp 4,
+    ``tests/data/oracle/tiny-kimi-k25/tp4``). ``heads`` is the ``Sizes``
+    symbol of the tower's head count (read from ``Geometry.sizes``).
+    """
+
+    rule_order = 0
+
+    def __init__(self, base: Kind, heads: str) -> None:
+        self.base, self.heads = base, heads
+        self.name = f"vision_{base.name}"
+        self.source = f"vllm models/vision.py is_vit_use_data_parallel; {base.source}"
+        self.by_worker = base.by_worker
+
+    def _split(self, g: Geometry) -> bool:
+        return getattr(g.sizes, self.heads) % g.tp == 0
+
+    def wire_shape(self, dims, part, s):
+        return self.base.wire_shape(dims, part, s)
+
+    def local_shape(self, dims, parts, g):
+        if self._split(g):
+            return self.base.local_shape(dims, parts, g)
+        return self.base.wire_shape(dims, None, g.sizes)
+
+    def rule_key(self, syms):
+        return (self.name, self.base.rule_key(syms))
+
+    def violation(self, name, syms, s, tp, dp, ep):
+        if getattr(s, self.heads) % tp:
+            return None                     # whole on every worker: nothing to divide
+        return self.base.violation(name, syms, s, tp, dp, ep)
+
+    def boxes(self, shape, part, g):
+        if self._split(g):
+            return self.base.boxes(shape, part, g)
+        return [(_full(shape), (0,) * len(shape))]
+
+    def load(self, param, wire, part, g):
+        if self._split(g):
+            self.base.load(param, wire, part, g)
+        else:
+            param.copy_(wire)
+
+
+#: A vision tower's split layers (heads symbol ``vnh``): fused qkv, column, row.
+VISION_FUSED_QKV = VisionTowerSplit(FUSED_QKV, "vnh")
+VISION_COLUMN = VisionTowerSplit(COLUMN, "vnh")
+VISION_ROW = VisionTowerSplit(ROW, "vnh")
+KINDS.update({k.name: k for k in (VISION_FUSED_QKV, VISION_COLUMN, VISION_ROW)})
+__all__ += ["VisionTowerSplit", "VISION_FUSED_QKV", "VISION_COLUMN", "VISION_ROW"]
