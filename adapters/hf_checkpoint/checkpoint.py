@@ -292,27 +292,26 @@ def read_checkpoint(path: str | os.PathLike, *, via_transformers: bool = False) 
 
 
 def _table_only_family(data: Mapping[str, Any]):
-    """The family of a table architecture whose model this transformers has no class for.
+    """The family of a table architecture that transformers has no model class of.
 
-    Kimi-K2.5 (``KimiK25ForConditionalGeneration``, ``model_type: kimi_k25``)
-    is one: transformers 5.12.1 has neither its config class nor its model,
-    so the table is the only description of its tensors (the family declares
-    the ``model_type`` in ``HFNaming.model_types``). ``None`` for every other
-    config: transformers reads it and builds the reference model.
+    Kimi-K2.5 (``KimiK25ForConditionalGeneration``) is one: transformers
+    5.12.1 has neither its config class nor its model (5.24 adds
+    ``Kimi_K25ForConditionalGeneration``, another class with other in-memory
+    names), so the table is the only description of its tensors; the family
+    declares its ``model_type`` (``HFNaming.model_types``) and the defaults
+    its config is read with. ``None`` for every other config: transformers
+    reads it and builds the reference model.
     """
+    import transformers
+
     archs = data.get("architectures")
     arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
-    model_type = data.get("model_type")
-    if not has_table(arch) or not isinstance(model_type, str):
+    if not has_table(arch) or data.get("model_type") not in family(arch).hf.model_types:
         return None
-    fam = family(arch)
-    if model_type not in fam.hf.model_types:
+    cls = getattr(transformers, arch, None)
+    if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
         return None
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    if model_type in CONFIG_MAPPING or fam.hf.config_classes.get(model_type) in CONFIG_MAPPING:
-        return None
-    return fam
+    return family(arch)
 
 
 def _table_expected(fam, data: Mapping[str, Any], config_path: Path):
