@@ -252,6 +252,15 @@ def sizes(config: Any) -> Sizes:
     return _WRAPPED.sizes(config)
 
 
-FAMILY = replace(_WRAPPED, sizes=sizes)
+def _heads_divide(s: Sizes, spec: Any) -> str | None:
+    """vLLM ``ModelConfig.verify_with_parallel_config`` (``config/model.py``): the text
+    model's heads must divide by tp (MLA's column splits alone would not say so)."""
+    if s.nh % spec.tp:
+        return (f"text_config.num_attention_heads={s.nh} is not divisible by tp={spec.tp} "
+                "(vLLM ModelConfig.verify_with_parallel_config refuses it)")
+    return None
+
+
+FAMILY = replace(_WRAPPED, sizes=sizes, checks=(*_WRAPPED.checks, _heads_divide))
 #: The composed pieces, under the names every family module has.
 HF_NAMES, VLLM_PARAMS, CONDITIONS = FAMILY.hf, FAMILY.params, FAMILY.conditions

@@ -193,3 +193,12 @@ def test_the_int4_config_is_refused_by_the_table_itself():
     with pytest.raises(ValueError) as e:
         family(A).sizes(_published())
     assert all(w in str(e.value) for w in INT4_WORDS), e.value
+
+
+def test_text_heads_must_divide_by_tp_as_vllm_says(tiny):
+    """The tiny text model's 4 heads at tp 8: MLA's column splits would divide (4 heads x
+    24 rows), vLLM's ModelConfig refuses it; checked with vLLM's trace under transformers
+    5.24 (see families/kimi_k25.py)."""
+    ckpt, _ = tiny
+    with pytest.raises(ValueError, match=r"num_attention_heads=4 is not divisible by tp=8"):
+        destination_layout(ckpt.config, ckpt.params, "vllm:tp=8,ep")
