@@ -58,7 +58,7 @@ NEVER_TIED = ("GptOssForCausalLM", "Gemma2ForCausalLM")
 SUPPORTED = ["DeepseekV3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
              "GptOssForCausalLM", "LlamaForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
              "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"]
-SUPPORTED += ["Qwen3VLForConditionalGeneration"]
+SUPPORTED += ["Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration"]
 SUPPORTED.sort()
 #: Families with Megatron-Core names (adapters/megatron/names.py).
 WITH_MEGATRON_NAMES = ("LlamaForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
@@ -66,7 +66,8 @@ WITH_MEGATRON_NAMES = ("LlamaForCausalLM", "MixtralForCausalLM", "Qwen2ForCausal
 ONE_MESSAGE = ("architecture 'PhiForCausalLM' is not supported; supported: "
                "DeepseekV3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, GptOssForCausalLM, "
                "LlamaForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
-               "Qwen3MoeForCausalLM, Qwen3VLForConditionalGeneration; an architecture without an m2nkit table is planned from "
+               "Qwen3MoeForCausalLM, Qwen3VLForConditionalGeneration, "
+               "Qwen3VLMoeForConditionalGeneration; an architecture without an m2nkit table is planned from "
                "vLLM's own weight loaders: --layout traced (needs vLLM installed)")
 
 
@@ -130,7 +131,8 @@ def test_tiny_models_come_from_the_families():
                                          "tiny-qwen3-tied", "tiny-qwen3-moe", "tiny-mixtral",
                                          "tiny-gpt-oss", "tiny-gemma2", "tiny-gemma3",
                                          "tiny-deepseek-v3", "tiny-deepseek-v3-fp8",
-                                         "tiny-deepseek-v3-no-q-lora", "tiny-qwen3-vl"]
+                                         "tiny-deepseek-v3-no-q-lora", "tiny-qwen3-vl",
+                                         "tiny-qwen3-vl-moe"]
 
 
 def test_unsupported_architecture_one_message_everywhere():
