@@ -24,7 +24,7 @@ import torch
 from .families import ARCHITECTURES, family
 
 __all__ = ["TINY_SIZES", "BUILTIN_TINY_MODELS", "shrink_config", "tiny_config", "save_tiny_checkpoint",
-           "build_model"]
+           "build_model", "save_model"]
 
 #: Sizes every tiny model shares (keys are transformers config attributes).
 TINY_SIZES: dict[str, Any] = {
@@ -164,9 +164,41 @@ def save_tiny_checkpoint(config_or_name, out_dir, *, seed: int = 0,
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
-    model.save_pretrained(out, **kwargs)
+    save_model(model, out, **kwargs)
     _quantize_saved(out, config)
     return out
+
+
+def save_model(model, out_dir, **kwargs) -> Path:
+    """``model.save_pretrained(out_dir, **kwargs)``, stacked experts in the published order.
+
+    Where a family's published checkpoints store stacked experts in another dim order
+    than transformers holds them (``HFNaming.stacked_order``: Qwen3-VL-MoE's
+    ``[E, in, out]``), the saved files are rewritten in that order: transformers
+    5.12.1's ``save_pretrained`` writes its in-memory ``[E, out, in]``
+    (tests/data/oracle/README.md), which neither vLLM nor the checkpoint reader reads.
+    """
+    out = Path(out_dir)
+    model.save_pretrained(out, **kwargs)
+    _stacked_order_saved(out, model.config)
+    return out
+
+
+def _stacked_order_saved(out: Path, config) -> None:
+    from safetensors.torch import load_file, save_file
+
+    archs = getattr(config, "architectures", None) or []
+    if not archs or archs[0] not in ARCHITECTURES:
+        return
+    hf = family(archs[0]).hf
+    if not hf.stacked_order:
+        return
+    leaves = tuple("." + leaf for leaf in hf.fused_experts)
+    for file in sorted(out.glob("*.safetensors")):
+        tensors = load_file(str(file))
+        if any(n.endswith(leaves) for n in tensors):
+            save_file({n: (t.permute(hf.stacked_order).contiguous() if n.endswith(leaves) else t)
+                       for n, t in tensors.items()}, str(file), metadata={"format": "pt"})
 
 
 def build_model(config, *, dtype: torch.dtype | None = None):

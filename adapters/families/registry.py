@@ -47,6 +47,7 @@ ARCHITECTURES: dict[str, str] = {
     "Gemma3ForCausalLM": "gemma3",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Qwen3VLForConditionalGeneration": "qwen3_vl",
+    "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe",
 }
 
 
@@ -68,6 +69,7 @@ TINY_MODEL_ARCHITECTURES: dict[str, str] = {
     "tiny-deepseek-v3-fp8": "DeepseekV3ForCausalLM",
     "tiny-deepseek-v3-no-q-lora": "DeepseekV3ForCausalLM",
     "tiny-qwen3-vl": "Qwen3VLForConditionalGeneration",
+    "tiny-qwen3-vl-moe": "Qwen3VLMoeForConditionalGeneration",
 }
 
 

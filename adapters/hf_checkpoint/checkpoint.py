@@ -437,7 +437,10 @@ def _config_only_from_table(path: Path, root: Path, config_path: Path) -> Checkp
     sources: dict[str, str | StackedExperts | Permuted] = {}
     for w in wires:
         params.append(ParamMeta(w.name, w.dtype, w.shape))
-        if w.stacked:
+        stored = _stacked_order_source(hf, w.name) if w.stacked else None
+        if stored is not None:   # published checkpoints hold these stacked, permuted
+            sources[w.name] = stored
+        elif w.stacked:
             prefix = w.name[: w.name.rindex(".experts.")]
             E, rows, cols = w.shape
             # expert_name(pattern, prefix, e) for every e, with the prefix filled once
@@ -456,6 +459,17 @@ def _config_only_from_table(path: Path, root: Path, config_path: Path) -> Checkp
     params += _skipped_layers(fam, config, quant, sources)
     return Checkpoint(path=path, root=root, config=config, architecture=arch,
                       params=params, sources=sources, headers={}, handles={})
+
+
+def _stacked_order_source(hf, wire: str) -> Permuted | None:
+    """The on-disk source of stacked experts a family's checkpoints store stacked in
+    another dim order (``HFNaming.stacked_order``), or ``None``."""
+    if not hf.stacked_order:
+        return None
+    for leaf, (wire_leaf, _) in hf.fused_experts.items():
+        if wire.endswith("." + wire_leaf):
+            return Permuted(wire[: -len(wire_leaf)] + leaf, tuple(hf.stacked_order))
+    return None
 
 
 def _skipped_layers(fam, config, quant, sources: dict) -> list[ParamMeta]:

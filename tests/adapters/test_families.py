@@ -58,7 +58,7 @@ NEVER_TIED = ("GptOssForCausalLM", "Gemma2ForCausalLM")
 SUPPORTED = ["DeepseekV3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
              "GptOssForCausalLM", "LlamaForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
              "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"]
-SUPPORTED += ["Qwen3VLForConditionalGeneration"]
+SUPPORTED += ["Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration"]
 SUPPORTED += ["KimiK25ForConditionalGeneration"]
 SUPPORTED.sort()
 #: Families without a tiny model m2nkit builds: transformers 5.12.1 has no class for
@@ -132,7 +132,8 @@ def test_tiny_models_come_from_the_families():
                                          "tiny-qwen3-tied", "tiny-qwen3-moe", "tiny-mixtral",
                                          "tiny-gpt-oss", "tiny-gemma2", "tiny-gemma3",
                                          "tiny-deepseek-v3", "tiny-deepseek-v3-fp8",
-                                         "tiny-deepseek-v3-no-q-lora", "tiny-qwen3-vl"]
+                                         "tiny-deepseek-v3-no-q-lora", "tiny-qwen3-vl",
+                                         "tiny-qwen3-vl-moe"]
 
 
 def test_unsupported_architecture_one_message_everywhere():

@@ -300,7 +300,7 @@ _BUILT: dict = {}
 
 def _build(name: str, dtype: torch.dtype, tmp: Path):
     """(model, checkpoint dir, config for vLLM) of a tiny model, saved before any sharding."""
-    from m2nkit.adapters.tiny import build_model
+    from m2nkit.adapters.tiny import build_model, save_model
 
     key = (name, dtype)
     if key not in _BUILT:
@@ -312,7 +312,7 @@ def _build(name: str, dtype: torch.dtype, tmp: Path):
                 if p.dim() == 1:
                     p.copy_(torch.randn_like(p))
         out = tmp / f"{name}-{str(dtype).removeprefix('torch.')}"
-        model.save_pretrained(out)
+        save_model(model, out)   # stacked experts in the published order (Qwen3-VL-MoE)
         cfg.dtype = torch.bfloat16  # vLLM's parameters: bf16 either way
         _BUILT[key] = (model, out, cfg)
     return _BUILT[key]

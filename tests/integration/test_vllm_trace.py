@@ -93,6 +93,13 @@ MATRIX = [(m, s) for m in ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3
                            "tiny-deepseek-v3-no-q-lora", "tiny-qwen3-moe-e10")
           for s in ("vllm:tp=1", "vllm:tp=2", "vllm:tp=4", "vllm:tp=8", "vllm:tp=2,ep",
                     "vllm:tp=4,ep", "vllm:tp=8,ep", "vllm:tp=2,dp=2", "vllm:tp=2,dp=2,ep")]
+#: The multimodal wrappers (families/wrapper.py): Qwen3-VL (vision tower of 4 heads: tp 8
+#: is refused by both) and Qwen3-VL-MoE.
+MATRIX += [("tiny-qwen3-vl", s) for s in ("vllm:tp=1", "vllm:tp=2", "vllm:tp=4", "vllm:tp=8",
+                                           "vllm:tp=2,dp=2")] + \
+          [("tiny-qwen3-vl-moe", s) for s in ("vllm:tp=1", "vllm:tp=2", "vllm:tp=4", "vllm:tp=8",
+                                               "vllm:tp=2,ep", "vllm:tp=4,ep", "vllm:tp=8,ep",
+                                               "vllm:tp=2,dp=2", "vllm:tp=2,dp=2,ep")]
 
 
 @pytest.mark.parametrize("model,spec", MATRIX, ids=[f"{m}-{s[5:]}" for m, s in MATRIX])
