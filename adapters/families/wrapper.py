@@ -202,9 +202,9 @@ class Tower:
         conditions, checks: as a family's (conditions take the sub-config).
         config_defaults: its transformers config class's defaults, for
             config-only plans (:func:`sub_config_defaults`).
-        child_order: module (relative, ``""`` the tower itself, ``{L}`` for an index) -> its children
-            in transformers' registration order where it differs from the
-            table's.
+        child_order: module (relative; ``""``: the tower itself, ``{L}``: an
+            index) -> its children in transformers' registration order where
+            it differs from the table's.
         source: the vLLM classes the table restates.
     """
 
