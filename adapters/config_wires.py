@@ -255,7 +255,7 @@ def skipped_layer_wires(family: Family, config: Any, s: Sizes | None = None,
 
     for layer in spec.layers(config):
         for leaf, dims in spec.extras:
-            add(f"model.layers.{layer}.{leaf}", s.resolve(dims), dtype, False)
+            add(f"{spec.at.format(L=layer)}.{leaf}", s.resolve(dims), dtype, False)
         feeds = list(_feeds(expand(family, config, s, quantized=False, layers=(layer,)), s,
                             dtype))
         for name, shape, dt in _in_module_order(family, feeds, lambda f: f[0]):

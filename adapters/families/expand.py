@@ -16,8 +16,9 @@ So it is done here, once: :func:`expand`. Order is vLLM's module order
 (``named_parameters()``): the non-layer parameters before the first layered
 one, then every layer, then the rest; a run of consecutive rows using one of
 the family's other placeholders (``Family.repeats``: a vision tower's
-``{B}`` blocks) is repeated in place, index by index, like the layers. A parameter whose condition is false
-for a layer is *absent* (its wire tensors are recorded with why); a tied
+``{B}`` blocks) is repeated in place, index by index, like the layers. A
+parameter whose condition is false for a layer is *absent* (its wire
+tensors are recorded with why); a tied
 ``lm_head`` is *skipped* (vLLM's ``models/utils.py`` ``AutoWeightsLoader``
 skips the aliased checkpoint tensor) and becomes an alias of the embedding.
 Nothing here knows a sharding rule or a parallel size.

@@ -87,7 +87,8 @@ def vision_symbols(vc: Any) -> dict[str, int]:
             "vdeep": len(cfg_get(vc, "deepstack_visual_indexes", default=()) or ())}
 
 
-_VISION_KEYS = {"vH": "hidden_size", "vnh": "num_heads", "vhd": "head_dim", "vI": "intermediate_size",
+_VISION_KEYS = {"vH": "hidden_size", "vnh": "num_heads", "vhd": "hidden_size/num_heads",
+                "vI": "intermediate_size",
                 "vO": "out_hidden_size", "vM": "hidden_size*spatial_merge_size**2",
                 "vC": "in_channels", "vT": "temporal_patch_size", "vP": "patch_size",
                 "vNP": "num_position_embeddings", "vdepth": "depth",

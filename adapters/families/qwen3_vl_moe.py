@@ -1,4 +1,4 @@
-"""Qwen3-VL-MoE (``Qwen3VLMoeForConditionalGeneration``): Qwen3-MoE's table and Qwen3-VL's vision tower.
+"""Qwen3-VL-MoE (``Qwen3VLMoeForConditionalGeneration``): Qwen3-MoE's table, Qwen3-VL's tower.
 
 vLLM 0.33.0 ``model_executor/models/qwen3_vl_moe.py``:
 ``Qwen3VLMoeForConditionalGeneration`` (a ``Qwen3VLForConditionalGeneration``

@@ -442,12 +442,15 @@ class SkippedLayers:
 
     Attributes:
         layers: config -> the layer indices.
-        extras: ``(name under model.layers.{L}, symbolic dims)`` of the layer's
+        extras: ``(name under <at>, symbolic dims)`` of the layer's
             tensors besides its decoder layer, in the model dtype, unquantized.
+        at: the wire name of layer ``{L}``'s module (``model.layers.{L}``; a
+            multimodal wrapper moves it under its prefix).
     """
 
     layers: Callable[[Any], Sequence[int]]
     extras: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    at: str = "model.layers.{L}"
 
 
 @dataclass(frozen=True)

@@ -18,17 +18,24 @@ again: :func:`wrapper_family` composes it from
 
 into one plain :class:`~.table.Family`. Its ``sizes`` are the text family's
 (``H``, ``nh``, ``layers``, ...) plus the towers' symbols
-(``Sizes.extra``); its conditions, checks, skip rule and notes are the
-text family's applied to the sub-config; its tower rows repeat by
-``Family.repeats``. Every consumer of a family (the expander, the
-checkpoint reader, config-only plans, the FSDP2 source and trainer specs,
-the vLLM destination) therefore takes a wrapper as it takes any family,
-without a branch of its own.
+(``Sizes.extra``); its conditions, checks, skip rule, skipped (MTP) layers
+and notes are the text family's applied to the sub-config, under the new
+prefixes; its tower rows repeat by ``Family.repeats``. Every consumer of a
+family (the expander, the checkpoint reader, config-only plans, the FSDP2
+source and trainer specs, the vLLM destination) therefore takes a wrapper
+as it takes any family, without a branch of its own.
 
 A sub-config is read as a view (:class:`SubConfig`): the text family's
 keys come from ``text_config``, except the ones the wrapper keeps at its
-top level (``Part.inherit``: transformers 5's ``Qwen3VLConfig`` holds
-``tie_word_embeddings``, its text config does not).
+top level (``Part.inherit``: vLLM copies the wrapper's
+``tie_word_embeddings`` into the text config, ``config/vllm.py``
+``VllmConfig.with_hf_config``; transformers 5's ``Qwen3VLConfig`` holds it
+there only).
+
+What it does not do: rename by rule. The text family's ``HFNaming`` rules
+(renames, refused and buffer patterns) apply to the wrapper's names as
+they are, so they must not anchor at the text model's own prefix; a row
+or TP-plan module outside the prefix maps is refused at import.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from .sizes import Sizes, cfg_get
+from .sizes import Sizes
 from .table import Family, HFNaming, Param, TinyModel, TPPlan
 
 __all__ = ["SubConfig", "Part", "Tower", "wrapper_family", "sub_config_defaults"]
@@ -195,9 +202,9 @@ class Tower:
         conditions, checks: as a family's (conditions take the sub-config).
         config_defaults: its transformers config class's defaults, for
             config-only plans (:func:`sub_config_defaults`).
-        child_order: module (relative, ``""`` the tower itself, ``{L}`` for an index) -> its children
-            in transformers' registration order where it differs from the
-            table's.
+        child_order: module (relative; ``""``: the tower itself, ``{L}``: an
+            index) -> its children in transformers' registration order where
+            it differs from the table's.
         source: the vLLM classes the table restates.
     """
 
@@ -252,8 +259,8 @@ def wrapper_family(architecture: str, text: Part, towers: Sequence[Tower], *,
         tiny, vllm_source, module: as ``Family``'s.
 
     Raises:
-        ValueError: a row no prefix of ``text`` places; a condition name or a
-            repeat placeholder used by two parts.
+        ValueError: a row (or TP-plan module) no prefix of ``text`` places; a
+            condition name or a repeat placeholder used by two parts.
     """
     fam = text.family
     view = text.sub
@@ -321,13 +328,13 @@ def wrapper_family(architecture: str, text: Part, towers: Sequence[Tower], *,
         untied={hmap(m): st for m, st in tp.untied.items()},
         embeddings=tuple(hmap(m) for m in tp.embeddings),
         grad_allreduce=tuple(hmap(m) for m in tp.grad_allreduce), divides=tp.divides)
-    if fam.skipped_layers is not None:
-        raise ValueError(f"{architecture}: {fam.architecture} skips layers (SkippedLayers), "
-                         "which a wrapper does not place yet")
+    skipped = fam.skipped_layers
+    if skipped is not None:    # the text model's skipped (MTP) layers, under the new prefix
+        skipped = replace(skipped, layers=_on(view, skipped.layers), at=hmap(skipped.at))
     return Family(
         architecture, hf, tuple(params), sizes, conditions, tuple(checks), tiny=tiny or {},
         vllm_source=vllm_source, module=module,
         skip=skip if fam.skip is not None else None,
         num_expert_group=_on(view, fam.num_expert_group) if fam.num_expert_group else None,
         notes=_on(view, fam.notes) if fam.notes else None,
-        tp_plan=tp_plan, repeats=repeats)
+        tp_plan=tp_plan, skipped_layers=skipped, repeats=repeats)

@@ -114,10 +114,12 @@ def match_expected(expected: Sequence[Expected], hf: HFNaming, headers: Mapping[
                         found[e] = mine
                 stacked = [n for n in hf.stacked_on_disk(prefix, leaf) if n in headers]
                 if stacked:
+                    # a family's published order (HFNaming.stacked_order) is that of the
+                    # stacked in-memory leaf name; the wire name holds the wire's order
+                    order = hf.stacked_order if stacked[0] == f"{prefix}.{leaf}" else ()
                     params.append(_stacked_on_disk(stacked, found, wire, exp, parts, headers,
-                                                   arch, hf.stacked_order))
-                    sources[wire] = (Permuted(stacked[0], hf.stacked_order) if hf.stacked_order
-                                     else stacked[0])
+                                                   arch, order))
+                    sources[wire] = Permuted(stacked[0], order) if order else stacked[0]
                     used.add(stacked[0])
                     continue
                 if not found:

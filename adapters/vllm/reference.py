@@ -50,8 +50,8 @@ def _stack_experts(family: Family, tensors: Mapping[str, torch.Tensor]) -> dict[
     (``<prefix>.experts.gate_up_proj``, ``HFNaming.stacked_on_disk``) are
     renamed to their wire name, as vLLM's ``RoutedExperts.load_weights``
     takes them whole (permuted to the wire's order where the family stores
-    them in another, ``HFNaming.stacked_order``). Tensors stored in another dim order than the wire's
-    (``HFNaming.permuted``) are permuted into it, as the vLLM loader of
+    them in another, ``HFNaming.stacked_order``). Tensors stored in another
+    dim order than the wire's (``HFNaming.permuted``) are permuted into it, as the vLLM loader of
     such a family does (a ``permute`` of the order the family gives).
 
     Raises:
@@ -77,7 +77,7 @@ def _stack_experts(family: Family, tensors: Mapping[str, torch.Tensor]) -> dict[
         if n in used:
             continue
         stacked = hf.stacked_wire_name(n)
-        if stacked is not None and hf.stacked_order:  # stored in another dim order
+        if stacked is not None and stacked != n and hf.stacked_order:  # stored permuted
             t = t.permute(hf.stacked_order)
         out[stacked or n] = t
     for prefix, per in grouped.items():

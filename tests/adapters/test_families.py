@@ -38,6 +38,7 @@ from m2nkit.adapters.families.kinds import (
     COLUMN,
     EXPERT_BIAS_ONCE,
     EXPERT_ROWS,
+    FUSED_QKV,
     KINDS,
     MERGED,
     QKV,
@@ -217,6 +218,10 @@ def _expected(kind: Kind, wires: dict, tp: int, dp: int, ep: bool, worker: int) 
             per = nkv // tp
             k, v = (wires[p][r * per * hd:(r + 1) * per * hd] for p in "kv")
         return torch.cat([q, k, v])
+    if kind is FUSED_QKV:                    # one [3*nh*hd, ...] tensor: rank r's heads of each third
+        third = wires[None].shape[0] // 3
+        n = third // tp
+        return torch.cat([wires[None][j * third + r * n:j * third + (r + 1) * n] for j in range(3)])
     if kind is VOCAB:
         per = 128 // tp                      # 70 padded to 128
         lo, hi = min(r * per, 70), min((r + 1) * per, 70)
@@ -252,13 +257,16 @@ CASES = {
     "expert_rows_bias": (EXPERT_ROWS, ("E", "2*Im"), {None: (4, 8)}),
     "expert_bias_once": (EXPERT_BIAS_ONCE, ("E", "H"), {None: (4, 8)}),
 }
+#: A vision tower's fused attn.qkv (4 heads of 2, as many KV heads): weight and bias.
+CASES["fused_qkv"] = (FUSED_QKV, ("nh", "hd", "H"), {None: (24, 8)})
+CASES["fused_qkv_bias"] = (FUSED_QKV, ("nh", "hd"), {None: (24,)})
 
 
 @pytest.mark.parametrize("tp,dp,ep", LAYOUTS)
 @pytest.mark.parametrize("case", list(CASES))
 def test_kind_bindings_and_load_equal_slicing_by_hand(case, tp, dp, ep):
     kind, syms, parts = CASES[case]
-    if kind is QKV and tp > S.nh:
+    if kind in (QKV, FUSED_QKV) and tp > S.nh:
         pytest.skip("more ranks than heads")
     assert kind.violation("p", syms, S, tp, dp, ep) is None
     wires = {part: _wire(*shape, seed=i) for i, (part, shape) in enumerate(parts.items())}
@@ -296,6 +304,8 @@ def test_kind_bindings_and_load_equal_slicing_by_hand(case, tp, dp, ep):
     (ROW, ("H", "nh*hd"), {"nh": 3, "hd": 2}, 4, 1, False,
      "p: num_attention_heads*head_dim=6 is not divisible by tp=4"),
     (QKV, ("H",), {}, 3, 1, False, "p: num_attention_heads=4 is not divisible by tp=3"),
+    (FUSED_QKV, ("nh", "hd", "H"), {}, 8, 1, False,
+     "p: num_attention_heads=4 heads are not divisible by tp=8"),
     (QKV, ("H",), {"nh": 6, "nkv": 4}, 6, 1, False,
      "p: tp=6 >= num_key_value_heads=4 must be a multiple of it (each rank holds one "
      "replicated KV head)"),
