@@ -493,9 +493,9 @@ KIMI_TEXT = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=4,
                  n_shared_experts=1, num_experts_per_tok=2, num_hidden_layers=2,
                  first_k_dense_replace=1, vocab_size=200, q_lora_rank=16, kv_lora_rank=16,
                  qk_nope_head_dim=16, qk_rope_head_dim=8, qk_head_dim=24, v_head_dim=16,
-                 head_dim=8,
-                 topk_method="noaux_tc", scoring_func="sigmoid", n_group=1, topk_group=1,
-                 num_nextn_predict_layers=0, routed_scaling_factor=2.827, norm_topk_prob=True)
+                 head_dim=8, topk_method="noaux_tc", scoring_func="sigmoid", n_group=1,
+                 topk_group=1, num_nextn_predict_layers=0, routed_scaling_factor=2.827,
+                 norm_topk_prob=True)
 #: The MoonViT tower: 2 blocks of width 16 with 2 heads of 8 (tp 2 splits them; at tp 4
 #: vLLM falls back to a data-parallel, unsplit tower: heads % tp != 0), MLP 32, 14 px
 #: patches, a 4 x 4 learned position grid (spelt ``init_pos_emb_*`` as the published
@@ -533,7 +533,8 @@ def kimi_vision_tensors(vision: dict, text_hidden: int) -> list[tuple[str, tuple
     out += [("vision_tower.encoder.final_layernorm.weight", (D,)),
             ("vision_tower.encoder.final_layernorm.bias", (D,)),
             ("mm_projector.pre_norm.weight", (D,)), ("mm_projector.pre_norm.bias", (D,)),
-            ("mm_projector.proj.0.weight", (merged, merged)), ("mm_projector.proj.0.bias", (merged,)),
+            ("mm_projector.proj.0.weight", (merged, merged)),
+            ("mm_projector.proj.0.bias", (merged,)),
             ("mm_projector.proj.2.weight", (text_hidden, merged)),
             ("mm_projector.proj.2.bias", (text_hidden,))]
     return out
@@ -550,8 +551,9 @@ def _kimi_k25(d: Path) -> None:
     from m2nkit.adapters.tiny import save_tiny_checkpoint, shrink_config
 
     text_dir = d / "text"
-    config = shrink_config(AutoConfig.for_model("deepseek_v3", architectures=["DeepseekV3ForCausalLM"]),
-                           derived={}, **KIMI_TEXT)
+    config = shrink_config(
+        AutoConfig.for_model("deepseek_v3", architectures=["DeepseekV3ForCausalLM"]),
+        derived={}, **KIMI_TEXT)
     save_tiny_checkpoint(config, text_dir, seed=0)
     text = json.loads((text_dir / "config.json").read_text())
     text.update(model_type="kimi_k2", topk_method="noaux_tc", scoring_func="sigmoid",
