@@ -58,7 +58,9 @@ from .families.table import Family
 
 __all__ = ["ConfigJson", "read_config_json", "TableWire", "table_wires", "skipped_layer_wires"]
 
-_LAYER = re.compile(r"^(model\.layers\.)\d+(?=\.|$)")
+#: A module index in a name (``model.layers.3``, ``model.language_model.layers.3``,
+#: ``model.visual.blocks.0``): ``HFNaming.child_order`` writes it ``{L}``.
+_LAYER = re.compile(r"(?<=\.)\d+(?=\.|$)")
 
 
 class ConfigJson(dict):
@@ -183,7 +185,7 @@ def _in_module_order(family: Family, items: Sequence[Any],
     def visit(node: _Module, path: str) -> None:
         out.extend(node.params)
         children = list(node.children.items())
-        wanted = order.get(_LAYER.sub(r"\1{L}", path)) if order else None
+        wanted = order.get(_LAYER.sub("{L}", path)) if order else None
         if wanted:
             rank = {c: i for i, c in enumerate(wanted)}
             children.sort(key=lambda kv: rank.get(kv[0], len(rank)))
@@ -253,7 +255,7 @@ def skipped_layer_wires(family: Family, config: Any, s: Sizes | None = None,
 
     for layer in spec.layers(config):
         for leaf, dims in spec.extras:
-            add(f"model.layers.{layer}.{leaf}", s.resolve(dims), dtype, False)
+            add(f"{spec.at.format(L=layer)}.{leaf}", s.resolve(dims), dtype, False)
         feeds = list(_feeds(expand(family, config, s, quantized=False, layers=(layer,)), s,
                             dtype))
         for name, shape, dt in _in_module_order(family, feeds, lambda f: f[0]):

@@ -42,11 +42,14 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
     "GptOssForCausalLM": "gpt_oss",
+    "KimiK25ForConditionalGeneration": "kimi_k25",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "DeepseekV32ForCausalLM": "deepseek_v32",
     "GlmMoeDsaForCausalLM": "glm_moe_dsa",
+    "Qwen3VLForConditionalGeneration": "qwen3_vl",
+    "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe",
 }
 
 
@@ -69,6 +72,8 @@ TINY_MODEL_ARCHITECTURES: dict[str, str] = {
     "tiny-deepseek-v3-no-q-lora": "DeepseekV3ForCausalLM",
     "tiny-deepseek-v32": "DeepseekV32ForCausalLM",
     "tiny-glm-moe-dsa": "GlmMoeDsaForCausalLM",
+    "tiny-qwen3-vl": "Qwen3VLForConditionalGeneration",
+    "tiny-qwen3-vl-moe": "Qwen3VLMoeForConditionalGeneration",
 }
 
 

@@ -205,6 +205,13 @@ class HFNaming:
             ``fsdp:`` and ``hsdp:`` dry-run specs replicate them
             (``TrainerSpec.layout_for(..., buffer=True)``). Pinned to
             transformers' persistent buffers by ``tests/adapters/test_fsdp2_buffers.py``.
+        stacked_order: the dim order in which a checkpoint stores experts
+            already stacked (``<block>.experts.gate_up_proj``), relative to
+            the wire's ``[E, out, in]``; ``()``: the wire's own. Qwen3-VL-MoE's
+            published checkpoints hold them ``[E, in, out]``, ``(0, 2, 1)``
+            (transformers' ``conversion_mapping.py`` transposes them as it
+            loads, vLLM's loader as it reads: ``is_fused_checkpoint_transposed``);
+            the reader takes such a tensor as a permuted view, never a gather.
 
     Raises:
         ValueError: a part of ``fused_experts`` has no on-disk pattern; an
@@ -222,8 +229,12 @@ class HFNaming:
     child_order: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     table_differs: Callable[[Any], str | None] | None = None
     buffers: tuple[str, ...] = ()
+    stacked_order: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.stacked_order and sorted(self.stacked_order) != [0, 1, 2]:
+            raise ValueError(f"HFNaming: stacked_order {self.stacked_order} is not a "
+                             "permutation of 0..2")
         parts = {p for _, ps in self.fused_experts.values() for p in ps}
         missing = sorted(parts - set(self.experts_on_disk))
         if missing:
@@ -431,12 +442,15 @@ class SkippedLayers:
 
     Attributes:
         layers: config -> the layer indices.
-        extras: ``(name under model.layers.{L}, symbolic dims)`` of the layer's
+        extras: ``(name under <at>, symbolic dims)`` of the layer's
             tensors besides its decoder layer, in the model dtype, unquantized.
+        at: the wire name of layer ``{L}``'s module (``model.layers.{L}``; a
+            multimodal wrapper moves it under its prefix).
     """
 
     layers: Callable[[Any], Sequence[int]]
     extras: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    at: str = "model.layers.{L}"
 
 
 @dataclass(frozen=True)
@@ -476,6 +490,10 @@ class Family:
         tp_plan: how trainers apply tensor parallelism to the family
             (:class:`TPPlan`); ``None``: no plan (a trainer spec with
             ``tp > 1`` is refused for the family).
+        repeats: placeholders of the table besides ``{L}`` that repeat a
+            run of consecutive rows -> the ``Sizes`` symbol of the count (a
+            vision tower's blocks: ``{"B": "vdepth"}``); filled by
+            ``m2nkit.adapters.families.expand``. Empty for most families.
 
     Raises:
         ValueError: a ``Param.when`` names no condition.
@@ -495,6 +513,7 @@ class Family:
     notes: Callable[[Any], tuple[str, ...]] | None = None
     tp_plan: TPPlan | None = None
     skipped_layers: SkippedLayers | None = None
+    repeats: Mapping[str, str] = field(default_factory=dict)
 
     def tp_problem(self, tp: int, config: Any) -> str | None:
         """Why a trainer cannot apply :attr:`tp_plan` over ``tp`` ranks to ``config``, or ``None``.

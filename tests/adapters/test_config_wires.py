@@ -38,6 +38,9 @@ CONFIGS = REPO / "examples" / "configs"
 #: tests/integration/test_traced_plans.py plans them from transformers and vLLM).
 REAL = sorted(p.name for p in CONFIGS.iterdir() if (p / "config.json").is_file()
               and has_table(json.loads((p / "config.json").read_text())["architectures"][0]))
+#: Kimi-K2.5: transformers 5.12.1 has no class to compare with, and the published
+#: config is int4 (refused); tests/adapters/test_kimi_k25.py plans its bf16 form.
+REAL.remove("moonshotai__Kimi-K2.5")
 
 #: Where transformers' in-memory dtype is not what published checkpoints store:
 #: architecture -> (wire name regex, transformers' dtype). DeepSeek-V3's router
@@ -172,21 +175,35 @@ def test_a_model_type_the_family_does_not_declare_is_refused_as_before(tmp_path)
 
 
 class _Recording(ConfigJson):
-    """A ``ConfigJson`` that records every key read from it."""
+    """A ``ConfigJson`` that records every key read from it; a sub-config read from it
+    (a wrapper's ``text_config``) records its keys as ``text_config.<key>``."""
 
     keys: set[str] = set()
+    prefix = ""
+
+    def _seen(self, key, value):
+        if isinstance(value, ConfigJson):       # a sub-config: its own keys are compared
+            sub = _Recording(value)
+            sub.prefix = f"{self.prefix}{key}."
+            return sub
+        _Recording.keys.add(self.prefix + key)
+        return value
 
     def get(self, key, default=None):
-        _Recording.keys.add(key)
-        return super().get(key, default)
+        return self._seen(key, super().get(key, default))
 
     def __getitem__(self, key):
-        _Recording.keys.add(key)
-        return super().__getitem__(key)
+        return self._seen(key, super().__getitem__(key))
 
     def __getattr__(self, key):
-        _Recording.keys.add(key)
-        return super().__getattr__(key)
+        return self._seen(key, super().__getattr__(key))
+
+
+def _at(config, key: str):
+    """Dotted ``key`` (``text_config.hidden_size``) of a config object or ``ConfigJson``."""
+    for part in key.split("."):
+        config = (config.get(part) if isinstance(config, dict) else getattr(config, part, None))
+    return config
 
 
 def _keys_read(config: ConfigJson) -> set[str]:
@@ -200,17 +217,22 @@ def _keys_read(config: ConfigJson) -> set[str]:
         fam.tp_plan.styles(rec)
     if fam.skipped_layers is not None:
         fam.skipped_layers.layers(rec)
-    return _Recording.keys - {"architectures", "model_type", "text_config", "dtype",
-                              "torch_dtype"}
+    return {k for k in _Recording.keys if k.rsplit(".", 1)[-1] not in {
+        "architectures", "model_type", "text_config", "dtype", "torch_dtype"}}
 
 
 def _model_types():
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
     out = []
     for arch in ARCHITECTURES:
         hf = family(arch).hf
         out += [(arch, t) for t in hf.model_types]
         out += [(arch, alias) for alias, t in hf.config_classes.items() if t in hf.model_types]
-    return out
+    # kimi_k25: transformers 5.12.1 has no config class to compare with (its text_config
+    # is DeepSeek-V3's, compared above; its vision defaults, transformers 5.24's, are
+    # pinned to the published sizes in test_kimi_k25.py)
+    return [(a, t) for a, t in out if t in CONFIG_MAPPING]
 
 
 def _accepts(cls, key, value) -> bool:
@@ -242,7 +264,7 @@ def test_config_json_reads_every_key_the_family_reads_like_transformers(arch, mo
     for key in sorted(keys):
         if key in VERSION_DEFAULTS and not hasattr(hf, key):
             continue
-        assert light.get(key) == getattr(hf, key, None), (arch, model_type, key)
+        assert _at(light, key) == _at(hf, key), (arch, model_type, key)
     assert config_dtype(light) == config_dtype(hf)
 
 
@@ -251,7 +273,7 @@ def test_real_configs_read_like_transformers(name):
     ckpt = read_checkpoint(CONFIGS / name / "config.json")
     ref = read_checkpoint(CONFIGS / name / "config.json", via_transformers=True)
     for key in sorted(_keys_read(ckpt.config) | {"model_type"}):
-        assert ckpt.config.get(key) == getattr(ref.config, key, None), (name, key)
+        assert _at(ckpt.config, key) == _at(ref.config, key), (name, key)
     assert config_dtype(ckpt.config) == config_dtype(ref.config)
 
 

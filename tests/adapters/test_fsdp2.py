@@ -79,9 +79,10 @@ class _KeptFP32(dict):
     too, ``modeling_deepseek_v3.py``); ``""`` when it declares none."""
 
     def __missing__(self, name: str) -> str:
-        from transformers import AutoModelForCausalLM
+        from m2nkit.adapters.tiny import build_model
 
-        cls = AutoModelForCausalLM._model_mapping[type(tiny_config(name))]
+        with torch.device("meta"):
+            cls = type(build_model(tiny_config(name)))
         keep = sorted(getattr(cls, "_keep_in_fp32_modules_strict", None) or ())
         self[name] = "|".join(r"(^|\.)" + re.escape(k) + "$" for k in keep)
         return self[name]
@@ -299,19 +300,19 @@ _BUILT: dict = {}
 
 def _build(name: str, dtype: torch.dtype, tmp: Path):
     """(model, checkpoint dir, config for vLLM) of a tiny model, saved before any sharding."""
-    from transformers import AutoModelForCausalLM
+    from m2nkit.adapters.tiny import build_model, save_model
 
     key = (name, dtype)
     if key not in _BUILT:
         cfg = tiny_config(name)
         torch.manual_seed(1)
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), dtype=dtype)
+        model = build_model(copy.deepcopy(cfg), dtype=dtype)
         with torch.no_grad():  # norms start at 1.0: randomise them, as tiny checkpoints do
             for p in model.parameters():
                 if p.dim() == 1:
                     p.copy_(torch.randn_like(p))
         out = tmp / f"{name}-{str(dtype).removeprefix('torch.')}"
-        model.save_pretrained(out)
+        save_model(model, out)   # stacked experts in the published order (Qwen3-VL-MoE)
         cfg.dtype = torch.bfloat16  # vLLM's parameters: bf16 either way
         _BUILT[key] = (model, out, cfg)
     return _BUILT[key]
@@ -404,7 +405,8 @@ def _shard(kind: str, case: Case, mesh):
     if kind == "tp":
         _tensor_parallel(model, mesh["tp"])
         mesh = mesh["dp_shard"]
-    layers = model.model.layers
+    base = model.model   # a multimodal wrapper's decoder layers are its language model's
+    layers = base.layers if hasattr(base, "layers") else base.language_model.layers
     if case.wrap:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 

@@ -77,6 +77,7 @@ def test_plan_from_the_tables_refuses_it_naming_the_traced_layout(tiny_hybrid_mo
 #: Published configs without a table, each planned config-only at tp 2 (with EP
 #: for the MoE ones); realistic layouts: benchmarks/trace.py and docs/benchmarks.md.
 #: (GLM-5 has a table since, families/glm_moe_dsa.py: its wire is the table's, traced.)
+#: Qwen3-VL's have a table now (families/qwen3_vl.py): traced here from its wire names.
 TABLELESS_CONFIGS = {
     "Qwen__Qwen3.5-27B": "vllm:tp=2",
     "Qwen__Qwen3.5-397B-A17B": "vllm:tp=2,ep",

@@ -58,13 +58,15 @@ CASES = [  # (tiny model, vLLM layout, what it covers)
     # vLLM's loaders on both sides (trainers: transformers' own model of v1)
     ("tiny-glm4-moe", "vllm:tp=2,ep", "GLM-4.5, no table: traced layout"),
     ("tiny-qwen3.5-moe", "vllm:tp=2,ep", "Qwen3.5-MoE (Gated DeltaNet), no table: traced"),
-    ("tiny-qwen3-vl", "vllm:tp=2", "Qwen3-VL with its vision tower, no table: traced"),
+    # (Qwen3-VL has a table now, families/qwen3_vl.py: both sides plan from it, and the
+    # workers' trace check holds its bindings against the live loaders)
+    ("tiny-qwen3-vl", "vllm:tp=2", "Qwen3-VL with its vision tower: table, trace-checked"),
     # ... whose checkpoint names differ from transformers' in-memory ones (the workers'
     # trace check hands vLLM the checkpoint names: .mlp. is .block_sparse_moe. on disk)
     ("tiny-minimax-m2", "vllm:tp=2,ep", "MiniMax-M2, no table: renamed on disk"),
 ]
-#: Checkpoints of architectures without a table: v0 is the shipped oracle checkpoint,
-#: v1 the same config with seed-1 weights from transformers' own class.
+#: Checkpoints of architectures without a table (and Qwen3-VL's): v0 is the shipped oracle
+#: checkpoint, v1 the same config with seed-1 weights from transformers' own class.
 TRACED = {"tiny-glm4-moe", "tiny-qwen3.5-moe", "tiny-qwen3-vl", "tiny-minimax-m2"}
 #: Checkpoints beyond the built-in tiny models: name -> (tiny model, config overrides, dtype).
 WIDER = {"fp32-llama-h512": ("tiny-llama", {"hidden_size": 512, "num_attention_heads": 32,
