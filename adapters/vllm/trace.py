@@ -936,7 +936,7 @@ def _build_meta_model(config_dir: str, spec: InferenceSpec, worker: int):
 
 
 #: Module attributes that would hold a rank cached at build time outside the
-#: MoE layers' own config (vLLM 0.33.0 ``models/llama4.py``, ``k2_horizon.py``:
+#: MoE layers' own config (some vLLM 0.33.0 model classes in ``models/`` keep
 #: ``self.ep_rank = get_ep_group().rank_in_group``); a model holding one is
 #: built afresh for every worker instead of re-placed (:func:`_replace_for_worker`).
 _CACHED_RANKS = ("ep_rank", "dp_rank", "dp_index")
@@ -993,12 +993,15 @@ def _replace_for_worker(model: torch.nn.Module, vllm_config: Any, spec: Inferenc
                 or (new.use_ep and m.moe_config.num_experts % new.ep_size)):
             return False
         configs.append((m, replace(m.moe_config, moe_parallel_config=new)))
+    def local_count(m):
+        return getattr(getattr(m, "routed_experts", m), "local_num_experts", None)
+
     for m, moe_config in configs:
-        local = m.moe_config.num_local_experts
+        local = local_count(m)
         m._set_moe_config(moe_config)
         if moe_config.moe_parallel_config.use_ep:     # without EP there is no expert map
             m.update_expert_map()
-        now = getattr(getattr(m, "routed_experts", m), "local_num_experts", local)
+        now = local_count(m)
         if now != local:
             raise TraceError(f"{type(model).__name__}: re-placing the experts of "
                              f"{type(m).__name__} for worker {worker} changed its local "
