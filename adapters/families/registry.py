@@ -45,6 +45,8 @@ ARCHITECTURES: dict[str, str] = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Glm4MoeForCausalLM": "glm4_moe",
+    "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
 }
 
 
@@ -65,6 +67,8 @@ TINY_MODEL_ARCHITECTURES: dict[str, str] = {
     "tiny-deepseek-v3": "DeepseekV3ForCausalLM",
     "tiny-deepseek-v3-fp8": "DeepseekV3ForCausalLM",
     "tiny-deepseek-v3-no-q-lora": "DeepseekV3ForCausalLM",
+    "tiny-glm4-moe": "Glm4MoeForCausalLM",
+    "tiny-glm4-moe-lite": "Glm4MoeLiteForCausalLM",
 }
 
 
