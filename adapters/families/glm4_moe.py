@@ -68,7 +68,7 @@ from .llama import dense_mlp_params
 from .qwen3 import attention_params
 from .sizes import Sizes, base_sizes, cfg_get
 from .table import (TRANSFORMERS_FUSED_EXPERTS, Family, HFNaming, Param, SkippedLayers, TinyModel,
-                    alias, head_dim, kv_heads, merged_feeds)
+                    alias, kv_heads, merged_feeds)
 
 __all__ = ["ARCHITECTURE", "HF_NAMES", "EXPERTS_ON_DISK", "VLLM_PARAMS", "CONDITIONS",
            "TINY_MODELS", "FAMILY", "M", "moe_params", "MOE_CONDITIONS", "is_moe_layer",
@@ -91,8 +91,9 @@ SHARED_ALIAS = M + ".experts._shared_experts._layer"
 #: transformers 5: no renames; ``Glm4MoeMoE`` registers ``experts``, ``gate``,
 #: ``shared_experts`` (vLLM: ``gate`` first), which orders the wire tensors. Config-only
 #: plans read ``config.json`` with ``Glm4MoeConfig``'s defaults (transformers 5.12
-#: ``configuration_glm4_moe.py``; ``head_dim`` is no field of it: transformers'
-#: attention takes ``hidden_size // num_attention_heads`` without one).
+#: ``configuration_glm4_moe.py``). ``head_dim`` is no field of it (transformers'
+#: attention takes ``hidden_size // num_attention_heads`` without one), but vLLM's
+#: ``Glm4MoeDecoderLayer`` reads ``config.head_dim``: :func:`sizes` refuses a config without.
 HF_NAMES = HFNaming(
     fused_experts=TRANSFORMERS_FUSED_EXPERTS, experts_on_disk=EXPERTS_ON_DISK,
     child_order={M: ("experts", "gate", "shared_experts")},
@@ -104,7 +105,6 @@ HF_NAMES = HFNaming(
         "attention_bias": False, "use_qk_norm": False,
         "num_key_value_heads": kv_heads(8),
         "n_routed_experts": alias("n_routed_experts", "num_local_experts", 128),
-        "head_dim": head_dim(None),
     },
     # an nn.Buffer of Glm4MoeTopkRouter (modeling_glm4_moe.py): whole on every FSDP2 rank
     buffers=(r"\.mlp\.gate\.e_score_correction_bias$",),
@@ -211,11 +211,17 @@ def sizes(config: Any):
     """``Sizes`` of a GLM-4.5 config, plus ``Is`` (shared experts' intermediate).
 
     Raises:
-        ValueError: a ``quantization_config`` (:func:`no_quantization`).
+        ValueError: a ``quantization_config`` (:func:`no_quantization`); no
+            ``head_dim`` (vLLM reads it, transformers' config class has none).
     """
     from .deepseek_v3 import MlaSizes
 
     no_quantization(config, ARCHITECTURE)
+    if cfg_get(config, "head_dim", default=None) is None:
+        raise ValueError(
+            f"{ARCHITECTURE} config has no head_dim, which vLLM 0.33.0's Glm4MoeDecoderLayer "
+            "reads (config.head_dim; transformers' Glm4MoeConfig has no such field, the "
+            "published GLM-4.5/4.6 config.json files set 128): add it to config.json")
     base = base_sizes(config, I=int(cfg_get(config, "intermediate_size")), keys=_GLM_KEYS)
     moe = moe_sizes(config)
     # MlaSizes carries Is; its MLA symbols stay 0 (no table row of this family names them)

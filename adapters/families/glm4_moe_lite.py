@@ -71,10 +71,13 @@ HF_NAMES = HFNaming(
         "hidden_size": 2048, "vocab_size": 154880, "num_attention_heads": 20,
         "num_key_value_heads": 20, "num_hidden_layers": 47, "intermediate_size": 10240,
         "moe_intermediate_size": 1536, "n_shared_experts": 1, "kv_lora_rank": 512,
-        "q_lora_rank": 768, "qk_rope_head_dim": 64, "v_head_dim": 256,
+        "q_lora_rank": 768, "v_head_dim": 256,
         "qk_nope_head_dim": 192, "n_group": 1, "tie_word_embeddings": False,
         "attention_bias": False,
         "n_routed_experts": alias("n_routed_experts", "num_local_experts", 64),
+        # head_dim is an attribute_map alias of qk_rope_head_dim: a head_dim in the
+        # file (null too) sets it
+        "qk_rope_head_dim": alias("head_dim", "qk_rope_head_dim", 64),
         "head_dim": lambda c: c["qk_rope_head_dim"],
         "mlp_layer_types": _mlp_layer_types,
     },

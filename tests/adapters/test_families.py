@@ -56,13 +56,14 @@ from m2nkit.adapters.families.table import Family, HFNaming, Param, TinyModel
 #: Families whose vLLM model has no tied lm_head parameter (see their modules).
 NEVER_TIED = ("GptOssForCausalLM", "Gemma2ForCausalLM")
 SUPPORTED = ["DeepseekV3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
-             "GptOssForCausalLM", "LlamaForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
+             "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM", "GptOssForCausalLM", "LlamaForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
              "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"]
 #: Families with Megatron-Core names (adapters/megatron/names.py).
 WITH_MEGATRON_NAMES = ("LlamaForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
                        "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 ONE_MESSAGE = ("architecture 'PhiForCausalLM' is not supported; supported: "
-               "DeepseekV3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, GptOssForCausalLM, "
+               "DeepseekV3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Glm4MoeForCausalLM, "
+               "Glm4MoeLiteForCausalLM, GptOssForCausalLM, "
                "LlamaForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
                "Qwen3MoeForCausalLM; an architecture without an m2nkit table is planned from "
                "vLLM's own weight loaders: --layout traced (needs vLLM installed)")
@@ -128,7 +129,8 @@ def test_tiny_models_come_from_the_families():
                                          "tiny-qwen3-tied", "tiny-qwen3-moe", "tiny-mixtral",
                                          "tiny-gpt-oss", "tiny-gemma2", "tiny-gemma3",
                                          "tiny-deepseek-v3", "tiny-deepseek-v3-fp8",
-                                         "tiny-deepseek-v3-no-q-lora"]
+                                         "tiny-deepseek-v3-no-q-lora", "tiny-glm4-moe",
+                                         "tiny-glm4-moe-lite"]
 
 
 def test_unsupported_architecture_one_message_everywhere():
