@@ -29,8 +29,10 @@ family is composed of two others, and so is this module:
 
 vLLM's per-expert-only loader (``fused_moe_make_expert_params_mapping``) does
 not matter to the table: the wire carries the experts stacked, and the table
-says where each box lands. Refused: a ``quantization_config``, and a config
-vLLM does not serve with MLA (``DeepseekV2Attention``, plain MHA).
+says where each box lands. Refused: a ``quantization_config``, a config
+vLLM does not serve with MLA (``DeepseekV2Attention``, plain MHA), and a tp
+that does not divide the heads (:func:`whole_heads`: vLLM refuses it before it
+builds the model; MLA's row counts alone may still split).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from .table import (TRANSFORMERS_FUSED_EXPERTS, Family, HFNaming, Param, Skipped
                     alias)
 
 __all__ = ["ARCHITECTURE", "HF_NAMES", "EXPERTS_ON_DISK", "VLLM_PARAMS", "CONDITIONS",
-           "TINY_MODELS", "FAMILY"]
+           "TINY_MODELS", "FAMILY", "whole_heads"]
 
 ARCHITECTURE = "Glm4MoeLiteForCausalLM"
 
@@ -134,6 +136,18 @@ def sizes(config: Any) -> ds.MlaSizes:
     return ds.sizes(config)
 
 
+def whole_heads(s, spec) -> str | None:
+    """vLLM ``config/model.py`` ``ModelConfig.verify_with_parallel_config``: tp must divide
+    ``num_attention_heads``. MLA's ``q_b_proj``/``kv_b_proj``/``o_proj`` rows may split
+    where heads do not (4 heads of 24 rows over tp 8), so the kinds alone do not refuse it."""
+    if s.nh % spec.tp:
+        valid = [d for d in range(1, s.nh + 1) if s.nh % d == 0]
+        return (f"tp={spec.tp} does not divide num_attention_heads={s.nh} (vLLM "
+                "ModelConfig.verify_with_parallel_config); valid tp sizes: "
+                + ", ".join(map(str, valid)))
+    return None
+
+
 def _table_differs(config: Any) -> str | None:
     """transformers' Glm4MoeLite makes layer ``L`` sparse by ``mlp_layer_types[L]``;
     vLLM by ``first_k_dense_replace`` and ``moe_layer_freq``."""
@@ -163,7 +177,7 @@ TINY_MODELS = {
 }
 
 FAMILY = Family(
-    ARCHITECTURE, HF_NAMES, VLLM_PARAMS, sizes, CONDITIONS,
+    ARCHITECTURE, HF_NAMES, VLLM_PARAMS, sizes, CONDITIONS, (whole_heads,),
     tiny=TINY_MODELS, vllm_source="vllm/model_executor/models/glm4_moe_lite.py",
     module=__name__, num_expert_group=glm.num_expert_group,
     skip=glm.mtp_skip(ARCHITECTURE, "glm4_moe_lite.py Glm4MoeLiteModel.load_weights"),

@@ -129,15 +129,19 @@ def test_configs_vllm_cannot_load_are_refused_naming_the_key(tmp_path):
         del config[key]
         with pytest.raises(ValueError, match=f"config has no {key}, which vLLM 0.33.0's"):
             destination_layout(config, [], "vllm:tp=1")
+    with pytest.raises(ValueError, match=r"tp=8 does not divide num_attention_heads=4 .*"
+                                         r"valid tp sizes: 1, 2, 4"):
+        _layout("tiny-glm4-moe-lite", "vllm:tp=8,ep")
     quantized = {**base, "quantization_config": {"quant_method": "fp8"}}
     with pytest.raises(ValueError, match=r"quant_method='fp8'.*--layout traced"):
         destination_layout(quantized, [], "vllm:tp=1")
 
 
-@pytest.mark.parametrize("spec", ["vllm:tp=8,ep", "vllm:tp=4,ep"])
+@pytest.mark.parametrize("spec", ["vllm:tp=4,ep", "vllm:tp=4,dp=2,ep", "vllm:tp=2"])
 def test_config_only_plan_of_glm_4_7_flash_moves_the_minimum(spec):
     """The published GLM-4.7-Flash config, planned from the table alone (fsdp:64): every
-    byte moved once, no problem; its MTP layer 47 is listed and skipped."""
+    byte moved once, no problem; its MTP layer 47 is listed and skipped. Its 20 heads
+    do not split over tp 8: vLLM refuses that, and so does the table."""
     from m2nkit.engine.plan import build_plan
 
     ckpt = read_checkpoint(FLASH)
@@ -149,3 +153,5 @@ def test_config_only_plan_of_glm_4_7_flash_moves_the_minimum(spec):
     plan = build_plan(metas, 64, layout)
     assert plan.problems == []
     assert plan.nbytes_moved == plan.nbytes_min
+    with pytest.raises(ValueError, match="tp=8 does not divide num_attention_heads=20"):
+        destination_layout(ckpt.config, metas, "vllm:tp=8,ep")

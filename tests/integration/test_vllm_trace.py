@@ -83,6 +83,10 @@ MATRIX = [(m, s) for m in ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3
                            "tiny-deepseek-v3-no-q-lora", "tiny-qwen3-moe-e10")
           for s in ("vllm:tp=1", "vllm:tp=2", "vllm:tp=4", "vllm:tp=8", "vllm:tp=2,ep",
                     "vllm:tp=4,ep", "vllm:tp=8,ep", "vllm:tp=2,dp=2", "vllm:tp=2,dp=2,ep")]
+#: GLM-4.5 and GLM-4.7-Flash (families/glm4_moe.py, glm4_moe_lite.py)
+MATRIX += [(m, s) for m in ("tiny-glm4-moe", "tiny-glm4-moe-lite")
+           for s in ("vllm:tp=1", "vllm:tp=2", "vllm:tp=4", "vllm:tp=8", "vllm:tp=2,ep",
+                     "vllm:tp=4,ep", "vllm:tp=8,ep", "vllm:tp=2,dp=2", "vllm:tp=2,dp=2,ep")]
 
 
 @pytest.mark.parametrize("model,spec", MATRIX, ids=[f"{m}-{s[5:]}" for m, s in MATRIX])
