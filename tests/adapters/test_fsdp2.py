@@ -523,7 +523,11 @@ def _verify(kind: str, world: int, cases: list[Case], out: Path) -> dict:
                                              full[m.name][box_slices(piece.box)]), \
                             (case.label, m.name, r, piece)
         layouts[case.label] = {m.name: type(m.layout).__name__ for m in metas}
-        tensors = full_checkpoint_tensors(ckpt)
+        # vLLM is handed what was sent: each tensor in its wire dtype (a float32 vLLM
+        # parameter fed a bf16 wire tensor holds bf16 values: GLM's router weight)
+        sent = {m.name: m.dtype for m in metas}
+        tensors = {n: t.to(sent.get(n, t.dtype))
+                   for n, t in full_checkpoint_tensors(ckpt).items()}
         for spec in case.specs:
             dest = destination_layout(case.config, metas, spec)
             plan = build_plan(metas, world, dest)
