@@ -214,7 +214,9 @@ def test_plan_verify_traced_of_a_checkpoint_with_a_table(model, capsys):
         assert code == 0, out[-3000:] + err[-3000:]
         assert "(ratio 1.000)" in out
         assert ("traced from vLLM's own weight loaders" in out) == (layout == "traced")
-        assert "verify: all 2 workers hold exactly what vLLM's own loaders would" in out
+        # traced: against vLLM's own DefaultModelLoader; tables: against reference_load
+        whose = "vLLM's own loaders" if layout == "traced" else "vLLM's loaders"
+        assert f"verify: all 2 workers hold exactly what {whose} would" in out
 
 
 def test_a_quantized_config_without_its_quantized_wire_is_refused_naming_both():
