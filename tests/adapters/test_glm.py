@@ -137,6 +137,26 @@ def test_configs_vllm_cannot_load_are_refused_naming_the_key(tmp_path):
         destination_layout(quantized, [], "vllm:tp=1")
 
 
+def test_config_only_plan_of_the_tiny_glm4_moe_config_moves_the_minimum(tmp_path):
+    """GLM-4.5 ships no config here (examples/configs): its tiny config.json alone, planned
+    from the table with the MTP layer a published GLM-4.5 config declares."""
+    from m2nkit.engine.plan import build_plan
+
+    config = json.loads((DATA / "tiny-glm4-moe" / "checkpoint" / "config.json").read_text())
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    ckpt = read_checkpoint(path)
+    assert not ckpt.has_data
+    assert "model.layers.2.eh_proj.weight" in ckpt.names     # the MTP layer, listed
+    for spec in ("vllm:tp=4,ep", "vllm:tp=2,dp=2", "vllm:tp=1,dp=4,ep"):
+        metas = checkpoint_metas(ckpt, "fsdp:8")
+        layout = destination_layout(ckpt.config, metas, spec)
+        assert not layout.unknown
+        assert set(layout.skipped) == {n for n in ckpt.names if n.startswith("model.layers.2.")}
+        plan = build_plan(metas, 8, layout)
+        assert plan.problems == [] and plan.nbytes_moved == plan.nbytes_min, spec
+
+
 @pytest.mark.parametrize("spec", ["vllm:tp=4,ep", "vllm:tp=4,dp=2,ep", "vllm:tp=2"])
 def test_config_only_plan_of_glm_4_7_flash_moves_the_minimum(spec):
     """The published GLM-4.7-Flash config, planned from the table alone (fsdp:64): every
