@@ -130,7 +130,7 @@ def test_configs_vllm_cannot_load_are_refused_naming_the_key(tmp_path):
         with pytest.raises(ValueError, match=f"config has no {key}, which vLLM 0.33.0's"):
             destination_layout(config, [], "vllm:tp=1")
     with pytest.raises(ValueError, match=r"tp=8 does not divide num_attention_heads=4 .*"
-                                         r"valid tp sizes: 1, 2, 4"):
+                                         r"valid tp with dp=1, ep: \[1, 2, 4\]"):
         _layout("tiny-glm4-moe-lite", "vllm:tp=8,ep")
     quantized = {**base, "quantization_config": {"quant_method": "fp8"}}
     with pytest.raises(ValueError, match=r"quant_method='fp8'.*--layout traced"):
