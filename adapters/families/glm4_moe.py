@@ -57,7 +57,7 @@ vLLM's quantized layers for this family; ``--layout traced`` plans them).
 from __future__ import annotations
 
 import re
-from dataclasses import replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -72,7 +72,7 @@ from .table import (TRANSFORMERS_FUSED_EXPERTS, Family, HFNaming, Param, Skipped
 
 __all__ = ["ARCHITECTURE", "HF_NAMES", "EXPERTS_ON_DISK", "VLLM_PARAMS", "CONDITIONS",
            "TINY_MODELS", "FAMILY", "M", "moe_params", "MOE_CONDITIONS", "is_moe_layer",
-           "mtp_skip", "no_quantization", "moe_sizes", "moe_conditions", "num_expert_group"]
+           "mtp_skip", "no_quantization", "moe_conditions", "num_expert_group", "GlmSizes"]
 
 ARCHITECTURE = "Glm4MoeForCausalLM"
 
@@ -196,36 +196,35 @@ def no_quantization(config: Any, architecture: str) -> None:
             "unquantized (bf16/fp16/fp32) checkpoints; plan it with --layout traced")
 
 
-def moe_sizes(config: Any) -> dict[str, int]:
-    """The MoE symbols of a GLM config: ``E`` routed experts, ``Im`` their
-    intermediate, ``Is`` the shared experts' (``moe_intermediate_size * n_shared_experts``)."""
-    Im = int(cfg_get(config, "moe_intermediate_size", default=0))
-    return {"E": int(cfg_get(config, "n_routed_experts", default=0) or 0), "Im": Im,
-            "Is": Im * _shared(config)}
+@dataclass(frozen=True)
+class GlmSizes(Sizes):
+    """``Sizes`` plus ``Is``, the shared experts' intermediate
+    (``moe_intermediate_size * n_shared_experts``)."""
+
+    Is: int = 0
 
 
 _GLM_KEYS = {"E": "n_routed_experts", "Is": "moe_intermediate_size*n_shared_experts"}
 
 
-def sizes(config: Any):
-    """``Sizes`` of a GLM-4.5 config, plus ``Is`` (shared experts' intermediate).
+def sizes(config: Any) -> GlmSizes:
+    """``GlmSizes`` of a GLM-4.5 config.
 
     Raises:
         ValueError: a ``quantization_config`` (:func:`no_quantization`); no
             ``head_dim`` (vLLM reads it, transformers' config class has none).
     """
-    from .deepseek_v3 import MlaSizes
-
     no_quantization(config, ARCHITECTURE)
     if cfg_get(config, "head_dim", default=None) is None:
         raise ValueError(
             f"{ARCHITECTURE} config has no head_dim, which vLLM 0.33.0's Glm4MoeDecoderLayer "
             "reads (config.head_dim; transformers' Glm4MoeConfig has no such field, the "
             "published GLM-4.5/4.6 config.json files set 128): add it to config.json")
-    base = base_sizes(config, I=int(cfg_get(config, "intermediate_size")), keys=_GLM_KEYS)
-    moe = moe_sizes(config)
-    # MlaSizes carries Is; its MLA symbols stay 0 (no table row of this family names them)
-    return MlaSizes(**{**base.__dict__, **moe})
+    Im = int(cfg_get(config, "moe_intermediate_size", default=0))
+    base = base_sizes(config, I=int(cfg_get(config, "intermediate_size")), Im=Im,
+                      E=int(cfg_get(config, "n_routed_experts", default=0) or 0), keys=_GLM_KEYS)
+    return GlmSizes(**{f.name: getattr(base, f.name) for f in fields(Sizes)},
+                    Is=Im * _shared(config))
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
