@@ -42,7 +42,10 @@ subclasses it):
 (``deepseek_v3.mtp_layers``). A config-only plan lists them as skipped, each a
 decoder layer of this table plus the MTP module's own tensors
 (``deepseek_v3.MTP_EXTRAS``: ``glm4_moe_mtp.py`` registers the same
-``embed_tokens``, ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head``).
+``embed_tokens``, ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head``; not checked
+against a published GLM index: its loader also takes the main ``lm_head`` and
+``embed_tokens`` for them, so a checkpoint may lack the layer's own copies, which
+only changes what is listed as skipped).
 transformers' ``Glm4MoeConfig`` has no ``num_nextn_predict_layers``: a
 ``config.json`` without it has no MTP layer (published GLM-4.5 configs set 1).
 
