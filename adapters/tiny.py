@@ -70,7 +70,10 @@ def shrink_config(config, *, derived: Mapping[str, Callable] | None = None, **ov
     has one. Token ids are cleared so they fit the tiny vocab.
     """
     data = config.to_dict()
-    data.pop("layer_types", None)  # derived from num_hidden_layers on rebuild
+    # per-layer lists, derived from num_hidden_layers on rebuild (DSA configs: the MLP
+    # and indexer type of each layer, from first_k_dense_replace and index_topk_freq)
+    for key in ("layer_types", "mlp_layer_types", "indexer_types"):
+        data.pop(key, None)
     sizes = {**TINY_SIZES, **overrides}
     for key, value in sizes.items():
         if key in overrides or key in data:

@@ -45,6 +45,8 @@ ARCHITECTURES: dict[str, str] = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "DeepseekV32ForCausalLM": "deepseek_v32",
+    "GlmMoeDsaForCausalLM": "glm_moe_dsa",
     "Glm4MoeForCausalLM": "glm4_moe",
     "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
 }
@@ -67,6 +69,8 @@ TINY_MODEL_ARCHITECTURES: dict[str, str] = {
     "tiny-deepseek-v3": "DeepseekV3ForCausalLM",
     "tiny-deepseek-v3-fp8": "DeepseekV3ForCausalLM",
     "tiny-deepseek-v3-no-q-lora": "DeepseekV3ForCausalLM",
+    "tiny-deepseek-v32": "DeepseekV32ForCausalLM",
+    "tiny-glm-moe-dsa": "GlmMoeDsaForCausalLM",
     "tiny-glm4-moe": "Glm4MoeForCausalLM",
     "tiny-glm4-moe-lite": "Glm4MoeLiteForCausalLM",
 }

@@ -50,9 +50,20 @@ REAL = sorted(p.name for p in CONFIGS.iterdir() if (p / "config.json").is_file()
 #: later 5.x (5.24 checked) in float32. Either is accepted for these names.
 #: The same holds the other way for ``e_score_correction_bias``: checkpoints keep it
 #: float32 (the table's dtype); transformers 5.12 allocates it in the model dtype.
+#: The DSA indexer's ``k_norm`` (DeepSeek-V3.2, GLM-5): float32 in vLLM (``Indexer``:
+#: ``LayerNorm(..., dtype=torch.float32)``) and in DeepSeek's reference model
+#: (``inference/model.py`` ``LayerNorm``), the table's wire dtype; transformers 5.12
+#: allocates its ``nn.LayerNorm`` in the model dtype.
+_K_NORM = (re.compile(r"\.self_attn\.indexer\.k_norm\.(weight|bias)$"), None)
 TRANSFORMERS_DTYPES = {
     "DeepseekV3ForCausalLM": [(re.compile(r"\.mlp\.gate\.weight$"), torch.float32),
                               (re.compile(r"\.mlp\.gate\.e_score_correction_bias$"), None)],
+    "DeepseekV32ForCausalLM": [(re.compile(r"\.mlp\.gate\.weight$"), torch.float32),
+                               (re.compile(r"\.mlp\.gate\.e_score_correction_bias$"), None),
+                               _K_NORM],
+    "GlmMoeDsaForCausalLM": [(re.compile(r"\.mlp\.gate\.weight$"), torch.float32),
+                             (re.compile(r"\.mlp\.gate\.e_score_correction_bias$"), None),
+                             _K_NORM],
 }
 
 #: Keys whose default exists only in some transformers 5.x: with 5.12 a

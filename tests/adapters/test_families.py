@@ -55,15 +55,16 @@ from m2nkit.adapters.families.table import Family, HFNaming, Param, TinyModel
 
 #: Families whose vLLM model has no tied lm_head parameter (see their modules).
 NEVER_TIED = ("GptOssForCausalLM", "Gemma2ForCausalLM")
-SUPPORTED = ["DeepseekV3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
-             "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM", "GptOssForCausalLM", "LlamaForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
-             "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"]
+SUPPORTED = ["DeepseekV32ForCausalLM", "DeepseekV3ForCausalLM", "Gemma2ForCausalLM",
+             "Gemma3ForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM",
+             "GlmMoeDsaForCausalLM", "GptOssForCausalLM", "LlamaForCausalLM",
+             "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"]
 #: Families with Megatron-Core names (adapters/megatron/names.py).
 WITH_MEGATRON_NAMES = ("LlamaForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
                        "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 ONE_MESSAGE = ("architecture 'PhiForCausalLM' is not supported; supported: "
-               "DeepseekV3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Glm4MoeForCausalLM, "
-               "Glm4MoeLiteForCausalLM, GptOssForCausalLM, "
+               "DeepseekV32ForCausalLM, DeepseekV3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, "
+               "Glm4MoeForCausalLM, Glm4MoeLiteForCausalLM, GlmMoeDsaForCausalLM, GptOssForCausalLM, "
                "LlamaForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
                "Qwen3MoeForCausalLM; an architecture without an m2nkit table is planned from "
                "vLLM's own weight loaders: --layout traced (needs vLLM installed)")
@@ -101,7 +102,8 @@ def test_every_architecture_resolves_to_a_module_with_every_piece(arch):
     # (GPT-OSS) or has no lm_head at all (Gemma 2: logits from embed_tokens)
     assert any(p.tied_to for p in fam.params) == (arch not in NEVER_TIED)
     # DeepSeek-V3 lives in vLLM's deepseek_v2.py (DeepseekV3ForCausalLM subclasses V2's)
-    vllm_file = {"deepseek_v3": "deepseek_v2"}.get(ARCHITECTURES[arch], ARCHITECTURES[arch])
+    vllm_file = {"deepseek_v3": "deepseek_v2", "deepseek_v32": "deepseek_v2",
+                 "glm_moe_dsa": "deepseek_v2"}.get(ARCHITECTURES[arch], ARCHITECTURES[arch])
     assert fam.vllm_source == f"vllm/model_executor/models/{vllm_file}.py"
     # tiny test models
     assert fam.tiny is module.TINY_MODELS and fam.tiny
@@ -129,8 +131,8 @@ def test_tiny_models_come_from_the_families():
                                          "tiny-qwen3-tied", "tiny-qwen3-moe", "tiny-mixtral",
                                          "tiny-gpt-oss", "tiny-gemma2", "tiny-gemma3",
                                          "tiny-deepseek-v3", "tiny-deepseek-v3-fp8",
-                                         "tiny-deepseek-v3-no-q-lora", "tiny-glm4-moe",
-                                         "tiny-glm4-moe-lite"]
+                                         "tiny-deepseek-v3-no-q-lora", "tiny-deepseek-v32",
+                                         "tiny-glm-moe-dsa", "tiny-glm4-moe", "tiny-glm4-moe-lite"]
 
 
 def test_unsupported_architecture_one_message_everywhere():

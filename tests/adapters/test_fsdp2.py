@@ -523,10 +523,11 @@ def _verify(kind: str, world: int, cases: list[Case], out: Path) -> dict:
                                              full[m.name][box_slices(piece.box)]), \
                             (case.label, m.name, r, piece)
         layouts[case.label] = {m.name: type(m.layout).__name__ for m in metas}
-        # vLLM is handed what was sent: each tensor in its wire dtype (a float32 vLLM
-        # parameter fed a bf16 wire tensor holds bf16 values: GLM's router weight)
-        sent = {m.name: m.dtype for m in metas}
-        tensors = {n: t.to(sent.get(n, t.dtype))
+        # vLLM receives the wire's values: where the wire is bf16 (fp32 masters under a
+        # bf16 policy) a parameter vLLM keeps in float32 (the DSA indexer's k_norm) holds
+        # them rounded, so the reference loads the checkpoint as the wire carries it
+        tensors = {n: t if not t.is_floating_point() or t.dtype != torch.float32 or (
+                       case.fp32 and re.search(case.fp32, n)) else t.to(torch.bfloat16)
                    for n, t in full_checkpoint_tensors(ckpt).items()}
         for spec in case.specs:
             dest = destination_layout(case.config, metas, spec)

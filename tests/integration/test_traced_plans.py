@@ -76,6 +76,7 @@ def test_plan_from_the_tables_refuses_it_naming_the_traced_layout(tiny_hybrid_mo
 
 #: Published configs without a table, each planned config-only at tp 2 (with EP
 #: for the MoE ones); realistic layouts: benchmarks/trace.py and docs/benchmarks.md.
+#: (GLM-5 has a table since, families/glm_moe_dsa.py: its wire is the table's, traced.)
 TABLELESS_CONFIGS = {
     "Qwen__Qwen3.5-27B": "vllm:tp=2",
     "Qwen__Qwen3.5-397B-A17B": "vllm:tp=2,ep",
@@ -223,13 +224,37 @@ def test_a_quantized_config_without_its_quantized_wire_is_refused_naming_both():
     """DeepSeek-V3.2 as published is fp8 (``quantization_config``): vLLM builds fp8 weights
     and block scales; transformers' model of the config is unquantized, so the two
     cannot meet. Refused with what would work, never bound as bytes of another dtype."""
-    from m2nkit.adapters.hf_checkpoint import checkpoint_metas, read_checkpoint
+    from m2nkit.adapters.families.tableless import meta_model
     from m2nkit.adapters.vllm.trace import TraceError, trace_destination
+    from m2nkit.manifest import ParamMeta
 
     folder = REPO / "examples" / "configs" / "deepseek-ai__DeepSeek-V3.2"
-    metas = checkpoint_metas(read_checkpoint(folder / "config.json"), "fsdp:4")
+    # transformers' (unquantized) model of the config as the wire: the tableless path,
+    # forced (DeepSeek-V3.2 has a table, whose config-only wire is fp8 as published:
+    # tests/adapters/test_dsa.py, tests/integration/test_vllm_trace.py)
+    model = meta_model(json.loads((folder / "config.json").read_text()))
+    metas = [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in model.state_dict().items()]
     with pytest.raises(TraceError) as e:
         trace_destination(folder, metas, "vllm:tp=2,ep")
     assert str(e.value).startswith("vLLM serves this config quantized (fp8, its "
                                    "quantization_config) while the wire tensors are unquantized")
     assert "a config without quantization_config" in str(e.value)
+
+
+@pytest.mark.parametrize("model", ["tiny-deepseek-v32", "tiny-glm-moe-dsa"])
+def test_plan_layout_traced_verifies_a_family_with_a_table(model, capsys):
+    """DeepSeek-V3.2 and GLM-5 have tables now (their checkpoints are no longer in
+    _tableless_fixtures): ``--layout traced`` still plans them, vLLM's loaders fed the
+    table's wire names (stacked ``experts.gate_up_proj.weight`` re-split per expert), and
+    verifies every worker against vLLM's own load."""
+    from _paths import ORACLE
+    from m2nkit.engine.tools.cli import main
+
+    capsys.readouterr()
+    code = main(["plan", str(ORACLE / model / "checkpoint"), "--trainer", "fsdp:3",
+                 "--inference", "vllm:tp=2,ep", "--layout", "traced", "--verify"])
+    out, err = capsys.readouterr()
+    assert code == 0, out[-3000:] + err[-3000:]
+    assert "traced from vLLM's own weight loaders" in out
+    assert "(ratio 1.000)" in out
+    assert "verify: all 2 workers hold exactly what vLLM's own loaders would" in out
