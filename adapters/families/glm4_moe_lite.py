@@ -31,8 +31,8 @@ vLLM's per-expert-only loader (``fused_moe_make_expert_params_mapping``) does
 not matter to the table: the wire carries the experts stacked, and the table
 says where each box lands. Refused: a ``quantization_config``, a config
 vLLM does not serve with MLA (``DeepseekV2Attention``, plain MHA), and a tp
-that does not divide the heads (:func:`whole_heads`: vLLM refuses it before it
-builds the model; MLA's row counts alone may still split).
+that does not divide the heads (``deepseek_v3.mla_heads_divide_tp``: vLLM refuses it
+before it builds the model; MLA's row counts alone may still split).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from .table import (TRANSFORMERS_FUSED_EXPERTS, Family, HFNaming, Param, Skipped
                     alias)
 
 __all__ = ["ARCHITECTURE", "HF_NAMES", "EXPERTS_ON_DISK", "VLLM_PARAMS", "CONDITIONS",
-           "TINY_MODELS", "FAMILY", "whole_heads"]
+           "TINY_MODELS", "FAMILY"]
 
 ARCHITECTURE = "Glm4MoeLiteForCausalLM"
 
@@ -125,25 +125,8 @@ def sizes(config: Any) -> ds.MlaSizes:
             f"{ARCHITECTURE} config has no first_k_dense_replace, which vLLM 0.33.0's "
             "Glm4MoeLiteDecoderLayer reads (transformers' Glm4MoeLiteConfig drops it; the "
             "published GLM-4.7-Flash config.json sets 1): add it to config.json")
-    kvr = cfg_get(config, "kv_lora_rank", default=None)
-    nope = int(cfg_get(config, "qk_nope_head_dim", default=0))
-    rope = int(cfg_get(config, "qk_rope_head_dim", default=0))
-    if kvr is None or (nope == 0 and rope == 0):
-        raise ValueError(
-            f"{ARCHITECTURE} without MLA (kv_lora_rank={kvr}, qk_nope_head_dim={nope}, "
-            f"qk_rope_head_dim={rope}) is not supported by m2nkit's table; supported: MLA "
-            "configs (kv_lora_rank set, non-zero head dims), as GLM-4.7-Flash ships")
+    # MHA configs are refused by DeepSeek-V3's sizes, naming this architecture
     return ds.sizes(config)
-
-
-def whole_heads(s, spec) -> str | None:
-    """vLLM ``config/model.py`` ``ModelConfig.verify_with_parallel_config``: tp must divide
-    ``num_attention_heads``. MLA's ``q_b_proj``/``kv_b_proj``/``o_proj`` rows may split
-    where heads do not (4 heads of 24 rows over tp 8), so the kinds alone do not refuse it."""
-    if s.nh % spec.tp:   # the caller appends the tp sizes every rule accepts
-        return (f"tp={spec.tp} does not divide num_attention_heads={s.nh} (vLLM "
-                "ModelConfig.verify_with_parallel_config)")
-    return None
 
 
 def _table_differs(config: Any) -> str | None:
@@ -175,7 +158,7 @@ TINY_MODELS = {
 }
 
 FAMILY = Family(
-    ARCHITECTURE, HF_NAMES, VLLM_PARAMS, sizes, CONDITIONS, (whole_heads,),
+    ARCHITECTURE, HF_NAMES, VLLM_PARAMS, sizes, CONDITIONS, (ds.mla_heads_divide_tp,),
     tiny=TINY_MODELS, vllm_source="vllm/model_executor/models/glm4_moe_lite.py",
     module=__name__, num_expert_group=glm.num_expert_group,
     skip=glm.mtp_skip(ARCHITECTURE, "glm4_moe_lite.py Glm4MoeLiteModel.load_weights"),

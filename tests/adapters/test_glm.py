@@ -129,12 +129,15 @@ def test_configs_vllm_cannot_load_are_refused_naming_the_key(tmp_path):
         del config[key]
         with pytest.raises(ValueError, match=f"config has no {key}, which vLLM 0.33.0's"):
             destination_layout(config, [], "vllm:tp=1")
-    with pytest.raises(ValueError, match=r"tp=8 does not divide num_attention_heads=4 .*"
+    with pytest.raises(ValueError, match=r"num_attention_heads=4 is not divisible by tp=8 .*"
                                          r"valid tp with dp=1, ep: \[1, 2, 4\]"):
         _layout("tiny-glm4-moe-lite", "vllm:tp=8,ep")
     quantized = {**base, "quantization_config": {"quant_method": "fp8"}}
     with pytest.raises(ValueError, match=r"quant_method='fp8'.*--layout traced"):
         destination_layout(quantized, [], "vllm:tp=1")
+    lite = json.loads((DATA / "tiny-glm4-moe-lite" / "checkpoint" / "config.json").read_text())
+    with pytest.raises(ValueError, match="Glm4MoeLiteForCausalLM without MLA"):
+        destination_layout({**lite, "kv_lora_rank": None}, [], "vllm:tp=1")
 
 
 def test_config_only_plan_of_the_tiny_glm4_moe_config_moves_the_minimum(tmp_path):
@@ -173,5 +176,5 @@ def test_config_only_plan_of_glm_4_7_flash_moves_the_minimum(spec):
     plan = build_plan(metas, 64, layout)
     assert plan.problems == []
     assert plan.nbytes_moved == plan.nbytes_min
-    with pytest.raises(ValueError, match="tp=8 does not divide num_attention_heads=20"):
+    with pytest.raises(ValueError, match="num_attention_heads=20 is not divisible by tp=8"):
         destination_layout(ckpt.config, metas, "vllm:tp=8,ep")
