@@ -197,29 +197,6 @@ def test_plan_verify_of_every_tableless_checkpoint_equals_vllms_own_load(checkpo
     assert f"verify: all {int(spec[8])} workers hold exactly what vLLM's own loaders would" in out
 
 
-@pytest.mark.parametrize("model", ["tiny-glm4-moe", "tiny-glm4-moe-lite"])
-def test_plan_verify_traced_of_a_checkpoint_with_a_table(model, capsys):
-    """``--layout traced`` still plans an architecture that has a table: the wire is the
-    table's (on-disk names, stacked experts ``...experts.gate_up_proj.weight``), the trace
-    hands vLLM's per-expert-only loaders (GLM-4.7-Flash) each expert's boxes, and every
-    worker equals vLLM's DefaultModelLoader; ``--layout tables`` plans the same bytes."""
-    from _paths import ORACLE
-    from m2nkit.engine.tools.cli import main
-
-    checkpoint = ORACLE / model / "checkpoint"
-    for layout in ("traced", "tables"):
-        capsys.readouterr()
-        code = main(["plan", str(checkpoint), "--trainer", "fsdp:3", "--inference",
-                     "vllm:tp=2,ep", "--layout", layout, "--verify"])
-        out, err = capsys.readouterr()
-        assert code == 0, out[-3000:] + err[-3000:]
-        assert "(ratio 1.000)" in out
-        assert ("traced from vLLM's own weight loaders" in out) == (layout == "traced")
-        # traced: against vLLM's own DefaultModelLoader; tables: against reference_load
-        whose = "vLLM's own loaders" if layout == "traced" else "vLLM's loaders"
-        assert f"verify: all 2 workers hold exactly what {whose} would" in out
-
-
 def test_a_quantized_config_without_its_quantized_wire_is_refused_naming_both():
     """DeepSeek-V3.2 as published is fp8 (``quantization_config``): vLLM builds fp8 weights
     and block scales; transformers' model of the config is unquantized, so the two
@@ -241,12 +218,13 @@ def test_a_quantized_config_without_its_quantized_wire_is_refused_naming_both():
     assert "a config without quantization_config" in str(e.value)
 
 
-@pytest.mark.parametrize("model", ["tiny-deepseek-v32", "tiny-glm-moe-dsa"])
+@pytest.mark.parametrize("model", ["tiny-deepseek-v32", "tiny-glm-moe-dsa", "tiny-glm4-moe",
+                                   "tiny-glm4-moe-lite"])
 def test_plan_layout_traced_verifies_a_family_with_a_table(model, capsys):
-    """DeepSeek-V3.2 and GLM-5 have tables now (their checkpoints are no longer in
-    _tableless_fixtures): ``--layout traced`` still plans them, vLLM's loaders fed the
-    table's wire names (stacked ``experts.gate_up_proj.weight`` re-split per expert), and
-    verifies every worker against vLLM's own load."""
+    """DeepSeek-V3.2, GLM-5, GLM-4.5 and GLM-4.7-Flash have tables now (their checkpoints
+    are no longer in _tableless_fixtures): ``--layout traced`` still plans them, vLLM's
+    loaders fed the table's wire names (stacked ``experts.gate_up_proj.weight`` re-split
+    per expert), and verifies every worker against vLLM's own load."""
     from _paths import ORACLE
     from m2nkit.engine.tools.cli import main
 
