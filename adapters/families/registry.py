@@ -50,6 +50,8 @@ ARCHITECTURES: dict[str, str] = {
     "GlmMoeDsaForCausalLM": "glm_moe_dsa",
     "Qwen3VLForConditionalGeneration": "qwen3_vl",
     "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe",
+    "Glm4MoeForCausalLM": "glm4_moe",
+    "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
 }
 
 
@@ -74,6 +76,8 @@ TINY_MODEL_ARCHITECTURES: dict[str, str] = {
     "tiny-glm-moe-dsa": "GlmMoeDsaForCausalLM",
     "tiny-qwen3-vl": "Qwen3VLForConditionalGeneration",
     "tiny-qwen3-vl-moe": "Qwen3VLMoeForConditionalGeneration",
+    "tiny-glm4-moe": "Glm4MoeForCausalLM",
+    "tiny-glm4-moe-lite": "Glm4MoeLiteForCausalLM",
 }
 
 

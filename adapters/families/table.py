@@ -59,6 +59,10 @@ class Param:
         dtype: the dtype vLLM allocates it in when that is not the model
             dtype (DeepSeek-V3's ``e_score_correction_bias``: float32);
             ``None``: the model dtype.
+        model_dtype_on_wire: checkpoints store it in the model dtype although
+            vLLM allocates it in ``dtype`` (its loader casts on copy: GLM-4.5's
+            router weight, ``GateLinear(params_dtype=torch.float32)``); a
+            config-only wire tensor then has the model dtype.
         quantized: vLLM builds the layer with the model's ``quant_config``
             (a linear layer or routed experts); with an fp8 block
             ``quantization_config`` it becomes float8 and gains a
@@ -77,6 +81,7 @@ class Param:
     aliases: tuple[str, ...] = ()
     dtype: Any = None
     quantized: bool = False
+    model_dtype_on_wire: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, Kind):

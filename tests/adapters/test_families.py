@@ -62,6 +62,7 @@ SUPPORTED = ["DeepseekV3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
 SUPPORTED += ["Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration"]
 SUPPORTED += ["KimiK25ForConditionalGeneration"]
 SUPPORTED += ["DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"]
+SUPPORTED += ["Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM"]
 SUPPORTED.sort()
 #: Families without a tiny model m2nkit builds: transformers 5.12.1 has no class for
 #: them (their tiny checkpoints are written by tests/data/oracle/regenerate.py).
@@ -137,7 +138,8 @@ def test_tiny_models_come_from_the_families():
                                          "tiny-deepseek-v3", "tiny-deepseek-v3-fp8",
                                          "tiny-deepseek-v3-no-q-lora", "tiny-deepseek-v32",
                                          "tiny-glm-moe-dsa", "tiny-qwen3-vl",
-                                         "tiny-qwen3-vl-moe"]
+                                         "tiny-qwen3-vl-moe", "tiny-glm4-moe",
+                                         "tiny-glm4-moe-lite"]
 
 
 def test_unsupported_architecture_one_message_everywhere():

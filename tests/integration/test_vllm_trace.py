@@ -100,6 +100,10 @@ MATRIX += [("tiny-qwen3-vl", s) for s in ("vllm:tp=1", "vllm:tp=2", "vllm:tp=4",
           [("tiny-qwen3-vl-moe", s) for s in ("vllm:tp=1", "vllm:tp=2", "vllm:tp=4", "vllm:tp=8",
                                                "vllm:tp=2,ep", "vllm:tp=4,ep", "vllm:tp=8,ep",
                                                "vllm:tp=2,dp=2", "vllm:tp=2,dp=2,ep")]
+#: GLM-4.5 and GLM-4.7-Flash (families/glm4_moe.py, glm4_moe_lite.py)
+MATRIX += [(m, s) for m in ("tiny-glm4-moe", "tiny-glm4-moe-lite")
+           for s in ("vllm:tp=1", "vllm:tp=2", "vllm:tp=4", "vllm:tp=8", "vllm:tp=2,ep",
+                     "vllm:tp=4,ep", "vllm:tp=8,ep", "vllm:tp=2,dp=2", "vllm:tp=2,dp=2,ep")]
 
 
 #: DeepSeek-V3.2 and GLM-5 (DSA indexer), MoE: with and without EP, dp replicas.
