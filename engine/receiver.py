@@ -80,6 +80,7 @@ from m2nkit.engine.session import (
     InitPayload,
     check_destination,
     plan_from_manifest,
+    session_destination,
 )
 from m2nkit.engine.transports.registry import open_transport
 from m2nkit.manifest.destination import DestinationLayout
@@ -358,8 +359,9 @@ class M2NReceiver(WeightTransferEngine):
             raise ValueError(f"{me}: init payload world_size {payload.world_size} - rank_offset "
                              f"{payload.rank_offset} = {payload.num_workers} workers, but "
                              f"{spec} has {self.destination.num_workers}")
+        destination = session_destination(payload, self.destination, me)
         try:
-            plan, digest = plan_from_manifest(payload.manifest, self.destination)
+            plan, digest = plan_from_manifest(payload.manifest, destination)
         except ValueError as e:
             raise ValueError(f"{me}: init payload field 'manifest': {e}") from None
         if digest != payload.manifest_digest:

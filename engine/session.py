@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from m2nkit.manifest.meta import ParamMeta
 
 __all__ = ["INIT_SCHEMA_VERSION", "DestinationBuilder", "check_destination", "InitPayload",
-           "plan_from_manifest"]
+           "GivenLayout", "session_destination", "plan_from_manifest"]
 
 
 @runtime_checkable
@@ -79,8 +79,11 @@ def check_destination(destination: Any, where: str) -> DestinationBuilder:
 
 #: The session protocol both sides speak. 2: a worker joins each round in the
 #: session store before it receives (``control.join_round``), and the trainers
-#: wait for that before they send; a worker of version 1 never would.
-INIT_SCHEMA_VERSION = 2
+#: wait for that before they send; a worker of version 1 never would. 3: a
+#: traced layout travels in the payload (``InitPayload.destination``) and each
+#: worker checks its own part against its own loaders, instead of tracing
+#: every worker itself; a worker of version 2 would trace them all.
+INIT_SCHEMA_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,14 @@ class InitPayload:
             Every ``update_weights`` of the session carries it, so a worker
             that a newer init has taken over refuses the older session's
             calls as *superseded* instead of mixing the two.
+        destination: the trainers' destination layout
+            (``m2nkit.manifest.destination.layout_to_json``) when it was
+            traced from vLLM's loaders (``VLLMDestination.layout ==
+            "traced"``), else ``None``. A worker whose own destination is
+            traced plans from it instead of tracing every worker's model
+            (:func:`session_destination`) and checks its own part against
+            its live model's loaders (the vLLM plugin), so each worker
+            traces one model, its own.
     """
 
     master_address: str
@@ -128,6 +139,7 @@ class InitPayload:
     bucket_bytes: int
     transport: str = "torch_p2p"
     session: str = ""
+    destination: dict | None = None
     schema_version: int = INIT_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -148,6 +160,9 @@ class InitPayload:
         check_transport(self.transport, "init payload transport")
         if not isinstance(self.session, str):
             raise ValueError(f"init payload field 'session' must be a string, got {self.session!r}")
+        if self.destination is not None and not isinstance(self.destination, Mapping):
+            raise ValueError("init payload field 'destination' must be an object (a traced "
+                             f"layout) or null, got {type(self.destination).__name__}")
         if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
             raise ValueError(f"init payload timeout_s must be > 0, got {self.timeout_s!r}")
 
@@ -172,11 +187,56 @@ class InitPayload:
         unknown = sorted(set(data) - names)
         if unknown:
             raise ValueError(f"init payload has unknown fields {unknown}; expected {sorted(names)}")
-        optional = ("schema_version", "transport", "session")
+        optional = ("schema_version", "transport", "session", "destination")
         missing = sorted(n for n in names - set(data) if n not in optional)
         if missing:
             raise ValueError(f"init payload is missing fields {missing}")
         return cls(**dict(data))
+
+
+@dataclass(frozen=True)
+class GivenLayout:
+    """A :class:`DestinationBuilder` that returns a layout the trainers traced (the payload's).
+
+    Attributes:
+        layout: the ``DestinationLayout``.
+        spec, num_workers: the layout's.
+    """
+
+    layout: Any
+    spec: str
+    num_workers: int
+
+    def __call__(self, metas: Any) -> Any:
+        return self.layout
+
+
+def session_destination(payload: "InitPayload", destination: DestinationBuilder,
+                        where: str) -> DestinationBuilder:
+    """The destination a worker plans ``payload`` with: the payload's traced layout, or its own.
+
+    A worker whose own builder traces vLLM's loaders (``layout == "traced"``)
+    takes the trainers' traced layout from ``payload.destination`` rather
+    than tracing every worker's model itself (W traces per worker, W^2 in
+    all); its own part is then checked against its own model by the caller
+    (``m2nkit.engine.plugins.vllm``). Otherwise (tables, or no layout in the
+    payload) its own builder, as before.
+
+    Raises:
+        ValueError: the payload's layout does not parse, or is for another
+            spec or number of workers than ``destination`` (names ``where``
+            and both).
+    """
+    from m2nkit.manifest.destination import layout_from_json
+
+    if payload.destination is None or getattr(destination, "layout", None) != "traced":
+        return destination
+    layout = layout_from_json(dict(payload.destination))
+    if (layout.spec, layout.num_workers) != (destination.spec, destination.num_workers):
+        raise ValueError(f"{where}: init payload field 'destination' is a layout of "
+                         f"{layout.spec} ({layout.num_workers} workers), but this worker serves "
+                         f"{destination.spec} ({destination.num_workers} workers)")
+    return GivenLayout(layout, layout.spec, layout.num_workers)
 
 
 def plan_from_manifest(manifest: Mapping[str, Any],

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from m2nkit.manifest.protocol import TrainerInitInfo, TrainerWeightTransferEngine, VLLMWeightSyncClient
+from m2nkit.manifest.destination import layout_to_json
 from m2nkit.manifest.serialize import manifest_to_json
 
 from .control import (
@@ -228,6 +229,10 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
             manifest_digest=digest, plan_digest=plan.digest(), timeout_s=info.timeout_s,
             bucket_bytes=info.bucket_bytes, transport=info.transport,
             session=uuid.uuid4().hex[:16],
+            # a traced layout travels along: each worker checks its own part instead of
+            # tracing every worker (engine.session.session_destination)
+            destination=(layout_to_json(plan.destination)
+                         if getattr(info.destination, "layout", None) == "traced" else None),
         )
         rpc = None
         if info.is_sender:

@@ -19,7 +19,8 @@ import torch
 
 from .layout import Box
 
-__all__ = ["DestinationParam", "Binding", "DestinationLayout"]
+__all__ = ["DestinationParam", "Binding", "DestinationLayout", "layout_to_json",
+           "layout_from_json"]
 
 
 @dataclass(frozen=True)
@@ -102,3 +103,60 @@ class DestinationLayout:
             p.name: torch.full(p.shape, fill, dtype=p.dtype)
             for p in self.params if p.worker == worker
         }
+
+
+def layout_to_json(layout: DestinationLayout) -> dict:
+    """``layout`` as JSON-able data, for :func:`layout_from_json` (the init payload of a
+    traced layout, ``m2nkit.engine.session.InitPayload.destination``).
+
+    Compact: wire and parameter names are listed once and referred to by index;
+    dtypes by torch name (``"bfloat16"``); boxes as ``[lo, hi]`` pairs.
+    """
+    from .serialize import dtype_name
+
+    params = sorted({p.name for p in layout.params}
+                    | {b.param for bs in layout.bindings.values() for b in bs})
+    index = {n: i for i, n in enumerate(params)}
+    return {
+        "spec": layout.spec, "num_workers": layout.num_workers, "param_names": params,
+        "params": [[p.worker, index[p.name], dtype_name(p.dtype), list(p.shape),
+                    [[list(d) for d in z] for z in p.zero_boxes]] for p in layout.params],
+        "bindings": {n: [[b.worker, [list(d) for d in b.box], index[b.param], list(b.offset)]
+                         for b in bs] for n, bs in layout.bindings.items()},
+        "skipped": dict(layout.skipped), "aliases": dict(layout.aliases),
+        "unknown": dict(layout.unknown), "notes": list(layout.notes),
+    }
+
+
+def layout_from_json(data: dict) -> DestinationLayout:
+    """The :class:`DestinationLayout` :func:`layout_to_json` wrote.
+
+    Raises:
+        ValueError: not such data (names the field or entry that is wrong).
+    """
+    from .serialize import dtype_from_name
+
+    def box(rows, where):
+        out = tuple(tuple(int(v) for v in d) for d in rows)
+        if any(len(d) != 2 or d[0] > d[1] for d in out):
+            raise ValueError(f"destination layout {where}: {rows!r} is not a box of [lo, hi] pairs")
+        return out
+
+    try:
+        names = list(data["param_names"])
+        params = tuple(DestinationParam(int(w), names[i], dtype_from_name(dt),
+                                        tuple(int(n) for n in shape),
+                                        tuple(box(z, f"zero box of {names[i]!r}") for z in zero))
+                       for w, i, dt, shape, zero in data["params"])
+        bindings = {str(n): tuple(Binding(str(n), int(w), box(b, f"binding of {n!r}"), names[i],
+                                          tuple(int(o) for o in off))
+                                  for w, b, i, off in bs)
+                    for n, bs in data["bindings"].items()}
+        return DestinationLayout(str(data["spec"]), int(data["num_workers"]), params, bindings,
+                                 skipped=dict(data.get("skipped", {})),
+                                 aliases=dict(data.get("aliases", {})),
+                                 unknown=dict(data.get("unknown", {})),
+                                 notes=tuple(data.get("notes", ())))
+    except (KeyError, IndexError, TypeError, AttributeError) as e:
+        raise ValueError(f"destination layout data is malformed ({type(e).__name__}: {e}); "
+                         "expected what m2nkit.manifest.destination.layout_to_json writes") from None

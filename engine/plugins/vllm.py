@@ -76,7 +76,7 @@ from m2nkit.adapters.vllm.spec import ALL2ALL_BACKENDS, InferenceSpec
 from m2nkit.engine.control import PlanMismatchError, agree_on_plan, create_group, release_group
 from m2nkit.engine.deadline import Deadline
 from m2nkit.engine.receiver import M2NReceiver, M2NUpdateInfo, refuse_unparsed_payload
-from m2nkit.engine.session import InitPayload, plan_from_manifest
+from m2nkit.engine.session import InitPayload, plan_from_manifest, session_destination
 
 __all__ = ["BACKEND", "register", "M2NVLLMEngine", "inference_spec_of", "worker_index_of",
            "live_model_problems", "receive_mode", "MODE_ENV", "TRACE_CHECK_ENV"]
@@ -242,10 +242,18 @@ class M2NVLLMEngine(WeightTransferEngine):
             (:func:`inference_spec_of`).
         worker: this worker's index (:func:`worker_index_of`).
         weight_version: the last committed version (``None`` before one).
+        traced_own_loaders: whether an init held this worker's part of the
+            plan against its own model's loaders.
+
+    Layouts traced from vLLM's loaders (an architecture without a table,
+    or ``--layout traced``): the trainers trace every worker's meta model and
+    send the layout in the init payload (``InitPayload.destination``); this
+    worker plans from it and holds its own part against its live model's
+    loaders (one trace, its own model), so a layout that is not what this
+    vLLM does is refused, naming the tensor, before any byte moves.
 
     Raises (construction):
-        ValueError: pipeline parallelism, or a model family m2nkit has no
-            table for (names the architecture).
+        ValueError: pipeline parallelism (names it).
     """
 
     init_info_cls = InitPayload
@@ -264,6 +272,9 @@ class M2NVLLMEngine(WeightTransferEngine):
         self.mode = receive_mode()
         self._receiver: M2NReceiver | None = None
         self._version: str | None = None
+        #: whether an init held this worker's part of the plan against its own model's
+        #: loaders (traced once, on the live model)
+        self.traced_own_loaders = False
 
     @property
     def weight_version(self) -> str | None:
@@ -304,11 +315,15 @@ class M2NVLLMEngine(WeightTransferEngine):
         if payload.inference != self.destination.spec:
             return []       # the receiver refuses it, naming both specs
         try:
-            plan, _ = plan_from_manifest(payload.manifest, self.destination)
+            destination = session_destination(payload, self.destination, str(self.identity))
+            plan, _ = plan_from_manifest(payload.manifest, destination)
         except ValueError:
             return []       # the receiver refuses it with its own message
         found = live_model_problems(self.model, plan.destination, self.worker)
-        if (not found and self.destination.layout != "traced"
+        # The tables' layout, or the trainers' traced one (the payload's): either way this
+        # worker's part is held against its own model's loaders, one trace, its own.
+        theirs = destination is not self.destination
+        if (not found and (theirs or self.destination.layout != "traced")
                 and os.environ.get(TRACE_CHECK_ENV, "1") != "0"):
             found = self._traced_problems(plan)
         if found:
@@ -345,10 +360,12 @@ class M2NVLLMEngine(WeightTransferEngine):
             return []
         try:
             wire = [w.meta for w in plan.wires]
-            return traced_problems(self.model, plan.destination, self.worker, wire,
-                                   self.vllm_config, experts_on_disk(self.model_config.hf_config),
-                                   names=checkpoint_names(self.model_config.hf_config,
-                                                          [m.name for m in wire]))
+            found = traced_problems(self.model, plan.destination, self.worker, wire,
+                                    self.vllm_config, experts_on_disk(self.model_config.hf_config),
+                                    names=checkpoint_names(self.model_config.hf_config,
+                                                           [m.name for m in wire]))
+            self.traced_own_loaders = True
+            return found
         except TraceError as e:
             _log.warning("%s: the layout was not checked against vLLM's loaders: %s",
                          self.identity, e)

@@ -272,6 +272,10 @@ UNPARSEABLE = {
     "unknown field": (lambda p: p.update(colour="red"), "unknown fields ['colour']"),
     "bad port": (lambda p: p.update(master_port=0), "'master_port'"),
     "manifest not an object": (lambda p: p.update(manifest=[]), "'manifest'"),
+    "destination not an object": (lambda p: p.update(destination=[1]), "'destination'"),
+    # a worker of schema 2 would trace every worker's model instead of reading the payload's
+    "older protocol": (lambda p: p.update(schema_version=2),
+                       "schema_version 2 is not supported; this m2nkit speaks 3"),
 }
 
 #: Payloads that parse but are refused: the worker joins only to tell every rank why.

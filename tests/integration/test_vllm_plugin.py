@@ -180,8 +180,20 @@ def test_round_into_live_vllm_model_equals_fresh_vllm_load(host, versions, name,
     assert {s["engine"] for s in started} == {"m2nkit.engine.plugins.vllm.M2NVLLMEngine"}
     assert all(not s["model"].startswith(("Module", "Transformers")) for s in started)
 
+    traced = host.client.collective_rpc(_forbid_tracing_every_worker)
     outcome = _run_trainers(host.client, [v1], inference)
     assert outcome == {0: "done", 1: "done"}, outcome
+    # Every worker held its part of the plan against its own loaders; one whose layout is
+    # traced (no table) planned from the trainers' trace and traced no other model.
+    assert host.client.collective_rpc(_traced_own_loaders) == [True] * len(started)
+    import json
+
+    from pathlib import Path
+
+    from m2nkit.adapters.families import has_table
+
+    arch = json.loads((Path(v0) / "config.json").read_text())["architectures"][0]
+    assert traced == [not has_table(arch)] * len(started)
 
     reports = host.client.verify(v1)
     assert len(reports) == len(started)
@@ -208,6 +220,22 @@ def test_round_into_live_vllm_model_equals_fresh_vllm_load(host, versions, name,
         for w, r in enumerate(host.client.collective_rpc(_mla_derived_against_fresh, str(v1))):
             assert r["compared"], f"worker {w}: no MLA layer has derived weights: {r}"
             assert r["differ"] == [], f"worker {w}: derived MLA weights differ: {r['differ']}"
+
+
+def _forbid_tracing_every_worker(state) -> bool:
+    """In a worker: any trace of the whole destination fails (schema 3: a worker traces
+    its own model only); returns whether this worker's layout is traced."""
+    from m2nkit.adapters.vllm import trace
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"worker {state['worker']} traced every worker's model")
+
+    trace.trace_destination = refuse        # VLLMDestination looks it up when called
+    return state["engine"].destination.layout == "traced"
+
+
+def _traced_own_loaders(state) -> bool:
+    return state["engine"].traced_own_loaders
 
 
 def _mla_derived(model) -> dict:

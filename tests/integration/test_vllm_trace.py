@@ -310,3 +310,61 @@ def test_dsa_tables_equal_the_trace_under_fp8_blocks(tmp_path, model, spec):
     assert dtypes[idx + "wk_weights_proj.weight"] == torch.bfloat16
     assert idx + "wk_weights_proj.weight_scale_inv" not in dtypes
     assert dtypes[idx + "k_norm.weight"] == torch.float32
+
+
+def _payload(metas, layout, inference):
+    from m2nkit.engine.plan import build_plan
+    from m2nkit.engine.session import InitPayload
+    from m2nkit.manifest.destination import layout_to_json
+    from m2nkit.manifest.serialize import manifest_digest, manifest_to_json
+
+    plan = build_plan(metas, 2, layout, manifest_digest=manifest_digest(metas, 2))
+    return InitPayload(master_address="127.0.0.1", master_port=1, rank_offset=2,
+                       world_size=2 + layout.num_workers, backend="gloo", inference=inference,
+                       manifest=manifest_to_json(metas, 2), manifest_digest=manifest_digest(metas, 2),
+                       plan_digest=plan.digest(), timeout_s=5.0, bucket_bytes=1 << 20,
+                       destination=layout_to_json(layout))
+
+
+def test_a_traced_layout_from_the_trainers_is_held_against_each_workers_own_loaders(monkeypatch):
+    """A worker of a traced layout (no table: MiniMax-M2) plans from the layout the trainers
+    traced, sent in the init payload, and traces no model but its own: its live model's
+    loaders against its part of the plan. A layout one row off for it is refused, naming the
+    tensor; the same layout off for another worker is that worker's to refuse."""
+    from dataclasses import replace
+
+    from _oracle import DATA
+    from m2nkit.adapters.hf_checkpoint import checkpoint_metas, read_checkpoint
+    from m2nkit.adapters.vllm import parse_inference_spec, trace
+    from m2nkit.engine.control import PlanMismatchError
+    from m2nkit.engine.tools.vllm_workers import build_cpu_worker, create_engine
+
+    model, inference, worker = "tiny-minimax-m2", "vllm:tp=2,ep", 1
+    ckpt = DATA / model / "checkpoint"
+    metas = checkpoint_metas(read_checkpoint(ckpt), "fsdp:2")
+    layout = trace.trace_destination(ckpt, metas, inference)       # the trainers' trace
+    live, vllm_config = build_cpu_worker(ckpt, parse_inference_spec(inference), worker)
+    engine = create_engine(live, vllm_config, "cpu")
+    assert engine.destination.layout == "traced"
+    inference = engine.destination.spec          # canonical: "vllm:tp=2,dp=1,ep"
+
+    def no_full_trace(*args, **kwargs):
+        raise AssertionError("the worker traced every worker's model")
+
+    monkeypatch.setattr(trace, "trace_destination", no_full_trace)
+    assert engine._problems(_payload(metas, layout, inference)) == []
+    assert engine.traced_own_loaders
+
+    name = "model.layers.0.self_attn.o_proj.weight"
+    def off_for(w):
+        wrong = tuple(replace(b, offset=(b.offset[0] + 1, *b.offset[1:])) if b.worker == w
+                      else b for b in layout.bindings[name])
+        return replace(layout, bindings={**layout.bindings, name: wrong})
+
+    reported = []
+    monkeypatch.setattr(engine, "_refuse_everywhere", lambda p, m: reported.append(m))
+    with pytest.raises(PlanMismatchError, match=rf"worker {worker}.*does not match m2nkit's "
+                                                rf"layout for {inference}.*'{name}'"):
+        engine.init_transfer_engine(_payload(metas, off_for(worker), inference))
+    assert len(reported) == 1 and name in reported[0]
+    assert engine._problems(_payload(metas, off_for(0), inference)) == []

@@ -404,3 +404,33 @@ def test_param_meta_rules(args, kwargs, exc, match):
         ParamMeta(*args, **kwargs)
     if args[0]:
         assert "'w'" in str(info.value)
+
+
+def test_a_destination_layout_travels_as_json_and_comes_back_equal():
+    """The init payload of a traced layout (``InitPayload.destination``): every param,
+    binding, zero box, skip, alias and note survives JSON; malformed data is refused."""
+    import json
+
+    from m2nkit.manifest.destination import (Binding, DestinationLayout, DestinationParam,
+                                             layout_from_json, layout_to_json)
+
+    layout = DestinationLayout(
+        "vllm:tp=2,dp=1", 2,
+        (DestinationParam(0, "embed", torch.bfloat16, (5, 4), (((3, 5), (0, 4)),)),
+         DestinationParam(1, "embed", torch.bfloat16, (5, 4), (((0, 5), (0, 4)),)),
+         DestinationParam(0, "bias", torch.float32, (3,))),
+        {"w": (Binding("w", 0, ((0, 3), (0, 4)), "embed", (0, 0)),),
+         "b": (Binding("b", 0, ((0, 3),), "bias", (0,)), Binding("b", 1, ((1, 2),), "bias", (2,)))},
+        skipped={"lm_head.weight": "tied"}, aliases={"head": "embed"},
+        unknown={"x": "no rule"}, notes=("traced",))
+    back = layout_from_json(json.loads(json.dumps(layout_to_json(layout))))
+    assert back == layout
+    assert back.params[2].dtype is torch.float32
+    data = layout_to_json(layout)
+    data["bindings"]["w"][0][1] = [[3, 0], [0, 4]]             # lo > hi
+    with pytest.raises(ValueError, match=r"binding of 'w': \[\[3, 0\], \[0, 4\]\] is not a box"):
+        layout_from_json(data)
+    data = layout_to_json(layout)
+    del data["param_names"]
+    with pytest.raises(ValueError, match="destination layout data is malformed"):
+        layout_from_json(data)
