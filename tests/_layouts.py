@@ -14,3 +14,28 @@ def own_param_destination(name, shape, dtype, boxes_per_worker):
             params.append(DestinationParam(w, pname, dtype, tuple(b - a for a, b in box)))
             bindings.append(Binding(name, w, box, pname, (0,) * len(shape)))
     return DestinationLayout("test", len(boxes_per_worker), tuple(params), {name: tuple(bindings)})
+
+
+def fill_worker(layout, wire, worker):
+    """Worker ``worker``'s storage as the layout's bindings fill it from ``wire`` (name ->
+    full tensor): NaN first, zero boxes zeroed, each binding's box copied (cast to the
+    parameter's dtype). Returns ``(store, count)``, ``count`` how often each element was
+    written (every element of a full layout exactly once)."""
+    import torch
+
+    store = layout.allocate(worker, fill=float("nan"))
+    count = {n: torch.zeros(t.shape, dtype=torch.int32) for n, t in store.items()}
+    for p in layout.params:                          # vocab padding rows: zeros
+        if p.worker == worker:
+            for box in p.zero_boxes:
+                sl = tuple(slice(a, c) for a, c in box)
+                store[p.name][sl] = 0
+                count[p.name][sl] += 1
+    for name, bindings in layout.bindings.items():
+        for b in bindings:
+            if b.worker == worker:
+                dst = tuple(slice(o, o + (c - a)) for o, (a, c) in zip(b.offset, b.box))
+                store[b.param][dst] = wire[name][tuple(slice(a, c) for a, c in b.box)].to(
+                    store[b.param].dtype)
+                count[b.param][dst] += 1
+    return store, count

@@ -23,6 +23,7 @@ from _oracle import ALL_FIXTURES, DATA, _oracle, assert_layout_equals_dumps
 from _paths import REPO
 from m2nkit.adapters.hf_checkpoint import CheckpointError, full_checkpoint_tensors, read_checkpoint
 from m2nkit.adapters.vllm import InferenceSpec, destination_layout, reference_load
+from _layouts import fill_worker
 
 MODELS = ("tiny-deepseek-v32", "tiny-glm-moe-dsa")
 FIXTURES = [p for p in ALL_FIXTURES if p.values[0] in MODELS]
@@ -91,21 +92,7 @@ def test_layout_equals_reference_with_dp(model, tp, dp, ep):
     wire = {p.name: ck.read_full(p.name) for p in ck.params}
     full = full_checkpoint_tensors(ck)
     for w in range(spec.num_workers):
-        store = layout.allocate(w, fill=float("nan"))
-        count = {n: torch.zeros(t.shape, dtype=torch.int32) for n, t in store.items()}
-        for p in layout.params:
-            if p.worker == w:
-                for box in p.zero_boxes:
-                    sl = tuple(slice(a, c) for a, c in box)
-                    store[p.name][sl] = 0
-                    count[p.name][sl] += 1
-        for name, bindings in layout.bindings.items():
-            for b in bindings:
-                if b.worker == w:
-                    dst = tuple(slice(o, o + (c - a)) for o, (a, c) in zip(b.offset, b.box))
-                    store[b.param][dst] = wire[name][tuple(slice(a, c) for a, c in b.box)].to(
-                        store[b.param].dtype)
-                    count[b.param][dst] += 1
+        store, count = fill_worker(layout, wire, w)
         ref = reference_load(ck.config, full, spec, w)
         for name, t in store.items():
             assert bool((count[name] == 1).all()), f"{name} on worker {w}: not written once"
