@@ -45,6 +45,9 @@ ARCHITECTURES: dict[str, str] = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Qwen3NextForCausalLM": "qwen3_next",
+    "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
 }
 
 
@@ -65,6 +68,9 @@ TINY_MODEL_ARCHITECTURES: dict[str, str] = {
     "tiny-deepseek-v3": "DeepseekV3ForCausalLM",
     "tiny-deepseek-v3-fp8": "DeepseekV3ForCausalLM",
     "tiny-deepseek-v3-no-q-lora": "DeepseekV3ForCausalLM",
+    "tiny-qwen3-next": "Qwen3NextForCausalLM",
+    "tiny-qwen3.5": "Qwen3_5ForCausalLM",
+    "tiny-qwen3.5-moe": "Qwen3_5MoeForCausalLM",
 }
 
 
