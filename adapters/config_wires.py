@@ -138,7 +138,8 @@ def _feeds(ex: Expanded, s: Sizes, dtype: torch.dtype
     condition is false and a tied ``lm_head`` (the files need not hold it).
     """
     for wire, (_, p, part) in ex.feeds.items():
-        yield wire, p.kind.wire_shape(s.resolve(p.dims), part, s), p.dtype or dtype
+        wire_dtype = dtype if p.wire_in_model_dtype else p.dtype or dtype
+        yield wire, p.kind.wire_shape(s.resolve(p.dims), part, s), wire_dtype
 
 
 def _memory_path(family: Family, name: str) -> str:

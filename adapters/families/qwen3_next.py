@@ -140,7 +140,8 @@ def linear_attention_tail() -> tuple[Param, ...]:
     """``QwenGatedDeltaNetAttention`` after its input projections (both families)."""
     return (
         Param(f"{LA}.dt_bias", COLUMN, ("nvh",), when="linear"),
-        Param(f"{LA}.A_log", COLUMN, ("nvh",), when="linear", dtype=torch.float32),
+        Param(f"{LA}.A_log", COLUMN, ("nvh",), when="linear", dtype=torch.float32,
+              wire_in_model_dtype=True),
         Param(f"{LA}.norm.weight", REPLICATED, ("dv",), when="linear"),
         Param(f"{LA}.out_proj.weight", ROW, ("H", "vd"), when="linear"),
     )

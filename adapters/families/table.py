@@ -59,6 +59,11 @@ class Param:
         dtype: the dtype vLLM allocates it in when that is not the model
             dtype (DeepSeek-V3's ``e_score_correction_bias``: float32);
             ``None``: the model dtype.
+        wire_in_model_dtype: the checkpoint (and transformers' model) holds
+            the wire tensor in the model dtype although vLLM allocates the
+            parameter in ``dtype`` and casts on load (Gated DeltaNet's
+            ``A_log``: float32 in vLLM, ``qwen_gdn_linear_attn.py``);
+            ``False``: the wire tensor has ``dtype`` too.
         quantized: vLLM builds the layer with the model's ``quant_config``
             (a linear layer or routed experts); with an fp8 block
             ``quantization_config`` it becomes float8 and gains a
@@ -77,6 +82,7 @@ class Param:
     aliases: tuple[str, ...] = ()
     dtype: Any = None
     quantized: bool = False
+    wire_in_model_dtype: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, Kind):

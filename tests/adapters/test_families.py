@@ -54,17 +54,20 @@ from m2nkit.adapters.families.sizes import Sizes
 from m2nkit.adapters.families.table import Family, HFNaming, Param, TinyModel
 
 #: Families whose vLLM model has no tied lm_head parameter (see their modules).
-NEVER_TIED = ("GptOssForCausalLM", "Gemma2ForCausalLM")
+NEVER_TIED = ("GptOssForCausalLM", "Gemma2ForCausalLM", "Qwen3NextForCausalLM")
 SUPPORTED = ["DeepseekV3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
              "GptOssForCausalLM", "LlamaForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
              "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"]
+SUPPORTED += ["Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"]
+SUPPORTED.sort()
 #: Families with Megatron-Core names (adapters/megatron/names.py).
 WITH_MEGATRON_NAMES = ("LlamaForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
                        "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 ONE_MESSAGE = ("architecture 'PhiForCausalLM' is not supported; supported: "
                "DeepseekV3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, GptOssForCausalLM, "
                "LlamaForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
-               "Qwen3MoeForCausalLM; an architecture without an m2nkit table is planned from "
+               "Qwen3MoeForCausalLM, Qwen3NextForCausalLM, Qwen3_5ForCausalLM, "
+               "Qwen3_5MoeForCausalLM; an architecture without an m2nkit table is planned from "
                "vLLM's own weight loaders: --layout traced (needs vLLM installed)")
 
 
@@ -100,7 +103,7 @@ def test_every_architecture_resolves_to_a_module_with_every_piece(arch):
     # (GPT-OSS) or has no lm_head at all (Gemma 2: logits from embed_tokens)
     assert any(p.tied_to for p in fam.params) == (arch not in NEVER_TIED)
     # DeepSeek-V3 lives in vLLM's deepseek_v2.py (DeepseekV3ForCausalLM subclasses V2's)
-    vllm_file = {"deepseek_v3": "deepseek_v2"}.get(ARCHITECTURES[arch], ARCHITECTURES[arch])
+    vllm_file = {"deepseek_v3": "deepseek_v2", "qwen3_5_moe": "qwen3_5"}.get(ARCHITECTURES[arch], ARCHITECTURES[arch])
     assert fam.vllm_source == f"vllm/model_executor/models/{vllm_file}.py"
     # tiny test models
     assert fam.tiny is module.TINY_MODELS and fam.tiny
@@ -128,7 +131,8 @@ def test_tiny_models_come_from_the_families():
                                          "tiny-qwen3-tied", "tiny-qwen3-moe", "tiny-mixtral",
                                          "tiny-gpt-oss", "tiny-gemma2", "tiny-gemma3",
                                          "tiny-deepseek-v3", "tiny-deepseek-v3-fp8",
-                                         "tiny-deepseek-v3-no-q-lora"]
+                                         "tiny-deepseek-v3-no-q-lora",
+                                         "tiny-qwen3-next", "tiny-qwen3.5", "tiny-qwen3.5-moe"]
 
 
 def test_unsupported_architecture_one_message_everywhere():
