@@ -100,10 +100,12 @@ def test_every_architecture_resolves_to_a_module_with_every_piece(arch):
     assert fam.conditions is module.CONDITIONS
     assert {p.when for p in fam.params if p.when} <= set(fam.conditions)
     # tied embeddings are a condition of every family, except where vLLM never ties
-    # (GPT-OSS) or has no lm_head at all (Gemma 2: logits from embed_tokens)
+    # (GPT-OSS, Qwen3-Next) or has no lm_head at all (Gemma 2: logits from embed_tokens)
     assert any(p.tied_to for p in fam.params) == (arch not in NEVER_TIED)
     # DeepSeek-V3 lives in vLLM's deepseek_v2.py (DeepseekV3ForCausalLM subclasses V2's)
-    vllm_file = {"deepseek_v3": "deepseek_v2", "qwen3_5_moe": "qwen3_5"}.get(ARCHITECTURES[arch], ARCHITECTURES[arch])
+    # (and Qwen3.5-MoE in qwen3_5.py, beside the dense Qwen3.5)
+    vllm_file = {"deepseek_v3": "deepseek_v2", "qwen3_5_moe": "qwen3_5"}.get(
+        ARCHITECTURES[arch], ARCHITECTURES[arch])
     assert fam.vllm_source == f"vllm/model_executor/models/{vllm_file}.py"
     # tiny test models
     assert fam.tiny is module.TINY_MODELS and fam.tiny

@@ -167,9 +167,10 @@ def test_shared_expert_aliases_and_sequence_parallel(model):
     ck = _ckpt(model)
     layout = destination_layout(ck.config, ck.params, "vllm:tp=2")
     S = M + "experts._shared_experts._layer."
+    G = M + "shared_expert_gate.weight"
     for alias, canonical in {M + "experts.gate.weight": M + "gate.weight",
-                             M + "shared_expert.expert_gate.weight": M + "shared_expert_gate.weight",
-                             S + "expert_gate.weight": M + "shared_expert_gate.weight",
+                             M + "shared_expert.expert_gate.weight": G,
+                             S + "expert_gate.weight": G,
                              S + "gate_up_proj.weight": M + "shared_expert.gate_up_proj.weight",
                              S + "down_proj.weight": M + "shared_expert.down_proj.weight"}.items():
         assert layout.aliases[alias] == canonical

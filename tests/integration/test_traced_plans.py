@@ -7,6 +7,8 @@ compute: vLLM's own ``DefaultModelLoader`` filling each worker's model from the
 checkpoint's files (``plan --verify`` on a traced layout), and the parameters
 of vLLM's model objects (every element of every worker parameter written once,
 no byte moved twice) for the published configs in ``examples/configs``.
+Architectures that have a table since (Qwen3-Next, Qwen3.5[-MoE] text models)
+are traced here from the table's wire names, which the trace takes as well.
 """
 
 from __future__ import annotations
@@ -53,8 +55,12 @@ def _cli(*args):
                           timeout=900, env=env, cwd=REPO)
 
 
-def test_plan_traces_an_architecture_without_a_table_and_vllm_agrees(tiny_hybrid_moe):
-    r = _cli(tiny_hybrid_moe, "--trainer", "fsdp:2", "--inference", "vllm:tp=2,ep", "--verify")
+def test_plan_layout_traced_plans_a_hybrid_gated_deltanet_moe_and_vllm_agrees(tiny_hybrid_moe):
+    """``--layout traced`` on an architecture that has a table (Qwen3.5-MoE,
+    families/qwen3_5_moe.py): the checkpoint is read with the table's wire names
+    (stacked experts ``...experts.gate_up_proj.weight``), which the trace takes."""
+    r = _cli(tiny_hybrid_moe, "--trainer", "fsdp:2", "--inference", "vllm:tp=2,ep", "--verify",
+             "--layout", "traced")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "traced from vLLM's own weight loaders" in r.stdout
     assert "(ratio 1.000)" in r.stdout
@@ -65,12 +71,24 @@ def test_plan_traces_an_architecture_without_a_table_and_vllm_agrees(tiny_hybrid
     assert not any(x in r.stderr for x in ("vllm._C", "Triton", "Reset SSM cache")), r.stderr
 
 
-def test_plan_from_the_tables_refuses_it_naming_the_traced_layout(tiny_hybrid_moe):
-    r = _cli(tiny_hybrid_moe, "--trainer", "fsdp:2", "--inference", "vllm:tp=2",
+def test_plan_from_the_tables_verifies_the_same_checkpoint(tiny_hybrid_moe):
+    r = _cli(tiny_hybrid_moe, "--trainer", "fsdp:2", "--inference", "vllm:tp=2,ep", "--verify",
              "--layout", "tables")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "m2nkit's family tables (no vLLM needed)" in r.stdout
+    assert "(ratio 1.000)" in r.stdout
+
+
+def test_plan_from_the_tables_refuses_an_architecture_without_one(tmp_path):
+    """An architecture transformers has and m2nkit has no table for (Phi), config only."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["PhiForCausalLM"], "model_type": "phi", "hidden_size": 64,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_hidden_layers": 2,
+        "vocab_size": 200, "dtype": "bfloat16"}))
+    r = _cli(tmp_path, "--trainer", "fsdp:2", "--inference", "vllm:tp=2", "--layout", "tables")
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1, r.stderr
-    assert "architecture 'Qwen3_5MoeForCausalLM' is not supported" in r.stderr
+    assert "architecture 'PhiForCausalLM' is not supported" in r.stderr
     assert r.stderr.strip().endswith("--layout traced (needs vLLM installed)")
 
 
@@ -79,7 +97,6 @@ def test_plan_from_the_tables_refuses_it_naming_the_traced_layout(tiny_hybrid_mo
 TABLELESS_CONFIGS = {
     "Qwen__Qwen3.5-27B": "vllm:tp=2",
     "Qwen__Qwen3.5-397B-A17B": "vllm:tp=2,ep",
-    "Qwen__Qwen3-Next-80B-A3B-Instruct": "vllm:tp=2,ep",
     "Qwen__Qwen3-VL-8B-Instruct": "vllm:tp=2",
     "Qwen__Qwen3-VL-30B-A3B-Instruct": "vllm:tp=2,ep",
     "zai-org__GLM-4.7-Flash": "vllm:tp=2,ep",
@@ -87,7 +104,14 @@ TABLELESS_CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("model", sorted(TABLELESS_CONFIGS))
+#: Published configs with a table, traced from the table's wire names all the same.
+TABLE_CONFIGS = {
+    "Qwen__Qwen3-Next-80B-A3B-Instruct": "vllm:tp=2,ep",
+}
+TRACED_CONFIGS = {**TABLELESS_CONFIGS, **TABLE_CONFIGS}
+
+
+@pytest.mark.parametrize("model", sorted(TRACED_CONFIGS))
 def test_config_only_traced_plans_write_every_element_once(model):
     from m2nkit.adapters.hf_checkpoint import checkpoint_metas, read_checkpoint
     from m2nkit.adapters.vllm.trace import trace_destination
@@ -98,7 +122,7 @@ def test_config_only_traced_plans_write_every_element_once(model):
     ckpt = read_checkpoint(config)
     assert ckpt.architecture == json.loads(config.read_text())["architectures"][0]
     metas = checkpoint_metas(ckpt, "fsdp:4")
-    layout = trace_destination(config.parent, metas, TABLELESS_CONFIGS[model])
+    layout = trace_destination(config.parent, metas, TRACED_CONFIGS[model])
     plan = build_plan(metas, 4, layout)
     assert not plan.problems, plan.problems[:3]
     # Every element of every parameter of vLLM's model objects is written exactly

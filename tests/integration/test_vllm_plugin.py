@@ -57,7 +57,8 @@ CASES = [  # (tiny model, vLLM layout, what it covers)
     # issue 16: architectures without a table, through the layout traced from the live
     # vLLM's loaders on both sides (trainers: transformers' own model of v1)
     ("tiny-glm4-moe", "vllm:tp=2,ep", "GLM-4.5, no table: traced layout"),
-    ("tiny-qwen3.5-moe", "vllm:tp=2,ep", "Qwen3.5-MoE (Gated DeltaNet), no table: traced"),
+    # (Qwen3.5-MoE has a table since: families/qwen3_5_moe.py; its Gated DeltaNet round)
+    ("tiny-qwen3.5-moe", "vllm:tp=2,ep", "Qwen3.5-MoE (Gated DeltaNet), from its table"),
     ("tiny-qwen3-vl", "vllm:tp=2", "Qwen3-VL with its vision tower, no table: traced"),
     # ... whose checkpoint names differ from transformers' in-memory ones (the workers'
     # trace check hands vLLM the checkpoint names: .mlp. is .block_sparse_moe. on disk)
