@@ -400,7 +400,8 @@ def _shard(kind: str, case: Case, mesh):
     if kind == "experts":
         from torch.distributed.tensor import Shard
 
-        kw["shard_placement_fn"] = lambda p: Shard(1) if p.dim() == 3 else None
+        # stacked experts [E, out, in]; not a Gated DeltaNet conv1d [C, 1, K]
+        kw["shard_placement_fn"] = lambda p: Shard(1) if p.dim() == 3 and p.shape[1] > 1 else None
     if kind == "tp":
         _tensor_parallel(model, mesh["tp"])
         mesh = mesh["dp_shard"]
@@ -523,7 +524,12 @@ def _verify(kind: str, world: int, cases: list[Case], out: Path) -> dict:
                                              full[m.name][box_slices(piece.box)]), \
                             (case.label, m.name, r, piece)
         layouts[case.label] = {m.name: type(m.layout).__name__ for m in metas}
-        tensors = full_checkpoint_tensors(ckpt)
+        # vLLM loads what the wire carries: a parameter vLLM keeps in float32 (Gated
+        # DeltaNet's A_log) gets the wire's bf16 values, not the fp32 master's
+        wire_dtype = {m.dtype for m in metas} - {torch.float32}
+        tensors = {n: (t.to(*wire_dtype) if t.dtype == torch.float32 and len(wire_dtype) == 1
+                       and not (case.fp32 and re.search(case.fp32, n)) else t)
+                   for n, t in full_checkpoint_tensors(ckpt).items()}
         for spec in case.specs:
             dest = destination_layout(case.config, metas, spec)
             plan = build_plan(metas, world, dest)
