@@ -33,9 +33,9 @@ from typing import Any
 
 from .kinds import GDN_CONV, GDN_QKVZ, MERGED, REPLICATED, VOCAB
 from .llama import dense_mlp_params
-from .qwen3_next import (LA, TINY_DERIVED, TINY_LINEAR, _defaults, full_attention_params,
-                         gdn_sizes, layer_norms, layer_types, linear_attention_tail, mtp_skip,
-                         refuse)
+from .qwen3_next import (LA, TINY_DERIVED, TINY_LINEAR, full_attention_params,
+                         gdn_config_defaults, gdn_sizes, layer_norms, layer_types,
+                         linear_attention_tail, mtp_skip, refuse)
 from .sizes import cfg_get
 from .table import Family, HFNaming, Param, TinyModel, merged_feeds
 
@@ -54,7 +54,7 @@ LINEAR_ATTENTION_CHILD_ORDER = {
 HF_NAMES = HFNaming(
     child_order=LINEAR_ATTENTION_CHILD_ORDER,
     model_types=("qwen3_5_text",),
-    config_defaults=_defaults(
+    config_defaults=gdn_config_defaults(
         hidden_size=4096, vocab_size=248320, intermediate_size=12288, num_hidden_layers=32,
         num_attention_heads=16, num_key_value_heads=4),
 )

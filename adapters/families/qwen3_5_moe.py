@@ -22,8 +22,8 @@ from typing import Any
 from .kinds import REPLICATED, VOCAB
 from .qwen3_5 import LINEAR_ATTENTION_CHILD_ORDER, layer_conditions, linear_attention_params
 from .qwen3_next import (EXPERTS_ON_DISK, MOE_CHILD_ORDER, TINY_LINEAR, TINY_MOE_DERIVED,
-                         _defaults, full_attention_params, gdn_sizes, layer_norms, moe_params,
-                         mtp_skip, refuse, tp_within_experts)
+                         full_attention_params, gdn_config_defaults, gdn_sizes, layer_norms,
+                         moe_params, mtp_skip, refuse, tp_within_experts)
 from .sizes import cfg_get
 from .table import TRANSFORMERS_FUSED_EXPERTS, Family, HFNaming, Param, TinyModel
 
@@ -37,7 +37,7 @@ HF_NAMES = HFNaming(
     fused_experts=TRANSFORMERS_FUSED_EXPERTS, experts_on_disk=EXPERTS_ON_DISK,
     child_order={**LINEAR_ATTENTION_CHILD_ORDER, **MOE_CHILD_ORDER},
     model_types=("qwen3_5_moe_text",),
-    config_defaults=_defaults(
+    config_defaults=gdn_config_defaults(
         hidden_size=2048, vocab_size=248320, num_hidden_layers=40, num_attention_heads=16,
         num_key_value_heads=2, moe_intermediate_size=512, shared_expert_intermediate_size=512,
         num_experts=256),

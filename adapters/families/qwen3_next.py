@@ -68,7 +68,8 @@ from .table import (TRANSFORMERS_FUSED_EXPERTS, Family, HFNaming, Param, TinyMod
 __all__ = ["ARCHITECTURE", "HF_NAMES", "EXPERTS_ON_DISK", "VLLM_PARAMS", "CONDITIONS",
            "TINY_MODELS", "FAMILY", "GdnSizes", "gdn_sizes", "layer_types",
            "full_attention_params", "linear_attention_tail", "moe_params", "layer_norms",
-           "MOE_CHILD_ORDER", "mtp_skip", "refuse", "tp_within_experts", "LA", "A"]
+           "MOE_CHILD_ORDER", "mtp_skip", "refuse", "tp_within_experts", "LA", "A",
+           "gdn_config_defaults", "TINY_DERIVED", "TINY_LINEAR", "TINY_MOE_DERIVED"]
 
 ARCHITECTURE = "Qwen3NextForCausalLM"
 
@@ -104,7 +105,7 @@ def _layer_types_rule(c: dict) -> list[str]:
     return layer_types(c)
 
 
-def _defaults(**keys: Any) -> dict[str, Any]:
+def gdn_config_defaults(**keys: Any) -> dict[str, Any]:
     """Config-class defaults shared by the Gated DeltaNet families, plus ``keys``."""
     return {"tie_word_embeddings": False, "attention_bias": False, "head_dim": 256,
             "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
@@ -118,7 +119,7 @@ HF_NAMES = HFNaming(
     fused_experts=TRANSFORMERS_FUSED_EXPERTS, experts_on_disk=EXPERTS_ON_DISK,
     child_order=MOE_CHILD_ORDER,
     model_types=("qwen3_next",),
-    config_defaults=_defaults(
+    config_defaults=gdn_config_defaults(
         hidden_size=2048, vocab_size=151936, intermediate_size=5632, num_hidden_layers=48,
         num_attention_heads=16, num_key_value_heads=2, decoder_sparse_step=1,
         moe_intermediate_size=512, shared_expert_intermediate_size=512, num_experts=512,
