@@ -58,7 +58,9 @@ from .families.table import Family
 
 __all__ = ["ConfigJson", "read_config_json", "TableWire", "table_wires", "skipped_layer_wires"]
 
-_LAYER = re.compile(r"^(model\.layers\.)\d+(?=\.|$)")
+#: A module index in a name (``model.layers.3``, ``model.language_model.layers.3``,
+#: ``model.visual.blocks.0``): ``HFNaming.child_order`` writes it ``{L}``.
+_LAYER = re.compile(r"(?<=\.)\d+(?=\.|$)")
 
 
 class ConfigJson(dict):
@@ -138,8 +140,8 @@ def _feeds(ex: Expanded, s: Sizes, dtype: torch.dtype
     condition is false and a tied ``lm_head`` (the files need not hold it).
     """
     for wire, (_, p, part) in ex.feeds.items():
-        wire_dtype = dtype if p.wire_in_model_dtype else p.dtype or dtype
-        yield wire, p.kind.wire_shape(s.resolve(p.dims), part, s), wire_dtype
+        yield wire, p.kind.wire_shape(s.resolve(p.dims), part, s), (
+            dtype if p.model_dtype_on_wire else p.dtype or dtype)
 
 
 def _memory_path(family: Family, name: str) -> str:
@@ -184,7 +186,7 @@ def _in_module_order(family: Family, items: Sequence[Any],
     def visit(node: _Module, path: str) -> None:
         out.extend(node.params)
         children = list(node.children.items())
-        wanted = order.get(_LAYER.sub(r"\1{L}", path)) if order else None
+        wanted = order.get(_LAYER.sub("{L}", path)) if order else None
         if wanted:
             rank = {c: i for i, c in enumerate(wanted)}
             children.sort(key=lambda kv: rank.get(kv[0], len(rank)))
@@ -254,7 +256,7 @@ def skipped_layer_wires(family: Family, config: Any, s: Sizes | None = None,
 
     for layer in spec.layers(config):
         for leaf, dims in spec.extras:
-            add(f"model.layers.{layer}.{leaf}", s.resolve(dims), dtype, False)
+            add(f"{spec.at.format(L=layer)}.{leaf}", s.resolve(dims), dtype, False)
         feeds = list(_feeds(expand(family, config, s, quantized=False, layers=(layer,)), s,
                             dtype))
         for name, shape, dt in _in_module_order(family, feeds, lambda f: f[0]):

@@ -23,7 +23,8 @@ import torch
 
 from .families import ARCHITECTURES, family
 
-__all__ = ["TINY_SIZES", "BUILTIN_TINY_MODELS", "shrink_config", "tiny_config", "save_tiny_checkpoint"]
+__all__ = ["TINY_SIZES", "BUILTIN_TINY_MODELS", "shrink_config", "tiny_config", "save_tiny_checkpoint",
+           "build_model", "save_model"]
 
 #: Sizes every tiny model shares (keys are transformers config attributes).
 TINY_SIZES: dict[str, Any] = {
@@ -70,21 +71,34 @@ def shrink_config(config, *, derived: Mapping[str, Callable] | None = None, **ov
     has one. Token ids are cleared so they fit the tiny vocab.
     """
     data = config.to_dict()
-    data.pop("layer_types", None)  # derived from num_hidden_layers on rebuild
-    sizes = {**TINY_SIZES, **overrides}
+    # per-layer lists, derived from num_hidden_layers on rebuild (DSA configs: the MLP
+    # and indexer type of each layer, from first_k_dense_replace and index_topk_freq)
+    for key in ("layer_types", "mlp_layer_types", "indexer_types"):
+        data.pop(key, None)
+    # A multimodal wrapper's sub-configs (text_config, vision_config) shrink too;
+    # a dict override of one is merged into it, after the shared sizes.
+    subs = [k for k in getattr(config, "sub_configs", None) or {} if isinstance(data.get(k), dict)]
+    sizes = {**TINY_SIZES, **{k: v for k, v in overrides.items() if k not in subs}}
     for key, value in sizes.items():
         if key in overrides or key in data:
             data[key] = value
+    for sub in subs:
+        data[sub].pop("layer_types", None)
+        for key, value in TINY_SIZES.items():
+            if key in data[sub]:
+                data[sub][key] = value
+        data[sub].update(overrides.get(sub) or {})
     config = config.__class__.from_dict(data)
     if derived is None:
         derived = _family_derived(config)
     for key, rule in derived.items():
         if key not in overrides:
             setattr(config, key, rule(config))
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        if hasattr(config, key):
-            setattr(config, key, None)
-    config.dtype = torch.bfloat16
+    for c in (config, *(getattr(config, k) for k in subs)):
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if hasattr(c, key):
+                setattr(c, key, None)
+        c.dtype = torch.bfloat16
     return config
 
 
@@ -112,8 +126,10 @@ def tiny_config(name: str, **overrides):
             f"unknown tiny model '{name}'; built-in names are {sorted(BUILTIN_TINY_MODELS)}"
         )
     model_type, extra = BUILTIN_TINY_MODELS[name]
+    # a wrapper's sub-config keys (vision_config: {...}) shrink with the rest, then apply
+    nested = {k: v for k, v in extra.items() if isinstance(v, dict)}
     return shrink_config(AutoConfig.for_model(model_type, **extra), derived=_DERIVED[name],
-                         **overrides)
+                         **{**nested, **overrides})
 
 
 def save_tiny_checkpoint(config_or_name, out_dir, *, seed: int = 0,
@@ -139,7 +155,7 @@ def save_tiny_checkpoint(config_or_name, out_dir, *, seed: int = 0,
 
     config = tiny_config(config_or_name) if isinstance(config_or_name, str) else config_or_name
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = build_model(config, dtype=dtype)
     with torch.no_grad():
         # Norm weights start at exactly 1.0 and biases at 0: randomise them so
         # a norm sent to the wrong place is caught by a byte comparison
@@ -151,9 +167,71 @@ def save_tiny_checkpoint(config_or_name, out_dir, *, seed: int = 0,
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
-    model.save_pretrained(out, **kwargs)
+    save_model(model, out, **kwargs)
     _quantize_saved(out, config)
     return out
+
+
+def save_model(model, out_dir, **kwargs) -> Path:
+    """``model.save_pretrained(out_dir, **kwargs)``, stacked experts in the published order.
+
+    Where a family's published checkpoints store stacked experts in another dim order
+    than transformers holds them (``HFNaming.stacked_order``: Qwen3-VL-MoE's
+    ``[E, in, out]``), the saved files are rewritten in that order: transformers
+    5.12.1's ``save_pretrained`` writes its in-memory ``[E, out, in]``
+    (tests/data/oracle/README.md), which neither vLLM nor the checkpoint reader reads.
+    """
+    out = Path(out_dir)
+    model.save_pretrained(out, **kwargs)
+    _stacked_order_saved(out, model.config)
+    return out
+
+
+def _stacked_order_saved(out: Path, config) -> None:
+    from safetensors.torch import load_file, save_file
+
+    archs = getattr(config, "architectures", None) or []
+    if not archs or archs[0] not in ARCHITECTURES:
+        return
+    hf = family(archs[0]).hf
+    if not hf.stacked_order:
+        return
+    leaves = tuple("." + leaf for leaf in hf.fused_experts)
+    for file in sorted(out.glob("*.safetensors")):
+        tensors = load_file(str(file))
+        if any(n.endswith(leaves) for n in tensors):
+            save_file({n: (t.permute(hf.stacked_order).contiguous() if n.endswith(leaves) else t)
+                       for n, t in tensors.items()}, str(file), metadata={"format": "pt"})
+
+
+def build_model(config, *, dtype: torch.dtype | None = None):
+    """transformers' model of ``config`` (random weights; on the current default device).
+
+    ``AutoModelForCausalLM.from_config`` for a causal LM; the architecture's own
+    class for a multimodal wrapper with a table (``Qwen3VLForConditionalGeneration``),
+    which no causal-LM auto class builds. ``dtype``: as ``from_config``'s.
+    """
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {} if dtype is None else {"dtype": dtype}
+    wrapper = _wrapper_class(config)
+    if wrapper is not None:
+        return wrapper._from_config(config, **kwargs)
+    return AutoModelForCausalLM.from_config(config, **kwargs)
+
+
+def _wrapper_class(config):
+    """transformers' class of a table architecture that is no causal LM (a multimodal
+    ``...ForConditionalGeneration``, ``families/wrapper.py``), or ``None``."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    archs = getattr(config, "architectures", None) or []
+    if not archs or archs[0] not in ARCHITECTURES or archs[0] in set(
+            MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()):
+        return None
+    from .families.tableless import transformers_class
+
+    return transformers_class(archs[0])
 
 
 def _randomise_saved_buffers(model) -> None:

@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from _paths import ORACLE
-from m2nkit.adapters.families import supported_architectures
+from m2nkit.adapters.families import family, supported_architectures
 
 DATA = ORACLE
 _LAYOUT_DIR = re.compile(r"^tp(\d+)(_ep)?(_round_robin)?(?:_(bfloat16|float16|float32))?$")
@@ -92,6 +92,11 @@ def _model(model: str):
         # GPT-OSS stores its stacked experts [E, in, out] (gate/up interleaved on the
         # last dim); the wire carries them [E, out, in] (families/gpt_oss.py)
         wire = {n: (t.transpose(1, 2) if _STACKED.match(n) else t) for n, t in wire.items()}
+    order = family(config["architectures"][0]).hf.stacked_order if config["architectures"][
+        0] in supported_architectures() else ()
+    if order:
+        # stored stacked [E, in, out] (Qwen3-VL-MoE, HFNaming.stacked_order); the wire [E, out, in]
+        wire = {n: (t.permute(order) if _STACKED.match(n) else t) for n, t in wire.items()}
     # experts stacked on disk already: the wire name adds ".weight"
     wire = {(n + ".weight" if _STACKED.match(n) else n): t for n, t in wire.items()}
     return config, ckpt, wire

@@ -4,7 +4,9 @@ A family's knowledge used to be spread over the checkpoint reader, the vLLM
 tables, the reference loader and the tiny-model builder; adding a family
 meant editing all four. Here each family is one module (``llama.py``,
 ``qwen2.py``, ``qwen3.py``, ``qwen3_moe.py``, ``mixtral.py``,
-``gpt_oss.py``, ``gemma2.py``, ``gemma3.py``, ``deepseek_v3.py``) holding:
+``gpt_oss.py``, ``gemma2.py``, ``gemma3.py``, ``deepseek_v3.py``; the
+multimodal wrappers ``qwen3_vl.py``, ``qwen3_vl_moe.py``, composed from a
+text family and a tower table by ``wrapper.py``) holding:
 
 * transformers' names for its tensors, in memory and on disk, and how MoE
   experts are fused (``HF_NAMES``);

@@ -195,6 +195,14 @@ VLLM_PARAMS: tuple[Param, ...] = (
 )
 
 
+def _architecture(config: Any) -> str:
+    """``config.architectures[0]`` (the families composing this module name their own in
+    messages), else :data:`ARCHITECTURE`."""
+    from .registry import architecture_name
+
+    return architecture_name(config) or ARCHITECTURE
+
+
 def _has_q_lora(config: Any) -> bool:
     return cfg_get(config, "q_lora_rank", default=None) is not None
 
@@ -281,15 +289,16 @@ def sizes(config: Any) -> MlaSizes:
     """
     from .quant import fp8_block
 
+    architecture = _architecture(config)
     kvr = cfg_get(config, "kv_lora_rank", default=None)
     nope = int(cfg_get(config, "qk_nope_head_dim", default=0))
     rope = int(cfg_get(config, "qk_rope_head_dim", default=0))
     if kvr is None or (nope == 0 and rope == 0):
         raise ValueError(
-            f"{ARCHITECTURE} without MLA (kv_lora_rank={kvr}, qk_nope_head_dim={nope}, "
+            f"{architecture} without MLA (kv_lora_rank={kvr}, qk_nope_head_dim={nope}, "
             f"qk_rope_head_dim={rope}) is not supported by m2nkit's table; supported: MLA "
             "configs (kv_lora_rank set, non-zero head dims), as DeepSeek-V2/V3 and Kimi-K2 ship")
-    fp8_block(config, ARCHITECTURE)
+    fp8_block(config, architecture)
     E = cfg_get(config, "n_routed_experts", default=None)
     Im = int(cfg_get(config, "moe_intermediate_size", default=0))
     base = base_sizes(config, I=int(cfg_get(config, "intermediate_size")), Im=Im,
@@ -321,7 +330,7 @@ def mtp_layer(config: Any, name: str) -> str | None:
     if not layers <= layer < layers + n:
         return None
     return (f"multi-token-prediction layer {layer} (num_nextn_predict_layers={n}): vLLM's "
-            f"{ARCHITECTURE} skips it (deepseek_v2.py load_weights, models/utils.py "
+            f"{_architecture(config)} skips it (deepseek_v2.py load_weights, models/utils.py "
             "get_spec_layer_idx_from_weight_name); the MTP draft model loads it")
 
 
@@ -361,6 +370,16 @@ def _table_differs(config: Any) -> str | None:
                 "e_score_correction_bias, vLLM's only with noaux_tc")
     if not _shared(config):
         return "n_shared_experts=0: transformers' DeepseekV3MoE still builds shared experts"
+    return None
+
+
+def mla_heads_divide_tp(s: Sizes, spec: Any) -> str | None:
+    """A ``Family.checks`` rule: each TP rank holds whole attention heads (vLLM
+    ``DeepseekV2MLAAttention``: ``assert num_heads % tp_size == 0``; its config check,
+    ``ModelConfig.verify_with_parallel_config``, refuses it first)."""
+    if s.nh % spec.tp:
+        return (f"num_attention_heads={s.nh} is not divisible by tp={spec.tp} (vLLM's MLA "
+                "attention holds whole heads on each TP rank: DeepseekV2MLAAttention)")
     return None
 
 

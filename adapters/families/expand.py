@@ -14,8 +14,11 @@ need that expansion, in the same words:
 
 So it is done here, once: :func:`expand`. Order is vLLM's module order
 (``named_parameters()``): the non-layer parameters before the first layered
-one, then every layer, then the rest. A parameter whose condition is false
-for a layer is *absent* (its wire tensors are recorded with why); a tied
+one, then every layer, then the rest; a run of consecutive rows using one of
+the family's other placeholders (``Family.repeats``: a vision tower's
+``{B}`` blocks) is repeated in place, index by index, like the layers. A
+parameter whose condition is false for a layer is *absent* (its wire
+tensors are recorded with why); a tied
 ``lm_head`` is *skipped* (vLLM's ``models/utils.py`` ``AutoWeightsLoader``
 skips the aliased checkpoint tensor) and becomes an alias of the embedding.
 Nothing here knows a sharding rule or a parallel size.
@@ -104,7 +107,7 @@ def expand(family: Family, config: Any, s: Sizes, names: Mapping[str, Any] | Non
     table = quantized_params(family, config) if quantized else family.params
     pre, layered, post = split_layers(table)
 
-    def add(p: Param, layer: int | None) -> None:
+    def add(p: Param, layer: int | None, names: Mapping[str, Any] = names) -> None:
         name = fill(p.name, layer, names)
         exists = p.when is None or family.conditions[p.when](config, layer)
         if p.tied_to is not None and s.tied:
@@ -134,11 +137,33 @@ def expand(family: Family, config: Any, s: Sizes, names: Mapping[str, Any] | Non
             for p in layered:
                 add(p, layer)
         return out
-    for p in pre:
-        add(p, None)
+    def add_rows(rows: Sequence[Param]) -> None:
+        for key, run in _repeat_runs(rows, family.repeats):
+            if key is None:
+                for p in run:
+                    add(p, None)
+                continue
+            for i in range(s.resolve((family.repeats[key],))[0]):
+                for p in run:
+                    add(p, i, {**names, key: i})
+
+    add_rows(pre)
     for layer in range(s.layers):
         for p in layered:
             add(p, layer)
-    for p in post:
-        add(p, None)
+    add_rows(post)
+    return out
+
+
+def _repeat_runs(rows: Sequence[Param], repeats: Mapping[str, str]
+                 ) -> list[tuple[str | None, list[Param]]]:
+    """``rows`` cut into runs of consecutive rows using the same ``Family.repeats``
+    placeholder (``None``: rows using none)."""
+    out: list[tuple[str | None, list[Param]]] = []
+    for p in rows:
+        key = next((k for k in repeats if "{" + k + "}" in p.name), None)
+        if out and key is not None and out[-1][0] == key:
+            out[-1][1].append(p)
+        else:
+            out.append((key, [p]))
     return out

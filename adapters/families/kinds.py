@@ -67,7 +67,6 @@ __all__ = [
     "ReplicatedMerged",
     "REPLICATED", "COLUMN", "ROW", "QKV", "MERGED", "VOCAB", "W13", "W2",
     "REPLICATED_MERGED", "KINDS", "SHARED_MERGED", "SHARED_ROW", "SEQUENCE_PARALLEL_ALL2ALL",
-    "GatedQkv", "Sections", "QKV_GATED", "GDN_QKVZ", "GDN_CONV",
 ]
 
 #: vLLM pads the vocab of VocabParallelEmbedding/ParallelLMHead to a multiple
@@ -777,6 +776,133 @@ KINDS: dict[str, Kind] = {k.name: k for k in (REPLICATED, COLUMN, ROW, QKV, MERG
 
 
 # --------------------------------------------------------------------------
+# A vision tower's attention: q, k and v fused in one wire tensor
+
+
+class FusedQkv(Kind):
+    """QKV parallel fed by one fused wire tensor ``[3*n*hd, ...]`` (rows q, then k, then v).
+
+    Multi-head attention with as many KV heads as query heads (a vision
+    tower's ``attn.qkv``: transformers stores it fused, ``nn.Linear(dim,
+    3*dim)``). Rank ``r`` holds heads ``[r*n/tp, (r+1)*n/tp)`` of each of q,
+    k and v: local rows ``[q_r | k_r | v_r]``, third ``j`` taken from wire
+    rows ``j*n*hd + r*n*hd/tp``. vLLM ``layers/linear.py``
+    ``QKVParallelLinear.weight_loader`` with ``loaded_shard_id=None`` (the
+    fused checkpoint tensor is split by ``output_sizes`` and each part
+    loaded as its shard) on the ``QKVParallelLinear(total_num_heads=n,
+    total_num_kv_heads=n)`` of ``models/qwen2_5_vl.py``
+    ``Qwen2_5_VisionAttention`` (``divide(n, tp)``: whole heads per rank).
+    The table's dims: ``(n, hd, *rest)`` (heads, head dim, then the dims
+    after the rows: ``("vH",)`` for a weight, ``()`` for a bias).
+    """
+
+    name = "fused_qkv"
+    source = ("vllm layers/linear.py QKVParallelLinear.weight_loader (loaded_shard_id=None); "
+              "models/qwen2_5_vl.py Qwen2_5_VisionAttention")
+    rule_order = 0
+
+    def wire_shape(self, dims, part, s):
+        heads, hd, *rest = dims
+        return (3 * heads * hd, *rest)
+
+    def local_shape(self, dims, parts, g):
+        heads, hd, *rest = dims
+        return (3 * heads * hd // g.tp, *rest)
+
+    def rule_key(self, syms):
+        return (self.name, syms[:1])
+
+    def violation(self, name, syms, s, tp, dp, ep):
+        if s.resolve(syms[:1])[0] % tp:
+            return f"{name}: {s.label(syms[0])} heads are not divisible by tp={tp}"
+        return None
+
+    def boxes(self, shape, part, g):
+        third = shape[0] // 3
+        n, r = third // g.tp, g.tp_rank
+        rest = _full(shape[1:])
+        zeros = (0,) * (len(shape) - 1)
+        return [(((j * third + r * n, j * third + (r + 1) * n), *rest), (j * n, *zeros))
+                for j in range(3)]
+
+    def load(self, param, wire, part, g):
+        third = wire.shape[0] // 3
+        n = third // g.tp
+        for j in range(3):
+            param.narrow(0, j * n, n).copy_(wire.narrow(0, j * third + g.tp_rank * n, n))
+
+
+FUSED_QKV = FusedQkv()
+KINDS[FUSED_QKV.name] = FUSED_QKV
+__all__ += ["FusedQkv", "FUSED_QKV"]
+
+
+# --------------------------------------------------------------------------
+# A vision tower vLLM runs data-parallel when its heads do not divide by tp
+
+
+class VisionTowerSplit(Kind):
+    """``base`` when the tower's attention heads divide by tp, else whole on every worker.
+
+    vLLM ``models/vision.py`` ``is_vit_use_data_parallel(num_heads)``: when
+    ``num_heads % tp != 0`` (or ``mm_encoder_tp_mode="data"``, not vLLM's
+    default) the tower is data-parallel, and every split layer of it is
+    built with ``disable_tp=True`` (``models/kimi_k25_vit.py``
+    ``MoonViTEncoderLayer``, ``MLP2``: ``QKVParallelLinear``,
+    ``ColumnParallelLinear``, ``RowParallelLinear``): its weight loader then
+    copies the whole tensor (Kimi-K2.5's 2-head tiny tower at tp 4,
+    ``tests/data/oracle/tiny-kimi-k25/tp4``). ``heads`` is the ``Sizes``
+    symbol of the tower's head count (read from ``Geometry.sizes``).
+    """
+
+    rule_order = 0
+
+    def __init__(self, base: Kind, heads: str) -> None:
+        self.base, self.heads = base, heads
+        self.name = f"vision_{base.name}"
+        self.source = f"vllm models/vision.py is_vit_use_data_parallel; {base.source}"
+        self.by_worker = base.by_worker
+
+    def _split(self, g: Geometry) -> bool:
+        return getattr(g.sizes, self.heads) % g.tp == 0
+
+    def wire_shape(self, dims, part, s):
+        return self.base.wire_shape(dims, part, s)
+
+    def local_shape(self, dims, parts, g):
+        if self._split(g):
+            return self.base.local_shape(dims, parts, g)
+        return self.base.wire_shape(dims, None, g.sizes)
+
+    def rule_key(self, syms):
+        return (self.name, self.base.rule_key(syms))
+
+    def violation(self, name, syms, s, tp, dp, ep):
+        if getattr(s, self.heads) % tp:
+            return None                     # whole on every worker: nothing to divide
+        return self.base.violation(name, syms, s, tp, dp, ep)
+
+    def boxes(self, shape, part, g):
+        if self._split(g):
+            return self.base.boxes(shape, part, g)
+        return [(_full(shape), (0,) * len(shape))]
+
+    def load(self, param, wire, part, g):
+        if self._split(g):
+            self.base.load(param, wire, part, g)
+        else:
+            param.copy_(wire)
+
+
+#: A vision tower's split layers (heads symbol ``vnh``): fused qkv, column, row.
+VISION_FUSED_QKV = VisionTowerSplit(FUSED_QKV, "vnh")
+VISION_COLUMN = VisionTowerSplit(COLUMN, "vnh")
+VISION_ROW = VisionTowerSplit(ROW, "vnh")
+KINDS.update({k.name: k for k in (VISION_FUSED_QKV, VISION_COLUMN, VISION_ROW)})
+__all__ += ["VisionTowerSplit", "VISION_FUSED_QKV", "VISION_COLUMN", "VISION_ROW"]
+
+
+# --------------------------------------------------------------------------
 # Gated DeltaNet families (Qwen3-Next, Qwen3.5): adapters/families/qwen3_next.py
 
 
@@ -903,3 +1029,4 @@ GDN_CONV = Sections("gdn_conv", ("kd", "kd", "vd"),
                     "vllm layers/mamba/mamba_mixer2.py mamba_v2_sharded_weight_loader "
                     "(QwenGatedDeltaNetAttention.conv1d)")
 KINDS.update({k.name: k for k in (QKV_GATED, GDN_QKVZ, GDN_CONV)})
+__all__ += ["GatedQkv", "Sections", "QKV_GATED", "GDN_QKVZ", "GDN_CONV"]

@@ -56,6 +56,7 @@ from .sizes import cfg_get
 from .table import Family, Param
 
 __all__ = ["FP8", "SCALE_SUFFIX", "Fp8Block", "fp8_block", "BlockScale", "scale_name",
+           "compressed_tensors_refusal",
            "stack_expert_scales",
            "quantized_params", "QuantizedWires", "quantize_fp8_blocks"]
 
@@ -138,6 +139,65 @@ def fp8_block(config: Any, architecture: str = "this model") -> Fp8Block | None:
                          f"modules_to_not_convert {list(ignored)[:3]} is not supported by "
                          "m2nkit (every linear layer of the table is taken as quantized)")
     return Fp8Block(block[0], block[1])
+
+
+def _describe_compressed(q: Mapping) -> str:
+    """``int4 weights, group size 32, strategy group, symmetric, format pack-quantized``."""
+    groups = q.get("config_groups") or {}
+    parts = []
+    for group in (groups.values() if isinstance(groups, Mapping) else ()):
+        w = group.get("weights") if isinstance(group, Mapping) else None
+        if not isinstance(w, Mapping):
+            continue
+        what = [f"{w.get('type', '?')}{w.get('num_bits', '?')} weights"]
+        if w.get("group_size"):
+            what.append(f"group size {w['group_size']}")
+        if w.get("strategy"):
+            what.append(f"strategy {w['strategy']}")
+        if w.get("symmetric") is not None:
+            what.append("symmetric" if w["symmetric"] else "asymmetric")
+        if group.get("input_activations"):
+            what.append("quantized activations")
+        parts.append(", ".join(what))
+    described = "; ".join(dict.fromkeys(parts)) or "weights"
+    return described + (f", format {q['format']}" if q.get("format") else "")
+
+
+def compressed_tensors_refusal(config: Any, architecture: str = "this model") -> str | None:
+    """Why m2nkit refuses ``config``: a ``compressed-tensors`` ``quantization_config``.
+
+    Looked for on the config and on its ``text_config`` (a multimodal
+    wrapper's language model: Kimi-K2.5 ships ``text_config.quantization_config``
+    ``{"quant_method": "compressed-tensors", "format": "pack-quantized",
+    "config_groups": {... "weights": {"num_bits": 4, "type": "int",
+    "group_size": 32, "strategy": "group", "symmetric": true}}}``). Such a
+    checkpoint stores each quantized linear as packed integers
+    (``weight_packed`` int32, ``weight_scale`` per group, ``weight_shape``;
+    vLLM ``layers/quantization/compressed_tensors/``, e.g.
+    ``CompressedTensorsWNA16.create_weights``), not as boxes of the
+    unquantized tensors a trainer holds, so no m2nkit layout (table,
+    traced, checkpoint reader) plans it: a plan of the bf16 tensors against
+    it would be silently wrong. ``None`` when there is no such config.
+
+    Returns:
+        One sentence naming the architecture, where the config sits, the
+        method, bits, group size and format, and what is supported: the
+        unquantized form, the same config without that ``quantization_config``.
+    """
+    for where, cfg in (("", config), ("text_config.", _get(config, "text_config"))):
+        q = _qconfig(cfg) if cfg is not None else None
+        if not q or q.get("quant_method") != "compressed-tensors":
+            continue
+        return (f"{architecture}: {where}quantization_config is compressed-tensors "
+                f"({_describe_compressed(q)}), which m2nkit does not lay out (vLLM loads "
+                "packed integer weights with per-group scales, not boxes of the unquantized "
+                "tensors a trainer holds); supported: the unquantized (bf16) form, the same "
+                f"config without {where}quantization_config")
+    return None
+
+
+def _get(config: Any, key: str) -> Any:
+    return config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
 
 
 class BlockScale(Kind):

@@ -142,7 +142,7 @@ def linear_attention_tail() -> tuple[Param, ...]:
     return (
         Param(f"{LA}.dt_bias", COLUMN, ("nvh",), when="linear"),
         Param(f"{LA}.A_log", COLUMN, ("nvh",), when="linear", dtype=torch.float32,
-              wire_in_model_dtype=True),
+              model_dtype_on_wire=True),
         Param(f"{LA}.norm.weight", REPLICATED, ("dv",), when="linear"),
         Param(f"{LA}.out_proj.weight", ROW, ("H", "vd"), when="linear"),
     )

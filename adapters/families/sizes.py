@@ -79,7 +79,9 @@ class Sizes:
     dim, ``I`` dense intermediate, ``Im`` MoE intermediate, ``E`` experts,
     ``layers`` decoder layers. ``I``/``Im``/``E`` are 0 where a model has
     none. ``tied``: ``tie_word_embeddings``. ``dtype``: the config's model
-    dtype (``None`` when it names none m2nkit knows).
+    dtype (``None`` when it names none m2nkit knows). ``extra``: symbols of
+    a model's other parts, read as attributes too (a multimodal wrapper's
+    vision tower: ``vH``, ``vnh``, ...; ``m2nkit.adapters.families.wrapper``).
     """
 
     H: int
@@ -95,6 +97,14 @@ class Sizes:
     dtype: torch.dtype | None
     #: symbol -> the config key it comes from (for error messages).
     keys: Mapping[str, str] = field(default_factory=dict)
+    #: more symbols -> their values (a wrapper's vision tower), read like fields.
+    extra: Mapping[str, int] = field(default_factory=dict)
+
+    def __getattr__(self, name: str) -> Any:
+        extra = self.__dict__.get("extra") or {}
+        if name in extra:
+            return extra[name]
+        raise AttributeError(f"Sizes has no symbol {name!r}")
 
     def label(self, sym: str) -> str:
         """``"intermediate_size=96"``-style text for a symbolic dim (``"I"``, ``"nh*hd"``)."""

@@ -59,11 +59,10 @@ class Param:
         dtype: the dtype vLLM allocates it in when that is not the model
             dtype (DeepSeek-V3's ``e_score_correction_bias``: float32);
             ``None``: the model dtype.
-        wire_in_model_dtype: the checkpoint (and transformers' model) holds
-            the wire tensor in the model dtype although vLLM allocates the
-            parameter in ``dtype`` and casts on load (Gated DeltaNet's
-            ``A_log``: float32 in vLLM, ``qwen_gdn_linear_attn.py``);
-            ``False``: the wire tensor has ``dtype`` too.
+        model_dtype_on_wire: checkpoints store it in the model dtype although
+            vLLM allocates it in ``dtype`` (its loader casts on copy: GLM-4.5's
+            router weight, ``GateLinear(params_dtype=torch.float32)``); a
+            config-only wire tensor then has the model dtype.
         quantized: vLLM builds the layer with the model's ``quant_config``
             (a linear layer or routed experts); with an fp8 block
             ``quantization_config`` it becomes float8 and gains a
@@ -82,7 +81,7 @@ class Param:
     aliases: tuple[str, ...] = ()
     dtype: Any = None
     quantized: bool = False
-    wire_in_model_dtype: bool = False
+    model_dtype_on_wire: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, Kind):
@@ -211,6 +210,13 @@ class HFNaming:
             ``fsdp:`` and ``hsdp:`` dry-run specs replicate them
             (``TrainerSpec.layout_for(..., buffer=True)``). Pinned to
             transformers' persistent buffers by ``tests/adapters/test_fsdp2_buffers.py``.
+        stacked_order: the dim order in which a checkpoint stores experts
+            already stacked (``<block>.experts.gate_up_proj``), relative to
+            the wire's ``[E, out, in]``; ``()``: the wire's own. Qwen3-VL-MoE's
+            published checkpoints hold them ``[E, in, out]``, ``(0, 2, 1)``
+            (transformers' ``conversion_mapping.py`` transposes them as it
+            loads, vLLM's loader as it reads: ``is_fused_checkpoint_transposed``);
+            the reader takes such a tensor as a permuted view, never a gather.
 
     Raises:
         ValueError: a part of ``fused_experts`` has no on-disk pattern; an
@@ -228,8 +234,12 @@ class HFNaming:
     child_order: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     table_differs: Callable[[Any], str | None] | None = None
     buffers: tuple[str, ...] = ()
+    stacked_order: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.stacked_order and sorted(self.stacked_order) != [0, 1, 2]:
+            raise ValueError(f"HFNaming: stacked_order {self.stacked_order} is not a "
+                             "permutation of 0..2")
         parts = {p for _, ps in self.fused_experts.values() for p in ps}
         missing = sorted(parts - set(self.experts_on_disk))
         if missing:
@@ -437,12 +447,15 @@ class SkippedLayers:
 
     Attributes:
         layers: config -> the layer indices.
-        extras: ``(name under model.layers.{L}, symbolic dims)`` of the layer's
+        extras: ``(name under <at>, symbolic dims)`` of the layer's
             tensors besides its decoder layer, in the model dtype, unquantized.
+        at: the wire name of layer ``{L}``'s module (``model.layers.{L}``; a
+            multimodal wrapper moves it under its prefix).
     """
 
     layers: Callable[[Any], Sequence[int]]
     extras: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    at: str = "model.layers.{L}"
 
 
 @dataclass(frozen=True)
@@ -482,6 +495,10 @@ class Family:
         tp_plan: how trainers apply tensor parallelism to the family
             (:class:`TPPlan`); ``None``: no plan (a trainer spec with
             ``tp > 1`` is refused for the family).
+        repeats: placeholders of the table besides ``{L}`` that repeat a
+            run of consecutive rows -> the ``Sizes`` symbol of the count (a
+            vision tower's blocks: ``{"B": "vdepth"}``); filled by
+            ``m2nkit.adapters.families.expand``. Empty for most families.
 
     Raises:
         ValueError: a ``Param.when`` names no condition.
@@ -501,6 +518,7 @@ class Family:
     notes: Callable[[Any], tuple[str, ...]] | None = None
     tp_plan: TPPlan | None = None
     skipped_layers: SkippedLayers | None = None
+    repeats: Mapping[str, str] = field(default_factory=dict)
 
     def tp_problem(self, tp: int, config: Any) -> str | None:
         """Why a trainer cannot apply :attr:`tp_plan` over ``tp`` ranks to ``config``, or ``None``.

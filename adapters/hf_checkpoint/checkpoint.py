@@ -20,9 +20,9 @@ from m2nkit.manifest.layout import Box
 from m2nkit.manifest.meta import ParamMeta
 
 from ..experts import StackedExperts
-from ..families import family, has_table
-from ..families.quant import QuantizedWires
-from .config import config_architecture, expected_params, load_config, peek_config
+from ..families import architecture_name, family, has_table
+from ..families.quant import QuantizedWires, compressed_tensors_refusal
+from .config import Expected, config_architecture, expected_params, load_config, peek_config
 from .errors import CheckpointError
 from .files import (SINGLE_FILE, Header, Permuted, open_safetensors, read_headers, resolve_path,
                     sharded_headers)
@@ -242,22 +242,35 @@ def read_checkpoint(path: str | os.PathLike, *, via_transformers: bool = False) 
             files lack; an extra tensor; a dtype outside
             :data:`SAFETENSORS_DTYPES`; an incomplete expert set; a tensor
             the family refuses (``HFNaming.refused``, e.g. MXFP4 experts),
-            named with the family's reason. Names
+            named with the family's reason; a compressed-tensors
+            ``quantization_config`` (or ``text_config.quantization_config``:
+            Kimi-K2.5's int4), which no layout describes
+            (``families.quant.compressed_tensors_refusal``: method, bits,
+            group size, and the unquantized form as what is supported). Names
             carrying a wrapper prefix (``_orig_mod.`` of ``torch.compile``,
             ``module.`` of DDP, ...; ``m2nkit.adapters.module_names``) are
             refused with a message that names the prefix.
     """
     path = Path(path)
     root, config_path, kind = resolve_path(path)
+    data = peek_config(config_path)
+    why = compressed_tensors_refusal(data, architecture_name(data) or "this model")
+    if why:     # before any reader: neither the tables nor transformers' model describe it
+        raise CheckpointError(f"{config_path}: {why}")
     if kind == "config" and not via_transformers:
         fast = _config_only_from_table(path, root, config_path)
         if fast is not None:
             return fast
-    config = load_config(config_path)
-    arch = config_architecture(config, config_path)
-    if not has_table(arch):
-        return _tableless(path, root, config_path, config, arch, kind)
-    expected = expected_params(config, arch, config_path)
+    table_only = _table_only_family(data)
+    if table_only is not None:
+        config, expected = _table_expected(table_only, data, config_path)
+        arch = table_only.architecture
+    else:
+        config = load_config(config_path)
+        arch = config_architecture(config, config_path)
+        if not has_table(arch):
+            return _tableless(path, root, config_path, config, arch, kind)
+        expected = expected_params(config, arch, config_path)
     hf = family(arch).hf
 
     handles: dict[Path, Any] = {}
@@ -276,6 +289,59 @@ def read_checkpoint(path: str | os.PathLike, *, via_transformers: bool = False) 
         params += _skipped_layers(fam, config, quant, sources)
     return Checkpoint(path=path, root=root, config=config, architecture=arch,
                       params=params, sources=sources, headers=headers, handles=handles)
+
+
+def _table_only_family(data: Mapping[str, Any]):
+    """The family of a table architecture that transformers has no model class of.
+
+    Kimi-K2.5 (``KimiK25ForConditionalGeneration``) is one: transformers
+    5.12.1 has neither its config class nor its model (5.24 adds
+    ``Kimi_K25ForConditionalGeneration``, another class with other in-memory
+    names), so the table is the only description of its tensors; the family
+    declares its ``model_type`` (``HFNaming.model_types``) and the defaults
+    its config is read with. ``None`` for every other config: transformers
+    reads it and builds the reference model.
+    """
+    import transformers
+
+    archs = data.get("architectures")
+    arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
+    if not has_table(arch) or data.get("model_type") not in family(arch).hf.model_types:
+        return None
+    cls = getattr(transformers, arch, None)
+    if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
+        return None
+    return family(arch)
+
+
+def _table_expected(fam, data: Mapping[str, Any], config_path: Path):
+    """``(config, expected tensors)`` of a table-only architecture, from its table.
+
+    The config is ``config.json`` read with the family's declared defaults
+    (``config_wires.read_config_json``), the expected tensors are the
+    table's wire tensors in wire order (``config_wires.table_wires``) under
+    their in-memory names (stacked experts ``<block>.experts.gate_up_proj``),
+    as :func:`~.config.expected_params` gives them for a transformers model.
+
+    Raises:
+        CheckpointError: the family's ``sizes`` refuses the config (its message).
+    """
+    from ..config_wires import read_config_json, table_wires
+
+    config = read_config_json(data, fam)
+    try:
+        wires = table_wires(fam, config)
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{config_path}: {e}") from None
+    in_memory = {wire_leaf: leaf for leaf, (wire_leaf, _) in fam.hf.fused_experts.items()}
+    expected = []
+    for w in wires:
+        name = w.name
+        for wire_leaf, leaf in in_memory.items():
+            if w.stacked and name.endswith("." + wire_leaf):
+                name = name[: -len(wire_leaf)] + leaf
+        expected.append(Expected(name, w.shape, w.dtype, False))
+    return config, expected
 
 
 def _tableless(path: Path, root: Path, config_path: Path, config: Any, arch: str,
@@ -371,7 +437,10 @@ def _config_only_from_table(path: Path, root: Path, config_path: Path) -> Checkp
     sources: dict[str, str | StackedExperts | Permuted] = {}
     for w in wires:
         params.append(ParamMeta(w.name, w.dtype, w.shape))
-        if w.stacked:
+        stored = _stacked_order_source(hf, w.name) if w.stacked else None
+        if stored is not None:   # published checkpoints hold these stacked, permuted
+            sources[w.name] = stored
+        elif w.stacked:
             prefix = w.name[: w.name.rindex(".experts.")]
             E, rows, cols = w.shape
             # expert_name(pattern, prefix, e) for every e, with the prefix filled once
@@ -390,6 +459,17 @@ def _config_only_from_table(path: Path, root: Path, config_path: Path) -> Checkp
     params += _skipped_layers(fam, config, quant, sources)
     return Checkpoint(path=path, root=root, config=config, architecture=arch,
                       params=params, sources=sources, headers={}, handles={})
+
+
+def _stacked_order_source(hf, wire: str) -> Permuted | None:
+    """The on-disk source of stacked experts a family's checkpoints store stacked in
+    another dim order (``HFNaming.stacked_order``), or ``None``."""
+    if not hf.stacked_order:
+        return None
+    for leaf, (wire_leaf, _) in hf.fused_experts.items():
+        if wire.endswith("." + wire_leaf):
+            return Permuted(wire[: -len(wire_leaf)] + leaf, tuple(hf.stacked_order))
+    return None
 
 
 def _skipped_layers(fam, config, quant, sources: dict) -> list[ParamMeta]:

@@ -154,11 +154,26 @@ def config_architecture(config, config_path: Path) -> str:
             f"{config_path}: no 'architectures', and model_type {config.model_type!r} is not "
             f"a causal LM that transformers knows; m2nkit supports {supported_list()}")
     check_supported(arch, config_path)
-    if arch not in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()):
+    if arch not in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()) and not _wrapper_class(arch):
         raise CheckpointError(
             f"{config_path}: this transformers has no causal LM class {arch!r} "
             f"(transformers too old?)")
     return arch
+
+
+def _wrapper_class(arch: str):
+    """transformers' class of a table architecture that is no causal LM (a multimodal
+    ``...ForConditionalGeneration`` wrapper, ``families/wrapper.py``), or ``None``."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if arch in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()):
+        return None
+    from ..families.tableless import transformers_class
+
+    try:
+        return transformers_class(arch)
+    except UnsupportedArchitecture:
+        return None
 
 
 @dataclass(frozen=True)
@@ -179,6 +194,10 @@ def expected_params(config, arch: str, config_path: Path) -> list[Expected]:
 
     try:
         if not has_table(arch):
+            from ..families.tableless import meta_model
+
+            model = meta_model(config)
+        elif _wrapper_class(arch) is not None:   # a multimodal wrapper: as transformers builds it
             from ..families.tableless import meta_model
 
             model = meta_model(config)

@@ -114,9 +114,12 @@ def match_expected(expected: Sequence[Expected], hf: HFNaming, headers: Mapping[
                         found[e] = mine
                 stacked = [n for n in hf.stacked_on_disk(prefix, leaf) if n in headers]
                 if stacked:
+                    # a family's published order (HFNaming.stacked_order) is that of the
+                    # stacked in-memory leaf name; the wire name holds the wire's order
+                    order = hf.stacked_order if stacked[0] == f"{prefix}.{leaf}" else ()
                     params.append(_stacked_on_disk(stacked, found, wire, exp, parts, headers,
-                                                   arch))
-                    sources[wire] = stacked[0]
+                                                   arch, order))
+                    sources[wire] = Permuted(stacked[0], order) if order else stacked[0]
                     used.add(stacked[0])
                     continue
                 if not found:
@@ -248,8 +251,13 @@ def add_scales(params: list[ParamMeta], sources: dict, quant: Any, headers: Mapp
 
 
 def _stacked_on_disk(stacked: Sequence[str], per_expert: Mapping, wire: str, exp: Expected,
-                     parts: Sequence[str], headers: Mapping[str, Header], arch: str) -> ParamMeta:
+                     parts: Sequence[str], headers: Mapping[str, Header], arch: str,
+                     order: tuple[int, ...] = ()) -> ParamMeta:
     """The wire tensor of an expert tensor stored already stacked (``stacked[0]``).
+
+    ``order``: the family's ``HFNaming.stacked_order``, the dims in which the
+    files store it (``[E, in, out]``: ``(0, 2, 1)``); the wire
+    tensor is the stored one permuted back, ``exp.shape``.
 
     Raises:
         CheckpointError: the block also holds per-expert tensors or a second
@@ -262,11 +270,18 @@ def _stacked_on_disk(stacked: Sequence[str], per_expert: Mapping, wire: str, exp
         raise CheckpointError(
             f"tensor '{name}' in {h.file} holds the experts stacked, but the checkpoint also "
             f"holds '{other}' for the same experts; keep one form per MoE block")
-    if h.shape != exp.shape:
+    stored = tuple(exp.shape[d] for d in order) if order else exp.shape
+    if h.shape != stored:
         E, rows, cols = exp.shape
+        if order:
+            raise CheckpointError(
+                f"tensor '{name}' in {h.file} has shape {list(h.shape)}, but the config ({arch}) "
+                f"expects stacked experts {list(stored)}: [experts, in, out], as {arch}'s "
+                f"published checkpoints store them (transformers' save_pretrained may write "
+                f"its in-memory [{E}, {rows}, {cols}]: transpose dims 1 and 2)")
         raise CheckpointError(
             f"tensor '{name}' in {h.file} has shape {list(h.shape)}, but the config ({arch}) "
             f"expects stacked experts {list(exp.shape)}: [experts, rows, cols] with each "
             f"expert's {' rows then its '.join(parts)} rows (a transposed [{E}, {cols}, {rows}] "
             "layout is not read)")
-    return ParamMeta(wire, h.dtype, h.shape)
+    return ParamMeta(wire, h.dtype, tuple(exp.shape))

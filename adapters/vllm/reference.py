@@ -49,8 +49,9 @@ def _stack_experts(family: Family, tensors: Mapping[str, torch.Tensor]) -> dict[
     ``HFNaming`` names the parts on disk). Experts stored stacked already
     (``<prefix>.experts.gate_up_proj``, ``HFNaming.stacked_on_disk``) are
     renamed to their wire name, as vLLM's ``RoutedExperts.load_weights``
-    takes them whole. Tensors stored in another dim order than the wire's
-    (``HFNaming.permuted``) are permuted into it, as the vLLM loader of
+    takes them whole (permuted to the wire's order where the family stores
+    them in another, ``HFNaming.stacked_order``). Tensors stored in another
+    dim order than the wire's (``HFNaming.permuted``) are permuted into it, as the vLLM loader of
     such a family does (a ``permute`` of the order the family gives).
 
     Raises:
@@ -71,7 +72,14 @@ def _stack_experts(family: Family, tensors: Mapping[str, torch.Tensor]) -> dict[
         return dict(tensors)
     grouped = group_expert_tensors(tensors, hf.experts_on_disk)
     used = {n for per in grouped.values() for ex in per.values() for n in ex.values()}
-    out = {hf.stacked_wire_name(n) or n: t for n, t in tensors.items() if n not in used}
+    out = {}
+    for n, t in tensors.items():
+        if n in used:
+            continue
+        stacked = hf.stacked_wire_name(n)
+        if stacked is not None and stacked != n and hf.stacked_order:  # stored permuted
+            t = t.permute(hf.stacked_order)
+        out[stacked or n] = t
     for prefix, per in grouped.items():
         count = max(per) + 1
         for wire_leaf, parts in hf.fused_experts.values():

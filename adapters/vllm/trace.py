@@ -598,28 +598,60 @@ def trace_worker(model: torch.nn.Module, feeds: Sequence[Feed],
 
 def _feeds(wire: Sequence[ParamMeta], experts: dict[str, str], fused: bool,
            model: torch.nn.Module | None = None,
-           names: dict[str, str] | None = None) -> list[Feed]:
+           names: dict[str, str] | None = None,
+           split: "list[tuple[ParamMeta, list[Feed] | None]] | None" = None,
+           only: frozenset[str] | None = None) -> list[Feed]:
     """The fake checkpoint tensors of ``wire``: stacked experts whole (``fused``) or per expert.
 
     Per expert, with ``model``: only the experts vLLM placed on this worker
-    (its own ``ExpertMapManager.is_local_expert`` of the block's MoE layer,
-    ``layers/fused_moe/expert_map_manager.py``, kept on the CPU for a meta
-    model). The loaders skip the others anyway; with 384 experts over 64
-    workers this hands each worker 6 of them instead of 384. ``names``:
-    wire name -> checkpoint name where they differ (:func:`checkpoint_names`).
+    (its own ``ExpertMapManager.expert_map`` of the block's MoE layer,
+    ``layers/fused_moe/expert_map_manager.py``: global id -> local id, -1
+    elsewhere; kept on the CPU for a meta model). The loaders skip the
+    others anyway; with 384 experts over 64 workers this hands each worker
+    6 of them instead of 384. ``names``: wire name -> checkpoint name where
+    they differ (:func:`checkpoint_names`). ``split``: :func:`_split_experts`
+    of the same arguments, computed once for every worker of a trace.
+    ``only``: the wire tensors to feed (default: all of them).
     """
     names = names or {}
     transposed = model is not None and _fused_experts_read_transposed(model)
     if fused:
-        return [_whole_feed(m, transposed, names.get(m.name)) for m in wire]
-    local = _expert_maps(model) if model is not None else {}
+        return [_whole_feed(m, transposed, names.get(m.name)) for m in wire
+                if only is None or m.name in only]
+    local = _local_experts(model) if model is not None else {}
     out = []
-    for m in wire:
-        for f in (per_expert_feeds(m, experts, names.get(m.name))
-                  or [_whole_feed(m, transposed, names.get(m.name))]):
-            manager = local.get(f.block) if f.block is not None else None
-            if manager is None or manager.is_local_expert(f.expert):
-                out.append(f)
+    for m, per_expert in (split if split is not None else _split_experts(wire, experts, names)):
+        if only is not None and m.name not in only:
+            continue
+        if per_expert is None:
+            out.append(_whole_feed(m, transposed, names.get(m.name)))
+            continue
+        here = local.get(per_expert[0].block) if per_expert else None
+        if here is None:
+            out.extend(per_expert)
+        else:       # expert-major: expert e's parts are per_expert[e * parts:(e + 1) * parts]
+            parts = len(per_expert) // (per_expert[-1].expert + 1)
+            for e in sorted(here):
+                out.extend(per_expert[e * parts:(e + 1) * parts])
+    return out
+
+
+def _split_experts(wire: Sequence[ParamMeta], experts: dict[str, str],
+                   names: dict[str, str] | None) -> list[tuple[ParamMeta, list[Feed] | None]]:
+    """Each wire tensor with its per-expert feeds (:func:`per_expert_feeds`; ``None``: not experts)."""
+    names = names or {}
+    return [(m, per_expert_feeds(m, experts, names.get(m.name))) for m in wire]
+
+
+def _local_experts(model: torch.nn.Module) -> dict[str, frozenset[int] | None]:
+    """MoE block -> the global expert ids vLLM placed on this worker (``None``: all of them)."""
+    out: dict[str, frozenset[int] | None] = {}
+    for block, manager in _expert_maps(model).items():
+        expert_map = getattr(manager, "expert_map", None)
+        if expert_map is None:                      # no EP: every expert is local
+            out[block] = None
+        else:
+            out[block] = frozenset(int(i) for i in torch.nonzero(expert_map.cpu() >= 0).flatten())
     return out
 
 
@@ -903,6 +935,80 @@ def _build_meta_model(config_dir: str, spec: InferenceSpec, worker: int):
     return model, vllm_config
 
 
+#: Module attributes that would hold a rank cached at build time outside the
+#: MoE layers' own config (some vLLM 0.33.0 model classes in ``models/`` keep
+#: ``self.ep_rank = get_ep_group().rank_in_group``); a model holding one is
+#: built afresh for every worker instead of re-placed (:func:`_replace_for_worker`).
+_CACHED_RANKS = ("ep_rank", "dp_rank", "dp_index")
+
+#: Re-place dp replicas' models (:func:`_replace_for_worker`) instead of building
+#: each worker's; ``False`` builds every worker (tests compare the two).
+REPLACE_REPLICAS = True
+
+
+def _replace_for_worker(model: torch.nn.Module, vllm_config: Any, spec: InferenceSpec,
+                        worker: int, layers: Sequence[torch.nn.Module]) -> bool:
+    """Turn the meta model of worker ``(0, t)`` into worker ``(d, t)``'s, as vLLM's elastic EP does.
+
+    Workers of one tensor-parallel rank in different dp replicas build the
+    same modules; only the MoE layers read the dp rank, through their
+    ``FusedMoEParallelConfig`` (``layers/fused_moe/config.py``, ``make``:
+    the flattened expert TP rank, or the EP rank, and the expert map made
+    from it). vLLM 0.33.0 changes exactly that at run time when it scales
+    expert parallelism (``distributed/elastic_ep/elastic_execute.py``:
+    ``FusedMoEParallelConfig.make`` under the new groups, ``_set_moe_config``,
+    then ``update_expert_map``); the same steps here, under ``worker``'s
+    stand-in groups, re-place the experts of an already built model, so a
+    dp-replicated trace builds ``tp`` models, not ``dp * tp`` (Kimi-K2 at
+    ``tp=8,dp=8,ep``: 8 builds of 61 layers instead of 64). The loaders then
+    run on the re-placed model as on a fresh one.
+
+    Returns ``False``, leaving the model untouched, where the steps would not
+    give a fresh build's model: experts that do not split evenly (the local
+    expert count, hence the parameter shapes, differs by rank), a parallel
+    size that would change, or a module caching a rank of its own
+    (:data:`_CACHED_RANKS`); the caller then builds the worker's model.
+    ``layers``: the model's MoE layers (:func:`_moe_layers`).
+    """
+    from dataclasses import replace
+
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEParallelConfig
+
+    from .stand_in import StandInGroups
+
+    if not REPLACE_REPLICAS:
+        return False
+    StandInGroups(spec.tp, spec.tp_rank(worker), spec.dp, spec.dp_index(worker),
+                  spec.ep).install()
+    configs = []
+    sizes = ("tp_size", "pcp_size", "dp_size", "ep_size", "sp_size", "use_ep")
+    for m in layers:
+        old = m.moe_config.moe_parallel_config
+        flat = old.ep_size if old.use_ep else old.tp_size
+        new = FusedMoEParallelConfig.make(
+            tp_size_=flat // (old.dp_size * old.pcp_size), pcp_size_=old.pcp_size,
+            dp_size_=old.dp_size, sp_size_=old.sp_size,
+            vllm_parallel_config=vllm_config.parallel_config)
+        if (any(getattr(new, k) != getattr(old, k) for k in sizes)
+                or (new.use_ep and m.moe_config.num_experts % new.ep_size)):
+            return False
+        configs.append((m, replace(m.moe_config, moe_parallel_config=new)))
+    def local_count(m):
+        return getattr(getattr(m, "routed_experts", m), "local_num_experts", None)
+
+    for m, moe_config in configs:
+        local = local_count(m)
+        m._set_moe_config(moe_config)
+        if moe_config.moe_parallel_config.use_ep:     # without EP there is no expert map
+            m.update_expert_map()
+        now = local_count(m)
+        if now != local:
+            raise TraceError(f"{type(model).__name__}: re-placing the experts of "
+                             f"{type(m).__name__} for worker {worker} changed its local "
+                             f"expert count ({local} -> {now})")
+    return True
+
+
 @contextlib.contextmanager
 def _no_fp8_kernel_choice():
     """Build fp8 layers without choosing their matmul kernel (the trace never multiplies).
@@ -950,6 +1056,46 @@ def _check_quantized_wire(vllm_config: Any, wire: Sequence[ParamMeta]) -> None:
                      "to plan the unquantized model")
 
 
+@dataclass(frozen=True)
+class _Replica:
+    """What worker ``(0, t)``'s trace leaves for its dp replicas ``(d, t)``.
+
+    Under :func:`_replace_for_worker`'s premise (only the MoE layers read the
+    dp rank) every copy into a parameter outside the MoE layers is the same
+    on ``(d, t)`` as on ``(0, t)``; the copies into the MoE layers' parameters
+    are traced again on the re-placed model, from the wire tensors that
+    reached them on ``(0, t)`` (``moe_wires``). ``tests/integration/test_vllm_trace.py``
+    compares the result with fresh builds of every worker.
+    """
+
+    moe: tuple[str, ...]          # prefixes ("model.layers.3.mlp.experts.") of the MoE layers
+    copies: tuple                 # (0, t)'s copies outside them
+    touched: frozenset[str]       # (0, t)'s empty-slice parameters outside them
+    moe_wires: frozenset[str]     # wire tensors (0, t)'s loaders copied into them
+    layers: tuple                 # the MoE layer modules
+    movable: bool                 # no module caches a rank of its own (_CACHED_RANKS)
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, copies: Sequence[TracedCopy],
+           touched: set[str]) -> "_Replica":
+        from vllm.utils import is_moe_layer
+
+        named = [(n, m) for n, m in model.named_modules() if n and is_moe_layer(m)]
+        moe = tuple(f"{n}." for n, _ in named)
+        movable = not any(isinstance(getattr(m, k, None), int)
+                          for m in model.modules() for k in _CACHED_RANKS)
+
+        def inside(p):
+            return p.startswith(moe)
+        return cls(moe, tuple(c for c in copies if not inside(c.param)),
+                   frozenset(p for p in touched if not inside(p)),
+                   frozenset(c.name for c in copies if inside(c.param)),
+                   tuple(m for _, m in named), movable)
+
+    def in_moe(self, param: str) -> bool:
+        return param.startswith(self.moe)
+
+
 def trace_destination(config: Any, wire: Sequence[ParamMeta],
                       spec: InferenceSpec | str) -> DestinationLayout:
     """The ``DestinationLayout`` of ``spec`` as vLLM's own loaders place ``wire``.
@@ -995,10 +1141,10 @@ def trace_destination(config: Any, wire: Sequence[ParamMeta],
         stacked = {vllm_checkpoint_name(names.get(m.name, m.name)) for m in wire
                    if per_expert_feeds(m, experts, names.get(m.name)) is not None}
         fused = bool(stacked)
-        # (Every worker is traced: dp replicas are not alike even without EP,
-        # since vLLM's MoE layers split experts over dp * tp then,
-        # ``FusedMoEParallelConfig``; tests/integration/test_vllm_trace.py.)
-        for w in range(spec.num_workers):
+        split = _split_experts(wire, experts, names)    # the same for every worker
+
+        def _trace_fresh(w: int):
+            nonlocal fused
             model, vllm_config = _build_meta_model(config_dir, spec, w)
             if w == 0:
                 _check_quantized_wire(vllm_config, wire)
@@ -1023,7 +1169,27 @@ def trace_destination(config: Any, wire: Sequence[ParamMeta],
                     model, vllm_config = _build_meta_model(config_dir, spec, w)
             if copies is None:
                 copies, touched, _ = trace_worker(
-                    model, _feeds(wire, experts, False, model, names), vllm_config)
+                    model, _feeds(wire, experts, False, model, names, split), vllm_config)
+            return model, vllm_config, copies, touched
+
+        # dp replicas: worker (d, t) is worker (0, t)'s model with its experts re-placed
+        # (_replace_for_worker), so only the wire tensors that reach its MoE layers
+        # are traced again; the rest of (0, t)'s copies stand (_Replica).
+        built: dict[int, tuple[Any, Any, _Replica]] = {}     # tp rank -> dp group 0's
+        for w in range(spec.num_workers):
+            t = spec.tp_rank(w)
+            if (t in built and built[t][2].movable
+                    and _replace_for_worker(*built[t][:2], spec, w, built[t][2].layers)):
+                model, vllm_config, base = built[t]
+                feeds = _feeds(wire, experts, fused, model, names, None if fused else split,
+                               only=base.moe_wires)
+                mine, touched, _ = trace_worker(model, feeds, vllm_config)
+                copies = [*base.copies, *(c for c in mine if base.in_moe(c.param))]
+                touched = base.touched | {p for p in touched if base.in_moe(p)}
+            else:
+                model, vllm_config, copies, touched = _trace_fresh(w)
+                if spec.dp > 1 and spec.dp_index(w) == 0:
+                    built[t] = (model, vllm_config, _Replica.of(model, copies, touched))
             copies = merge_copies(copies)
             by_param: dict[str, list[tuple]] = {p: [] for p in touched}
             for c in copies:
@@ -1041,6 +1207,7 @@ def trace_destination(config: Any, wire: Sequence[ParamMeta],
                 zero = _uncovered(shape, by_param[pname]) if pname in by_param else ()
                 params.append(DestinationParam(w, pname, p.dtype, shape, zero))
             del model
+        built.clear()
     skipped = {n: _SKIPPED for n, b in bindings.items() if not b}
     return DestinationLayout(str(spec), spec.num_workers, tuple(params),
                              {n: tuple(b) for n, b in bindings.items() if b},

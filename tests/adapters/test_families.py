@@ -38,6 +38,7 @@ from m2nkit.adapters.families.kinds import (
     COLUMN,
     EXPERT_BIAS_ONCE,
     EXPERT_ROWS,
+    FUSED_QKV,
     KINDS,
     MERGED,
     QKV,
@@ -58,16 +59,20 @@ NEVER_TIED = ("GptOssForCausalLM", "Gemma2ForCausalLM", "Qwen3NextForCausalLM")
 SUPPORTED = ["DeepseekV3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
              "GptOssForCausalLM", "LlamaForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
              "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"]
+SUPPORTED += ["Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration"]
+SUPPORTED += ["KimiK25ForConditionalGeneration"]
+SUPPORTED += ["DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"]
+SUPPORTED += ["Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM"]
 SUPPORTED += ["Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"]
 SUPPORTED.sort()
+#: Families without a tiny model m2nkit builds: transformers 5.12.1 has no class for
+#: them (their tiny checkpoints are written by tests/data/oracle/regenerate.py).
+NO_TINY = ("KimiK25ForConditionalGeneration",)
 #: Families with Megatron-Core names (adapters/megatron/names.py).
 WITH_MEGATRON_NAMES = ("LlamaForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
                        "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 ONE_MESSAGE = ("architecture 'PhiForCausalLM' is not supported; supported: "
-               "DeepseekV3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, GptOssForCausalLM, "
-               "LlamaForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
-               "Qwen3MoeForCausalLM, Qwen3NextForCausalLM, Qwen3_5ForCausalLM, "
-               "Qwen3_5MoeForCausalLM; an architecture without an m2nkit table is planned from "
+               f"{', '.join(SUPPORTED)}; an architecture without an m2nkit table is planned from "
                "vLLM's own weight loaders: --layout traced (needs vLLM installed)")
 
 
@@ -103,12 +108,12 @@ def test_every_architecture_resolves_to_a_module_with_every_piece(arch):
     # (GPT-OSS, Qwen3-Next) or has no lm_head at all (Gemma 2: logits from embed_tokens)
     assert any(p.tied_to for p in fam.params) == (arch not in NEVER_TIED)
     # DeepSeek-V3 lives in vLLM's deepseek_v2.py (DeepseekV3ForCausalLM subclasses V2's)
-    # (and Qwen3.5-MoE in qwen3_5.py, beside the dense Qwen3.5)
-    vllm_file = {"deepseek_v3": "deepseek_v2", "qwen3_5_moe": "qwen3_5"}.get(
-        ARCHITECTURES[arch], ARCHITECTURES[arch])
+    vllm_file = {"deepseek_v3": "deepseek_v2", "deepseek_v32": "deepseek_v2",
+                 "glm_moe_dsa": "deepseek_v2",
+                 "qwen3_5_moe": "qwen3_5"}.get(ARCHITECTURES[arch], ARCHITECTURES[arch])
     assert fam.vllm_source == f"vllm/model_executor/models/{vllm_file}.py"
     # tiny test models
-    assert fam.tiny is module.TINY_MODELS and fam.tiny
+    assert fam.tiny == module.TINY_MODELS and (bool(fam.tiny) != (arch in NO_TINY))
     assert all(name.startswith("tiny-") and isinstance(t, TinyModel)
                for name, t in fam.tiny.items())
     # trainer-side (Megatron-Core) names are the Megatron adapter's, one table per family
@@ -133,7 +138,10 @@ def test_tiny_models_come_from_the_families():
                                          "tiny-qwen3-tied", "tiny-qwen3-moe", "tiny-mixtral",
                                          "tiny-gpt-oss", "tiny-gemma2", "tiny-gemma3",
                                          "tiny-deepseek-v3", "tiny-deepseek-v3-fp8",
-                                         "tiny-deepseek-v3-no-q-lora",
+                                         "tiny-deepseek-v3-no-q-lora", "tiny-deepseek-v32",
+                                         "tiny-glm-moe-dsa", "tiny-qwen3-vl",
+                                         "tiny-qwen3-vl-moe", "tiny-glm4-moe",
+                                         "tiny-glm4-moe-lite",
                                          "tiny-qwen3-next", "tiny-qwen3.5", "tiny-qwen3.5-moe"]
 
 
@@ -218,6 +226,10 @@ def _expected(kind: Kind, wires: dict, tp: int, dp: int, ep: bool, worker: int) 
             per = nkv // tp
             k, v = (wires[p][r * per * hd:(r + 1) * per * hd] for p in "kv")
         return torch.cat([q, k, v])
+    if kind is FUSED_QKV:                    # one [3*nh*hd, ...] tensor: rank r's heads of each third
+        third = wires[None].shape[0] // 3
+        n = third // tp
+        return torch.cat([wires[None][j * third + r * n:j * third + (r + 1) * n] for j in range(3)])
     if kind is VOCAB:
         per = 128 // tp                      # 70 padded to 128
         lo, hi = min(r * per, 70), min((r + 1) * per, 70)
@@ -253,13 +265,16 @@ CASES = {
     "expert_rows_bias": (EXPERT_ROWS, ("E", "2*Im"), {None: (4, 8)}),
     "expert_bias_once": (EXPERT_BIAS_ONCE, ("E", "H"), {None: (4, 8)}),
 }
+#: A vision tower's fused attn.qkv (4 heads of 2, as many KV heads): weight and bias.
+CASES["fused_qkv"] = (FUSED_QKV, ("nh", "hd", "H"), {None: (24, 8)})
+CASES["fused_qkv_bias"] = (FUSED_QKV, ("nh", "hd"), {None: (24,)})
 
 
 @pytest.mark.parametrize("tp,dp,ep", LAYOUTS)
 @pytest.mark.parametrize("case", list(CASES))
 def test_kind_bindings_and_load_equal_slicing_by_hand(case, tp, dp, ep):
     kind, syms, parts = CASES[case]
-    if kind is QKV and tp > S.nh:
+    if kind in (QKV, FUSED_QKV) and tp > S.nh:
         pytest.skip("more ranks than heads")
     assert kind.violation("p", syms, S, tp, dp, ep) is None
     wires = {part: _wire(*shape, seed=i) for i, (part, shape) in enumerate(parts.items())}
@@ -297,6 +312,8 @@ def test_kind_bindings_and_load_equal_slicing_by_hand(case, tp, dp, ep):
     (ROW, ("H", "nh*hd"), {"nh": 3, "hd": 2}, 4, 1, False,
      "p: num_attention_heads*head_dim=6 is not divisible by tp=4"),
     (QKV, ("H",), {}, 3, 1, False, "p: num_attention_heads=4 is not divisible by tp=3"),
+    (FUSED_QKV, ("nh", "hd", "H"), {}, 8, 1, False,
+     "p: num_attention_heads=4 heads are not divisible by tp=8"),
     (QKV, ("H",), {"nh": 6, "nkv": 4}, 6, 1, False,
      "p: tp=6 >= num_key_value_heads=4 must be a multiple of it (each rank holds one "
      "replicated KV head)"),

@@ -79,9 +79,10 @@ class _KeptFP32(dict):
     too, ``modeling_deepseek_v3.py``); ``""`` when it declares none."""
 
     def __missing__(self, name: str) -> str:
-        from transformers import AutoModelForCausalLM
+        from m2nkit.adapters.tiny import build_model
 
-        cls = AutoModelForCausalLM._model_mapping[type(tiny_config(name))]
+        with torch.device("meta"):
+            cls = type(build_model(tiny_config(name)))
         keep = sorted(getattr(cls, "_keep_in_fp32_modules_strict", None) or ())
         self[name] = "|".join(r"(^|\.)" + re.escape(k) + "$" for k in keep)
         return self[name]
@@ -299,19 +300,19 @@ _BUILT: dict = {}
 
 def _build(name: str, dtype: torch.dtype, tmp: Path):
     """(model, checkpoint dir, config for vLLM) of a tiny model, saved before any sharding."""
-    from transformers import AutoModelForCausalLM
+    from m2nkit.adapters.tiny import build_model, save_model
 
     key = (name, dtype)
     if key not in _BUILT:
         cfg = tiny_config(name)
         torch.manual_seed(1)
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), dtype=dtype)
+        model = build_model(copy.deepcopy(cfg), dtype=dtype)
         with torch.no_grad():  # norms start at 1.0: randomise them, as tiny checkpoints do
             for p in model.parameters():
                 if p.dim() == 1:
                     p.copy_(torch.randn_like(p))
         out = tmp / f"{name}-{str(dtype).removeprefix('torch.')}"
-        model.save_pretrained(out)
+        save_model(model, out)   # stacked experts in the published order (Qwen3-VL-MoE)
         cfg.dtype = torch.bfloat16  # vLLM's parameters: bf16 either way
         _BUILT[key] = (model, out, cfg)
     return _BUILT[key]
@@ -406,7 +407,8 @@ def _shard(kind: str, case: Case, mesh):
     if kind == "tp":
         _tensor_parallel(model, mesh["tp"])
         mesh = mesh["dp_shard"]
-    layers = model.model.layers
+    base = model.model   # a multimodal wrapper's decoder layers are its language model's
+    layers = base.layers if hasattr(base, "layers") else base.language_model.layers
     if case.wrap:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -525,11 +527,11 @@ def _verify(kind: str, world: int, cases: list[Case], out: Path) -> dict:
                                              full[m.name][box_slices(piece.box)]), \
                             (case.label, m.name, r, piece)
         layouts[case.label] = {m.name: type(m.layout).__name__ for m in metas}
-        # vLLM loads what the wire carries: a parameter vLLM keeps in float32 (Gated
-        # DeltaNet's A_log) gets the wire's bf16 values, not the fp32 master's
-        wire_dtype = {m.dtype for m in metas} - {torch.float32}
-        tensors = {n: (t.to(*wire_dtype) if t.dtype == torch.float32 and len(wire_dtype) == 1
-                       and not (case.fp32 and re.search(case.fp32, n)) else t)
+        # vLLM receives the wire's values: where the wire is bf16 (fp32 masters under a
+        # bf16 policy) a parameter vLLM keeps in float32 (the DSA indexer's k_norm) holds
+        # them rounded, so the reference loads the checkpoint as the wire carries it
+        tensors = {n: t if not t.is_floating_point() or t.dtype != torch.float32 or (
+                       case.fp32 and re.search(case.fp32, n)) else t.to(torch.bfloat16)
                    for n, t in full_checkpoint_tensors(ckpt).items()}
         for spec in case.specs:
             dest = destination_layout(case.config, metas, spec)

@@ -55,16 +55,15 @@ def _persistent_buffers(model: torch.nn.Module) -> list[str]:
 def test_family_buffer_marks_are_transformers_persistent_buffers():
     """For every tiny model of every family: the checkpoint tensors the family marks as
     buffers are exactly transformers' persistent buffers (meta-device models)."""
-    from transformers import AutoModelForCausalLM
-
     from m2nkit.adapters.families import ARCHITECTURES, family
+    from m2nkit.adapters.tiny import build_model
 
     seen = {}
     for arch in ARCHITECTURES:
         fam = family(arch)
         for name in fam.tiny:
             with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(tiny_config(name))
+                model = build_model(tiny_config(name))
             buffers = {fam.hf.disk_name(n) for n in _persistent_buffers(model)}
             params = {fam.hf.disk_name(n) for n, _ in model.named_parameters()}
             marked = {n for n in params | buffers if fam.hf.is_buffer(n)}

@@ -193,10 +193,8 @@ def test_parsing_imports_no_torch():
 def test_tp_plan_names_are_wire_names():
     """The families' TP plans name in-memory modules; the dry run looks wire names up in
     them, which holds because each planned module's tensors keep their name on disk."""
-    from transformers import AutoModelForCausalLM
-
     from m2nkit.adapters.families import ARCHITECTURES, family
-    from m2nkit.adapters.tiny import tiny_config
+    from m2nkit.adapters.tiny import build_model, tiny_config
 
     planned = 0
     for arch in ARCHITECTURES:
@@ -206,7 +204,7 @@ def test_tp_plan_names_are_wire_names():
         for name in fam.tiny:
             cfg = tiny_config(name)
             with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(cfg)
+                model = build_model(cfg)
             for pname, _ in model.named_parameters():
                 module = pname.rpartition(".")[0]
                 if fam.tp_plan.style(module, cfg) is not None:

@@ -56,7 +56,8 @@ def test_fixtures_are_shipped():
                       "tiny-qwen3-moe", "tiny-mixtral", "tiny-qwen3-moe-e10", "tiny-mixtral-e6",
                       "tiny-deepseek-v3-groups", "tiny-qwen3-moe-stacked", "tiny-qwen3-nodtype",
                       "tiny-qwen3-nodtype-fp32", "tiny-qwen3-nodtype-fp16", "tiny-qwen3-fp32",
-                      "tiny-deepseek-v3", "tiny-deepseek-v3-fp8", "tiny-deepseek-v3-no-q-lora"}
+                      "tiny-deepseek-v3", "tiny-deepseek-v3-fp8", "tiny-deepseek-v3-no-q-lora",
+                      "tiny-deepseek-v32", "tiny-glm-moe-dsa"}
     for model in ("tiny-deepseek-v3", "tiny-deepseek-v3-fp8"):   # MLA + MoE, bf16 and fp8 blocks
         assert {(p.values[1], p.values[2]) for p in FIXTURES if p.values[0] == model} == {
             (1, False), (2, False), (4, False), (2, True), (4, True)}

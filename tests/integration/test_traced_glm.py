@@ -1,8 +1,9 @@
 """GLM-4.5, GLM-4.7-Flash, GLM-5 and DeepSeek-V3.2 traced from vLLM 0.33.0's own loaders.
 
-m2nkit has no family table for these architectures (``Glm4MoeForCausalLM``,
-``Glm4MoeLiteForCausalLM``, ``GlmMoeDsaForCausalLM``, ``DeepseekV32ForCausalLM``):
-their wire tensors are transformers 5's in-memory tensors (``state_dict()`` of
+Here these architectures (``Glm4MoeForCausalLM``, ``Glm4MoeLiteForCausalLM``,
+``GlmMoeDsaForCausalLM``, ``DeepseekV32ForCausalLM``) are planned by the trace alone
+(GLM-4.5 and GLM-4.7-Flash have family tables now, pinned by tests/adapters/test_glm.py;
+this file keeps their traced path): their wire tensors are transformers 5's in-memory tensors (``state_dict()`` of
 transformers' own class after ``from_pretrained`` of the shipped checkpoint:
 stacked experts ``mlp.experts.gate_up_proj`` [E, 2*Im, H] without ``.weight``,
 the fp32 router buffer ``e_score_correction_bias``), and their destination

@@ -7,8 +7,9 @@ compute: vLLM's own ``DefaultModelLoader`` filling each worker's model from the
 checkpoint's files (``plan --verify`` on a traced layout), and the parameters
 of vLLM's model objects (every element of every worker parameter written once,
 no byte moved twice) for the published configs in ``examples/configs``.
-Architectures that have a table since (Qwen3-Next, Qwen3.5[-MoE] text models)
-are traced here from the table's wire names, which the trace takes as well.
+Architectures that have a table since (Qwen3-Next, Qwen3.5[-MoE] text models,
+GLM, DSA, Qwen3-VL) are traced here from the table's wire names, which the trace
+takes as well.
 """
 
 from __future__ import annotations
@@ -94,24 +95,22 @@ def test_plan_from_the_tables_refuses_an_architecture_without_one(tmp_path):
 
 #: Published configs without a table, each planned config-only at tp 2 (with EP
 #: for the MoE ones); realistic layouts: benchmarks/trace.py and docs/benchmarks.md.
+#: (GLM-5 has a table since, families/glm_moe_dsa.py: its wire is the table's, traced.)
+#: Qwen3-VL's have a table now (families/qwen3_vl.py): traced here from its wire names.
 TABLELESS_CONFIGS = {
     "Qwen__Qwen3.5-27B": "vllm:tp=2",
     "Qwen__Qwen3.5-397B-A17B": "vllm:tp=2,ep",
+    # has a table now (families/qwen3_next.py): kept, the trace taking the table's wire names
+    "Qwen__Qwen3-Next-80B-A3B-Instruct": "vllm:tp=2,ep",
     "Qwen__Qwen3-VL-8B-Instruct": "vllm:tp=2",
     "Qwen__Qwen3-VL-30B-A3B-Instruct": "vllm:tp=2,ep",
+    # has a table now (families/glm4_moe_lite.py): kept, the trace taking the table's wire names
     "zai-org__GLM-4.7-Flash": "vllm:tp=2,ep",
     "zai-org__GLM-5": "vllm:tp=2,ep",
 }
 
 
-#: Published configs with a table, traced from the table's wire names all the same.
-TABLE_CONFIGS = {
-    "Qwen__Qwen3-Next-80B-A3B-Instruct": "vllm:tp=2,ep",
-}
-TRACED_CONFIGS = {**TABLELESS_CONFIGS, **TABLE_CONFIGS}
-
-
-@pytest.mark.parametrize("model", sorted(TRACED_CONFIGS))
+@pytest.mark.parametrize("model", sorted(TABLELESS_CONFIGS))
 def test_config_only_traced_plans_write_every_element_once(model):
     from m2nkit.adapters.hf_checkpoint import checkpoint_metas, read_checkpoint
     from m2nkit.adapters.vllm.trace import trace_destination
@@ -122,7 +121,7 @@ def test_config_only_traced_plans_write_every_element_once(model):
     ckpt = read_checkpoint(config)
     assert ckpt.architecture == json.loads(config.read_text())["architectures"][0]
     metas = checkpoint_metas(ckpt, "fsdp:4")
-    layout = trace_destination(config.parent, metas, TRACED_CONFIGS[model])
+    layout = trace_destination(config.parent, metas, TABLELESS_CONFIGS[model])
     plan = build_plan(metas, 4, layout)
     assert not plan.problems, plan.problems[:3]
     # Every element of every parameter of vLLM's model objects is written exactly
@@ -223,13 +222,39 @@ def test_a_quantized_config_without_its_quantized_wire_is_refused_naming_both():
     """DeepSeek-V3.2 as published is fp8 (``quantization_config``): vLLM builds fp8 weights
     and block scales; transformers' model of the config is unquantized, so the two
     cannot meet. Refused with what would work, never bound as bytes of another dtype."""
-    from m2nkit.adapters.hf_checkpoint import checkpoint_metas, read_checkpoint
+    from m2nkit.adapters.families.tableless import meta_model
     from m2nkit.adapters.vllm.trace import TraceError, trace_destination
+    from m2nkit.manifest import ParamMeta
 
     folder = REPO / "examples" / "configs" / "deepseek-ai__DeepSeek-V3.2"
-    metas = checkpoint_metas(read_checkpoint(folder / "config.json"), "fsdp:4")
+    # transformers' (unquantized) model of the config as the wire: the tableless path,
+    # forced (DeepSeek-V3.2 has a table, whose config-only wire is fp8 as published:
+    # tests/adapters/test_dsa.py, tests/integration/test_vllm_trace.py)
+    model = meta_model(json.loads((folder / "config.json").read_text()))
+    metas = [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in model.state_dict().items()]
     with pytest.raises(TraceError) as e:
         trace_destination(folder, metas, "vllm:tp=2,ep")
     assert str(e.value).startswith("vLLM serves this config quantized (fp8, its "
                                    "quantization_config) while the wire tensors are unquantized")
     assert "a config without quantization_config" in str(e.value)
+
+
+@pytest.mark.parametrize("model", ["tiny-deepseek-v32", "tiny-glm-moe-dsa", "tiny-glm4-moe",
+                                   "tiny-glm4-moe-lite", "tiny-qwen3-next", "tiny-qwen3.5",
+                                   "tiny-qwen3.5-moe"])
+def test_plan_layout_traced_verifies_a_family_with_a_table(model, capsys):
+    """DeepSeek-V3.2, GLM-5, GLM-4.5 and GLM-4.7-Flash have tables now (their checkpoints
+    are no longer in _tableless_fixtures): ``--layout traced`` still plans them, vLLM's
+    loaders fed the table's wire names (stacked ``experts.gate_up_proj.weight`` re-split
+    per expert), and verifies every worker against vLLM's own load."""
+    from _paths import ORACLE
+    from m2nkit.engine.tools.cli import main
+
+    capsys.readouterr()
+    code = main(["plan", str(ORACLE / model / "checkpoint"), "--trainer", "fsdp:3",
+                 "--inference", "vllm:tp=2,ep", "--layout", "traced", "--verify"])
+    out, err = capsys.readouterr()
+    assert code == 0, out[-3000:] + err[-3000:]
+    assert "traced from vLLM's own weight loaders" in out
+    assert "(ratio 1.000)" in out
+    assert "verify: all 2 workers hold exactly what vLLM's own loaders would" in out

@@ -56,16 +56,21 @@ CASES = [  # (tiny model, vLLM layout, what it covers)
     ("tied-qwen3-kv1-tp4", "vllm:tp=4", "tied embeddings, 1 KV head over tp=4"),
     # issue 16: architectures without a table, through the layout traced from the live
     # vLLM's loaders on both sides (trainers: transformers' own model of v1)
-    ("tiny-glm4-moe", "vllm:tp=2,ep", "GLM-4.5, no table: traced layout"),
-    # (Qwen3.5-MoE has a table since: families/qwen3_5_moe.py; its Gated DeltaNet round)
+    # GLM-4.5 now has a table (families/glm4_moe.py): its round goes through the table on
+    # both sides (bf16 router cast into vLLM's float32 one); so do Qwen3.5-MoE
+    # (families/qwen3_5_moe.py) and Qwen3-VL; the tableless path stays covered by MiniMax-M2
+    ("tiny-glm4-moe", "vllm:tp=2,ep", "GLM-4.5 from its table: router cast to float32"),
     ("tiny-qwen3.5-moe", "vllm:tp=2,ep", "Qwen3.5-MoE (Gated DeltaNet), from its table"),
-    ("tiny-qwen3-vl", "vllm:tp=2", "Qwen3-VL with its vision tower, no table: traced"),
+    # (Qwen3-VL has a table now, families/qwen3_vl.py: both sides plan from it, and the
+    # workers' trace check holds its bindings against the live loaders)
+    ("tiny-qwen3-vl", "vllm:tp=2", "Qwen3-VL with its vision tower: table, trace-checked"),
     # ... whose checkpoint names differ from transformers' in-memory ones (the workers'
     # trace check hands vLLM the checkpoint names: .mlp. is .block_sparse_moe. on disk)
     ("tiny-minimax-m2", "vllm:tp=2,ep", "MiniMax-M2, no table: renamed on disk"),
 ]
-#: Checkpoints of architectures without a table: v0 is the shipped oracle checkpoint,
-#: v1 the same config with seed-1 weights from transformers' own class.
+#: Checkpoints from transformers' own classes (architectures without a table when written;
+#: GLM-4.5 and Qwen3-VL have one now): v0 is the shipped oracle checkpoint, v1 the same
+#: config with seed-1 weights from transformers' own class.
 TRACED = {"tiny-glm4-moe", "tiny-qwen3.5-moe", "tiny-qwen3-vl", "tiny-minimax-m2"}
 #: Checkpoints beyond the built-in tiny models: name -> (tiny model, config overrides, dtype).
 WIDER = {"fp32-llama-h512": ("tiny-llama", {"hidden_size": 512, "num_attention_heads": 32,

@@ -472,6 +472,111 @@ LAYOUTS.update({
 })
 
 
+# --- Kimi-K2.5 (KimiK25ForConditionalGeneration): transformers 5.12.1 has no class for it, so
+# its tiny checkpoint is not written by save_pretrained. The text part is transformers'
+# DeepSeek-V3 (save_tiny_checkpoint of a tiny deepseek_v3 config: its on-disk names and
+# per-expert tensors), renamed under the published checkpoint's prefixes
+# (``language_model.model.``, ``language_model.lm_head.``); the MoonViT tower and the
+# projector are the tensors vLLM 0.33.0's loader takes (kimi_k25_vit.py,
+# MoonViT3dPretrainedModel / KimiK25MultiModalProjector) under the published names
+# (``vision_tower.encoder.blocks.N.wqkv``, ``mm_projector.proj.0`` ...), random bf16 with
+# a fixed seed. vLLM's kimi_k25.py imports transformers' ``Kimi_K25Config`` (5.24), so the
+# oracle runs with transformers 5.24 (``--oracle-python`` of a venv that has it).
+
+#: The text part: MLA sizes of the GLM tinies (hidden 32, 4 heads), layer 0 dense, layer 1
+#: MoE with 4 routed experts + 1 shared, noaux_tc, one expert group as Kimi-K2.5 has;
+#: no MTP layer (Kimi-K2.5: num_nextn_predict_layers 0). ``qk_head_dim`` is given: the
+#: config class derives it from its default head dims before shrink_config sets them,
+#: and vLLM's column loader would take the first rows of a too-large ``q_b_proj``.
+KIMI_TEXT = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=4,
+                 intermediate_size=32, moe_intermediate_size=32, n_routed_experts=4,
+                 n_shared_experts=1, num_experts_per_tok=2, num_hidden_layers=2,
+                 first_k_dense_replace=1, vocab_size=200, q_lora_rank=16, kv_lora_rank=16,
+                 qk_nope_head_dim=16, qk_rope_head_dim=8, qk_head_dim=24, v_head_dim=16,
+                 head_dim=8, topk_method="noaux_tc", scoring_func="sigmoid", n_group=1,
+                 topk_group=1, num_nextn_predict_layers=0, routed_scaling_factor=2.827,
+                 norm_topk_prob=True)
+#: The MoonViT tower: 2 blocks of width 16 with 2 heads of 8 (tp 2 splits them; at tp 4
+#: vLLM falls back to a data-parallel, unsplit tower: heads % tp != 0), MLP 32, 14 px
+#: patches, a 4 x 4 learned position grid (spelt ``init_pos_emb_*`` as the published
+#: config does; vLLM reads that first), 2 x 2 patch merge (projector width 64).
+KIMI_VISION = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                   intermediate_size=32, patch_size=14, init_pos_emb_height=4,
+                   init_pos_emb_width=4, init_pos_emb_time=4, merge_kernel_size=[2, 2],
+                   merge_type="sd2_tpool", mm_projector_type="patchmerger",
+                   pos_emb_type="divided_fixed", video_attn_type="spatial_temporal",
+                   projector_hidden_act="gelu", projector_ln_eps=1e-5,
+                   hidden_act="gelu_pytorch_tanh")
+
+
+def kimi_vision_tensors(vision: dict, text_hidden: int) -> list[tuple[str, tuple[int, ...]]]:
+    """(published name, shape) of the MoonViT tower and the patch-merger projector, in the
+    order vLLM 0.33.0 registers them (kimi_k25_vit.py: ``MoonVision3dPatchEmbed.proj``
+    (Conv2dLayer) and ``.pos_emb.weight [h, w, D]``; per block ``norm0``, ``norm1``,
+    ``mlp.fc0``/``fc1``, ``wqkv`` [3D, D], ``wo``; ``final_layernorm``;
+    ``KimiK25MultiModalProjector``: ``pre_norm``, ``linear_1``/``linear_2``, which
+    the checkpoint names ``proj.0``/``proj.2``: ``hf_to_vllm_mapper``)."""
+    D, I, ps = vision["hidden_size"], vision["intermediate_size"], vision["patch_size"]
+    h, w = vision["init_pos_emb_height"], vision["init_pos_emb_width"]
+    merged = D * vision["merge_kernel_size"][0] * vision["merge_kernel_size"][1]
+    out = [("vision_tower.patch_embed.proj.weight", (D, 3, ps, ps)),
+           ("vision_tower.patch_embed.proj.bias", (D,)),
+           ("vision_tower.patch_embed.pos_emb.weight", (h, w, D))]
+    for b in range(vision["num_hidden_layers"]):
+        p = f"vision_tower.encoder.blocks.{b}"
+        out += [(f"{p}.norm0.weight", (D,)), (f"{p}.norm0.bias", (D,)),
+                (f"{p}.norm1.weight", (D,)), (f"{p}.norm1.bias", (D,)),
+                (f"{p}.mlp.fc0.weight", (I, D)), (f"{p}.mlp.fc0.bias", (I,)),
+                (f"{p}.mlp.fc1.weight", (D, I)), (f"{p}.mlp.fc1.bias", (D,)),
+                (f"{p}.wqkv.weight", (3 * D, D)), (f"{p}.wqkv.bias", (3 * D,)),
+                (f"{p}.wo.weight", (D, D)), (f"{p}.wo.bias", (D,))]
+    out += [("vision_tower.encoder.final_layernorm.weight", (D,)),
+            ("vision_tower.encoder.final_layernorm.bias", (D,)),
+            ("mm_projector.pre_norm.weight", (D,)), ("mm_projector.pre_norm.bias", (D,)),
+            ("mm_projector.proj.0.weight", (merged, merged)),
+            ("mm_projector.proj.0.bias", (merged,)),
+            ("mm_projector.proj.2.weight", (text_hidden, merged)),
+            ("mm_projector.proj.2.bias", (text_hidden,))]
+    return out
+
+
+def _kimi_k25(d: Path) -> None:
+    """The tiny Kimi-K2.5 (bf16, no quantization_config): see the block comment above."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    from m2nkit.adapters.tiny import save_tiny_checkpoint, shrink_config
+
+    text_dir = d / "text"
+    config = shrink_config(
+        AutoConfig.for_model("deepseek_v3", architectures=["DeepseekV3ForCausalLM"]),
+        derived={}, **KIMI_TEXT)
+    save_tiny_checkpoint(config, text_dir, seed=0)
+    text = json.loads((text_dir / "config.json").read_text())
+    text.update(model_type="kimi_k2", topk_method="noaux_tc", scoring_func="sigmoid",
+                first_k_dense_replace=1)      # as published; transformers' class drops them
+    tensors = {}
+    for name, t in load_file(str(text_dir / "model.safetensors")).items():
+        tensors["language_model." + name] = t      # model.* and lm_head.* alike
+    g = torch.Generator().manual_seed(0)
+    for name, shape in kimi_vision_tensors(KIMI_VISION, text["hidden_size"]):
+        tensors[name] = torch.randn(shape, generator=g).to(torch.bfloat16)
+    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+    top = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+           "dtype": "bfloat16", "tie_word_embeddings": False, "image_token_id": 199,
+           "media_placeholder_token_id": 199, "use_unified_vision_chunk": True,
+           "text_config": text, "vision_config": KIMI_VISION}
+    (d / "config.json").write_text(json.dumps(top, indent=2) + "\n")
+    shutil.rmtree(text_dir)
+
+
+CHECKPOINTS["tiny-kimi-k25"] = _kimi_k25
+LAYOUTS["tiny-kimi-k25"] = [(1, False), (2, False), (4, False), (2, True), (4, True)]
+
+
 def layout_dir(tp: int, ep: bool, *options: str) -> str:
     return f"tp{tp}" + ("_ep" if ep else "") + "".join(f"_{o}" for o in options)
 
