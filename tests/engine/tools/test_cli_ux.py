@@ -130,7 +130,8 @@ def test_refusals_come_before_torch_is_imported(tmp_path, case, needle):
         listed = err.strip().split("supported: ")[-1].split("; ")[0].split(", ")
         assert "Qwen3MoeForCausalLM" in listed and "LlamaForCausalLM" in listed
         assert err.strip().endswith("--layout traced (needs vLLM installed)")
-        assert all(re.fullmatch(r"[A-Za-z0-9_]+ForCausalLM", a) for a in listed), listed
+        assert all(re.fullmatch(r"[A-Za-z0-9_]+For(CausalLM|ConditionalGeneration)", a)
+                   for a in listed), listed
     assert not (tmp_path / "dump").exists()
 
 
