@@ -243,16 +243,19 @@ def test_a_quantized_config_without_its_quantized_wire_is_refused_naming_both():
                                    "tiny-glm4-moe-lite", "tiny-qwen3-next", "tiny-qwen3.5",
                                    "tiny-qwen3.5-moe"])
 def test_plan_layout_traced_verifies_a_family_with_a_table(model, capsys):
-    """DeepSeek-V3.2, GLM-5, GLM-4.5 and GLM-4.7-Flash have tables now (their checkpoints
-    are no longer in _tableless_fixtures): ``--layout traced`` still plans them, vLLM's
-    loaders fed the table's wire names (stacked ``experts.gate_up_proj.weight`` re-split
-    per expert), and verifies every worker against vLLM's own load."""
+    """DeepSeek-V3.2, GLM-5, GLM-4.5, GLM-4.7-Flash, Qwen3-Next and Qwen3.5[-MoE] have
+    tables now (their checkpoints are no longer in _tableless_fixtures): ``--layout
+    traced`` still plans them, vLLM's loaders fed the table's wire names (stacked
+    ``experts.gate_up_proj.weight`` re-split per expert), and verifies every worker
+    against vLLM's own load."""
     from _paths import ORACLE
     from m2nkit.engine.tools.cli import main
 
+    # vLLM refuses expert parallelism for a model without experts (the dense Qwen3.5)
+    inference = "vllm:tp=2" if model == "tiny-qwen3.5" else "vllm:tp=2,ep"
     capsys.readouterr()
     code = main(["plan", str(ORACLE / model / "checkpoint"), "--trainer", "fsdp:3",
-                 "--inference", "vllm:tp=2,ep", "--layout", "traced", "--verify"])
+                 "--inference", inference, "--layout", "traced", "--verify"])
     out, err = capsys.readouterr()
     assert code == 0, out[-3000:] + err[-3000:]
     assert "traced from vLLM's own weight loaders" in out
