@@ -421,7 +421,7 @@ TINY_MODELS = {
 }
 
 FAMILY = Family(
-    ARCHITECTURE, HF_NAMES, VLLM_PARAMS, sizes, CONDITIONS,
+    ARCHITECTURE, HF_NAMES, VLLM_PARAMS, sizes, CONDITIONS, (mla_heads_divide_tp,),
     tiny=TINY_MODELS, vllm_source="vllm/model_executor/models/deepseek_v2.py", module=__name__,
     num_expert_group=_n_group, skip=mtp_layer,
     skipped_layers=SkippedLayers(mtp_layers, MTP_EXTRAS),

@@ -914,6 +914,11 @@ def _build_meta_model(config_dir: str, spec: InferenceSpec, worker: int):
     Built under the stand-ins of ``stand_in.py``: the parallel groups, and for
     sparse-attention (DSA) models on a CPU the GPU's sparse attention backend
     and an empty workspace (``gpu_sparse_attention``; neither owns a parameter).
+
+    Raises:
+        TraceError: vLLM could not build the model here (names the
+            architecture, the worker and vLLM's own error: a config class
+            this transformers lacks, a layer that wants a GPU).
     """
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     from vllm.config import set_current_vllm_config
@@ -927,11 +932,26 @@ def _build_meta_model(config_dir: str, spec: InferenceSpec, worker: int):
         raise TraceError("vLLM found no platform in this process (no GPU, and vLLM was "
                          "imported before VLLM_TARGET_DEVICE=cpu was set): set "
                          "VLLM_TARGET_DEVICE=cpu before vLLM is first imported")
-    vllm_config = worker_config(config_dir, spec, worker)
-    model_config = vllm_config.model_config
-    with set_current_vllm_config(vllm_config), _no_fp8_kernel_choice(), gpu_sparse_attention():
-        with set_default_torch_dtype(model_config.dtype), torch.device("meta"):
-            model = initialize_model(vllm_config=vllm_config)
+    try:
+        vllm_config = worker_config(config_dir, spec, worker)
+        model_config = vllm_config.model_config
+        with set_current_vllm_config(vllm_config), _no_fp8_kernel_choice(), \
+                gpu_sparse_attention():
+            with set_default_torch_dtype(model_config.dtype), torch.device("meta"):
+                model = initialize_model(vllm_config=vllm_config)
+    except TraceError:
+        raise
+    except Exception as e:      # vLLM cannot build it here: a refusal, not a traceback
+        import json
+
+        try:
+            archs = json.loads(Path(config_dir, "config.json").read_text()).get("architectures")
+        except (OSError, ValueError):
+            archs = None
+        what = archs[0] if archs else "the model"
+        raise TraceError(f"{what}: vLLM could not build its model for worker {worker} of "
+                         f"{spec} on the meta device ({type(e).__name__}: {e}); no layout can "
+                         "be traced here") from None
     return model, vllm_config
 
 

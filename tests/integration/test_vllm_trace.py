@@ -178,9 +178,22 @@ def test_an_untraceable_loader_is_refused_naming_the_model_and_the_reason():
 
 
 def test_kimi_k25_cannot_be_built_with_this_transformers():
-    """When this fails, vLLM's Kimi-K2.5 builds here: add tiny-kimi-k25 to MATRIX."""
-    with pytest.raises(Exception, match=NOT_BUILT_HERE["KimiK25ForConditionalGeneration"]):
+    """When this fails, vLLM's Kimi-K2.5 builds here: add tiny-kimi-k25 to MATRIX. Until
+    then a traced plan of it is a one-line refusal naming vLLM's reason, not a traceback."""
+    from _oracle import DATA
+    from m2nkit.adapters.vllm.trace import TraceError
+
+    with pytest.raises(TraceError, match=r"KimiK25ForConditionalGeneration: vLLM could not "
+                                         r"build its model for worker 0 of vllm:tp=1,dp=1 on "
+                                         r"the meta device \(AttributeError: .*"
+                                         + NOT_BUILT_HERE["KimiK25ForConditionalGeneration"]):
         _trace("tiny-kimi-k25", "vllm:tp=1")
+    r = _cli(DATA / "tiny-kimi-k25" / "checkpoint", "--trainer", "fsdp:2", "--inference",
+             "vllm:tp=2", "--layout", "traced")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(
+        "m2nkit: error: --layout traced: KimiK25ForConditionalGeneration: vLLM could not build")
+    assert "Traceback" not in r.stderr
 
 
 def test_op_chains_that_are_not_boxes_are_refused_naming_the_op():
