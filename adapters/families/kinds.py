@@ -900,3 +900,133 @@ VISION_COLUMN = VisionTowerSplit(COLUMN, "vnh")
 VISION_ROW = VisionTowerSplit(ROW, "vnh")
 KINDS.update({k.name: k for k in (VISION_FUSED_QKV, VISION_COLUMN, VISION_ROW)})
 __all__ += ["VisionTowerSplit", "VISION_FUSED_QKV", "VISION_COLUMN", "VISION_ROW"]
+
+
+# --------------------------------------------------------------------------
+# Gated DeltaNet families (Qwen3-Next, Qwen3.5): adapters/families/qwen3_next.py
+
+
+class GatedQkv(Qkv):
+    """QKV parallel with the attention output gate: every query head has ``2*hd`` rows.
+
+    Qwen3-Next/Qwen3.5 full attention (``attn_output_gate``): ``q_proj`` is
+    ``[nh * 2*hd, H]``, each head's query rows then its gate rows. vLLM
+    0.33.0 ``models/qwen3_next.py`` ``Qwen3NextAttention.__init__`` builds
+    ``QKVParallelLinear(H, hd, nh * (1 + attn_output_gate), nkv)``: to
+    ``layers/linear.py`` the q part is ``2*nh`` heads of ``hd``, so rank
+    ``r`` holds q rows ``[r*2*nh*hd/tp, (r+1)*2*nh*hd/tp)`` (its ``nh/tp``
+    heads, query and gate), then its k and v rows as :class:`Qkv`. The
+    rule is Qkv's: ``Qwen3NextAttention`` asserts ``nh % tp == 0`` (stricter
+    than ``divide(2*nh, tp)``) and the KV-head rule.
+    """
+
+    name = "qkv_gated"
+    source = ("vllm models/qwen3_next.py Qwen3NextAttention.__init__ (QKVParallelLinear "
+              "with nh * (1 + attn_output_gate) query heads)")
+
+    def wire_shape(self, dims, part, s):
+        heads = 2 * s.nh if part == "q" else s.nkv
+        return (heads * s.hd, *dims)
+
+    def local_shape(self, dims, parts, g):
+        return ((2 * g.q_heads + 2 * g.kv_heads) * g.hd, *dims)
+
+    def _slot(self, part, g):
+        q_rows = 2 * g.q_heads * g.hd
+        if part == "q":
+            return 0, q_rows, g.tp_rank
+        n = g.kv_heads * g.hd
+        return q_rows + (n if part == "v" else 0), n, g.tp_rank // g.kv_replicas
+
+
+class Sections(Kind):
+    """Column parallel section by section: local ``[s0_r; s1_r; ...]``.
+
+    The parameter's rows are ``sections`` (family size symbols, in order);
+    each section is split over tp on its own: rank ``r`` holds rows
+    ``[r*n_i/tp, (r+1)*n_i/tp)`` of section ``i`` (``n_i`` rows), and the
+    sections' shares lie one after another in the local parameter. A wire
+    tensor feeds a run of consecutive sections: its part is ``(first,
+    stop)``, indices into ``sections`` (``None``: all of them), so one wire
+    tensor lands as one box per section it holds. The table's dims are the
+    whole parameter's (a symbol for the sum of the sections, then the rest).
+
+    vLLM 0.33.0, Gated DeltaNet (``layers/mamba/gdn/qwen_gdn_linear_attn.py``
+    ``QwenGatedDeltaNetAttention``):
+
+    * ``in_proj_qkvz`` of Qwen3.5, a ``MergedColumnParallelLinear`` with
+      ``output_sizes [key_dim, key_dim, value_dim, value_dim]``, fed by
+      ``in_proj_qkv`` as shards ``(0, 1, 2)`` and ``in_proj_z`` as shard 3
+      (``models/qwen3_5.py`` ``Qwen3_5Model.hf_to_vllm_mapper``):
+      ``layers/linear.py`` ``MergedColumnParallelLinear.weight_loader``
+      splits a tuple shard id into its shards and puts shard ``k``'s rank
+      ``r`` rows (``start_idx = tp_rank * shard_size``) at
+      ``sum(output_sizes[:k]) / tp``; its constructor divides every output
+      size by tp;
+    * ``conv1d`` (``[conv_dim, 1, K]``), whose loader is
+      ``layers/mamba/mamba_mixer2.py`` ``mamba_v2_sharded_weight_loader``
+      with shard spec ``[(key_dim, 0, False), (key_dim, 0, False),
+      (value_dim, 0, False)]``: section by section, ``full_dim // tp`` rows
+      from ``tp_rank * shard_size``.
+
+    Rule: every section divisible by tp (``divide`` in the merged linear's
+    constructor; the mamba loader floors and would leave rows unwritten).
+    """
+
+    rule_order = 1
+
+    def __init__(self, name: str, sections: tuple[str, ...], source: str) -> None:
+        self.name, self.sections, self.source = name, tuple(sections), source
+
+    def _sizes(self, s: Sizes) -> tuple[int, ...]:
+        return s.resolve(self.sections)
+
+    def _span(self, part) -> range:
+        return range(len(self.sections)) if part is None else range(*part)
+
+    def wire_shape(self, dims, part, s):
+        sizes = self._sizes(s)
+        return (sum(sizes[i] for i in self._span(part)), *dims[1:])
+
+    def local_shape(self, dims, parts, g):
+        return (dims[0] // g.tp, *dims[1:])
+
+    def rule_key(self, syms):
+        return (self.name, self.sections)
+
+    def violation(self, name, syms, s, tp, dp, ep):
+        for sym in dict.fromkeys(self.sections):
+            if s.resolve((sym,))[0] % tp:
+                return f"{name}: {s.label(sym)} is not divisible by tp={tp}"
+        return None
+
+    def runs(self, part, g: Geometry) -> list[tuple[int, int, int]]:
+        """``(wire row, local row, rows)`` of each section of ``part`` on ``g``'s rank."""
+        sizes = self._sizes(g.sizes)
+        out, at = [], 0
+        for i in self._span(part):
+            n = sizes[i] // g.tp
+            out.append((at + g.tp_rank * n, sum(m // g.tp for m in sizes[:i]), n))
+            at += sizes[i]
+        return out
+
+    def boxes(self, shape, part, g):
+        rest = _full(shape[1:])
+        return [(((w, w + n), *rest), (at, *(0,) * len(rest))) for w, at, n in self.runs(part, g)]
+
+    def load(self, param, wire, part, g):
+        for w, at, n in self.runs(part, g):
+            param.narrow(0, at, n).copy_(wire.narrow(0, w, n))
+
+
+QKV_GATED = GatedQkv()
+#: Qwen3.5's ``in_proj_qkvz`` (q, k, v, z; ``kd`` = linear key dim, ``vd`` = linear value dim)
+GDN_QKVZ = Sections("gdn_qkvz", ("kd", "kd", "vd", "vd"),
+                    "vllm layers/linear.py MergedColumnParallelLinear.weight_loader "
+                    "(tuple shard id; models/qwen3_5.py Qwen3_5Model.hf_to_vllm_mapper)")
+#: ``conv1d`` of both Gated DeltaNet families (q, k, v)
+GDN_CONV = Sections("gdn_conv", ("kd", "kd", "vd"),
+                    "vllm layers/mamba/mamba_mixer2.py mamba_v2_sharded_weight_loader "
+                    "(QwenGatedDeltaNetAttention.conv1d)")
+KINDS.update({k.name: k for k in (QKV_GATED, GDN_QKVZ, GDN_CONV)})
+__all__ += ["GatedQkv", "Sections", "QKV_GATED", "GDN_QKVZ", "GDN_CONV"]

@@ -52,6 +52,9 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe",
     "Glm4MoeForCausalLM": "glm4_moe",
     "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
+    "Qwen3NextForCausalLM": "qwen3_next",
+    "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
 }
 
 
@@ -78,6 +81,9 @@ TINY_MODEL_ARCHITECTURES: dict[str, str] = {
     "tiny-qwen3-vl-moe": "Qwen3VLMoeForConditionalGeneration",
     "tiny-glm4-moe": "Glm4MoeForCausalLM",
     "tiny-glm4-moe-lite": "Glm4MoeLiteForCausalLM",
+    "tiny-qwen3-next": "Qwen3NextForCausalLM",
+    "tiny-qwen3.5": "Qwen3_5ForCausalLM",
+    "tiny-qwen3.5-moe": "Qwen3_5MoeForCausalLM",
 }
 
 

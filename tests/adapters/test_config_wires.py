@@ -100,6 +100,16 @@ VARIANTS += [
                             "num_nextn_predict_layers": 1}, False),
     ("tiny-glm4-moe-lite", {"mlp_layer_types": ["sparse", "sparse"]}, True),
 ]
+# Gated DeltaNet (families/qwen3_next.py, qwen3_5.py, qwen3_5_moe.py): which layers are
+# MoE, which linear attention (layer_types, else full_attention_interval), tied heads
+VARIANTS += [
+    ("tiny-qwen3-next", {"mlp_only_layers": []}, False),
+    ("tiny-qwen3-next", {"mlp_only_layers": [], "decoder_sparse_step": 2}, False),
+    ("tiny-qwen3.5", {"layer_types": ["full_attention", "linear_attention"]}, False),
+    ("tiny-qwen3.5-moe", {"layer_types": None, "num_hidden_layers": 4,
+                          "full_attention_interval": 2}, False),
+    ("tiny-qwen3.5-moe", {"tie_word_embeddings": True}, False),
+]
 
 
 def _listing(ckpt) -> list[tuple[str, tuple[int, ...], torch.dtype]]:

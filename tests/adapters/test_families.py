@@ -55,7 +55,7 @@ from m2nkit.adapters.families.sizes import Sizes
 from m2nkit.adapters.families.table import Family, HFNaming, Param, TinyModel
 
 #: Families whose vLLM model has no tied lm_head parameter (see their modules).
-NEVER_TIED = ("GptOssForCausalLM", "Gemma2ForCausalLM")
+NEVER_TIED = ("GptOssForCausalLM", "Gemma2ForCausalLM", "Qwen3NextForCausalLM")
 SUPPORTED = ["DeepseekV3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
              "GptOssForCausalLM", "LlamaForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
              "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"]
@@ -63,6 +63,7 @@ SUPPORTED += ["Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGenera
 SUPPORTED += ["KimiK25ForConditionalGeneration"]
 SUPPORTED += ["DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"]
 SUPPORTED += ["Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM"]
+SUPPORTED += ["Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"]
 SUPPORTED.sort()
 #: Families without a tiny model m2nkit builds: transformers 5.12.1 has no class for
 #: them (their tiny checkpoints are written by tests/data/oracle/regenerate.py).
@@ -104,11 +105,12 @@ def test_every_architecture_resolves_to_a_module_with_every_piece(arch):
     assert fam.conditions is module.CONDITIONS
     assert {p.when for p in fam.params if p.when} <= set(fam.conditions)
     # tied embeddings are a condition of every family, except where vLLM never ties
-    # (GPT-OSS) or has no lm_head at all (Gemma 2: logits from embed_tokens)
+    # (GPT-OSS, Qwen3-Next) or has no lm_head at all (Gemma 2: logits from embed_tokens)
     assert any(p.tied_to for p in fam.params) == (arch not in NEVER_TIED)
     # DeepSeek-V3 lives in vLLM's deepseek_v2.py (DeepseekV3ForCausalLM subclasses V2's)
     vllm_file = {"deepseek_v3": "deepseek_v2", "deepseek_v32": "deepseek_v2",
-                 "glm_moe_dsa": "deepseek_v2"}.get(ARCHITECTURES[arch], ARCHITECTURES[arch])
+                 "glm_moe_dsa": "deepseek_v2",
+                 "qwen3_5_moe": "qwen3_5"}.get(ARCHITECTURES[arch], ARCHITECTURES[arch])
     assert fam.vllm_source == f"vllm/model_executor/models/{vllm_file}.py"
     # tiny test models
     assert fam.tiny == module.TINY_MODELS and (bool(fam.tiny) != (arch in NO_TINY))
@@ -139,7 +141,8 @@ def test_tiny_models_come_from_the_families():
                                          "tiny-deepseek-v3-no-q-lora", "tiny-deepseek-v32",
                                          "tiny-glm-moe-dsa", "tiny-qwen3-vl",
                                          "tiny-qwen3-vl-moe", "tiny-glm4-moe",
-                                         "tiny-glm4-moe-lite"]
+                                         "tiny-glm4-moe-lite",
+                                         "tiny-qwen3-next", "tiny-qwen3.5", "tiny-qwen3.5-moe"]
 
 
 def test_unsupported_architecture_one_message_everywhere():

@@ -401,7 +401,9 @@ def _shard(kind: str, case: Case, mesh):
     if kind == "experts":
         from torch.distributed.tensor import Shard
 
-        kw["shard_placement_fn"] = lambda p: Shard(1) if p.dim() == 3 else None
+        # stacked experts [E, out, in]; not a Gated DeltaNet conv1d [C, 1, K]
+        kw["shard_placement_fn"] = lambda p: (Shard(1) if p.dim() == 3 and p.shape[1] > 1
+                                              else None)
     if kind == "tp":
         _tensor_parallel(model, mesh["tp"])
         mesh = mesh["dp_shard"]

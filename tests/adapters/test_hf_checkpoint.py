@@ -38,6 +38,8 @@ EXAMPLE = REPO / "examples" / "tiny-qwen3-moe"
 ALL = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-tied", "tiny-qwen3-moe",
        "tiny-mixtral", "tiny-gemma2", "tiny-gemma3"]  # tiny-gpt-oss: tests/adapters/test_gpt_oss.py
 MOE = ["tiny-qwen3-moe", "tiny-mixtral"]
+# Gated DeltaNet families (families/qwen3_next.py, qwen3_5.py, qwen3_5_moe.py)
+ALL += ["tiny-qwen3-next", "tiny-qwen3.5", "tiny-qwen3.5-moe"]
 
 
 # --------------------------------------------------------------------------

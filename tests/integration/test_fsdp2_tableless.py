@@ -1,4 +1,4 @@
-"""Real ``fully_shard`` models of architectures without a table, into traced vLLM layouts.
+"""Real ``fully_shard`` models, tableless and with a table, into traced vLLM layouts.
 
 The trainer is transformers' own model of a tiny checkpoint, loaded with
 ``from_pretrained`` and sharded by FSDP2 in 4 forked gloo ranks, on a 1-D mesh
@@ -9,6 +9,12 @@ and local tensors; the parent plans them against the layout traced from vLLM
 worker's model built on the CPU and filled from the checkpoint's files by vLLM's
 ``DefaultModelLoader`` (``engine/tools/vllm_workers.fresh_load``), compared bit for
 bit.
+
+The model is a hybrid Gated DeltaNet MoE (``Qwen3_5MoeForCausalLM``), which has a
+family table since (``families/qwen3_5_moe.py``): ``fsdp2_source`` sends it under
+the table's wire names (stacked experts ``...experts.gate_up_proj.weight``). The
+tableless path (transformers' in-memory names, ``families.tableless``) is kept by
+forcing it for the same model (``PATHS``), so both wire namings trace.
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 WORLD = 4
 TIMEOUT_S = 240
 KINDS = ("fsdp", "hsdp")
+#: the wire naming fsdp2_source uses: the family table's, or transformers' in-memory
+#: names as for an architecture without a table (forced: ``_tableless_names``)
+PATHS = ("table", "tableless")
 SPECS = ("vllm:tp=2", "vllm:tp=2,ep", "vllm:tp=4", "vllm:tp=1,dp=2,ep")
 
 
@@ -42,6 +51,18 @@ def _tiny(tmp: Path) -> Path:
     torch.manual_seed(1)
     transformers.Qwen3_5MoeForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp)
     return tmp
+
+
+def _tableless_names(model):
+    """``fsdp2_source(model)`` as for an architecture without a table: the source asks
+    ``family_or_tableless`` for the family; here it gets the tableless one."""
+    from unittest import mock
+
+    from m2nkit.adapters.families.tableless import tableless_family
+    from m2nkit.adapters.fsdp2 import fsdp2_source
+
+    with mock.patch("m2nkit.adapters.fsdp2.source.family_or_tableless", tableless_family):
+        return fsdp2_source(model)
 
 
 def _rank_main(rank, world, port, ckpt, out):
@@ -67,10 +88,11 @@ def _rank_main(rank, world, port, ckpt, out):
             for layer in model.model.layers:
                 fully_shard(layer, mesh=mesh)
             fully_shard(model, mesh=mesh)
-            src = fsdp2_source(model)
-            torch.save({"manifest": manifest_to_json(src.metadata, world),
-                        "locals": [(n, t.clone()) for n, t in src.iter_local()]},
-                       Path(out) / f"{kind}.r{rank}.pt")
+            for path in PATHS:
+                src = fsdp2_source(model) if path == "table" else _tableless_names(model)
+                torch.save({"manifest": manifest_to_json(src.metadata, world),
+                            "locals": [(n, t.clone()) for n, t in src.iter_local()]},
+                           Path(out) / f"{kind}.{path}.r{rank}.pt")
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -90,20 +112,31 @@ def test_fsdp2_meshes_into_traced_layouts_equal_vllm_loads(tmp_path):
     out.mkdir()
     join_ranks(mp.start_processes(_rank_main, args=(WORLD, free_port(), str(ckpt), str(out)),
                                   nprocs=WORLD, join=False, start_method="spawn"), TIMEOUT_S)
+    loads: dict = {}           # (spec, worker) -> vLLM's fresh load, the same for every case
+    wire_names = {}
     for kind in KINDS:
-        payloads = [torch.load(out / f"{kind}.r{r}.pt") for r in range(WORLD)]
-        metas, _ = manifest_from_json(payloads[0]["manifest"])
-        for text in SPECS:
-            spec = parse_inference_spec(text)
-            layout = trace_destination(ckpt, metas, spec)
-            plan = build_plan(metas, WORLD, layout)
-            assert not plan.problems, plan.problems[:3]
-            storage = {w: allocate_storage(layout, w, fill=float("nan"))
-                       for w in range(spec.num_workers)}
-            execute_plan(plan, {r: iter(p["locals"]) for r, p in enumerate(payloads)}, storage)
-            for w in range(spec.num_workers):
-                vllm = fresh_load(ckpt, spec, w)
-                names = set(vllm) - set(layout.aliases)
-                assert set(storage[w]) == names, (kind, text, w)
-                bad = sorted(n for n in names if not bitwise_equal(storage[w][n], vllm[n]))
-                assert not bad, f"{kind} -> {text} worker {w}: differ from vLLM's load {bad[:5]}"
+        for path in PATHS:
+            payloads = [torch.load(out / f"{kind}.{path}.r{r}.pt") for r in range(WORLD)]
+            metas, _ = manifest_from_json(payloads[0]["manifest"])
+            wire_names[path] = {m.name for m in metas}
+            for text in SPECS:
+                spec = parse_inference_spec(text)
+                layout = trace_destination(ckpt, metas, spec)
+                plan = build_plan(metas, WORLD, layout)
+                assert not plan.problems, plan.problems[:3]
+                storage = {w: allocate_storage(layout, w, fill=float("nan"))
+                           for w in range(spec.num_workers)}
+                execute_plan(plan, {r: iter(p["locals"]) for r, p in enumerate(payloads)},
+                             storage)
+                for w in range(spec.num_workers):
+                    if (text, w) not in loads:
+                        loads[text, w] = fresh_load(ckpt, spec, w)
+                    vllm = loads[text, w]
+                    names = set(vllm) - set(layout.aliases)
+                    assert set(storage[w]) == names, (kind, path, text, w)
+                    bad = sorted(n for n in names if not bitwise_equal(storage[w][n], vllm[n]))
+                    assert not bad, (f"{kind} ({path} names) -> {text} worker {w}: differ from "
+                                     f"vLLM's load {bad[:5]}")
+    experts = "model.layers.0.mlp.experts.gate_up_proj"
+    assert experts + ".weight" in wire_names["table"] and experts not in wire_names["table"]
+    assert experts in wire_names["tableless"]

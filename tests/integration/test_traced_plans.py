@@ -7,6 +7,9 @@ compute: vLLM's own ``DefaultModelLoader`` filling each worker's model from the
 checkpoint's files (``plan --verify`` on a traced layout), and the parameters
 of vLLM's model objects (every element of every worker parameter written once,
 no byte moved twice) for the published configs in ``examples/configs``.
+Architectures that have a table since (Qwen3-Next, Qwen3.5[-MoE] text models,
+GLM, DSA, Qwen3-VL) are traced here from the table's wire names, which the trace
+takes as well.
 """
 
 from __future__ import annotations
@@ -53,8 +56,12 @@ def _cli(*args):
                           timeout=900, env=env, cwd=REPO)
 
 
-def test_plan_traces_an_architecture_without_a_table_and_vllm_agrees(tiny_hybrid_moe):
-    r = _cli(tiny_hybrid_moe, "--trainer", "fsdp:2", "--inference", "vllm:tp=2,ep", "--verify")
+def test_plan_layout_traced_plans_a_hybrid_gated_deltanet_moe_and_vllm_agrees(tiny_hybrid_moe):
+    """``--layout traced`` on an architecture that has a table (Qwen3.5-MoE,
+    families/qwen3_5_moe.py): the checkpoint is read with the table's wire names
+    (stacked experts ``...experts.gate_up_proj.weight``), which the trace takes."""
+    r = _cli(tiny_hybrid_moe, "--trainer", "fsdp:2", "--inference", "vllm:tp=2,ep", "--verify",
+             "--layout", "traced")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "traced from vLLM's own weight loaders" in r.stdout
     assert "(ratio 1.000)" in r.stdout
@@ -65,12 +72,24 @@ def test_plan_traces_an_architecture_without_a_table_and_vllm_agrees(tiny_hybrid
     assert not any(x in r.stderr for x in ("vllm._C", "Triton", "Reset SSM cache")), r.stderr
 
 
-def test_plan_from_the_tables_refuses_it_naming_the_traced_layout(tiny_hybrid_moe):
-    r = _cli(tiny_hybrid_moe, "--trainer", "fsdp:2", "--inference", "vllm:tp=2",
+def test_plan_from_the_tables_verifies_the_same_checkpoint(tiny_hybrid_moe):
+    r = _cli(tiny_hybrid_moe, "--trainer", "fsdp:2", "--inference", "vllm:tp=2,ep", "--verify",
              "--layout", "tables")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "m2nkit's family tables (no vLLM needed)" in r.stdout
+    assert "(ratio 1.000)" in r.stdout
+
+
+def test_plan_from_the_tables_refuses_an_architecture_without_one(tmp_path):
+    """An architecture transformers has and m2nkit has no table for (Phi), config only."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["PhiForCausalLM"], "model_type": "phi", "hidden_size": 64,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_hidden_layers": 2,
+        "vocab_size": 200, "dtype": "bfloat16"}))
+    r = _cli(tmp_path, "--trainer", "fsdp:2", "--inference", "vllm:tp=2", "--layout", "tables")
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1, r.stderr
-    assert "architecture 'Qwen3_5MoeForCausalLM' is not supported" in r.stderr
+    assert "architecture 'PhiForCausalLM' is not supported" in r.stderr
     assert r.stderr.strip().endswith("--layout traced (needs vLLM installed)")
 
 
@@ -81,6 +100,7 @@ def test_plan_from_the_tables_refuses_it_naming_the_traced_layout(tiny_hybrid_mo
 TABLELESS_CONFIGS = {
     "Qwen__Qwen3.5-27B": "vllm:tp=2",
     "Qwen__Qwen3.5-397B-A17B": "vllm:tp=2,ep",
+    # has a table now (families/qwen3_next.py): kept, the trace taking the table's wire names
     "Qwen__Qwen3-Next-80B-A3B-Instruct": "vllm:tp=2,ep",
     "Qwen__Qwen3-VL-8B-Instruct": "vllm:tp=2",
     "Qwen__Qwen3-VL-30B-A3B-Instruct": "vllm:tp=2,ep",
@@ -220,18 +240,22 @@ def test_a_quantized_config_without_its_quantized_wire_is_refused_naming_both():
 
 
 @pytest.mark.parametrize("model", ["tiny-deepseek-v32", "tiny-glm-moe-dsa", "tiny-glm4-moe",
-                                   "tiny-glm4-moe-lite"])
+                                   "tiny-glm4-moe-lite", "tiny-qwen3-next", "tiny-qwen3.5",
+                                   "tiny-qwen3.5-moe"])
 def test_plan_layout_traced_verifies_a_family_with_a_table(model, capsys):
-    """DeepSeek-V3.2, GLM-5, GLM-4.5 and GLM-4.7-Flash have tables now (their checkpoints
-    are no longer in _tableless_fixtures): ``--layout traced`` still plans them, vLLM's
-    loaders fed the table's wire names (stacked ``experts.gate_up_proj.weight`` re-split
-    per expert), and verifies every worker against vLLM's own load."""
+    """DeepSeek-V3.2, GLM-5, GLM-4.5, GLM-4.7-Flash, Qwen3-Next and Qwen3.5[-MoE] have
+    tables now (their checkpoints are no longer in _tableless_fixtures): ``--layout
+    traced`` still plans them, vLLM's loaders fed the table's wire names (stacked
+    ``experts.gate_up_proj.weight`` re-split per expert), and verifies every worker
+    against vLLM's own load."""
     from _paths import ORACLE
     from m2nkit.engine.tools.cli import main
 
+    # vLLM refuses expert parallelism for a model without experts (the dense Qwen3.5)
+    inference = "vllm:tp=2" if model == "tiny-qwen3.5" else "vllm:tp=2,ep"
     capsys.readouterr()
     code = main(["plan", str(ORACLE / model / "checkpoint"), "--trainer", "fsdp:3",
-                 "--inference", "vllm:tp=2,ep", "--layout", "traced", "--verify"])
+                 "--inference", inference, "--layout", "traced", "--verify"])
     out, err = capsys.readouterr()
     assert code == 0, out[-3000:] + err[-3000:]
     assert "traced from vLLM's own weight loaders" in out

@@ -57,10 +57,10 @@ CASES = [  # (tiny model, vLLM layout, what it covers)
     # issue 16: architectures without a table, through the layout traced from the live
     # vLLM's loaders on both sides (trainers: transformers' own model of v1)
     # GLM-4.5 now has a table (families/glm4_moe.py): its round goes through the table on
-    # both sides (bf16 router cast into vLLM's float32 one); the tableless path stays
-    # covered by the three below
+    # both sides (bf16 router cast into vLLM's float32 one); so do Qwen3.5-MoE
+    # (families/qwen3_5_moe.py) and Qwen3-VL; the tableless path stays covered by MiniMax-M2
     ("tiny-glm4-moe", "vllm:tp=2,ep", "GLM-4.5 from its table: router cast to float32"),
-    ("tiny-qwen3.5-moe", "vllm:tp=2,ep", "Qwen3.5-MoE (Gated DeltaNet), no table: traced"),
+    ("tiny-qwen3.5-moe", "vllm:tp=2,ep", "Qwen3.5-MoE (Gated DeltaNet), from its table"),
     # (Qwen3-VL has a table now, families/qwen3_vl.py: both sides plan from it, and the
     # workers' trace check holds its bindings against the live loaders)
     ("tiny-qwen3-vl", "vllm:tp=2", "Qwen3-VL with its vision tower: table, trace-checked"),
