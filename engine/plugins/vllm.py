@@ -268,7 +268,8 @@ class M2NVLLMEngine(WeightTransferEngine):
         self.worker = worker_index_of(vllm_config)
         self.identity = _Identity(self.worker, vllm_config.parallel_config.rank,
                                   vllm_config.parallel_config.data_parallel_index)
-        self.destination = vllm_destination(self.model_config.hf_config, self.spec)
+        self.destination = vllm_destination(self.model_config.hf_config, self.spec,
+                                            layout_choice())
         self.mode = receive_mode()
         self._receiver: M2NReceiver | None = None
         self._version: str | None = None
@@ -484,8 +485,30 @@ MODE_ENV = "M2NKIT_RECEIVE_MODE"
 #: Set to ``0`` to skip tracing the live model's loaders at init (the check of the
 #: plan's bindings against what this vLLM build does; ``M2NVLLMEngine._traced_problems``).
 TRACE_CHECK_ENV = "M2NKIT_TRACE_CHECK"
+#: Environment variable of the vLLM server choosing the destination layout.
+LAYOUT_ENV = "M2NKIT_LAYOUT"
 
 _log = logging.getLogger(__name__)
+
+
+def layout_choice() -> str:
+    """``$M2NKIT_LAYOUT``: ``auto`` (default: the family table where there is one, else
+    traced from vLLM's loaders), ``tables`` or ``traced`` (``m2nkit.adapters.vllm.LAYOUTS``).
+
+    With ``traced`` a worker plans from the trainers' traced layout (the init payload's)
+    and holds its part against its own loaders, even for an architecture with a table;
+    the trainers must trace too (``vllm_destination(..., layout="traced")``), or the
+    plan digests differ wherever the table and the trace do.
+
+    Raises:
+        ValueError: another value (names the variable and the valid ones).
+    """
+    from m2nkit.adapters.vllm.builder import LAYOUTS
+
+    layout = os.environ.get(LAYOUT_ENV, "auto")
+    if layout not in LAYOUTS:
+        raise ValueError(f"{LAYOUT_ENV}={layout!r} is not one of {', '.join(LAYOUTS)}")
+    return layout
 
 
 def receive_mode() -> str:

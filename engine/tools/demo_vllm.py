@@ -55,9 +55,17 @@ def vllm_available() -> bool:
 # worker processes (forked from the host)
 
 
-def _worker_main(conn, checkpoint: str, spec_text: str, worker: int) -> None:
-    """One vLLM worker: build, load, create the engine, then serve ``(cmd, arg)`` until told to stop."""
+def _worker_main(conn, checkpoint: str, spec_text: str, worker: int,
+                 layout: str = "auto") -> None:
+    """One vLLM worker: build, load, create the engine, then serve ``(cmd, arg)`` until told to stop.
+
+    ``layout``: the plugin's ``M2NKIT_LAYOUT`` in this worker (``auto``, ``tables``, ``traced``).
+    """
     import torch
+
+    from m2nkit.engine.plugins.vllm import LAYOUT_ENV
+
+    os.environ[LAYOUT_ENV] = layout
 
     from m2nkit.adapters.vllm import parse_inference_spec
     from m2nkit.engine.tools.vllm_workers import (
@@ -141,7 +149,7 @@ class _Host:
         self.lock = threading.Lock()
         self.workers: list[tuple[Any, Any]] = []   # (process, connection)
 
-    def start_workers(self, checkpoint: str, spec_text: str) -> list[dict]:
+    def start_workers(self, checkpoint: str, spec_text: str, layout: str = "auto") -> list[dict]:
         from m2nkit.adapters.vllm import parse_inference_spec
 
         self.stop_workers()
@@ -149,7 +157,7 @@ class _Host:
         n = parse_inference_spec(spec_text).num_workers
         for w in range(n):
             mine, theirs = ctx.Pipe()
-            p = ctx.Process(target=_worker_main, args=(theirs, checkpoint, spec_text, w),
+            p = ctx.Process(target=_worker_main, args=(theirs, checkpoint, spec_text, w, layout),
                             name=f"m2nkit-vllm-worker-{w}", daemon=True)
             p.start()
             theirs.close()
@@ -421,12 +429,15 @@ class VLLMWorkers:
         self.client = WorkersClient(tuple(value), authkey, self.timeout_s)
         return self
 
-    def start_workers(self, checkpoint: str | os.PathLike, spec: str) -> list[dict]:
+    def start_workers(self, checkpoint: str | os.PathLike, spec: str,
+                      layout: str = "auto") -> list[dict]:
         """Fork one worker per ``spec`` worker (stopping earlier ones); each loads ``checkpoint``.
 
+        ``layout``: each worker's ``M2NKIT_LAYOUT`` (the plugin's destination layout).
         Returns per worker ``{"seconds", "pid", "engine", "model", "parameters"}``.
         """
-        return self.client.request("start_workers", (str(Path(checkpoint).resolve()), str(spec)))
+        return self.client.request("start_workers",
+                                   (str(Path(checkpoint).resolve()), str(spec), layout))
 
     def stop_workers(self) -> None:
         self.client.request("stop_workers")
@@ -488,13 +499,15 @@ def round_source(checkpoints: Sequence[str | os.PathLike], trainer_spec: str, ra
 
 
 def trainer_main(rank: int, num_ranks: int, checkpoints: Sequence[str], trainer: str,
-                 inference: str, client, port: int, timeout_s: float, results) -> None:
+                 inference: str, client, port: int, timeout_s: float, results,
+                 layout: str = "auto") -> None:
     """One trainer process: ``trainer_init``, one ``send_weights(f"v{k}")`` per checkpoint, report.
 
     Puts ``("init", rank, seconds, None)``, ``("round", rank, k, (bytes, seconds))``
     per round and finally ``("done", rank, None, None)`` on ``results``; a
     failure puts ``("error", rank, "Type: message", traceback)`` instead.
     ``client`` (rank 0 only) drives the workers, e.g. :class:`WorkersClient`.
+    ``layout``: the trainers' destination layout (``vllm_destination``'s).
     """
     from m2nkit.engine.tools.server import exit_with_parent
 
@@ -514,7 +527,7 @@ def trainer_main(rank: int, num_ranks: int, checkpoints: Sequence[str], trainer:
         source = round_source(checkpoints, trainer, rank, state)
         config = read_checkpoint(checkpoints[0]).config
         info = M2NTrainerInitInfo(rank=rank, num_trainer_ranks=num_ranks,
-                                  destination=vllm_destination(config, inference),
+                                  destination=vllm_destination(config, inference, layout),
                                   master_port=port, timeout_s=timeout_s)
         t0 = time.perf_counter()
         engine = M2NTrainerEngine.trainer_init(info, client=client if rank == 0 else None,

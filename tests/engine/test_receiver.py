@@ -832,3 +832,4 @@ def test_no_bucket_holds_more_than_bucket_bytes_for_any_rank(ck, bucket_bytes):
         nxt = range(sched.bounds[k], sched.bounds[k + 1] + 1)
         assert per_rank(nxt) > bucket_bytes or per_rank(sched.wires(k + 1)[:1]) == 0, k
     assert len(sched) > 2                # the sizes above really cut this model
+

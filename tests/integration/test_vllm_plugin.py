@@ -54,24 +54,25 @@ CASES = [  # (tiny model, vLLM layout, what it covers)
     # tied, one KV head replicated over tp=4, vocab 1024, hidden 64; CI runs it under the
     # pinned transformers, scripts/side_transformers.sh + this test under the newest
     ("tied-qwen3-kv1-tp4", "vllm:tp=4", "tied embeddings, 1 KV head over tp=4"),
-    # issue 16: architectures without a table, through the layout traced from the live
-    # vLLM's loaders on both sides (trainers: transformers' own model of v1)
-    # GLM-4.5 now has a table (families/glm4_moe.py): its round goes through the table on
-    # both sides (bf16 router cast into vLLM's float32 one); so do Qwen3.5-MoE
-    # (families/qwen3_5_moe.py) and Qwen3-VL; the tableless path stays covered by MiniMax-M2
-    ("tiny-glm4-moe", "vllm:tp=2,ep", "GLM-4.5 from its table: router cast to float32"),
-    ("tiny-qwen3.5-moe", "vllm:tp=2,ep", "Qwen3.5-MoE (Gated DeltaNet), from its table"),
-    # (Qwen3-VL has a table now, families/qwen3_vl.py: both sides plan from it, and the
-    # workers' trace check holds its bindings against the live loaders)
-    ("tiny-qwen3-vl", "vllm:tp=2", "Qwen3-VL with its vision tower: table, trace-checked"),
-    # ... whose checkpoint names differ from transformers' in-memory ones (the workers'
-    # trace check hands vLLM the checkpoint names: .mlp. is .block_sparse_moe. on disk)
+    # issue 16: the layout traced from vLLM's loaders on both sides (TRACED_LAYOUT: the
+    # trainers trace, each worker checks its own part against its live model's loaders);
+    # these three have tables since, which the rounds bypass on purpose
+    ("tiny-glm4-moe", "vllm:tp=2,ep", "GLM-4.5 traced: router cast to float32"),
+    ("tiny-qwen3.5-moe", "vllm:tp=2,ep", "Qwen3.5-MoE (Gated DeltaNet) traced"),
+    ("tiny-qwen3-vl", "vllm:tp=2", "Qwen3-VL with its vision tower, traced"),
+    # no table: traced by itself (auto), and its checkpoint names differ from transformers'
+    # in-memory ones (the workers' trace check hands vLLM the checkpoint names: .mlp. is
+    # .block_sparse_moe. on disk)
     ("tiny-minimax-m2", "vllm:tp=2,ep", "MiniMax-M2, no table: renamed on disk"),
 ]
 #: Checkpoints from transformers' own classes (architectures without a table when written;
 #: GLM-4.5 and Qwen3-VL have one now): v0 is the shipped oracle checkpoint, v1 the same
 #: config with seed-1 weights from transformers' own class.
 TRACED = {"tiny-glm4-moe", "tiny-qwen3.5-moe", "tiny-qwen3-vl", "tiny-minimax-m2"}
+#: Rounds through the layout traced from vLLM's loaders on both sides although the
+#: architecture has a table (M2NKIT_LAYOUT=traced on the workers, layout="traced" on the
+#: trainers): each worker plans from the trainers' trace and checks its own part.
+TRACED_LAYOUT = {"tiny-glm4-moe", "tiny-qwen3.5-moe", "tiny-qwen3-vl"}
 #: Checkpoints beyond the built-in tiny models: name -> (tiny model, config overrides, dtype).
 WIDER = {"fp32-llama-h512": ("tiny-llama", {"hidden_size": 512, "num_attention_heads": 32,
                                             "head_dim": 16}, "float32"),
@@ -139,7 +140,8 @@ def _reseeded(checkpoint, out):
     return out
 
 
-def _run_trainers(client, checkpoints, inference, timeout_s=ROUND_TIMEOUT_S) -> dict:
+def _run_trainers(client, checkpoints, inference, timeout_s=ROUND_TIMEOUT_S,
+                  layout="auto") -> dict:
     """Two trainer processes send ``checkpoints`` (one round each); returns rank -> outcome."""
     from m2nkit.engine.tools.procs import free_port
     from m2nkit.engine.tools.demo_vllm import trainer_main
@@ -148,7 +150,7 @@ def _run_trainers(client, checkpoints, inference, timeout_s=ROUND_TIMEOUT_S) -> 
     port = free_port()
     procs = [CTX.Process(target=trainer_main, daemon=True,
                          args=(r, 2, [str(c) for c in checkpoints], TRAINER, inference,
-                               client if r == 0 else None, port, timeout_s, results))
+                               client if r == 0 else None, port, timeout_s, results, layout))
              for r in range(2)]
     for p in procs:
         p.start()
@@ -175,13 +177,14 @@ def _run_trainers(client, checkpoints, inference, timeout_s=ROUND_TIMEOUT_S) -> 
 @pytest.mark.parametrize("name,inference,covers", CASES, ids=[c[0] for c in CASES])
 def test_round_into_live_vllm_model_equals_fresh_vllm_load(host, versions, name, inference, covers):
     v0, v1 = versions(name)
-    started = host.start_workers(v0, inference)
+    layout = "traced" if name in TRACED_LAYOUT else "auto"
+    started = host.start_workers(v0, inference, layout)
     # vLLM's factory built m2nkit's engine on vLLM's own model class.
     assert {s["engine"] for s in started} == {"m2nkit.engine.plugins.vllm.M2NVLLMEngine"}
     assert all(not s["model"].startswith(("Module", "Transformers")) for s in started)
 
     traced = host.client.collective_rpc(_forbid_tracing_every_worker)
-    outcome = _run_trainers(host.client, [v1], inference)
+    outcome = _run_trainers(host.client, [v1], inference, layout=layout)
     assert outcome == {0: "done", 1: "done"}, outcome
     # Every worker held its part of the plan against its own loaders; one whose layout is
     # traced (no table) planned from the trainers' trace and traced no other model.
@@ -193,7 +196,7 @@ def test_round_into_live_vllm_model_equals_fresh_vllm_load(host, versions, name,
     from m2nkit.adapters.families import has_table
 
     arch = json.loads((Path(v0) / "config.json").read_text())["architectures"][0]
-    assert traced == [not has_table(arch)] * len(started)
+    assert traced == [layout == "traced" or not has_table(arch)] * len(started)
 
     reports = host.client.verify(v1)
     assert len(reports) == len(started)
@@ -407,3 +410,17 @@ def test_demo_with_vllm_receiver_verifies_every_round(tmp_path):
     assert sum(result["rounds"][0][2]) >= result["nbytes_min"] > 0
     lines = result["lines"]
     assert any("equals a fresh vLLM load of v2" in line for line in lines), lines
+
+
+def test_the_plugins_layout_choice_is_read_from_the_environment(monkeypatch):
+    """``M2NKIT_LAYOUT`` on the vLLM server: auto by default, tables or traced; else refused
+    naming the variable and the valid values."""
+    from m2nkit.engine.plugins.vllm import LAYOUT_ENV, layout_choice
+
+    monkeypatch.delenv(LAYOUT_ENV, raising=False)
+    assert layout_choice() == "auto"
+    monkeypatch.setenv(LAYOUT_ENV, "traced")
+    assert layout_choice() == "traced"
+    monkeypatch.setenv(LAYOUT_ENV, "trace")
+    with pytest.raises(ValueError, match=r"M2NKIT_LAYOUT='trace' is not one of tables, traced, auto"):
+        layout_choice()
