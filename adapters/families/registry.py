@@ -55,6 +55,8 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3NextForCausalLM": "qwen3_next",
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5_vl",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe_vl",
 }
 
 

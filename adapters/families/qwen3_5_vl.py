@@ -1,0 +1,105 @@
+"""Qwen3.5 (``Qwen3_5ForConditionalGeneration``): Qwen3.5's GDN table and Qwen3-VL's tower.
+
+This module holds the dense wrapper and what the MoE one
+(``Qwen3_5MoeForConditionalGeneration``, ``families/qwen3_5_moe_vl.py``)
+shares with it.
+
+vLLM 0.33.0 ``model_executor/models/qwen3_5.py``: both wrappers build
+``visual = Qwen3_VisionTransformer(config.vision_config)`` (``qwen3_vl.py``)
+and then ``language_model = Qwen3_5ForCausalLM`` (resp.
+``Qwen3_5MoeForCausalLM``) of the text config; ``hf_to_vllm_mapper`` is
+``Qwen3VLForConditionalGeneration``'s (``model.visual.`` -> ``visual.``,
+``model.language_model.`` -> ``language_model.model.``, ``lm_head.`` ->
+``language_model.lm_head.``) plus ``mtp.`` -> dropped (the MTP draft model
+loads it). So the tables are composed (``families/wrapper.py``), not
+written again:
+
+* the text part is the Gated DeltaNet table of ``families/qwen3_5.py``
+  (:data:`~.qwen3_5.FAMILY`) or ``families/qwen3_5_moe.py``
+  (:data:`~.qwen3_5_moe.FAMILY`) under Qwen3-VL's prefixes
+  (:data:`~.qwen3_vl.WRAPPER_PREFIXES`), plus ``mtp.`` kept as is on the wire
+  so that the text family's ``mtp.*`` skip (``qwen3_next.mtp_skip``) names
+  the published checkpoints' top-level MTP tensors; the text sub-config's
+  class is the text family's own (``Qwen3_5TextConfig``,
+  ``Qwen3_5MoeTextConfig``), so its defaults are;
+* the vision tower is Qwen3-VL's (:data:`~.qwen3_vl.VISION`) with the
+  defaults of ``Qwen3_5VisionConfig`` / ``Qwen3_5MoeVisionConfig``
+  (transformers 5 ``configuration_qwen3_5*.py``), which have **no
+  ``deepstack_visual_indexes``**: vLLM's tower then builds no
+  ``deepstack_merger_list`` (``hasattr(vision_config, ...)``, else ``[]``),
+  and the published configs spell it ``[]``. transformers'
+  ``Qwen3_5VisionModel`` has no deepstack mergers at all, so a config that
+  lists some is refused (vLLM would build parameters no checkpoint holds).
+
+``tie_word_embeddings``: vLLM copies the wrapper's top-level value into the
+text config (``config/vllm.py``, ``VllmConfig.with_hf_config``); the table
+reads the top level (``Part.inherit``; ``Qwen3_5Config``'s default
+``False``). MoE experts: per expert on disk (``experts.N.gate_proj``), stacked
+on the wire (``mlp.experts.gate_up_proj.weight``), as the text family's.
+Refused as the text families refuse (quantized configs, attention biases,
+no output gate, ``tp > num_experts``); the vision heads bound tp as
+Qwen3-VL's (``mm_encoder_tp_mode="data"`` is not in the table).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from .qwen3_5 import FAMILY as QWEN3_5
+from .qwen3_vl import VISION, VISION_DEFAULTS, WRAPPER_PREFIXES, vision_symbols
+from .sizes import cfg_get
+from .table import Family
+from .wrapper import Part, Tower, wrapper_family
+
+__all__ = ["ARCHITECTURE", "VISION_35", "VISION_35_DEFAULTS", "TEXT_PREFIXES", "TEXT",
+           "qwen3_5_wrapper", "HF_NAMES", "VLLM_PARAMS", "CONDITIONS", "FAMILY"]
+
+ARCHITECTURE = "Qwen3_5ForConditionalGeneration"
+
+#: ``Qwen3_5VisionConfig``'s defaults (``Qwen3_5MoeVisionConfig`` has the same): Qwen3-VL's
+#: but no ``deepstack_visual_indexes``.
+VISION_35_DEFAULTS = {k: v for k, v in VISION_DEFAULTS.items() if k != "deepstack_visual_indexes"}
+
+
+def _vision_symbols(vc: Any) -> dict[str, int]:
+    """Qwen3-VL's tower symbols (``qwen3_vl.vision_symbols``), with no deepstack merger.
+
+    Raises:
+        ValueError: ``deepstack_visual_indexes`` non-empty (transformers'
+            ``Qwen3_5VisionModel`` has no deepstack mergers), or what
+            ``vision_symbols`` refuses.
+    """
+    deep = cfg_get(vc, "deepstack_visual_indexes", default=()) or ()
+    if deep:
+        raise ValueError(f"vision_config deepstack_visual_indexes={list(deep)!r} is not "
+                         "supported for Qwen3.5 (transformers' Qwen3_5VisionModel has no "
+                         "deepstack mergers, vLLM's Qwen3_VisionTransformer would build "
+                         "them); supported: [] or absent, as Qwen3.5 ships")
+    return vision_symbols(vc)
+
+
+#: Qwen3-VL's vision tower with Qwen3.5's vision-config defaults.
+VISION_35: Tower = replace(VISION, name="Qwen3.5 vision tower", symbols=_vision_symbols,
+                           config_defaults=VISION_35_DEFAULTS)
+
+#: Wire prefixes: Qwen3-VL's, plus the top-level ``mtp.`` (skipped by the text family).
+TEXT_PREFIXES = {"hf": {**WRAPPER_PREFIXES["hf"], "mtp.": "mtp."},
+                 "vllm": WRAPPER_PREFIXES["vllm"]}
+
+
+def qwen3_5_wrapper(architecture: str, text: Family, model_type: str, module: str) -> Family:
+    """The wrapper family of Qwen3.5 text family ``text``: its table under
+    :data:`TEXT_PREFIXES` (``text_config``, ``tie_word_embeddings`` read at the top
+    level), then :data:`VISION_35` before it (vLLM builds the tower first)."""
+    part = Part(text, "text_config", TEXT_PREFIXES["hf"], TEXT_PREFIXES["vllm"],
+                inherit=("tie_word_embeddings",))
+    return wrapper_family(
+        architecture, part, (VISION_35,), model_types=(model_type,),
+        config_defaults={"tie_word_embeddings": False},
+        vllm_source="vllm/model_executor/models/qwen3_5.py", module=module)
+
+
+FAMILY = qwen3_5_wrapper(ARCHITECTURE, QWEN3_5, "qwen3_5", __name__)
+#: The composed pieces, under the names every family module has.
+HF_NAMES, VLLM_PARAMS, CONDITIONS = FAMILY.hf, FAMILY.params, FAMILY.conditions
