@@ -49,11 +49,13 @@ from typing import Any
 from .qwen3_5 import FAMILY as QWEN3_5
 from .qwen3_vl import VISION, VISION_DEFAULTS, WRAPPER_PREFIXES, vision_symbols
 from .sizes import cfg_get
-from .table import Family
+from .qwen3_next import TINY_LINEAR
+from .table import Family, TinyModel
 from .wrapper import Part, Tower, wrapper_family
 
 __all__ = ["ARCHITECTURE", "VISION_35", "VISION_35_DEFAULTS", "TEXT_PREFIXES", "TEXT",
-           "qwen3_5_wrapper", "HF_NAMES", "VLLM_PARAMS", "CONDITIONS", "FAMILY"]
+           "qwen3_5_wrapper", "TINY_TEXT", "TINY_VISION", "TINY_TOKENS", "TINY_MODELS",
+           "HF_NAMES", "VLLM_PARAMS", "CONDITIONS", "FAMILY"]
 
 ARCHITECTURE = "Qwen3_5ForConditionalGeneration"
 
@@ -88,7 +90,27 @@ TEXT_PREFIXES = {"hf": {**WRAPPER_PREFIXES["hf"], "mtp.": "mtp."},
                  "vllm": WRAPPER_PREFIXES["vllm"]}
 
 
-def qwen3_5_wrapper(architecture: str, text: Family, model_type: str, module: str) -> Family:
+#: The tiny test models' sub-configs: the shipped tests/data/oracle/tiny-qwen3.5-vl's
+#: (text: hidden 64, 4 query heads of 16 over 2 KV heads, 4 key / 8 value heads of 8,
+#: layer 0 linear attention, layer 1 full; vision: 2 blocks of 4 heads of 4, untied).
+TINY_TEXT = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "head_dim": 16, "intermediate_size": 32, **TINY_LINEAR,
+             "full_attention_interval": 2, "attn_output_gate": True,
+             "mamba_ssm_dtype": "float32",
+             "rope_parameters": {"mrope_interleaved": True, "mrope_section": [1, 1, 0],
+                                 "rope_type": "default", "rope_theta": 10000000,
+                                 "partial_rotary_factor": 0.25}}
+TINY_VISION = {"depth": 2, "hidden_size": 16, "num_heads": 4, "intermediate_size": 32,
+               "patch_size": 4, "temporal_patch_size": 2, "spatial_merge_size": 2,
+               "num_position_embeddings": 16, "out_hidden_size": 64, "in_channels": 3,
+               "deepstack_visual_indexes": []}
+#: The multimodal token ids, inside the tiny vocab (200).
+TINY_TOKENS = {"image_token_id": 196, "video_token_id": 197, "vision_start_token_id": 198,
+               "vision_end_token_id": 199}
+
+
+def qwen3_5_wrapper(architecture: str, text: Family, model_type: str, module: str,
+                    tiny: dict[str, TinyModel]) -> Family:
     """The wrapper family of Qwen3.5 text family ``text``: its table under
     :data:`TEXT_PREFIXES` (``text_config``, ``tie_word_embeddings`` read at the top
     level), then :data:`VISION_35` before it (vLLM builds the tower first)."""
@@ -96,10 +118,17 @@ def qwen3_5_wrapper(architecture: str, text: Family, model_type: str, module: st
                 inherit=("tie_word_embeddings",))
     return wrapper_family(
         architecture, part, (VISION_35,), model_types=(model_type,),
-        config_defaults={"tie_word_embeddings": False},
+        config_defaults={"tie_word_embeddings": False}, tiny=tiny,
         vllm_source="vllm/model_executor/models/qwen3_5.py", module=module)
 
 
-FAMILY = qwen3_5_wrapper(ARCHITECTURE, QWEN3_5, "qwen3_5", __name__)
+#: Tiny test model (``m2nkit.adapters.tiny``): the shipped fixture's sizes.
+TINY_MODELS = {
+    "tiny-qwen3.5-vl": TinyModel("qwen3_5", {"tie_word_embeddings": False, **TINY_TOKENS,
+                                             "text_config": TINY_TEXT,
+                                             "vision_config": TINY_VISION}),
+}
+
+FAMILY = qwen3_5_wrapper(ARCHITECTURE, QWEN3_5, "qwen3_5", __name__, TINY_MODELS)
 #: The composed pieces, under the names every family module has.
 HF_NAMES, VLLM_PARAMS, CONDITIONS = FAMILY.hf, FAMILY.params, FAMILY.conditions

@@ -86,6 +86,8 @@ TINY_MODEL_ARCHITECTURES: dict[str, str] = {
     "tiny-qwen3-next": "Qwen3NextForCausalLM",
     "tiny-qwen3.5": "Qwen3_5ForCausalLM",
     "tiny-qwen3.5-moe": "Qwen3_5MoeForCausalLM",
+    "tiny-qwen3.5-vl": "Qwen3_5ForConditionalGeneration",
+    "tiny-qwen3.5-moe-vl": "Qwen3_5MoeForConditionalGeneration",
 }
 
 
