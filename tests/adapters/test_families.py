@@ -144,7 +144,8 @@ def test_tiny_models_come_from_the_families():
                                          "tiny-glm-moe-dsa", "tiny-qwen3-vl",
                                          "tiny-qwen3-vl-moe", "tiny-glm4-moe",
                                          "tiny-glm4-moe-lite",
-                                         "tiny-qwen3-next", "tiny-qwen3.5", "tiny-qwen3.5-moe"]
+                                         "tiny-qwen3-next", "tiny-qwen3.5", "tiny-qwen3.5-moe",
+                                         "tiny-qwen3.5-vl", "tiny-qwen3.5-moe-vl"]
 
 
 def test_unsupported_architecture_one_message_everywhere():
