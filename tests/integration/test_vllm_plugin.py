@@ -64,6 +64,8 @@ CASES = [  # (tiny model, vLLM layout, what it covers)
     # (Qwen3-VL has a table now, families/qwen3_vl.py: both sides plan from it, and the
     # workers' trace check holds its bindings against the live loaders)
     ("tiny-qwen3-vl", "vllm:tp=2", "Qwen3-VL with its vision tower: table, trace-checked"),
+    # the Qwen3.5-MoE wrapper (families/qwen3_5_moe_vl.py): GDN text table and vision tower
+    ("tiny-qwen3.5-moe-vl", "vllm:tp=2,ep", "Qwen3.5-MoE wrapper from its table, trace-checked"),
     # ... whose checkpoint names differ from transformers' in-memory ones (the workers'
     # trace check hands vLLM the checkpoint names: .mlp. is .block_sparse_moe. on disk)
     ("tiny-minimax-m2", "vllm:tp=2,ep", "MiniMax-M2, no table: renamed on disk"),
@@ -71,7 +73,8 @@ CASES = [  # (tiny model, vLLM layout, what it covers)
 #: Checkpoints from transformers' own classes (architectures without a table when written;
 #: GLM-4.5 and Qwen3-VL have one now): v0 is the shipped oracle checkpoint, v1 the same
 #: config with seed-1 weights from transformers' own class.
-TRACED = {"tiny-glm4-moe", "tiny-qwen3.5-moe", "tiny-qwen3-vl", "tiny-minimax-m2"}
+TRACED = {"tiny-glm4-moe", "tiny-qwen3.5-moe", "tiny-qwen3-vl", "tiny-minimax-m2",
+          "tiny-qwen3.5-moe-vl"}
 #: Checkpoints beyond the built-in tiny models: name -> (tiny model, config overrides, dtype).
 WIDER = {"fp32-llama-h512": ("tiny-llama", {"hidden_size": 512, "num_attention_heads": 32,
                                             "head_dim": 16}, "float32"),
