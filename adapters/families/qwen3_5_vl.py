@@ -36,7 +36,8 @@ text config (``config/vllm.py``, ``VllmConfig.with_hf_config``); the table
 reads the top level (``Part.inherit``; ``Qwen3_5Config``'s default
 ``False``). MoE experts: per expert on disk (``experts.N.gate_proj``), stacked
 on the wire (``mlp.experts.gate_up_proj.weight``), as the text family's.
-Refused as the text families refuse (quantized configs, attention biases,
+Refused as the text families refuse (quantized configs, the
+``quantization_config`` read at the wrapper's top level too, attention biases,
 no output gate, ``tp > num_experts``); the vision heads bound tp as
 Qwen3-VL's (``mm_encoder_tp_mode="data"`` is not in the table).
 """
@@ -48,12 +49,12 @@ from typing import Any
 
 from .qwen3_5 import FAMILY as QWEN3_5
 from .qwen3_vl import VISION, VISION_DEFAULTS, WRAPPER_PREFIXES, vision_symbols
-from .sizes import cfg_get
 from .qwen3_next import TINY_LINEAR
+from .sizes import cfg_get
 from .table import Family, TinyModel
 from .wrapper import Part, Tower, wrapper_family
 
-__all__ = ["ARCHITECTURE", "VISION_35", "VISION_35_DEFAULTS", "TEXT_PREFIXES", "TEXT",
+__all__ = ["ARCHITECTURE", "VISION_35", "VISION_35_DEFAULTS", "TEXT_PREFIXES",
            "qwen3_5_wrapper", "TINY_TEXT", "TINY_VISION", "TINY_TOKENS", "TINY_MODELS",
            "HF_NAMES", "VLLM_PARAMS", "CONDITIONS", "FAMILY"]
 
@@ -112,14 +113,39 @@ TINY_TOKENS = {"image_token_id": 196, "video_token_id": 197, "vision_start_token
 def qwen3_5_wrapper(architecture: str, text: Family, model_type: str, module: str,
                     tiny: dict[str, TinyModel]) -> Family:
     """The wrapper family of Qwen3.5 text family ``text``: its table under
-    :data:`TEXT_PREFIXES` (``text_config``, ``tie_word_embeddings`` read at the top
-    level), then :data:`VISION_35` before it (vLLM builds the tower first)."""
+    :data:`TEXT_PREFIXES`, then :data:`VISION_35` before it (vLLM builds the tower
+    first). The text family reads ``text_config``, and at the top level
+    ``tie_word_embeddings`` (vLLM copies it into the text config) and
+    ``quantization_config`` (where the hub's quantized wrappers hold it: the text
+    family refuses it)."""
     part = Part(text, "text_config", TEXT_PREFIXES["hf"], TEXT_PREFIXES["vllm"],
-                inherit=("tie_word_embeddings",))
-    return wrapper_family(
+                inherit=("tie_word_embeddings", "quantization_config"))
+    fam = wrapper_family(
         architecture, part, (VISION_35,), model_types=(model_type,),
         config_defaults={"tie_word_embeddings": False}, tiny=tiny,
         vllm_source="vllm/model_executor/models/qwen3_5.py", module=module)
+
+    def sizes(config: Any):
+        """The text family's sizes of ``text_config`` plus the tower's symbols.
+
+        Raises:
+            ValueError: a ``quantization_config`` (at the top level or in
+                ``text_config``), or what the text family or the tower refuse.
+        """
+        q = cfg_get(config, "quantization_config", default=None) or cfg_get(
+            cfg_get(config, "text_config", default={}) or {}, "quantization_config",
+            default=None)
+        if q:
+            method = q.get("quant_method") if hasattr(q, "get") else getattr(
+                q, "quant_method", q)
+            raise ValueError(f"{architecture} with a quantization_config (quant_method "
+                             f"{method!r}) is not supported by m2nkit's table ({module}: the "
+                             "Gated DeltaNet tables have no quantized layers); supported: the "
+                             "unquantized (bf16) form, the same config without "
+                             "quantization_config")
+        return fam.sizes(config)
+
+    return replace(fam, sizes=sizes)
 
 
 #: Tiny test model (``m2nkit.adapters.tiny``): the shipped fixture's sizes.

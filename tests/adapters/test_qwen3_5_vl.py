@@ -142,6 +142,17 @@ def test_top_level_mtp_tensors_are_skipped_and_deepstack_mergers_refused(model):
         fam.sizes(config)
 
 
+@pytest.mark.parametrize("model", MODELS)
+def test_a_quantization_config_at_the_wrappers_top_level_is_refused(model):
+    """The hub's quantized Qwen3.5 wrappers (FP8) hold ``quantization_config`` at the top
+    level, not in ``text_config``: the table reads it there and refuses it."""
+    config = json.loads((ORACLE / model / "checkpoint" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    with pytest.raises(ValueError, match=rf"{MODELS[model]} with a quantization_config "
+                                         r"\(quant_method 'fp8'\) is not supported"):
+        family(MODELS[model]).sizes(config)
+
+
 def _plan(capsys, config, trainer, inference) -> dict[str, str]:
     capsys.readouterr()
     code = main(["plan", str(config), "--trainer", trainer, "--inference", inference,
