@@ -55,6 +55,8 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3NextForCausalLM": "qwen3_next",
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5_vl",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe_vl",
 }
 
 
@@ -84,6 +86,8 @@ TINY_MODEL_ARCHITECTURES: dict[str, str] = {
     "tiny-qwen3-next": "Qwen3NextForCausalLM",
     "tiny-qwen3.5": "Qwen3_5ForCausalLM",
     "tiny-qwen3.5-moe": "Qwen3_5MoeForCausalLM",
+    "tiny-qwen3.5-vl": "Qwen3_5ForConditionalGeneration",
+    "tiny-qwen3.5-moe-vl": "Qwen3_5MoeForConditionalGeneration",
 }
 
 

@@ -98,6 +98,8 @@ def test_plan_from_the_tables_refuses_an_architecture_without_one(tmp_path):
 #: (GLM-5 has a table since, families/glm_moe_dsa.py: its wire is the table's, traced.)
 #: Qwen3-VL's have a table now (families/qwen3_vl.py): traced here from its wire names.
 TABLELESS_CONFIGS = {
+    # have a table now (families/qwen3_5_vl.py, qwen3_5_moe_vl.py): kept, traced from its
+    # wire names
     "Qwen__Qwen3.5-27B": "vllm:tp=2",
     "Qwen__Qwen3.5-397B-A17B": "vllm:tp=2,ep",
     # has a table now (families/qwen3_next.py): kept, the trace taking the table's wire names
@@ -241,9 +243,11 @@ def test_a_quantized_config_without_its_quantized_wire_is_refused_naming_both():
 
 @pytest.mark.parametrize("model", ["tiny-deepseek-v32", "tiny-glm-moe-dsa", "tiny-glm4-moe",
                                    "tiny-glm4-moe-lite", "tiny-qwen3-next", "tiny-qwen3.5",
-                                   "tiny-qwen3.5-moe"])
+                                   "tiny-qwen3.5-moe", "tiny-qwen3.5-vl",
+                                   "tiny-qwen3.5-moe-vl"])
 def test_plan_layout_traced_verifies_a_family_with_a_table(model, capsys):
-    """DeepSeek-V3.2, GLM-5, GLM-4.5, GLM-4.7-Flash, Qwen3-Next and Qwen3.5[-MoE] have
+    """DeepSeek-V3.2, GLM-5, GLM-4.5, GLM-4.7-Flash, Qwen3-Next, Qwen3.5[-MoE] and the
+    Qwen3.5 wrappers have
     tables now (their checkpoints are no longer in _tableless_fixtures): ``--layout
     traced`` still plans them, vLLM's loaders fed the table's wire names (stacked
     ``experts.gate_up_proj.weight`` re-split per expert), and verifies every worker
@@ -252,7 +256,7 @@ def test_plan_layout_traced_verifies_a_family_with_a_table(model, capsys):
     from m2nkit.engine.tools.cli import main
 
     # vLLM refuses expert parallelism for a model without experts (the dense Qwen3.5)
-    inference = "vllm:tp=2" if model == "tiny-qwen3.5" else "vllm:tp=2,ep"
+    inference = "vllm:tp=2" if model in ("tiny-qwen3.5", "tiny-qwen3.5-vl") else "vllm:tp=2,ep"
     capsys.readouterr()
     code = main(["plan", str(ORACLE / model / "checkpoint"), "--trainer", "fsdp:3",
                  "--inference", inference, "--layout", "traced", "--verify"])

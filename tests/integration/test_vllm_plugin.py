@@ -60,6 +60,9 @@ CASES = [  # (tiny model, vLLM layout, what it covers)
     ("tiny-glm4-moe", "vllm:tp=2,ep", "GLM-4.5 traced: router cast to float32"),
     ("tiny-qwen3.5-moe", "vllm:tp=2,ep", "Qwen3.5-MoE (Gated DeltaNet) traced"),
     ("tiny-qwen3-vl", "vllm:tp=2", "Qwen3-VL with its vision tower, traced"),
+    # the Qwen3.5-MoE wrapper (families/qwen3_5_moe_vl.py): GDN text table and vision
+    # tower, from its table, trace-checked
+    ("tiny-qwen3.5-moe-vl", "vllm:tp=2,ep", "Qwen3.5-MoE wrapper from its table, trace-checked"),
     # no table: traced by itself (auto), and its checkpoint names differ from transformers'
     # in-memory ones (the workers' trace check hands vLLM the checkpoint names: .mlp. is
     # .block_sparse_moe. on disk)
@@ -68,7 +71,8 @@ CASES = [  # (tiny model, vLLM layout, what it covers)
 #: Checkpoints from transformers' own classes (architectures without a table when written;
 #: GLM-4.5 and Qwen3-VL have one now): v0 is the shipped oracle checkpoint, v1 the same
 #: config with seed-1 weights from transformers' own class.
-TRACED = {"tiny-glm4-moe", "tiny-qwen3.5-moe", "tiny-qwen3-vl", "tiny-minimax-m2"}
+TRACED = {"tiny-glm4-moe", "tiny-qwen3.5-moe", "tiny-qwen3-vl", "tiny-minimax-m2",
+          "tiny-qwen3.5-moe-vl"}
 #: Rounds through the layout traced from vLLM's loaders on both sides although the
 #: architecture has a table (M2NKIT_LAYOUT=traced on the workers, layout="traced" on the
 #: trainers): each worker plans from the trainers' trace and checks its own part.

@@ -119,6 +119,15 @@ MATRIX += [(m, s) for m in ("tiny-qwen3.5",)
            for s in ("vllm:tp=1", "vllm:tp=2", "vllm:tp=4", "vllm:tp=8", "vllm:tp=2,ep",
                      "vllm:tp=4,ep", "vllm:tp=8,ep", "vllm:tp=2,dp=2", "vllm:tp=2,dp=2,ep")]
 
+#: The Qwen3.5 wrappers (families/qwen3_5_vl.py, qwen3_5_moe_vl.py): GDN text tables and
+#: Qwen3-VL's tower (4 heads) composed; tp 8 is refused by both.
+MATRIX += [("tiny-qwen3.5-vl", s) for s in ("vllm:tp=1", "vllm:tp=2", "vllm:tp=4", "vllm:tp=8",
+                                            "vllm:tp=2,dp=2")] + \
+          [("tiny-qwen3.5-moe-vl", s) for s in ("vllm:tp=1", "vllm:tp=2", "vllm:tp=4",
+                                                "vllm:tp=8", "vllm:tp=2,ep", "vllm:tp=4,ep",
+                                                "vllm:tp=8,ep", "vllm:tp=2,dp=2",
+                                                "vllm:tp=2,dp=2,ep")]
+
 
 @pytest.mark.parametrize("model,spec", MATRIX, ids=[f"{m}-{s[5:]}" for m, s in MATRIX])
 def test_family_tables_equal_the_trace(model, spec):
