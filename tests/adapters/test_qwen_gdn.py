@@ -21,6 +21,7 @@ import torch
 
 from _oracle import ALL_FIXTURES, DATA, _oracle, assert_layout_equals_dumps
 from _paths import CONFIGS
+from _layouts import fill_worker
 from m2nkit.adapters.families import family_for
 from m2nkit.adapters.families.kinds import GDN_CONV, GDN_QKVZ, QKV_GATED, Geometry
 from m2nkit.adapters.hf_checkpoint import full_checkpoint_tensors, read_checkpoint
@@ -197,21 +198,7 @@ def test_layout_equals_reference_with_dp(model, tp, dp, ep):
     layout = destination_layout(ck.config, ck.params, spec)
     wire, full = _wire(ck), full_checkpoint_tensors(ck)
     for w in range(spec.num_workers):
-        store = layout.allocate(w, fill=float("nan"))
-        count = {n: torch.zeros(t.shape, dtype=torch.int32) for n, t in store.items()}
-        for p in layout.params:
-            if p.worker == w:
-                for box in p.zero_boxes:
-                    sl = tuple(slice(a, c) for a, c in box)
-                    store[p.name][sl] = 0
-                    count[p.name][sl] += 1
-        for name, bindings in layout.bindings.items():
-            for b in bindings:
-                if b.worker == w:
-                    dst = tuple(slice(o, o + (c - a)) for o, (a, c) in zip(b.offset, b.box))
-                    store[b.param][dst] = wire[name][tuple(slice(a, c) for a, c in b.box)].to(
-                        store[b.param].dtype)
-                    count[b.param][dst] += 1
+        store, count = fill_worker(layout, wire, w)
         ref = reference_load(ck.config, full, spec, w)
         assert set(store) == set(ref) - set(layout.aliases)
         for name, t in store.items():
