@@ -292,7 +292,13 @@ class Plan:
         return busiest / (link_gbps * 1e9 / 8)
 
     def digest(self) -> str:
-        """sha256 of everything that decides which byte goes where."""
+        """sha256 of everything that decides which byte goes where.
+
+        A skipped tensor counts by *being* skipped, not by the sentence saying
+        why: the tables and the trace word the same skip differently (an MTP
+        layer named by the table, "writes none of it" by the trace), and two
+        sides that chose differently still make the same plan.
+        """
         h = hashlib.sha256()
         h.update(json.dumps({
             "manifest": self.manifest_digest,
@@ -300,7 +306,7 @@ class Plan:
             "trainer_ranks": self.num_trainer_ranks,
         }, sort_keys=True).encode())
         for w in self.wires:
-            h.update(json.dumps([w.name, w.skipped, [
+            h.update(json.dumps([w.name, bool(w.skipped), [
                 [b.worker, b.param, b.box, b.offset] for b in w.bindings
             ]]).encode())
             h.update(np.ascontiguousarray(w.table, dtype="<i8").tobytes())

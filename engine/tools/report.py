@@ -11,6 +11,7 @@ Sizes are bytes (``KiB`` = 1024 bytes), times seconds.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections import Counter
 
@@ -114,8 +115,8 @@ def print_summary(console, args, ckpt, metas, plan, timings):
 
 
 def _reason_class(reason: str) -> str:
-    """Group reasons that differ only in numbers."""
-    return "".join("#" if c.isdigit() else c for c in reason)
+    """Group reasons that differ only in numbers (``layers.0.`` and ``layers.10.`` alike)."""
+    return re.sub(r"\d+", "#", reason)
 
 
 def print_tensors(console, plan):
@@ -136,16 +137,22 @@ def print_tensors(console, plan):
 #: What each dim of a tensor is called in the bindings table, by tensor rank.
 #: Stacked experts (``w13_weight``, ``w2_weight`` and the stacked wire
 #: tensors) are ``[E, rows, cols]``.
-_DIM_NAMES = {1: ("rows",), 2: ("rows", "cols"), 3: ("experts", "rows", "cols")}
+_DIM_NAMES = {1: ("rows",), 2: ("rows", "cols")}
 
 
-def _describe_box(box, shape) -> str:
+def _describe_box(box, shape, name: str = "") -> str:
     """``box`` of a tensor of ``shape`` in words: ``"rows 64:80"``, ``"experts 0:4"``.
 
     Dims the box covers whole are left out; a box covering the whole tensor
-    is ``"whole"``. Ranges are half-open, ``start:stop``.
+    is ``"whole"``. Ranges are half-open, ``start:stop``. Dim 0 of a 3-D
+    tensor is ``experts`` where ``name`` (the tensor or parameter) is stacked
+    experts, else ``rows`` (a ``conv1d`` weight ``[C, 1, K]``) with the other
+    dims ``dim1``, ``dim2``.
     """
     names = _DIM_NAMES.get(len(shape), tuple(f"dim{i}" for i in range(len(shape))))
+    if len(shape) == 3:
+        names = (("experts", "rows", "cols") if "experts" in name
+                 else ("rows", "dim1", "dim2"))
     parts = [f"{n} {a}:{b}" for n, (a, b), size in zip(names, box, shape) if (a, b) != (0, size)]
     return ", ".join(parts) or "whole"
 
@@ -198,11 +205,11 @@ def binding_rows(plan) -> list[tuple[str, str, str, str, str]]:
             for b in group:
                 by_box.setdefault(b.box, []).append(b.worker)
             if len(by_box) == 1:
-                takes = _describe_box(next(iter(by_box)), shape)
+                takes = _describe_box(next(iter(by_box)), shape, name)
             else:
-                takes = "; ".join(f"{_describe_box(box, shape)} ({_describe_workers(ws)})"
+                takes = "; ".join(f"{_describe_box(box, shape, name)} ({_describe_workers(ws)})"
                                   for box, ws in sorted(by_box.items(), key=lambda kv: min(kv[1])))
-            rows.append((name, param, _describe_box(region, pshape),
+            rows.append((name, param, _describe_box(region, pshape, param),
                          _describe_workers(b.worker for b in group), takes))
     return rows
 

@@ -231,7 +231,7 @@ def can_carry(wp: WirePlan, params: Mapping[tuple[int, str], DestinationParam]) 
     for w, bs in per_worker.items():
         if len(bs) > 1:
             return Verdict(False, f"worker {w} takes {len(bs)} separate pieces of it "
-                                  f"(fused halves into {bs[0].param})")
+                                  f"(fused into {bs[0].param})")
         b = bs[0]
         if not region_is_contiguous(params[(w, b.param)].shape, b.region):
             return Verdict(False, f"its region in worker {w}'s {b.param} is not contiguous")

@@ -195,6 +195,19 @@ def test_digest_is_deterministic_and_sensitive():
     assert make(10).digest() != make(11).digest()
 
 
+def test_digest_counts_a_skip_not_how_it_is_worded():
+    """The tables and the trace word one skip differently (an MTP layer): the same plan."""
+    meta = ParamMeta("model.layers.1.mlp.weight", torch.float32, (4, 4))
+    def plan(skipped):
+        return build_plan([meta], 2, DestinationLayout("t", 1, (), {}, skipped=skipped))
+    by_table = plan({meta.name: "multi-token-prediction layer 1: vLLM skips it"})
+    by_trace = plan({meta.name: "vLLM's load_weights writes none of it on any worker (traced)"})
+    assert by_table.digest() == by_trace.digest()
+    taken = build_plan([meta], 2, placement_destination(meta.name, (4, 4), torch.float32, (1,),
+                                                        (Shard(0),)))
+    assert taken.digest() != by_table.digest()
+
+
 def test_executor_refuses_out_of_order_streams():
     a = ParamMeta("a", torch.float32, (2,))
     b = ParamMeta("b", torch.float32, (2,))

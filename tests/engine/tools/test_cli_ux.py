@@ -435,3 +435,18 @@ def test_a_failed_run_leaves_an_existing_json_file_untouched(tmp_path, capsys):
     code = main(["plan", str(EXAMPLE), "--trainer", "fsdp:2", "--inference", "vllm:tp=2",
                  "--json", str(tmp_path)])
     assert code == 2 and "not a regular file" in capsys.readouterr().err
+
+
+def test_words_for_boxes_and_reasons_follow_the_tensor():
+    """Dim 0 of a 3-D tensor is "experts" only for stacked experts (a Gated DeltaNet conv1d
+    [C, 1, K] is split by rows); reasons that differ only in numbers, whatever their
+    digit counts (layer 0 and layer 10), are one row of the nccl_m2n summary."""
+    from m2nkit.engine.tools.report import _describe_box, _reason_class
+
+    conv = "model.layers.0.linear_attn.conv1d.weight"
+    assert _describe_box(((0, 16), (0, 1), (0, 4)), (32, 1, 4), conv) == "rows 0:16"
+    assert _describe_box(((0, 16), (0, 1), (0, 2)), (32, 1, 4), conv) == "rows 0:16, dim2 0:2"
+    assert _describe_box(((2, 4), (0, 8), (0, 6)), (4, 8, 6),
+                         "model.layers.0.mlp.experts.gate_up_proj.weight") == "experts 2:4"
+    assert _reason_class("3 pieces of model.layers.0.linear_attn.conv1d.weight") == \
+        _reason_class("3 pieces of model.layers.10.linear_attn.conv1d.weight")
