@@ -176,6 +176,14 @@ def _await_arrivals(store, rank: int, world_size: int, deadline: Deadline,
         else:
             reason = watch() if watch is not None else None
             if reason is not None:
+                # The inference side refused (rank 0's init call failed): its workers
+                # usually post their own reasons in the store a moment later; wait a
+                # little for them, so this rank names each worker as the others do.
+                until = time.monotonic() + min(0.5 * REPORT_GRACE_S, max(deadline.left(), 0.0))
+                while not store.add(refusals, 0) and time.monotonic() < until:
+                    time.sleep(0.01)
+                if store.add(refusals, 0):
+                    continue            # the workers' refusals, every one named (above)
                 _write_refusal(store, f"rank {rank} refused the session: {reason}")
                 error = PlanMismatchError(f"rank {rank}: {reason}; nothing was sent")
             elif deadline.expired():
