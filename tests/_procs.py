@@ -130,12 +130,12 @@ def p2p_round_in_threads(plan, schedule, streams: dict, storage: dict,
     return {r - T: out[r][1] for r in range(T, T + N)}
 
 
-def join_ranks(ctx, timeout_s: float) -> float:
+def join_ranks(ctx, timeout_s: float, label: str = "") -> float:
     """Wait for the processes of ``torch.multiprocessing.start_processes(..., join=False)``.
 
     Fails the test when they still run after ``timeout_s`` (a hang), raises
     a rank's exception (``ctx.join`` does), and kills and reaps every process
-    on the way out. Returns the seconds waited.
+    on the way out. Returns the seconds waited. ``label`` starts the hang's message.
     """
     import time
 
@@ -146,7 +146,8 @@ def join_ranks(ctx, timeout_s: float) -> float:
     try:
         while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
             if time.monotonic() > deadline:
-                pytest.fail(f"ranks still running after {timeout_s} s")
+                pytest.fail(f"{label + ': ' if label else ''}ranks still running after "
+                            f"{timeout_s} s")
     finally:
         for p in ctx.processes:
             if p.is_alive():

@@ -27,7 +27,6 @@ import copy
 import json
 import os
 import re
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -46,6 +45,7 @@ from m2nkit.adapters.vllm import destination_layout, reference_load
 from m2nkit.engine.in_process import allocate_storage, bitwise_equal, execute_plan
 from m2nkit.engine.plan import build_plan
 from m2nkit.engine.tools.procs import free_port
+from _procs import join_ranks
 from m2nkit.manifest import Replicate, Shard, box_slices, manifest_from_json, manifest_to_json
 
 TIMEOUT_S = 150
@@ -332,20 +332,9 @@ def _run_ranks(world: int, kind: str, cases: list[Case], out: Path) -> float:
         import torch.distributed.algorithms._checkpoint.checkpoint_wrapper  # noqa: F401
 
         torch.compile(torch.nn.Linear(1, 1), backend="eager")  # its lazy imports, once
-    start = time.monotonic()
     ctx = mp.start_processes(_rank_main, args=(world, free_port(), kind, cases, str(out)),
                              nprocs=world, join=False, start_method="fork")
-    deadline = start + TIMEOUT_S
-    try:
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                pytest.fail(f"{kind}: ranks still running after {TIMEOUT_S} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-            p.join()
-    return time.monotonic() - start
+    return join_ranks(ctx, TIMEOUT_S, kind)
 
 
 def _rank_main(rank, world, port, kind, cases, out):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from datetime import timedelta
 from itertools import product
 
@@ -29,6 +28,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from m2nkit.engine.tools.procs import free_port
+from _procs import join_ranks
 from m2nkit.manifest import (
     DTensorModuleSource,
     ModuleSource,
@@ -308,13 +308,4 @@ def _worker(rank, world, port):
 def test_real_dtensors_match_local_box_and_sources(world):
     ctx = mp.start_processes(_worker, args=(world, free_port()), nprocs=world,
                              join=False, start_method="fork")
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                pytest.fail(f"world {world}: ranks still running after {TIMEOUT_S} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-            p.join()
+    join_ranks(ctx, TIMEOUT_S, f"world {world}")
