@@ -199,16 +199,21 @@ class GivenLayout:
     """A :class:`DestinationBuilder` that returns a layout the trainers traced (the payload's).
 
     Attributes:
-        layout: the ``DestinationLayout``.
-        spec, num_workers: the layout's.
+        traced: the ``DestinationLayout`` (its ``spec`` and ``num_workers`` are the builder's).
     """
 
-    layout: Any
-    spec: str
-    num_workers: int
+    traced: Any
+
+    @property
+    def spec(self) -> str:
+        return self.traced.spec
+
+    @property
+    def num_workers(self) -> int:
+        return self.traced.num_workers
 
     def __call__(self, metas: Any) -> Any:
-        return self.layout
+        return self.traced
 
 
 def session_destination(payload: "InitPayload", destination: DestinationBuilder,
@@ -236,7 +241,7 @@ def session_destination(payload: "InitPayload", destination: DestinationBuilder,
         raise ValueError(f"{where}: init payload field 'destination' is a layout of "
                          f"{layout.spec} ({layout.num_workers} workers), but this worker serves "
                          f"{destination.spec} ({destination.num_workers} workers)")
-    return GivenLayout(layout, layout.spec, layout.num_workers)
+    return GivenLayout(layout)
 
 
 def plan_from_manifest(manifest: Mapping[str, Any],
