@@ -55,6 +55,7 @@ from ..families import family_for
 from .layout import (EXPERT_FC1, EXPERT_FC2, MegatronLayoutError, MegatronParallel, WireRule,
                      match_megatron, match_wire, megatron_templates, wire_pieces)
 from .names import megatron_names, table_name
+from .registry import RegistryTable, registry_names, registry_rows, resolve_kind
 
 __all__ = ["MegatronSourceError", "MegatronSource", "megatron_source", "chunk_layers"]
 
@@ -72,14 +73,20 @@ class MegatronSource(ManifestM2NWeightSource):
         num_trainer_ranks: ``T`` (the default group's world size).
         module_names: wire name -> the Megatron names (``chunk{v}.<name>``)
             this rank reads it from (empty for wire tensors it holds no piece of).
+        names: the name table the pieces follow (:class:`~.layout.MegatronName` rows).
+        names_from: where it came from (``Megatron-Bridge Qwen3Bridge.mapping_registry()``,
+            or the hand-written table of :mod:`.names` where Bridge has no bridge).
     """
 
-    def __init__(self, entries, *, rank, config, parallel, num_trainer_ranks, module_names):
+    def __init__(self, entries, *, rank, config, parallel, num_trainer_ranks, module_names,
+                 names=(), names_from=""):
         super().__init__(entries, rank=rank)
         self.config = config
         self.parallel = parallel
         self.num_trainer_ranks = num_trainer_ranks
         self.module_names = module_names
+        self.names = tuple(names)
+        self.names_from = names_from
 
 
 def _unwrap(m: Any) -> Any:
@@ -284,18 +291,48 @@ def megatron_source(
     if not (dist.is_available() and dist.is_initialized()):
         raise MegatronSourceError("megatron_source: torch.distributed is not initialised; call "
                                   "it on every Megatron rank after initialize_model_parallel")
-    try:
-        src, err, why = _build(model_chunks, config, dtype, pg_collection, rank), None, None
-    except MegatronSourceError as e:
-        src, err, why = None, e, str(e).removeprefix("megatron_source: ")
-    except Exception as e:  # noqa: BLE001 - every rank must hear of it, not wait for it
-        src, err, why = None, e, f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+    # phase 1, this rank alone: its tensors and, with a Bridge registry, the kind
+    # Bridge's AutoMapping gives each module it holds (a kind every rank needs,
+    # also for the layers other stages hold: collected in the verdict gather)
+    state, err, why = _guard(lambda: _local(model_chunks, config, dtype, pg_collection, rank))
     verdicts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, (why, state.kinds if state else {},
+                                      sorted(state.buffers) if state else []))
+    _raise_refusals([v[0] for v in verdicts], err)
+    kinds: dict[str, str] = {}
+    buffers: set[str] = set()
+    clash = None
+    for r, (_, k, b) in enumerate(verdicts):
+        buffers.update(b)
+        for t, kind in k.items():
+            if kinds.setdefault(t, kind) != kind and clash is None:
+                clash = (f"megatron_source: Bridge's AutoMapping resolves {t!r} to "
+                         f"{kinds[t]!r} on one rank and to {kind!r} on rank {r}; the ranks "
+                         "built different module classes for one tensor")
+    if clash:  # every rank computed the same merge: the same error everywhere
+        raise MegatronSourceError(clash)
+    # phase 2: the manifest from the merged kinds (pure metadata) and this rank's providers
+    src, err, why = _guard(lambda: _finish(state, kinds, frozenset(buffers)))
+    verdicts = [None] * dist.get_world_size()
     dist.all_gather_object(verdicts, why)
+    _raise_refusals(verdicts, err)
+    return src
+
+
+def _guard(fn):
+    """``(result, exception, one-line cause)`` of ``fn()``; never raises."""
+    try:
+        return fn(), None, None
+    except MegatronSourceError as e:
+        return None, e, str(e).removeprefix("megatron_source: ")
+    except Exception as e:  # noqa: BLE001 - every rank must hear of it, not wait for it
+        return None, e, f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+
+
+def _raise_refusals(verdicts: list, err: BaseException | None) -> None:
     bad = [(r, v) for r, v in enumerate(verdicts) if v is not None]
     if bad:
         raise MegatronSourceError(_refusal(bad, len(verdicts))) from err
-    return src
 
 
 def _refusal(bad: list[tuple[int, str]], world: int) -> str:
@@ -312,8 +349,32 @@ def _refusal(bad: list[tuple[int, str]], world: int) -> str:
             f"traffic): " + "; ".join(shown) + more)
 
 
-def _build(model_chunks, config, dtype, pg_collection, rank) -> MegatronSource:
-    """:func:`megatron_source` on this rank alone (raises what this rank finds)."""
+@dataclass
+class _State:
+    """Phase 1 of one rank: what it holds, before the name table is known."""
+
+    family: Any
+    config: Any
+    dtype: torch.dtype | None
+    mcfg: Any
+    models: list
+    par: MegatronParallel
+    me: int
+    world: int
+    stage: int
+    tied: bool
+    #: (chunk, name, module, attr, is_buffer, layer map local -> global) of every tensor
+    tensors: list
+    #: the Bridge registry (``None``: the hand-written table of :mod:`.names`)
+    registry: RegistryTable | None
+    #: Megatron template -> kind Bridge's AutoMapping resolves for this rank's modules
+    kinds: dict
+    #: Megatron templates whose tensor is a persistent buffer here
+    buffers: set
+
+
+def _local(model_chunks, config, dtype, pg_collection, rank) -> _State:
+    """Phase 1 of :func:`megatron_source` on this rank alone (raises what this rank finds)."""
     chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
     if not chunks:
         raise MegatronSourceError("megatron_source: no model chunks given")
@@ -323,11 +384,15 @@ def _build(model_chunks, config, dtype, pg_collection, rank) -> MegatronSource:
         family = family_for(config)
     except ValueError as e:
         raise MegatronSourceError(f"megatron_source: {e}") from None
-    names = megatron_names(family)
-    table = table_name(family)
-    if not names:
-        raise MegatronSourceError(f"megatron_source: {family.architecture} has no Megatron-Core "
-                                  f"names (no table in {table})")
+    try:
+        registry = registry_rows(family.architecture, family, config)
+    except ValueError as e:
+        raise MegatronSourceError(f"megatron_source: {e}") from None
+    if registry is None and not megatron_names(family):
+        raise MegatronSourceError(
+            f"megatron_source: {family.architecture} has no Megatron-Core names: Megatron-Bridge "
+            f"(installed: {_bridge_installed()}) has no bridge for it and there is no table in "
+            f"{table_name(family)}")
     vpp = getattr(mcfg, "virtual_pipeline_model_parallel_size", None) or 1
     if len(chunks) != vpp:
         raise MegatronSourceError(
@@ -373,9 +438,9 @@ def _build(model_chunks, config, dtype, pg_collection, rank) -> MegatronSource:
     me = g.rank
     stage = next(p for (p, _, _), r in par.ranks["dense"].items() if r == me)
 
-    # --- this rank's tensors, by wire name (global layers from layer_number)
+    # --- this rank's tensors (global layers from layer_number) and their kinds
     tied = bool(getattr(models[-1], "share_embeddings_and_output_weights", False))
-    mine: dict[tuple[MegatronNameKey, int | None], list[_Local]] = {}
+    tensors, kinds, buffers = [], {}, set()
     for v, model in enumerate(models):
         want = set(layers[stage][v])
         have = {}
@@ -389,25 +454,64 @@ def _build(model_chunks, config, dtype, pg_collection, rank) -> MegatronSource:
         for name, mod, attr, t, buf in _named_tensors(model):
             if name.endswith("_extra_state"):
                 continue
-            hit = match_megatron(names, name)
-            if hit is None:
-                if buf:
-                    continue  # rotary caches, routing statistics: not weights
+            tensors.append((v, name, mod, attr, buf, have))
+            row = registry.row_of(name) if registry is not None else None
+            if row is None:
+                continue
+            if buf:
+                buffers.add(row.megatron)
+            if row.kind == "auto":
+                kind = resolve_kind(row, mod)
+                if kind is None:
+                    raise MegatronSourceError(
+                        f"megatron_source: Megatron-Bridge {registry.bridge} maps '{name}' "
+                        f"(rank {me}, chunk {v}) with an AutoMapping, which cannot tell the "
+                        f"parallelism of its module {type(mod).__name__}")
+                kinds[row.megatron] = kind
+    return _State(family, config, dtype, mcfg, models, par, me, g.world, stage, tied, tensors,
+                  registry, kinds, buffers)
+
+
+def _finish(st: _State, kinds: dict, buffers: frozenset) -> MegatronSource:
+    """Phase 2: the name table (Bridge's registry with every rank's kinds, or the hand
+    table), the manifest (identical on every rank) and this rank's providers."""
+    family, config, dtype, mcfg, models = st.family, st.config, st.dtype, st.mcfg, st.models
+    par, me = st.par, st.me
+    if st.registry is not None:
+        try:
+            names = registry_names(st.registry, kinds, buffers=buffers)
+        except ValueError as e:
+            raise MegatronSourceError(f"megatron_source: {e}") from None
+        table = f"Megatron-Bridge {st.registry.bridge}.mapping_registry()"
+    else:
+        names, table = megatron_names(family), table_name(family)
+    mine: dict[tuple[MegatronNameKey, int | None], list[_Local]] = {}
+    for v, name, mod, attr, buf, have in st.tensors:
+        hit = match_megatron(names, name)
+        if hit is None:
+            if buf:
+                continue  # rotary caches, routing statistics: not weights
+            row = st.registry.row_of(name) if st.registry is not None else None
+            if row is not None and row.kind is None:
                 raise MegatronSourceError(
-                    f"megatron_source: parameter '{name}' (rank {me}, chunk {v}) has no mapping "
-                    f"in {table}; known names: "
-                    f"{', '.join(megatron_templates(names))}")
-            entry, local_layer, expert = hit
-            if name == "output_layer.weight" and tied:
-                continue  # a replica of the embedding (PP > 1): the first stage sends it
-            layer = None
-            if local_layer is not None:
-                layer = have.get(local_layer)
-                if layer is None:
-                    raise MegatronSourceError(f"megatron_source: '{name}' names layer "
-                                              f"{local_layer}, which chunk {v} does not have")
-            mine.setdefault((entry, layer), []).append(_Local(f"chunk{v}.{name}", mod, attr, buf,
-                                                              expert))
+                    f"megatron_source: parameter '{name}' (rank {me}, chunk {v}) is converted "
+                    f"by Megatron-Bridge's {row.mapping} ({st.registry.bridge}), which m2nkit "
+                    "has no shard-to-shard layout for (use bridge_source(..., mode='export'))")
+            raise MegatronSourceError(
+                f"megatron_source: parameter '{name}' (rank {me}, chunk {v}) has no mapping "
+                f"in {table}; known names: "
+                f"{', '.join(megatron_templates(names))}")
+        entry, local_layer, expert = hit
+        if name == "output_layer.weight" and st.tied:
+            continue  # a replica of the embedding (PP > 1): the first stage sends it
+        layer = None
+        if local_layer is not None:
+            layer = have.get(local_layer)
+            if layer is None:
+                raise MegatronSourceError(f"megatron_source: '{name}' names layer "
+                                          f"{local_layer}, which chunk {v} does not have")
+        mine.setdefault((entry, layer), []).append(_Local(f"chunk{v}.{name}", mod, attr, buf,
+                                                          expert))
 
     # --- the wire tensors of the config, with pieces and providers
     from ..config_wires import table_wires
@@ -454,7 +558,17 @@ def _build(model_chunks, config, dtype, pg_collection, rank) -> MegatronSource:
             f"the HF config does not have ({len(stray)} such); the HF config and the Megatron "
             "model disagree (e.g. biases, q/k norms, dense vs MoE layers)")
     return MegatronSource(entries, rank=me, config=config, parallel=par,
-                          num_trainer_ranks=g.world, module_names=module_names)
+                          num_trainer_ranks=st.world, module_names=module_names, names=names,
+                          names_from=table)
+
+
+def _bridge_installed() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("megatron.bridge") is not None
+    except ModuleNotFoundError:
+        return False
 
 
 MegatronNameKey = Any

@@ -64,8 +64,10 @@ def dump_source(c: Layout, rank: int, out: Path) -> None:
     bridge, model = build_model(c)
     src = megatron_source(model, config=bridge.hf_pretrained.config)
     local = [(n, t.clone()) for n, t in src.iter_local()]
+    names = [(sorted(e.megatron), e.rule.name, e.wires, e.norm, e.buffer) for e in src.names]
     torch.save({"manifest": manifest_to_json(src.metadata, dist.get_world_size()),
-                "locals": local}, out / f"{c.label}.r{rank}.pt")
+                "locals": local, "names": names, "names_from": src.names_from},
+               out / f"{c.label}.r{rank}.pt")
     dist.barrier()
 
 

@@ -184,7 +184,7 @@ def _same_error(res, case):
     ("vpp", "rank 1 of 4", "1 model chunks given, but the model config has "
                            "virtual_pipeline_model_parallel_size=2"),
     ("unmapped", "rank 2 of 4", "parameter 'decoder.layers.0.mystery' (rank 2, chunk 0) has no "
-                                "mapping in m2nkit.adapters.megatron.names.QWEN3"),
+                                "mapping in Megatron-Bridge Qwen3Bridge.mapping_registry()"),
     ("tp_size", "rank 3 of 4", "the tp process group has 1 ranks ([3]), but the model config "
                                "says tp=2"),
     ("rank_arg", "rank 0 of 4", "rank=1 was given, but this process is rank 0"),

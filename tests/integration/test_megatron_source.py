@@ -158,3 +158,48 @@ def test_layouts_have_the_shapes_they_claim(dumped):
     # uneven: layer 0 alone on stage 0, layers 1..3 on stage 1
     m = metas("pp2uneven")
     assert {p.rank for p in m["model.layers.1.mlp.down_proj.weight"].pieces} == {2, 3}
+
+
+@pytest.mark.parametrize("label", [c[0] for c in CASES])
+def test_live_names_come_from_bridge_and_equal_the_hand_table(dumped, label):
+    """The live source reads its names and kinds from Bridge's registry (AutoMapping's kind
+    from the built modules); the hand-written table of ``names.py`` (the dry run's) must say
+    the same for every Megatron spelling the registry gives, and cover the same wire tensors."""
+    import json
+
+    from m2nkit.adapters.megatron.compat import enable_cpu
+    from m2nkit.adapters.megatron.names import megatron_names
+    from m2nkit.adapters.megatron.registry import bridge_registry
+
+    enable_cpu()  # megatron-core imports triton for a GPU kernel; CPU stand-in
+    out, meta = dumped
+    ckpt_dir, _ = meta[label]
+    arch = json.loads((Path(ckpt_dir) / "config.json").read_text())["architectures"][0]
+    p = torch.load(out / f"{label}.r0.pt")
+    bridge = bridge_registry(arch)[0]
+    assert p["names_from"] == f"Megatron-Bridge {bridge}.mapping_registry()", p["names_from"]
+    hand = {}
+    for e in megatron_names(arch):
+        for m in e.megatron:
+            hand[m] = (e.rule.name, e.wires, e.norm, e.buffer)
+    live_wires = set()
+    for spellings, rule, wires, norm, buffer in p["names"]:
+        wires = {None if k in (None, "null") else k: v for k, v in wires.items()}
+        live_wires |= set(wires.values())
+        for m in spellings:
+            assert m in hand, f"{label} ({arch}): Bridge's {bridge} maps {m!r}; the hand table lacks it"
+            assert hand[m] == (rule, wires, norm, buffer), \
+                f"{label} ({arch}): {m!r} drifted: Bridge {(rule, wires, norm, buffer)}, table {hand[m]}"
+    # every wire tensor of this model (manifest) is named by the live table
+    from m2nkit.adapters.megatron.layout import match_wire
+    from m2nkit.manifest import manifest_from_json
+
+    for m in manifest_from_json(p["manifest"])[0]:
+        assert match_wire(megatron_names(arch), m.name) is not None, (label, m.name)
+        assert any(re_match(t, m.name) for t in live_wires), (label, m.name)
+
+
+def re_match(template: str, name: str) -> bool:
+    from m2nkit.adapters.megatron.layout import _template_regex
+
+    return bool(_template_regex(template).match(name))
