@@ -100,3 +100,86 @@ def _stand_in_paged_stash_kernels() -> None:
     module.paged_stash_copy_kernel = _NoKernel("paged_stash_copy_kernel")
     module.paged_stash_pop_kernel = _NoKernel("paged_stash_pop_kernel")
     sys.modules[name] = module
+
+
+# --------------------------------------------------------------------------
+# MLA on CPU (tests and demos only)
+
+
+def mla_core_attention_stand_in():
+    """A parameterless core attention that takes MLA's ``k_channels``/``v_channels``.
+
+    megatron-core 0.19.2's ``MLASelfAttention`` builds its core attention with
+    ``k_channels=q_head_dim, v_channels=v_head_dim``
+    (``transformer/multi_latent_attention.py``); only TransformerEngine's
+    ``TEDotProductAttention`` accepts them, the local ``DotProductAttention``
+    raises ``TypeError: unexpected keyword argument 'k_channels'``. The core
+    owns no parameter (``DotProductAttention`` has none without a learnable
+    softmax offset), so replacing it changes no name, shape, shard or
+    conversion. This one computes plain causal softmax attention in fp32
+    over ``query [s, b, n, dk]``, ``key [s, b, n, dk]``, ``value [s, b, n,
+    dv]`` and returns ``[s, b, n*dv]``, the layout ``linear_proj`` takes.
+    For tests and demos on CPU only (docs/megatron.md says so).
+    """
+    import torch
+    from megatron.core.transformer.module import MegatronModule
+
+    class MLACoreAttentionStandIn(MegatronModule):
+        def __init__(self, config, layer_number, attn_mask_type, attention_type,
+                     attention_dropout=None, softmax_scale=None, k_channels=None,
+                     v_channels=None, cp_comm_type=None, pg_collection=None, **_):
+            super().__init__(config=config)
+            self.softmax_scale = softmax_scale or (k_channels or config.kv_channels) ** -0.5
+
+        def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
+                    attention_bias=None, packed_seq_params=None, **_):
+            s, b, n, _ = query.shape
+            q, k, v = (t.float().permute(1, 2, 0, 3) for t in (query, key, value))
+            scores = q @ k.transpose(-1, -2) * self.softmax_scale
+            causal = torch.ones(s, key.shape[0], dtype=torch.bool).triu(1)
+            probs = scores.masked_fill(causal, float("-inf")).softmax(-1)
+            out = (probs @ v).to(query.dtype)  # [b, n, s, dv]
+            return out.permute(2, 0, 1, 3).reshape(s, b, n * value.shape[-1])
+
+    return MLACoreAttentionStandIn
+
+
+def _mla_layers(spec_fn, edit, what: str):
+    """``spec_fn`` with ``edit(attention submodules, config)`` applied to every MLA layer."""
+    import inspect
+
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    takes_vp = callable(spec_fn) and "vp_stage" in inspect.signature(spec_fn).parameters
+
+    def build(config, vp_stage=None):  # Bridge's provide() passes vp_stage when named
+        if not callable(spec_fn):
+            spec = spec_fn
+        else:
+            spec = spec_fn(config, vp_stage=vp_stage) if takes_vp else spec_fn(config)
+        layers = getattr(spec, "layer_specs", None) or [spec]
+        n = 0
+        for layer in layers:
+            attn = layer.submodules.self_attention
+            if getattr(attn, "module", None) is not None and issubclass(attn.module,
+                                                                        MLASelfAttention):
+                edit(attn.submodules, config)
+                n += 1
+        if not n:
+            raise ValueError(f"{what}: the layer spec has no MLASelfAttention layer")
+        return spec
+    return build
+
+
+def with_mla_stand_in(spec_fn):
+    """``spec_fn`` (a provider's ``transformer_layer_spec``) with every MLA layer's
+    ``core_attention`` replaced by :func:`mla_core_attention_stand_in` (nothing else).
+
+    Raises:
+        ValueError: (when the spec is built) a spec with no MLA layer.
+    """
+    stand_in = mla_core_attention_stand_in()
+
+    def edit(sub, config):
+        sub.core_attention = stand_in
+    return _mla_layers(spec_fn, edit, "with_mla_stand_in")

@@ -15,12 +15,17 @@ kinds are the families' (``REPLICATED``, ``ROW``, ``VOCAB``, ``QKV`` of
 ``m2nkit.adapters.families.kinds``) plus the splits only Megatron makes
 (``GATED_FC1``, ``EXPERT_FC1``, ``EXPERT_FC2`` of :mod:`.layout`).
 
-Families with a table: Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral (the
+The live source reads its names from Megatron-Bridge's registry where Bridge has
+a bridge (:mod:`.registry`); these tables are for the dry run and for
+architectures without one (Mixtral), and ``tests/integration/test_megatron_source.py``
+holds them equal to the registry.
+
+Families with a table: Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral, DeepSeek-V3 (the
 families Megatron-Bridge 0.6.2 builds with these names:
 ``LlamaBridge``, ``Qwen2Bridge``, ``Qwen3Bridge``, ``Qwen3MoEBridge``,
 ``MixtralBridge`` ``mapping_registry``; ``tests/integration/test_megatron_names.py``
-holds them against Bridge's registries). The others (GPT-OSS, Gemma 2/3,
-DeepSeek-V3) have none yet: a Megatron trainer of them is refused with a
+holds them against Bridge's registries; ``DeepSeekV3Bridge``). The others
+(GPT-OSS, Gemma 2/3, GLM, Qwen3-Next/3.5) have none yet: a Megatron trainer of them is refused with a
 message naming the families that have one.
 """
 
@@ -28,11 +33,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..families.kinds import QKV, REPLICATED, ROW, VOCAB
+from ..families.kinds import COLUMN, QKV, REPLICATED, ROW, VOCAB
 from ..families.llama import ATTENTION, MLP
 from .layout import EXPERT_FC1, EXPERT_FC2, GATED_FC1, MegatronName
 
-__all__ = ["gpt_model_names", "LLAMA", "QWEN2", "QWEN3", "QWEN3_MOE", "MIXTRAL",
+__all__ = ["gpt_model_names", "mla_names", "LLAMA", "QWEN2", "QWEN3", "QWEN3_MOE", "MIXTRAL",
+           "DEEPSEEK_V3",
            "MEGATRON_NAMES", "megatron_names", "table_name"]
 
 
@@ -118,6 +124,68 @@ QWEN3_MOE = gpt_model_names(qk_norm=True, moe=MLP)
 #: (Megatron-Bridge ``MixtralBridge``).
 MIXTRAL = gpt_model_names(mlp=None, moe="model.layers.{L}.block_sparse_moe")
 
+
+
+def mla_names() -> tuple[MegatronName, ...]:
+    """DeepSeek-V3's Megatron-Core names (MLA, dense first layers, shared and routed experts).
+
+    megatron-core ``transformer/multi_latent_attention.py`` (``MLASelfAttention``) with
+    the local layer spec (``gpt_layer_specs.py`` ``get_gpt_decoder_block_spec``,
+    ``use_transformer_engine=False``): ``linear_q_down_proj`` and
+    ``linear_kv_down_proj`` are ``ColumnParallelLinear`` (``gather_output=False``:
+    rows split over tp; the TransformerEngine spec builds a duplicated ``TELinear``
+    instead), ``linear_q_up_proj``/``linear_kv_up_proj`` column, ``linear_proj``
+    row; ``q_lora_rank: null`` builds ``linear_q_proj`` (column) and no
+    ``q_layernorm``. The MoE router's ``expert_bias`` is a persistent fp32
+    buffer (``moe/router.py``), HF ``e_score_correction_bias``; shared experts
+    are a gated MLP over tp (``moe/shared_experts.py``). The same pairs as
+    Megatron-Bridge's ``DeepSeekV3Bridge`` (``deepseek/common.py``).
+    """
+    N = MegatronName
+    A = ATTENTION
+    d = "decoder.layers.{L}"
+    at = f"{d}.self_attention"
+    mlp = "model.layers.{L}.mlp"
+    ex = f"{d}.mlp.experts"
+    return (
+        N("embedding.word_embeddings.weight", VOCAB, "model.embed_tokens.weight"),
+        N(f"{d}.input_layernorm.weight", REPLICATED, "model.layers.{L}.input_layernorm.weight",
+          norm=True),
+        N(f"{at}.linear_q_proj.weight", COLUMN, f"{A}.q_proj.weight"),
+        N(f"{at}.linear_q_down_proj.weight", COLUMN, f"{A}.q_a_proj.weight"),
+        N((f"{at}.q_layernorm.weight", f"{at}.linear_q_up_proj.layer_norm_weight"), REPLICATED,
+          f"{A}.q_a_layernorm.weight", norm=True),
+        N(f"{at}.linear_q_up_proj.weight", COLUMN, f"{A}.q_b_proj.weight"),
+        N(f"{at}.linear_kv_down_proj.weight", COLUMN, f"{A}.kv_a_proj_with_mqa.weight"),
+        N((f"{at}.kv_layernorm.weight", f"{at}.linear_kv_up_proj.layer_norm_weight"), REPLICATED,
+          f"{A}.kv_a_layernorm.weight", norm=True),
+        N(f"{at}.linear_kv_up_proj.weight", COLUMN, f"{A}.kv_b_proj.weight"),
+        N(f"{at}.linear_proj.weight", ROW, f"{A}.o_proj.weight"),
+        N((f"{d}.pre_mlp_layernorm.weight", f"{d}.mlp.linear_fc1.layer_norm_weight"), REPLICATED,
+          "model.layers.{L}.post_attention_layernorm.weight", norm=True),
+        N(f"{d}.mlp.linear_fc1.weight", GATED_FC1,
+          {"gate": f"{mlp}.gate_proj.weight", "up": f"{mlp}.up_proj.weight"}),
+        N(f"{d}.mlp.linear_fc2.weight", ROW, f"{mlp}.down_proj.weight"),
+        N(f"{d}.mlp.router.weight", REPLICATED, f"{mlp}.gate.weight"),
+        N(f"{d}.mlp.router.expert_bias", REPLICATED, f"{mlp}.gate.e_score_correction_bias",
+          buffer=True),
+        N((f"{ex}.local_experts.{{i}}.linear_fc1.weight", f"{ex}.linear_fc1.weight{{i}}"),
+          EXPERT_FC1, f"{mlp}.experts.gate_up_proj.weight"),
+        N((f"{ex}.local_experts.{{i}}.linear_fc2.weight", f"{ex}.linear_fc2.weight{{i}}"),
+          EXPERT_FC2, f"{mlp}.experts.down_proj.weight"),
+        N(f"{d}.mlp.shared_experts.linear_fc1.weight", GATED_FC1,
+          {"gate": f"{mlp}.shared_experts.gate_proj.weight",
+           "up": f"{mlp}.shared_experts.up_proj.weight"}),
+        N(f"{d}.mlp.shared_experts.linear_fc2.weight", ROW,
+          f"{mlp}.shared_experts.down_proj.weight"),
+        N("decoder.final_layernorm.weight", REPLICATED, "model.norm.weight", norm=True),
+        N("output_layer.weight", VOCAB, "lm_head.weight"),
+    )
+
+
+#: DeepSeek-V3 / Kimi-K2 (Megatron-Bridge ``DeepSeekV3Bridge``).
+DEEPSEEK_V3 = mla_names()
+
 #: ``config.architectures[0]`` -> the name of its table in this module.
 _TABLES = {
     "LlamaForCausalLM": "LLAMA",
@@ -125,6 +193,7 @@ _TABLES = {
     "Qwen3ForCausalLM": "QWEN3",
     "Qwen3MoeForCausalLM": "QWEN3_MOE",
     "MixtralForCausalLM": "MIXTRAL",
+    "DeepseekV3ForCausalLM": "DEEPSEEK_V3",
 }
 
 #: ``config.architectures[0]`` -> its Megatron-Core names; a family absent has none.

@@ -294,6 +294,6 @@ def registry_names(table: RegistryTable, kinds: Mapping[str, str], *,
         merged.setdefault(key, []).append(r.megatron)
     rules = {r.name: r for r in (QKV, GATED_FC1, EXPERT_FC1, EXPERT_FC2, VOCAB, COLUMN, ROW,
                                  REPLICATED)}
-    return tuple(MegatronName(tuple(dict.fromkeys(ms)), rules[rn], w if isinstance(w, str) else dict(w),
-                              norm=norm, buffer=buf)
+    return tuple(MegatronName(tuple(dict.fromkeys(ms)), rules[rn],
+                              w if isinstance(w, str) else dict(w), norm=norm, buffer=buf)
                  for (rn, w, norm, buf), ms in merged.items())

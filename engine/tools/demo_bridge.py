@@ -210,9 +210,35 @@ def build_bridge_model(ckpt: str | os.PathLike, tp: int, pp: int, ep: int = 1,
     provider.expert_model_parallel_size = ep
     provider.expert_tensor_parallel_size = (etp or tp) if provider.num_moe_experts else None
     provider.sequence_parallel = False
-    provider.transformer_layer_spec = local_layer_spec  # no TransformerEngine on CPU
+    if getattr(provider, "multi_latent_attention", False):
+        # MLA (DeepSeek-V3): megatron-core's local decoder block spec (dense first
+        # layers, MoE after), its parameterless core attention replaced by a CPU
+        # stand-in (compat.with_mla_stand_in: the local one refuses MLA's k_channels);
+        # no MTP block (Bridge builds it with TransformerEngine unconditionally)
+        from functools import partial
+
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        from m2nkit.adapters.megatron.compat import with_mla_stand_in
+
+        if provider.q_lora_rank is None and provider.qk_layernorm:
+            # megatron-core 0.19.2 (mla_qk_norm_config.py) then builds linear_q_proj as
+            # TransformerEngine's fused norm+linear, a q norm HF does not have
+            # (Megatron-Bridge#5261/#5585); the local spec has no such module
+            raise ValueError(
+                "MLA with q_lora_rank null and qk_layernorm: megatron-core 0.19.2 builds "
+                "linear_q_proj as TransformerEngine's fused layer-norm linear "
+                "(transformer/mla_qk_norm_config.py), which cannot be built on CPU")
+        provider.transformer_layer_spec = with_mla_stand_in(
+            partial(get_gpt_decoder_block_spec, use_transformer_engine=False))
+        provider.mtp_num_layers = None
+    else:
+        provider.transformer_layer_spec = local_layer_spec  # no TransformerEngine on CPU
     if provider.num_moe_experts:
         provider.moe_token_dispatcher_type = "allgather"  # alltoall touches CUDA streams
+        # overlapping shared experts with the dispatch needs alltoall (megatron-core
+        # TransformerConfig); a scheduling option, no parameter depends on it
+        provider.moe_shared_expert_overlap = False
     for flag in ("moe_permute_fusion", "moe_grouped_gemm", "gradient_accumulation_fusion",
                  "masked_softmax_fusion", "bias_activation_fusion", "persist_layer_norm",
                  "apply_rope_fusion"):
@@ -352,6 +378,11 @@ def bridge_trainer_main(rank: int, world: int, model_dir: str, trainer: str, inf
 # the driver
 
 
+def _cfg(config, key):
+    """``config[key]`` of a dict or attribute config; ``None`` when absent."""
+    return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+
+
 def run_bridge_demo(model: str, trainer: str, inference: str, *, mode: str = "tasks",
                     rounds: int = 2, timeout_s: float = 60.0, bucket_bytes: int = 4 << 20,
                     workdir: str | None = None, log=print, start_method: str = "spawn"):
@@ -407,6 +438,12 @@ def run_bridge_demo(model: str, trainer: str, inference: str, *, mode: str = "ta
         from m2nkit.adapters.megatron.spec import megatron_size_problem
 
         why = megatron_size_problem(tspec.par, config, loader="bridge")
+        if (not why and _cfg(config, "kv_lora_rank") is not None
+                and _cfg(config, "q_lora_rank") is None):
+            why = ("MLA with q_lora_rank null: megatron-core 0.19.2 builds linear_q_proj as "
+                   "TransformerEngine's fused layer-norm linear (transformer/"
+                   "mla_qk_norm_config.py), which cannot be built on CPU and adds a q norm "
+                   "the checkpoint does not have (docs/megatron.md, Limits)")
         if why:
             raise ValueError(f"trainer spec '{trainer}': {why}")
         if mode != "export":

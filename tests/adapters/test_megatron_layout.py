@@ -275,3 +275,44 @@ def test_plan_layout_refuses_what_megatron_core_refuses():
     spec = parse_trainer_spec("megatron:tp=4")
     with pytest.raises(ValueError, match=r"num_attention_heads \(6\) must be a multiple of tp \(4\)"):
         spec.tp_dims({**_LLAMA, "num_attention_heads": 6, "hidden_size": 96, "head_dim": 16})
+
+
+@pytest.mark.parametrize("name", ["tiny-deepseek-v3", "tiny-deepseek-v3-no-q-lora"])
+def test_dry_run_lays_out_deepseek_v3_mla(name):
+    """DeepSeek-V3's table (names.DEEPSEEK_V3, the live source reads Bridge's registry):
+    MLA projections column-parallel as megatron-core's local spec builds them, the dense
+    first layer on stage 0, the fp32 expert bias whole on the MoE layer's stage."""
+    import torch
+
+    from m2nkit.adapters.hf_checkpoint import checkpoint_metas, read_checkpoint
+    from m2nkit.adapters.trainer_spec import parse_trainer_spec
+    from m2nkit.adapters.vllm import destination_layout
+    from m2nkit.engine.plan import build_plan
+
+    ckpt = read_checkpoint(f"tests/data/oracle/{name}/checkpoint")
+    tspec = parse_trainer_spec("megatron:tp=2,pp=2,ep=2")  # dp 2: ranks 0-3 stage 0, 4-7 stage 1
+    metas = checkpoint_metas(ckpt, tspec)
+    plan = build_plan(metas, tspec.num_ranks, destination_layout(ckpt.config, metas, "vllm:tp=2,ep"))
+    assert plan.problems == [] and plan.nbytes_moved == plan.nbytes_min
+    by = {m.name: m for m in metas}
+    q = by["model.layers.0.self_attn." + ("q_proj" if "no-q" in name else "q_a_proj") + ".weight"]
+    half = q.shape[0] // 2
+    assert sorted({(p.rank, p.box[0]) for p in q.pieces}) == [
+        (0, (0, half)), (1, (half, 2 * half)), (2, (0, half)), (3, (half, 2 * half))]
+    kva = by["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"]  # [kv_lora + rope, H] = 40 rows
+    assert sorted({(p.rank, p.box[0]) for p in kva.pieces}) == [
+        (4, (0, 20)), (5, (20, 40)), (6, (0, 20)), (7, (20, 40))]
+    bias = by["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert bias.dtype == torch.float32
+    assert {p.rank for p in bias.pieces} == {4, 5, 6, 7}
+    assert all(p.box == ((0, 8),) for p in bias.pieces)
+    assert "model.layers.0.mlp.gate.weight" not in by  # layer 0 is dense
+    assert {p.rank for p in by["model.layers.0.mlp.down_proj.weight"].pieces} == {0, 1, 2, 3}
+    assert ("model.layers.0.self_attn.q_a_layernorm.weight" in by) == ("no-q" not in name)
+
+
+def test_dry_run_of_an_fp8_checkpoint_names_the_scale_tensor():
+    # Megatron-Core trains bf16 weights: an fp8 checkpoint's block scales have no Megatron tensor
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.q_a_proj\.weight_scale_inv'"
+                                         r" has no Megatron-Core name"):
+        _plan("deepseek-ai__DeepSeek-V3", "megatron:tp=8,pp=8,ep=8", "vllm:tp=8,ep")

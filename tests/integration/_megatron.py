@@ -53,8 +53,9 @@ def build_model(c: Layout):
     return build_bridge_model(c.ckpt, c.tp, c.pp, c.ep, c.etp, c.vpp, first=c.first, last=c.last)
 
 
-def dump_source(c: Layout, rank: int, out: Path) -> None:
-    """Build the case, make ``megatron_source``, write its manifest and local tensors."""
+def dump_source(c: Layout, rank: int, out: Path, export: bool = False) -> None:
+    """Build the case, make ``megatron_source``, write its manifest and local tensors
+    (with ``export``: also Bridge's own ``export_hf_weights``, from rank 0)."""
     import torch.distributed as dist
 
     from m2nkit.adapters import megatron_source
@@ -65,9 +66,16 @@ def dump_source(c: Layout, rank: int, out: Path) -> None:
     src = megatron_source(model, config=bridge.hf_pretrained.config)
     local = [(n, t.clone()) for n, t in src.iter_local()]
     names = [(sorted(e.megatron), e.rule.name, e.wires, e.norm, e.buffer) for e in src.names]
-    torch.save({"manifest": manifest_to_json(src.metadata, dist.get_world_size()),
-                "locals": local, "names": names, "names_from": src.names_from},
-               out / f"{c.label}.r{rank}.pt")
+    payload = {"manifest": manifest_to_json(src.metadata, dist.get_world_size()),
+               "locals": local, "names": names, "names_from": src.names_from,
+               "module_names": src.module_names}
+    if export:
+        from m2nkit.engine.tools.demo_bridge import exported_tensors
+
+        exported = exported_tensors(bridge, model)  # collective: every rank
+        if rank == 0:
+            payload["export"] = exported
+    torch.save(payload, out / f"{c.label}.r{rank}.pt")
     dist.barrier()
 
 
@@ -101,10 +109,10 @@ def rank_main(rank: int, world: int, port: int, work, out: str, timeout_s: float
         dist.destroy_process_group()
 
 
-def run_layouts(cases, rank: int, out: Path) -> None:
+def run_layouts(cases, rank: int, out: Path, export: bool = False) -> None:
     """``work`` for :func:`launch`: :func:`dump_source` for every case in order."""
     for c in cases:
-        dump_source(c, rank, out)
+        dump_source(c, rank, out, export)
 
 
 def launch(world: int, work, out: Path, timeout_s: float) -> float:
@@ -145,3 +153,128 @@ def run_ranks(world: int, target, args_of, out: Path, timeout_s: float) -> float
     if bad:
         raise AssertionError(f"ranks {bad} exited with {[procs[r].exitcode for r in bad]}")
     return time.monotonic() - start
+
+
+def check_pieces_and_rounds(out: Path, label: str, ckpt_dir, specs, world: int) -> None:
+    """The parent's checks of one dumped case.
+
+    Every rank declared the same manifest, whose wire tensors are the HF
+    checkpoint's in its order; every piece a rank declares equals the
+    checkpoint's slice bit for bit; the plan into each vLLM layout of
+    ``specs`` moves exactly the minimum and fills vLLM-layout storage equal to
+    ``reference_load`` (vLLM's loaders, pinned to real vLLM 0.33.0 dumps).
+    """
+    from m2nkit.adapters.hf_checkpoint import full_checkpoint_tensors, read_checkpoint
+    from m2nkit.adapters.vllm import destination_layout, reference_load
+    from m2nkit.engine.in_process import allocate_storage, bitwise_equal, execute_plan
+    from m2nkit.engine.plan import build_plan
+    from m2nkit.manifest import manifest_from_json
+    from m2nkit.manifest.pieces import box_slices
+
+    WORLD = world
+    payloads = [torch.load(out / f"{label}.r{r}.pt") for r in range(WORLD)]
+    docs = [p["manifest"] for p in payloads]
+    assert all(d == docs[0] for d in docs), f"{label}: metadata differs between ranks"
+    metas, T = manifest_from_json(docs[0])
+    assert T == WORLD
+    ckpt = read_checkpoint(ckpt_dir)
+    assert [m.name for m in metas] == ckpt.names
+    full = {m.name: ckpt.read_full(m.name) for m in metas}
+    checked = 0
+    for r, p in enumerate(payloads):
+        stream = dict(p["locals"])
+        for m in metas:
+            assert m.dtype == full[m.name].dtype, (label, m.name)
+            for piece in m.source_pieces(WORLD):
+                if piece.rank == r:
+                    got = stream[m.name][box_slices(piece.local_box)]
+                    assert bitwise_equal(got, full[m.name][box_slices(piece.box)]), \
+                        (label, m.name, r, piece)
+                    checked += 1
+    assert checked >= len(metas)
+    if "export" in payloads[0]:  # Bridge's own export_hf_weights: every wire tensor, the same bytes
+        exported = stacked_export(payloads[0]["export"])
+        for m in metas:
+            assert m.name in exported, (label, m.name, "not in Bridge's export")
+            assert bitwise_equal(exported[m.name], full[m.name]), (label, m.name, "export")
+    tensors = full_checkpoint_tensors(ckpt)
+    for spec in specs:
+        dest = destination_layout(ckpt.config, metas, spec)
+        plan = build_plan(metas, WORLD, dest)
+        assert plan.problems == [], (label, spec, plan.problems[:3])
+        assert plan.nbytes_moved == plan.nbytes_min, (label, spec)
+        storage = {w: allocate_storage(dest, w) for w in range(dest.num_workers)}
+        execute_plan(plan, {r: iter(payloads[r]["locals"]) for r in range(WORLD)}, storage)
+        for w, params in storage.items():
+            ref = reference_load(ckpt.config, tensors, spec, w, fill=float("nan"))
+            for pname, t in params.items():
+                assert bitwise_equal(t, ref[pname]), (label, spec, w, pname)
+
+
+
+
+def stacked_export(exported: dict) -> dict:
+    """Bridge's per-expert export (``<p>.experts.<e>.gate_proj/up_proj/down_proj.weight``)
+    with each layer's experts stacked as the wire carries them (``<p>.experts.gate_up_proj.
+    weight [E, 2*Im, H]``: expert ``e``'s gate rows then its up rows; ``down_proj [E, H, Im]``)."""
+    import re
+
+    out, per = {}, {}
+    for name, t in exported.items():
+        m = re.match(r"^(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$", name)
+        if m:
+            per.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t
+        else:
+            out[name] = t
+    for prefix, experts in per.items():
+        order = sorted(experts)
+        assert order == list(range(len(order))), (prefix, order)
+        out[f"{prefix}.gate_up_proj.weight"] = torch.stack(
+            [torch.cat([experts[e]["gate"], experts[e]["up"]]) for e in order])
+        out[f"{prefix}.down_proj.weight"] = torch.stack([experts[e]["down"] for e in order])
+    return out
+
+
+def check_names_equal_table(out: Path, label: str, ckpt_dir) -> None:
+    """The live source's names came from Bridge's registry, and the hand table of
+    ``names.py`` says the same for every Megatron spelling the registry gives (rule, wire
+    tensors, norm, buffer) and names every wire tensor of the manifest; a drift names
+    the tensor."""
+    import json
+
+    from m2nkit.adapters.megatron.compat import enable_cpu
+    from m2nkit.adapters.megatron.names import megatron_names
+    from m2nkit.adapters.megatron.registry import bridge_registry
+
+    enable_cpu()  # megatron-core imports triton for a GPU kernel; CPU stand-in
+    arch = json.loads((Path(ckpt_dir) / "config.json").read_text())["architectures"][0]
+    p = torch.load(out / f"{label}.r0.pt")
+    bridge = bridge_registry(arch)[0]
+    assert p["names_from"] == f"Megatron-Bridge {bridge}.mapping_registry()", p["names_from"]
+    hand = {}
+    for e in megatron_names(arch):
+        for m in e.megatron:
+            hand[m] = (e.rule.name, e.wires, e.norm, e.buffer)
+    live_wires = set()
+    for spellings, rule, wires, norm, buffer in p["names"]:
+        wires = {None if k in (None, "null") else k: v for k, v in wires.items()}
+        live_wires |= set(wires.values())
+        for m in spellings:
+            assert m in hand, \
+                f"{label} ({arch}): Bridge's {bridge} maps {m!r}; the hand table lacks it"
+            assert hand[m] == (rule, wires, norm, buffer), (
+                f"{label} ({arch}): {m!r} drifted: Bridge {(rule, wires, norm, buffer)}, "
+                f"table {hand[m]}")
+    # every wire tensor of this model (manifest) is named by the live table
+    from m2nkit.adapters.megatron.layout import match_wire
+    from m2nkit.manifest import manifest_from_json
+
+    for m in manifest_from_json(p["manifest"])[0]:
+        assert match_wire(megatron_names(arch), m.name) is not None, (label, m.name)
+        assert any(_re_match(t, m.name) for t in live_wires), (label, m.name)
+
+
+def _re_match(template: str, name: str) -> bool:
+    from m2nkit.adapters.megatron.layout import _template_regex
+
+    return bool(_template_regex(template).match(name))

@@ -30,7 +30,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.integration._megatron import Layout, launch, run_layouts
+from tests.integration._megatron import (Layout, check_names_equal_table,
+                                         check_pieces_and_rounds, launch, run_layouts)
 
 pytestmark = pytest.mark.integration
 
@@ -85,47 +86,9 @@ def _nontrivial_norms(ckpt: Path) -> None:
 
 @pytest.mark.parametrize("label", [c[0] for c in CASES])
 def test_pieces_equal_the_checkpoint_and_land_like_vllm(dumped, label):
-    from m2nkit.adapters.hf_checkpoint import full_checkpoint_tensors, read_checkpoint
-    from m2nkit.adapters.vllm import destination_layout, reference_load
-    from m2nkit.engine.in_process import allocate_storage, bitwise_equal, execute_plan
-    from m2nkit.engine.plan import build_plan
-    from m2nkit.manifest import manifest_from_json
-    from m2nkit.manifest.pieces import box_slices
-
     out, meta = dumped
     ckpt_dir, specs = meta[label]
-    payloads = [torch.load(out / f"{label}.r{r}.pt") for r in range(WORLD)]
-    docs = [p["manifest"] for p in payloads]
-    assert all(d == docs[0] for d in docs), f"{label}: metadata differs between ranks"
-    metas, T = manifest_from_json(docs[0])
-    assert T == WORLD
-    ckpt = read_checkpoint(ckpt_dir)
-    assert [m.name for m in metas] == ckpt.names
-    full = {m.name: ckpt.read_full(m.name) for m in metas}
-    checked = 0
-    for r, p in enumerate(payloads):
-        stream = dict(p["locals"])
-        for m in metas:
-            assert m.dtype == full[m.name].dtype, (label, m.name)
-            for piece in m.source_pieces(WORLD):
-                if piece.rank == r:
-                    got = stream[m.name][box_slices(piece.local_box)]
-                    assert bitwise_equal(got, full[m.name][box_slices(piece.box)]), \
-                        (label, m.name, r, piece)
-                    checked += 1
-    assert checked >= len(metas)
-    tensors = full_checkpoint_tensors(ckpt)
-    for spec in specs:
-        dest = destination_layout(ckpt.config, metas, spec)
-        plan = build_plan(metas, WORLD, dest)
-        assert plan.problems == [], (label, spec, plan.problems[:3])
-        assert plan.nbytes_moved == plan.nbytes_min, (label, spec)
-        storage = {w: allocate_storage(dest, w) for w in range(dest.num_workers)}
-        execute_plan(plan, {r: iter(payloads[r]["locals"]) for r in range(WORLD)}, storage)
-        for w, params in storage.items():
-            ref = reference_load(ckpt.config, tensors, spec, w, fill=float("nan"))
-            for pname, t in params.items():
-                assert bitwise_equal(t, ref[pname]), (label, spec, w, pname)
+    check_pieces_and_rounds(out, label, ckpt_dir, specs, WORLD)
 
 
 def test_layouts_have_the_shapes_they_claim(dumped):
@@ -165,41 +128,5 @@ def test_live_names_come_from_bridge_and_equal_the_hand_table(dumped, label):
     """The live source reads its names and kinds from Bridge's registry (AutoMapping's kind
     from the built modules); the hand-written table of ``names.py`` (the dry run's) must say
     the same for every Megatron spelling the registry gives, and cover the same wire tensors."""
-    import json
-
-    from m2nkit.adapters.megatron.compat import enable_cpu
-    from m2nkit.adapters.megatron.names import megatron_names
-    from m2nkit.adapters.megatron.registry import bridge_registry
-
-    enable_cpu()  # megatron-core imports triton for a GPU kernel; CPU stand-in
     out, meta = dumped
-    ckpt_dir, _ = meta[label]
-    arch = json.loads((Path(ckpt_dir) / "config.json").read_text())["architectures"][0]
-    p = torch.load(out / f"{label}.r0.pt")
-    bridge = bridge_registry(arch)[0]
-    assert p["names_from"] == f"Megatron-Bridge {bridge}.mapping_registry()", p["names_from"]
-    hand = {}
-    for e in megatron_names(arch):
-        for m in e.megatron:
-            hand[m] = (e.rule.name, e.wires, e.norm, e.buffer)
-    live_wires = set()
-    for spellings, rule, wires, norm, buffer in p["names"]:
-        wires = {None if k in (None, "null") else k: v for k, v in wires.items()}
-        live_wires |= set(wires.values())
-        for m in spellings:
-            assert m in hand, f"{label} ({arch}): Bridge's {bridge} maps {m!r}; the hand table lacks it"
-            assert hand[m] == (rule, wires, norm, buffer), \
-                f"{label} ({arch}): {m!r} drifted: Bridge {(rule, wires, norm, buffer)}, table {hand[m]}"
-    # every wire tensor of this model (manifest) is named by the live table
-    from m2nkit.adapters.megatron.layout import match_wire
-    from m2nkit.manifest import manifest_from_json
-
-    for m in manifest_from_json(p["manifest"])[0]:
-        assert match_wire(megatron_names(arch), m.name) is not None, (label, m.name)
-        assert any(re_match(t, m.name) for t in live_wires), (label, m.name)
-
-
-def re_match(template: str, name: str) -> bool:
-    from m2nkit.adapters.megatron.layout import _template_regex
-
-    return bool(_template_regex(template).match(name))
+    check_names_equal_table(out, label, meta[label][0])
