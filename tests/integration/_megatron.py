@@ -55,7 +55,8 @@ def build_model(c: Layout):
 
 def dump_source(c: Layout, rank: int, out: Path, export: bool = False) -> None:
     """Build the case, make ``megatron_source``, write its manifest and local tensors
-    (with ``export``: also Bridge's own ``export_hf_weights``, from rank 0)."""
+    (with ``export``: also Bridge's own ``export_hf_weights``, from rank 0, and
+    ``bridge_source(mode="tasks")``'s manifest and local tensors as ``bridge-<label>``)."""
     import torch.distributed as dist
 
     from m2nkit.adapters import megatron_source
@@ -76,6 +77,13 @@ def dump_source(c: Layout, rank: int, out: Path, export: bool = False) -> None:
         if rank == 0:
             payload["export"] = exported
     torch.save(payload, out / f"{c.label}.r{rank}.pt")
+    if export:  # and Bridge's own tasks through bridge_source (tasks mode)
+        from m2nkit.adapters import bridge_source
+
+        bsrc = bridge_source(bridge, model, mode="tasks")
+        torch.save({"manifest": manifest_to_json(bsrc.metadata, dist.get_world_size()),
+                    "locals": [(n, t.clone()) for n, t in bsrc.iter_local()],
+                    "gathered": dict(bsrc.gathered)}, out / f"bridge-{c.label}.r{rank}.pt")
     dist.barrier()
 
 

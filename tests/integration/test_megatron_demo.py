@@ -117,3 +117,25 @@ def test_demo_four_layouts_bit_exact(qwen3_4_layers):
                              rf"bit-exact at version v{k} against Bridge's export_hf_weights", out)
             assert line, f"{trainer}: no bit-exact line for round {k}\n{out[-3000:]}"
         assert out.count(", = minimum") == 2, f"{trainer}: not the minimum bytes\n{out[-3000:]}"
+
+
+@pytest.mark.timeout(DEADLINE_S + 60)
+def test_demo_deepseek_v3_mla_bit_exact_and_q_lora_null_refused():
+    """MLA through the demo (tiny DeepSeek-V3, tp2 ep2, stand-in core attention on CPU);
+    the q_lora_rank null variant, which megatron-core 0.19.2 cannot build here, is refused
+    before any trainer starts: exit 2, one line naming the module, no traceback."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    ((p, out),) = _run_wave([("tiny-deepseek-v3", "megatron:tp=2,ep=2", "vllm:tp=2,ep", 2)], env)
+    assert p.returncode == 0, f"exit {p.returncode}\n{out[-3000:]}"
+    for k in (1, 2):
+        assert re.search(rf"round {k}: weights changed, (\d+) bytes .* all 2 workers bit-exact "
+                         rf"at version v{k} against Bridge's export_hf_weights", out), out[-3000:]
+    assert out.count(", = minimum") == 2, out[-3000:]
+    bad = subprocess.run([sys.executable, "-m", "m2nkit.engine.tools.cli", "demo", "--model",
+                          "tiny-deepseek-v3-no-q-lora", "--trainer", "megatron:tp=2",
+                          "--inference", "vllm:tp=2"], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert bad.returncode != 0
+    assert "Traceback" not in bad.stdout + bad.stderr
+    assert ("MLA with q_lora_rank null: megatron-core 0.19.2 builds linear_q_proj as "
+            "TransformerEngine's fused layer-norm linear") in bad.stderr, bad.stderr[-2000:]

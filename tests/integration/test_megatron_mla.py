@@ -10,7 +10,8 @@ the one thing replaced is the parameterless core attention, which the local
 spec cannot build for MLA (``compat.with_mla_stand_in``, docs/megatron.md), and
 the MTP block is not built (Bridge builds it with TransformerEngine only).
 
-Checked per layout (``_megatron.check_pieces_and_rounds``): identical
+The same model also goes through ``bridge_source(mode="tasks")``: no gather,
+the same checks. Checked per layout (``_megatron.check_pieces_and_rounds``): identical
 manifests on every rank; every piece equal to the HF checkpoint's slice bit for
 bit; Bridge's export equal to the checkpoint; rounds into ``vllm:tp=1/2/4[,ep]``
 equal vLLM's reference loaders (real vLLM 0.33 dumps:
@@ -116,6 +117,17 @@ def test_pieces_equal_the_checkpoint_bridge_export_and_land_like_vllm(dumped, la
     out, meta = dumped
     ckpt_dir, specs = meta[label]
     check_pieces_and_rounds(out, label, ckpt_dir, specs, WORLD)
+
+
+@pytest.mark.parametrize("label", [c[0] for c in CASES])
+def test_bridge_source_tasks_mode_sends_shards_without_a_gather(dumped, label):
+    """bridge_source(mode="tasks") on the same model: no wire tensor through Bridge's
+    gather, every piece equal to the checkpoint, rounds equal to vLLM's loaders."""
+    out, meta = dumped
+    ckpt_dir, specs = meta[label]
+    for r in range(WORLD):
+        assert _payload(dumped, f"bridge-{label}", r)["gathered"] == {}, (label, r)
+    check_pieces_and_rounds(out, f"bridge-{label}", ckpt_dir, specs, WORLD)
 
 
 @pytest.mark.parametrize("label", [c[0] for c in CASES])
