@@ -20,12 +20,12 @@ a bridge (:mod:`.registry`); these tables are for the dry run and for
 architectures without one (Mixtral), and ``tests/integration/test_megatron_source.py``
 holds them equal to the registry.
 
-Families with a table: Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral, DeepSeek-V3 (the
+Families with a table: Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral, DeepSeek-V3, GLM-4.5 (the
 families Megatron-Bridge 0.6.2 builds with these names:
 ``LlamaBridge``, ``Qwen2Bridge``, ``Qwen3Bridge``, ``Qwen3MoEBridge``,
 ``MixtralBridge`` ``mapping_registry``; ``tests/integration/test_megatron_names.py``
 holds them against Bridge's registries; ``DeepSeekV3Bridge``). The others
-(GPT-OSS, Gemma 2/3, GLM, Qwen3-Next/3.5) have none yet: a Megatron trainer of them is refused with a
+(GPT-OSS, Gemma 2/3, GLM-4.7-Flash/5, Qwen3-Next/3.5) have none yet: a Megatron trainer of them is refused with a
 message naming the families that have one.
 """
 
@@ -38,7 +38,7 @@ from ..families.llama import ATTENTION, MLP
 from .layout import EXPERT_FC1, EXPERT_FC2, GATED_FC1, MegatronName
 
 __all__ = ["gpt_model_names", "mla_names", "LLAMA", "QWEN2", "QWEN3", "QWEN3_MOE", "MIXTRAL",
-           "DEEPSEEK_V3",
+           "DEEPSEEK_V3", "GLM4_MOE", "glm4_moe_names",
            "MEGATRON_NAMES", "megatron_names", "table_name"]
 
 
@@ -166,6 +166,21 @@ def mla_names() -> tuple[MegatronName, ...]:
         N(f"{d}.mlp.linear_fc1.weight", GATED_FC1,
           {"gate": f"{mlp}.gate_proj.weight", "up": f"{mlp}.up_proj.weight"}),
         N(f"{d}.mlp.linear_fc2.weight", ROW, f"{mlp}.down_proj.weight"),
+    ) + _moe_with_bias_and_shared() + (
+        N("decoder.final_layernorm.weight", REPLICATED, "model.norm.weight", norm=True),
+        N("output_layer.weight", VOCAB, "lm_head.weight"),
+    )
+
+
+def _moe_with_bias_and_shared() -> tuple[MegatronName, ...]:
+    """A MoE layer with a router ``expert_bias`` (persistent fp32 buffer, megatron-core
+    ``moe/router.py``; HF ``e_score_correction_bias``), routed experts and shared experts
+    (a gated MLP over tp, ``moe/shared_experts.py``): DeepSeek-V3's and GLM-4.5's."""
+    N = MegatronName
+    d = "decoder.layers.{L}"
+    mlp = "model.layers.{L}.mlp"
+    ex = f"{d}.mlp.experts"
+    return (
         N(f"{d}.mlp.router.weight", REPLICATED, f"{mlp}.gate.weight"),
         N(f"{d}.mlp.router.expert_bias", REPLICATED, f"{mlp}.gate.e_score_correction_bias",
           buffer=True),
@@ -178,13 +193,28 @@ def mla_names() -> tuple[MegatronName, ...]:
            "up": f"{mlp}.shared_experts.up_proj.weight"}),
         N(f"{d}.mlp.shared_experts.linear_fc2.weight", ROW,
           f"{mlp}.shared_experts.down_proj.weight"),
-        N("decoder.final_layernorm.weight", REPLICATED, "model.norm.weight", norm=True),
-        N("output_layer.weight", VOCAB, "lm_head.weight"),
     )
+
+
+def glm4_moe_names() -> tuple[MegatronName, ...]:
+    """GLM-4.5's Megatron-Core names: Qwen3's attention (fused QKV with its bias, q/k
+    norms), dense first layers (``first_k_dense_replace``), MoE layers with a router
+    ``expert_bias`` and shared experts. The same pairs as Megatron-Bridge's ``GLM45Bridge``
+    (``glm/glm45_bridge.py``), which is read live; for the dry run only: that
+    registry names routed experts under TEGroupedMLP's ``linear_fc1.weight{i}`` only, so
+    Bridge cannot load the local spec's ``local_experts.{i}`` (docs/megatron.md, Limits)."""
+    base = [e for e in gpt_model_names(qk_norm=True) if not e.megatron[0].startswith(
+        ("output_layer", "decoder.final_layernorm"))]
+    tail = [e for e in gpt_model_names(qk_norm=True) if e.megatron[0].startswith(
+        ("output_layer", "decoder.final_layernorm"))]
+    return tuple(base) + _moe_with_bias_and_shared() + tuple(tail)
 
 
 #: DeepSeek-V3 / Kimi-K2 (Megatron-Bridge ``DeepSeekV3Bridge``).
 DEEPSEEK_V3 = mla_names()
+
+#: GLM-4.5 / GLM-4.6 (Megatron-Bridge ``GLM45Bridge``).
+GLM4_MOE = glm4_moe_names()
 
 #: ``config.architectures[0]`` -> the name of its table in this module.
 _TABLES = {
@@ -194,6 +224,7 @@ _TABLES = {
     "Qwen3MoeForCausalLM": "QWEN3_MOE",
     "MixtralForCausalLM": "MIXTRAL",
     "DeepseekV3ForCausalLM": "DEEPSEEK_V3",
+    "Glm4MoeForCausalLM": "GLM4_MOE",
 }
 
 #: ``config.architectures[0]`` -> its Megatron-Core names; a family absent has none.

@@ -161,8 +161,16 @@ def bridge_registry(architecture: str, hf_config: Any = None) -> Any | None:
             continue
     if bridge is None:
         return None
-    if hf_config is not None and not isinstance(hf_config, Mapping):
+    if isinstance(hf_config, Mapping):  # a config.json dict: read by attribute, as Bridge does
+        import types
+
+        hf_config = types.SimpleNamespace(**hf_config)
+    if hf_config is not None:
         bridge.hf_config = hf_config  # as register_bridge_implementation sets it
+    if not hasattr(bridge, "hf_pretrained"):
+        # some registries read the checkpoint's file layout (GLM45Bridge: fused or
+        # per-expert HF experts); without a checkpoint, the per-expert mappings
+        bridge.hf_pretrained = None
     return type(bridge).__name__, bridge.mapping_registry()
 
 

@@ -316,3 +316,31 @@ def test_dry_run_of_an_fp8_checkpoint_names_the_scale_tensor():
     with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.q_a_proj\.weight_scale_inv'"
                                          r" has no Megatron-Core name"):
         _plan("deepseek-ai__DeepSeek-V3", "megatron:tp=8,pp=8,ep=8", "vllm:tp=8,ep")
+
+
+def test_dry_run_lays_out_glm4_moe():
+    """GLM-4.5's table (dry run only: Bridge cannot load it with megatron-core's local spec):
+    QKV with its bias interleaved per query group, q/k norms, the dense first layer, shared
+    experts over tp, the fp32 expert bias whole."""
+    import torch
+
+    from m2nkit.adapters.hf_checkpoint import checkpoint_metas, read_checkpoint
+    from m2nkit.adapters.trainer_spec import parse_trainer_spec
+    from m2nkit.adapters.vllm import destination_layout
+    from m2nkit.engine.plan import build_plan
+
+    ckpt = read_checkpoint("tests/data/oracle/tiny-glm4-moe/checkpoint")
+    tspec = parse_trainer_spec("megatron:tp=2,pp=2,ep=2")  # dp 2: ranks 0-3 stage 0, 4-7 stage 1
+    metas = checkpoint_metas(ckpt, tspec)
+    plan = build_plan(metas, tspec.num_ranks, destination_layout(ckpt.config, metas, "vllm:tp=2,ep"))
+    assert plan.problems == [] and plan.nbytes_moved == plan.nbytes_min
+    by = {m.name: m for m in metas}
+    kb = by["model.layers.0.self_attn.k_proj.bias"]  # 2 KV heads over tp 2: one each
+    half = kb.shape[0] // 2
+    assert sorted({(p.rank, p.box[0]) for p in kb.pieces}) == [
+        (0, (0, half)), (1, (half, 2 * half)), (2, (0, half)), (3, (half, 2 * half))]
+    sh = by["model.layers.1.mlp.shared_experts.gate_proj.weight"]
+    assert {p.rank for p in sh.pieces} == {4, 5, 6, 7}
+    bias = by["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert bias.dtype == torch.float32 and {p.rank for p in bias.pieces} == {4, 5, 6, 7}
+    assert "model.layers.0.mlp.gate.weight" not in by
