@@ -344,3 +344,53 @@ def test_dry_run_lays_out_glm4_moe():
     bias = by["model.layers.1.mlp.gate.e_score_correction_bias"]
     assert bias.dtype == torch.float32 and {p.rank for p in bias.pieces} == {4, 5, 6, 7}
     assert "model.layers.0.mlp.gate.weight" not in by
+
+
+def test_registry_rows_become_name_rows_by_bridge_kind():
+    """adapters/megatron/registry.py's conversion of Bridge registry rows (no megatron needed):
+    the kind of each mapping class, AutoMapping's kind from what the built module resolved,
+    vocabulary tensors, routed experts, spellings of one tensor merged, rows m2nkit has no
+    layout for left out."""
+    from m2nkit.adapters.megatron.registry import RegistryRow, RegistryTable, registry_names
+
+    d = "decoder.layers.{L}"
+    wq = (("q", "q.{L}"), ("k", "k.{L}"), ("v", "v.{L}"))
+    rows = (
+        RegistryRow("embedding.word_embeddings.weight", "AutoMapping", "auto", "emb", False, None),
+        RegistryRow(f"{d}.input_layernorm.weight", "AutoMapping", "auto", "ln.{L}", False, None),
+        RegistryRow(f"{d}.self_attention.linear_qkv.layer_norm_weight", "AutoMapping", "auto",
+                    "ln.{L}", False, None),
+        RegistryRow(f"{d}.self_attention.linear_qkv.weight", "QKVMapping", "qkv", wq, False, None),
+        RegistryRow(f"{d}.self_attention.linear_q_down_proj.weight", "AutoMapping", "auto",
+                    "qa.{L}", False, None),
+        RegistryRow(f"{d}.mlp.experts.local_experts.{{i}}.linear_fc1.weight", "GatedMLPMapping",
+                    "gated", "gu.{L}", True, None),
+        RegistryRow(f"{d}.mlp.experts.local_experts.{{i}}.linear_fc2.weight", "AutoMapping",
+                    "auto", "dn.{L}", True, None),
+        RegistryRow(f"{d}.mlp.router.expert_bias", "AutoMapping", "auto", "eb.{L}", False, None),
+        RegistryRow(f"{d}.self_attention.conv1d.weight", "GDNConv1dMapping", None, "c.{L}",
+                    False, None),
+        RegistryRow(f"{d}.self_attention.linear_q_proj.weight", "AutoMapping", "auto", "q.{L}",
+                    False, None),  # not in this model: no resolved kind
+    )
+    table = RegistryTable("TestBridge", rows)
+    kinds = {rows[0].megatron: "column", rows[1].megatron: "replicated",
+             rows[2].megatron: "replicated", rows[4].megatron: "column",
+             rows[6].megatron: "row", rows[7].megatron: "replicated"}
+    got = {e.megatron: (e.rule.name, e.wires, e.norm, e.buffer)
+           for e in registry_names(table, kinds, buffers=frozenset({rows[7].megatron}))}
+    assert got == {
+        ("embedding.word_embeddings.weight",): ("vocab", {None: "emb"}, False, False),
+        (rows[1].megatron, rows[2].megatron): ("replicated", {None: "ln.{L}"}, True, False),
+        (rows[3].megatron,): ("qkv", dict(wq), False, False),
+        (rows[4].megatron,): ("column", {None: "qa.{L}"}, False, False),
+        (rows[5].megatron,): ("expert_fc1", {None: "gu.{L}"}, False, False),
+        (rows[6].megatron,): ("expert_fc2", {None: "dn.{L}"}, False, False),
+        (rows[7].megatron,): ("replicated", {None: "eb.{L}"}, False, True),
+    }
+    assert [r.mapping for r in table.unsupported] == ["GDNConv1dMapping"]
+    assert table.row_of("decoder.layers.3.self_attention.conv1d.weight") is rows[8]
+    assert table.row_of("decoder.layers.3.mlp.experts.local_experts.5.linear_fc2.weight") is rows[6]
+    with pytest.raises(ValueError, match=r"TestBridge: routed-expert tensor .*linear_fc2.weight' "
+                                         r"is column"):
+        registry_names(table, {**kinds, rows[6].megatron: "column"})
