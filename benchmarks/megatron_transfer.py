@@ -1,6 +1,7 @@
 """Megatron-Core trainers: shard to shard vs gather-per-tensor-then-send, time, bytes and memory.
 
-One MoE model (Qwen3-MoE, :data:`SIZES`), real Megatron-Core ``GPTModel``
+One MoE model (Qwen3-MoE, :data:`SIZES`; ``--model deepseek-v3``: DeepSeek-V3 with
+MLA, :data:`DEEPSEEK_SIZES`), real Megatron-Core ``GPTModel``
 trainers built and loaded through Megatron-Bridge (4 gloo ranks, local layer
 spec, CPU), ``vllm:tp=2,ep`` stand-in workers, and a list of methods
 (:data:`METHODS`; each is a row, and a row is a trainer function and a worker
@@ -28,7 +29,8 @@ after a warm-up round; ``m2nkit.engine.tools.procs.peak_kib``). After each metho
 worker's storage is compared bit for bit with ``reference_load`` of the
 checkpoint (the trainers send the weights Bridge loaded, unchanged).
 
-    python benchmarks/megatron_transfer.py [--layouts tp2pp2,tp2ep2] [--rounds 3] [--json PATH]
+    python benchmarks/megatron_transfer.py [--model qwen3-moe|deepseek-v3] [--layouts tp2pp2,tp2ep2]
+        [--rounds 3] [--json PATH]
 
 The checkpoint is built once, randomly initialised, under the system temp dir.
 """
@@ -66,6 +68,20 @@ SIZES = {
     "num_experts_per_tok": 4, "vocab_size": 16384,
 }
 LAYERS = 4
+
+#: DeepSeek-V3 (MLA, layer 0 dense, 3 MoE layers of 32 experts and a shared expert, the
+#: fp32 expert bias) at about 100 M parameters too; built on CPU with the stand-in for
+#: MLA's parameterless core attention (docs/megatron.md, Limits).
+DEEPSEEK_SIZES = {
+    "hidden_size": 512, "num_attention_heads": 8, "q_lora_rank": 256, "kv_lora_rank": 128,
+    "qk_rope_head_dim": 32, "qk_nope_head_dim": 64, "qk_head_dim": 96, "v_head_dim": 64,
+    "moe_intermediate_size": 384, "intermediate_size": 1024, "n_routed_experts": 32,
+    "num_experts_per_tok": 4, "vocab_size": 16384,
+}
+#: --model -> (tiny model it is built from, sizes, architecture, label)
+MODELS = {"qwen3-moe": ("tiny-qwen3-moe", SIZES, "Qwen3MoeForCausalLM", "Qwen3-MoE"),
+          "deepseek-v3": ("tiny-deepseek-v3", DEEPSEEK_SIZES, "DeepseekV3ForCausalLM",
+                          "DeepSeek-V3 (MLA)")}
 
 
 @dataclass(frozen=True)
@@ -345,18 +361,19 @@ def _run_rank(rank: int, cfg: dict) -> dict:
 # the parent
 
 
-def ensure_model() -> Path:
-    """The benchmark checkpoint (Qwen3-MoE at :data:`SIZES`, :data:`LAYERS` layers, seed 0)."""
+def ensure_model(model: str = "qwen3-moe") -> Path:
+    """The benchmark checkpoint (:data:`MODELS`: its sizes, :data:`LAYERS` layers, seed 0)."""
     from m2nkit.adapters.tiny import save_tiny_checkpoint, tiny_config
 
-    out = Path(tempfile.gettempdir()) / "m2nkit-bench" / f"megatron-qwen3moe-{LAYERS}l-seed0"
+    tiny, sizes, _, label = MODELS[model]
+    name = "qwen3moe" if model == "qwen3-moe" else model
+    out = Path(tempfile.gettempdir()) / "m2nkit-bench" / f"megatron-{name}-{LAYERS}l-seed0"
     if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
         return out
-    print(f"building the Qwen3-MoE benchmark checkpoint in {out} ...", file=sys.stderr, flush=True)
+    print(f"building the {label} benchmark checkpoint in {out} ...", file=sys.stderr, flush=True)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    save_tiny_checkpoint(tiny_config("tiny-qwen3-moe", num_hidden_layers=LAYERS, **SIZES), tmp,
-                         seed=0)
+    save_tiny_checkpoint(tiny_config(tiny, num_hidden_layers=LAYERS, **sizes), tmp, seed=0)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
@@ -396,6 +413,8 @@ def main() -> None:
     p.add_argument("--bucket-mib", type=float, default=16.0)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds any single wait may take")
     p.add_argument("--json", metavar="PATH", help="write the rows and the setup as JSON")
+    p.add_argument("--model", default="qwen3-moe", choices=sorted(MODELS),
+                   help="the benchmark model (default: qwen3-moe)")
     args = p.parse_args()
     layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
     names = [x.strip() for x in args.methods.split(",") if x.strip()]
@@ -416,7 +435,8 @@ def main() -> None:
 
     t_start = time.perf_counter()
     load_start = os.getloadavg()
-    checkpoint = ensure_model()
+    checkpoint = ensure_model(args.model)
+    _, sizes, arch, model_label = MODELS[args.model]
     rows = []
     for layout in layouts:
         ck = read_checkpoint(checkpoint)
@@ -429,7 +449,7 @@ def main() -> None:
                "rounds": args.rounds, "bucket_bytes": int(args.bucket_mib * 2**20),
                "timeout_s": args.timeout, "methods": names,
                "ports": (free_port(), free_port())}
-        print(f"Qwen3-MoE {params / 1e6:.0f} M parameters ({plan.nbytes_min / 1e6:.0f} MB bf16), "
+        print(f"{model_label} {params / 1e6:.0f} M parameters ({plan.nbytes_min / 1e6:.0f} MB bf16), "
               f"{LAYOUTS[layout][0]} -> {INFERENCE}, {args.rounds} rounds per method; load "
               f"average {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
         try:
@@ -452,7 +472,7 @@ def main() -> None:
     if not all(r["bit_exact"] for r in rows):
         sys.exit("error: a method left a worker different from reference_load")
     if args.json:
-        doc = {"model": {"family": "Qwen3MoeForCausalLM", "layers": LAYERS, "sizes": SIZES,
+        doc = {"model": {"family": arch, "layers": LAYERS, "sizes": sizes,
                          "checkpoint": str(checkpoint)},
                "inference": INFERENCE, "rounds": args.rounds,
                "bucket_bytes": int(args.bucket_mib * 2**20),
