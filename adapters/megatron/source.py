@@ -29,15 +29,26 @@ view; ``+1`` for zero-centred norms (``layernorm_zero_centered_gamma``:
 HF = Megatron + 1); cast to the wire dtype (fp32 mains to bf16) on the
 local shard only; local experts stacked (a copy of this rank's experts).
 
+Names. Where Megatron-Bridge has a bridge for the architecture, the name
+table is read from that bridge's ``mapping_registry()`` (:mod:`.registry`):
+names, mapping kinds, and ``AutoMapping``'s kind from Bridge's own
+``_detect_parallelism_type`` on this rank's modules. A pipeline stage lacks
+the other stages' modules, so each rank's resolved kinds travel in the first
+of two construction-time ``all_gather_object`` calls (verdicts and kinds;
+then the second phase's verdicts), and every rank builds the same table.
+Without a bridge (Mixtral) the hand-written table of :mod:`.names` is used.
+:attr:`MegatronSource.names_from` says which.
+
 Refused on every rank before any traffic (:class:`MegatronSourceError`):
 a chunk list that does not match ``virtual_pipeline_model_parallel_size``;
-a parameter no row of the family's name table (:mod:`.names`) maps; an HF tensor of the config
+a parameter no row of the name table maps (or one converted by a Bridge
+mapping class m2nkit has no layout for, naming the class); an HF tensor of the config
 that no row produces; a process-group size that disagrees with the model
 config; groups not in Megatron's default order; context parallelism or
 GTP weight rematerialisation; a ``rank=`` that is not the default group's.
 Most of these are seen by some ranks only (a stage's parameters, one rank's
-chunk list), so the ranks exchange their verdicts once, at construction
-(one ``all_gather_object`` over the default group), and every rank raises
+chunk list), so the ranks exchange their verdicts at construction (the two
+``all_gather_object`` calls over the default group above), and every rank raises
 the same message naming the ranks that refused and why.
 """
 
@@ -281,9 +292,10 @@ def megatron_source(
         MegatronSourceError (a ``ValueError``): the same error on every rank,
             before any traffic, naming the rank(s) that found the problem and
             each one's cause (module docstring lists the cases). The ranks
-            agree with one ``all_gather_object`` of their verdicts over the
-            default group, at construction only; the metadata itself needs
-            no collective. An unexpected exception on one rank is reported the
+            agree with two ``all_gather_object`` calls of their verdicts over
+            the default group, at construction only (the first also carries
+            the AutoMapping kinds each rank resolved, with a Bridge registry).
+            An unexpected exception on one rank is reported the
             same way (chained on that rank), so no rank is left waiting.
     """
     import torch.distributed as dist
