@@ -474,7 +474,7 @@ def test_nccl_m2n_transport_is_refused_clearly_without_cuda():
     dest = _FakeDestination()
     with pytest.raises(ValueError, match="'nccl_m2n' needs CUDA GPUs.*torch_p2p"):
         M2NTrainerInitInfo(rank=0, num_trainer_ranks=1, destination=dest, transport="nccl_m2n")
-    with pytest.raises(ValueError, match=r"transport 'ucx' is not one of \['torch_p2p', 'nccl_m2n'\]"):
+    with pytest.raises(ValueError, match=r"transport 'ucx' is not one of \['torch_p2p', 'nccl_m2n', 'ipc'\]"):
         M2NTrainerInitInfo(rank=0, num_trainer_ranks=1, destination=dest, transport="ucx")
     with pytest.raises(ValueError, match="destination is missing"):
         M2NTrainerInitInfo(rank=0, num_trainer_ranks=1)
