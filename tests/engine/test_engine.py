@@ -70,7 +70,8 @@ def server():
 
 
 def _trainer(rank, T, model_dir, trainer, inference, url, port, fault, results, rounds, go,
-             timeout_s, reorder=False, extra=False, misorder=False, client_fault=None):
+             timeout_s, reorder=False, extra=False, misorder=False, client_fault=None,
+             transport="torch_p2p"):
     """A trainer process; ``fault`` = (round, wire index, action) or None.
 
     ``client_fault`` (rank 0) = (round, action): in that round its
@@ -140,7 +141,8 @@ def _trainer(rank, T, model_dir, trainer, inference, url, port, fault, results, 
             source.iter_local = swapped
         info = M2NTrainerInitInfo(rank=rank, num_trainer_ranks=T,
                                   destination=vllm_destination(ckpt.config, inference),
-                                  master_port=port, timeout_s=timeout_s, bucket_bytes=16 << 10)
+                                  master_port=port, timeout_s=timeout_s, bucket_bytes=16 << 10,
+                                  transport=transport)
         client = HTTPClient(url, timeout_s=10 * timeout_s) if rank == 0 else None
         if client_fault is not None:
             f_round, action = client_fault
@@ -223,6 +225,8 @@ def _run_trainers(url, T, trainer, inference, *, model_dir=EXAMPLE, faults=None,
         kwargs = {k: v for k, v in kw.items()
                   if k in ("reorder", "extra", "misorder", "client_fault")
                   and r in kw.get("ranks", ())}
+        if "transport" in kw:
+            kwargs["transport"] = kw["transport"]
         procs.append(CTX.Process(target=_trainer, daemon=True, kwargs=kwargs, args=(
             r, T, str(model_dir), trainer, inference, url, port, (faults or {}).get(r), results,
             rounds, gos[r], timeout_s)))
@@ -661,5 +665,64 @@ def test_a_worker_lost_before_the_commit_fails_every_trainer_rank_at_once():
             assert e["seconds"] < timeout_s / 3 + REPORT_GRACE_S, e     # not at the deadline
         first = min(errors[r][0]["at"] for r in range(3))
         assert all(errors[r][0]["at"] - first <= REPORT_GRACE_S for r in range(3)), errors
+    finally:
+        srv.stop()
+
+
+# --------------------------------------------------------------------------
+# the ipc transport (issue 19): trainer and worker processes sharing memory
+
+
+@pytest.mark.timeout(180)
+def test_ipc_rounds_copy_from_the_trainers_shared_shards_bit_exact(tmp_path):
+    """Trainer processes expose their shards, the server's worker processes map them and
+    copy their boxes: every worker bit-exact against ``reference_load`` after each round;
+    every round copies exactly the minimum, each rank its plan bytes, none by torch_p2p."""
+    from m2nkit.adapters.hf_checkpoint import checkpoint_metas, read_checkpoint
+    from m2nkit.adapters.trainer_spec import parse_trainer_spec
+    from m2nkit.adapters.vllm import vllm_destination
+    from m2nkit.engine.session import plan_from_manifest
+    from m2nkit.manifest.serialize import manifest_to_json
+
+    tspec = parse_trainer_spec("fsdp:3")
+    ck = read_checkpoint(EXAMPLE)
+    plan, _ = plan_from_manifest(manifest_to_json(checkpoint_metas(ck, tspec), 3),
+                                 vllm_destination(ck.config, "vllm:tp=2"))
+    srv = start_server(EXAMPLE, "vllm:tp=2")
+    try:
+        msgs, _, _, _ = _run_trainers(
+            srv.url, 3, "fsdp:3", "vllm:tp=2", rounds=2, timeout_s=4 * TIMEOUT, budget=90,
+            transport="ipc", check=lambda k: _check_workers(srv, tmp_path, k))
+        assert not any(_errors(msgs).values()), msgs
+        _check_workers(srv, tmp_path, 2)
+        assert srv.weight_versions() == ["v2", "v2"]
+    finally:
+        srv.stop()
+    for k in (1, 2):
+        sent = {r: p["bytes"] for r in range(3) for kind, p in msgs[r]
+                if kind == "ok" and p["round"] == k}
+        assert sent == {r: int(plan.send_bytes[r]) for r in range(3)}
+        assert sum(sent.values()) == plan.nbytes_min
+
+
+@pytest.mark.timeout(120)
+def test_ipc_worker_killed_mid_round_fails_every_trainer_within_the_deadline():
+    """A worker dies while the trainers expose round 2: every trainer rank raises within
+    ``timeout_s + REPORT_GRACE_S`` naming it; no worker commits round 2."""
+    srv = start_server(EXAMPLE, "vllm:tp=2")
+    try:
+        victim = srv.worker_pids[1]
+        msgs, _, _, killed = _run_trainers(srv.url, 2, "fsdp:2", "vllm:tp=2", rounds=2,
+                                           faults={0: (2, 12, ("kill", victim))},
+                                           transport="ipc")
+        assert [any(k == "ok" and p["round"] == 1 for k, p in msgs[r]) for r in (0, 1)] == \
+            [True, True], msgs
+        _assert_failed_within_bound(msgs, (0, 1), "worker 1 (rank 3)")
+        assert all(_errors(msgs)[r][0]["round"] == 2 for r in (0, 1)), msgs
+        assert not killed
+        # Worker 0 answers and worker 1 is named: nobody committed "v2".
+        with pytest.raises(Exception, match="worker 1") as e:
+            srv.weight_versions()
+        assert "worker 0" not in str(e.value)
     finally:
         srv.stop()
