@@ -167,6 +167,11 @@ def _precheck(args) -> None:
                         f"got --trainer {args.trainer}")
     if _is_bridge_demo(args) and args.receiver != "stand-in":
         raise UserError("--trainer bridge:... runs with --receiver stand-in only")
+    if getattr(args, "colocated", False) and (args.receiver != "stand-in" or _is_bridge_demo(args)
+                                              or _is_megatron_demo(args)):
+        raise UserError("--colocated runs checkpoint-shard (fsdp:N, hsdp:R,S, replicated:N) or "
+                        "fsdp2: trainers with --receiver stand-in; got --trainer "
+                        f"{args.trainer} --receiver {args.receiver}")
     if _is_megatron_demo(args):  # Megatron-Core trainers (engine/tools/demo_bridge.py)
         tspec = importlib.import_module("m2nkit.engine.tools.demo_bridge") \
             .parse_megatron_demo_spec(args.trainer)
@@ -489,7 +494,8 @@ def _run_demo(args, log):
                                workdir=args.workdir, log=log)
     return run_demo(args.model, args.trainer, args.inference, rounds=args.rounds,
                     timeout_s=args.timeout, bucket_bytes=int(args.bucket_mib * (1 << 20)),
-                    workdir=args.workdir, baseline=args.baseline, log=log)
+                    workdir=args.workdir, baseline=args.baseline, log=log,
+                    colocated=getattr(args, "colocated", False))
 
 
 #: Seconds the demo driver gets to tear its processes down after SIGTERM
@@ -526,6 +532,8 @@ def _supervise_demo(args) -> int:
            "--receiver", args.receiver]
     if not args.baseline:
         cmd.append("--no-baseline")
+    if getattr(args, "colocated", False):
+        cmd.append("--colocated")
     if args.bridge_mode:
         cmd += ["--bridge-mode", args.bridge_mode]
 
@@ -601,6 +609,12 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-baseline", dest="baseline", action="store_false",
                       help="skip the gather-then-broadcast comparison run after the rounds "
                            "(the slowest part)")
+    demo.add_argument("--colocated", action="store_true",
+                      help="trainers and workers share this machine's memory: the rounds use the "
+                           "ipc transport (each worker copies its boxes from the trainers' own "
+                           "shards in shared memory), the baseline is full tensors per parameter "
+                           "over shared memory as vLLM's ipc backend moves them "
+                           "(see docs/colocated.md)")
     demo.add_argument("--receiver", choices=("stand-in", "vllm"), default="stand-in",
                       help="stand-in: m2nkit's own vLLM-layout storage (default, no vLLM needed); "
                            "vllm: real vLLM model objects on CPU, m2nkit's engine created by "

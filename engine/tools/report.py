@@ -241,14 +241,14 @@ def print_demo_table(console, result) -> None:
         t.add_column(col)
     for r in result.rounds:
         total = sum(r.bytes_per_rank)
-        t.add_row("m2nkit torch_p2p", str(r.index), fmt_bytes(total),
+        t.add_row(f"m2nkit {getattr(result, 'transport', 'torch_p2p')}", str(r.index), fmt_bytes(total),
                   fmt_bytes(max(r.bytes_per_rank)), fmt_seconds(r.seconds),
                   f"{fmt_bytes(result.nbytes_min / r.seconds)}/s" if r.seconds else "-",
                   f"bit-exact on {r.verified_workers} workers, = minimum"
                   if total == result.nbytes_min else f"{total - result.nbytes_min} bytes over the minimum")
     b = result.baseline
     if b:
-        t.add_row("gather-then-broadcast", "-", fmt_bytes(b["bytes_total"]),
+        t.add_row(b.get("method", "gather-then-broadcast"), "-", fmt_bytes(b["bytes_total"]),
                   fmt_bytes(b["bytes_max_rank"]), fmt_seconds(b["seconds"]),
                   f"{fmt_bytes(result.nbytes_min / b['seconds'])}/s" if b["seconds"] else "-",
                   "bit-exact" if b.get("verified") else "not verified")

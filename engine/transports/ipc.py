@@ -12,8 +12,9 @@ memory is the mapping of the trainer's pages.
 Mechanism (CPU): torch's own ``file_system`` sharing, the one
 ``torch.multiprocessing`` uses when a tensor is sent to another process
 (``torch/multiprocessing/reductions.py``: ``storage._share_filename_cpu_()``
-on the owner, ``torch.UntypedStorage._new_shared_filename_cpu`` on the
-reader). It moves a storage into a named POSIX shared-memory file
+on the owner); the reader maps the named file itself (``torch.from_file``,
+``MAP_SHARED``), so it takes no reference in torch's shared-memory manager
+and no manager process outlives a trainer on a worker's account. It moves a storage into a named POSIX shared-memory file
 (``/dev/shm/torch_<pid>_...``) *in place*: every view of that storage (the
 FSDP2 flat shard, the optimizer's parameter) keeps seeing the same bytes,
 so after the first round a stable storage is exposed again at no cost
@@ -22,10 +23,10 @@ exposed once per round. Chosen over the default ``file_descriptor``
 strategy because its handle is a *name* (plain data a store can carry; an
 fd needs ``SCM_RIGHTS`` over a Unix socket), and over stdlib
 ``multiprocessing.shared_memory`` because that cannot move an existing
-tensor's storage (it would need a copy of the shard). The shared file is
-reference-counted by torch: it is unlinked once the trainer frees the
-storage and no worker maps it, so a handle that no longer maps is refused
-(:class:`StaleHandleError`), never read.
+tensor's storage (it would need a copy of the shard). torch unlinks the
+shared file once the trainer frees the storage, so a handle that no longer
+maps (file gone, or another size) is refused (:class:`StaleHandleError`),
+never read.
 
 Mechanism (CUDA, prepared; no GPU in the CPU tests): ``storage._share_cuda_()``
 gives a CUDA IPC handle of the caching allocator's block and
@@ -148,44 +149,44 @@ def expose(t: torch.Tensor) -> dict:
     if t.device.type != "cpu":
         raise RuntimeError(f"cannot share a tensor on {t.device}")
     manager, name, size = st._share_filename_cpu_()
-    out.update(kind="shm", manager=manager.decode(), file=name.decode(), storage_nbytes=int(size))
+    # torch's shared file holds a reference-count header before the data: its size, from
+    # the file itself, travels with the handle so the reader needs no torch internals.
+    off = os.stat("/dev/shm" + name.decode()).st_size - int(size)
+    out.update(kind="shm", manager=manager.decode(), file=name.decode(), storage_nbytes=int(size),
+               data_offset=off)
     return out
 
 
-_SHM_HEADER: list[int] = []
+def _check_shm_file(h: Mapping[str, Any], what: str) -> str:
+    """The handle's shared file exists with exactly ``data_offset + storage_nbytes`` bytes.
 
+    Returns its path. Checked before mapping: mapping a shorter file than
+    the handle claims would fault (SIGBUS) on the first read past its end.
+    The name must be one plain name under /dev/shm (no path).
 
-def _shm_header() -> int:
-    """Bytes torch's refcounted shared file holds before a storage's data (measured once)."""
-    if not _SHM_HEADER:
-        probe = torch.empty(1, dtype=torch.uint8)
-        _, name, size = probe.untyped_storage()._share_filename_cpu_()
-        _SHM_HEADER.append(os.stat("/dev/shm" + name.decode()).st_size - size)
-        del probe
-    return _SHM_HEADER[0]
-
-
-def _check_shm_file(h: Mapping[str, Any], what: str) -> None:
-    """The handle's shared file exists with exactly its storage's size, else StaleHandleError.
-
-    Checked before mapping: mapping a shorter file than the handle claims
-    would fault (SIGBUS) on the first read past its end. The name must be a
-    plain file name under /dev/shm (no path).
+    Raises:
+        HandleError: not a shared-memory name, or an implausible ``data_offset``.
+        StaleHandleError: the file is gone (the trainer freed the storage) or
+            has another size (it was re-allocated).
     """
-    name = h.get("file")
+    name, off = h.get("file"), h.get("data_offset")
     if not isinstance(name, str) or not name.startswith("/") or "/" in name[1:] or \
             name in ("/", "/.", "/.."):
         raise HandleError(f"{what}: handle file {name!r} is not a shared-memory name")
+    if not isinstance(off, int) or isinstance(off, bool) or not 0 <= off <= 4096:
+        raise HandleError(f"{what}: handle data_offset {off!r} is not in [0, 4096]")
+    path = "/dev/shm" + name
     try:
-        size = os.stat("/dev/shm" + name).st_size
+        size = os.stat(path).st_size
     except OSError as e:
         raise StaleHandleError(
             f"{what}: the handle ({name}, {h.get('storage_nbytes')} bytes) no longer maps: the "
             f"trainer freed or re-allocated that storage ({e.strerror}); nothing was read") from None
-    if size != int(h["storage_nbytes"]) + _shm_header():
+    if size != int(h["storage_nbytes"]) + off:
         raise StaleHandleError(
             f"{what}: the handle ({name}) says {h['storage_nbytes']} bytes and its shared file "
-            f"holds {size - _shm_header()}: the storage was re-allocated; nothing was read")
+            f"holds {size - off}: the storage was re-allocated; nothing was read")
+    return path
 
 
 def open_handle(h: Mapping[str, Any], what: str) -> torch.Tensor:
@@ -198,11 +199,21 @@ def open_handle(h: Mapping[str, Any], what: str) -> torch.Tensor:
         HandleError: an unknown kind.
     """
     kind = h.get("kind")
+    dtype = _DTYPES[h["dtype"]]
+    start = 0              # bytes before the storage's first byte in what is mapped
     try:
         if kind == "shm":
-            _check_shm_file(h, what)
-            st = torch.UntypedStorage._new_shared_filename_cpu(
-                h["manager"].encode(), h["file"].encode(), int(h["storage_nbytes"]))
+            # A plain shared mapping of the file (torch.from_file): the reader takes no
+            # reference in torch's shared-memory manager, so a trainer that frees its
+            # storage unlinks the file at once (its pages stay valid for a mapping that
+            # is still open) and no manager process outlives the trainer because of it.
+            path = _check_shm_file(h, what)
+            start, n = int(h["data_offset"]), int(h["storage_nbytes"])
+            if start % dtype.itemsize or n % dtype.itemsize:
+                raise HandleError(f"{what}: data_offset {start} / {n} bytes do not hold whole "
+                                  f"{h['dtype']} elements")
+            st = torch.from_file(path, shared=True, size=start + n,
+                                 dtype=torch.uint8).untyped_storage()
         elif kind == "cuda":
             if not torch.cuda.is_available():
                 raise HandleError(f"{what}: a CUDA IPC handle, and this process sees no GPU; "
@@ -224,13 +235,13 @@ def open_handle(h: Mapping[str, Any], what: str) -> torch.Tensor:
             f"{what}: the handle ({where}, {h.get('storage_nbytes')} bytes) no longer maps: the "
             f"trainer freed or re-allocated that storage ({error_gist(e)}); nothing was "
             "read") from None
-    if st.nbytes() != int(h["storage_nbytes"]):
-        raise StaleHandleError(f"{what}: the handle's storage maps {st.nbytes()} bytes, the handle "
-                               f"says {h['storage_nbytes']}; it was re-allocated; nothing was read")
-    dtype = _DTYPES[h["dtype"]]
+    if st.nbytes() != start + int(h["storage_nbytes"]):
+        raise StaleHandleError(f"{what}: the handle's storage maps {st.nbytes() - start} bytes, "
+                               f"the handle says {h['storage_nbytes']}; it was re-allocated; "
+                               "nothing was read")
     base = torch.empty(0, dtype=dtype, device=st.device)
     base.set_(st, 0, (st.nbytes() // dtype.itemsize,), (1,))
-    return base.as_strided(h["shape"], h["stride"], h["offset"])
+    return base.as_strided(h["shape"], h["stride"], start // dtype.itemsize + h["offset"])
 
 
 def check_handle(h: Any, plan: Plan, wi: int, rank: int, generation: int, what: str) -> None:
