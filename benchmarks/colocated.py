@@ -20,9 +20,11 @@ then ``--rounds`` timed rounds fenced by barriers; a round's time is the
 slowest rank's (median). ``bytes_copied``: every byte a copy wrote in a
 round, all ranks (m2nkit: the slabs the workers copy, plus any bounce;
 baseline: the all-gather, the full tensors assembled, the workers'
-slices). Extra memory, MiB, the largest rank's: peak over the rounds
-(warm-up included) minus before the warm-up, sampled every 2 ms from
-``/proc/self/status``: a trainer's private plus shared-memory pages
+slices). Extra memory, MiB, the largest rank's: peak over the timed
+rounds minus before the warm-up (``*_extra_mib``), and peak over the
+warm-up alone (``first_round_*``: the shards' one move into shared
+memory), freed heap pages returned first (``malloc_trim``), sampled every
+2 ms from ``/proc/self/status``: a trainer's private plus shared-memory pages
 (``RssAnon + RssShmem``: its gathered full tensors are extra, its shard
 moved into shared memory is not), a worker's private pages (``RssAnon``:
 the trainer pages it maps are the trainer's). After the rounds every
@@ -46,7 +48,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from m2nkit.engine.tools.procs import collect_ranks, free_port  # noqa: E402
+from m2nkit.engine.tools.procs import collect_ranks, free_port, trim_heap  # noqa: E402
 
 METHODS = ("m2nkit_ipc", "full_ipc")
 LABELS = {"m2nkit_ipc": "m2nkit shard IPC", "full_ipc": "full tensors per param"}
@@ -129,8 +131,10 @@ def _run_rank(method: str, rank: int, cfg: dict) -> dict:
     ck.close()
     gc.collect()
     keys = ("RssAnon", "RssShmem") if trainer else ("RssAnon",)
+    trim_heap()
     ready = _status_kib(*keys)
     sampler = _Peak(keys)
+    first = None
     times, copied = [], []
     for k in range(cfg["rounds"] + 1):               # round 0: warm-up
         if storage is not None:
@@ -158,6 +162,10 @@ def _run_rank(method: str, rank: int, cfg: dict) -> dict:
         if k:
             times.append(time.perf_counter() - t0)
             copied.append(n)
+        else:       # the warm-up's peak; then freed heap pages go back before the timed rounds
+            first = sampler.stop()
+            trim_heap()
+            sampler = _Peak(keys)
     peak = sampler.stop()
     exact = None
     if storage is not None:
@@ -166,7 +174,8 @@ def _run_rank(method: str, rank: int, cfg: dict) -> dict:
         exact = {"ok": not bad, "bad": bad[:3]}
     if transport is not None:
         transport.close()
-    return {"times": times, "copied": copied, "extra_kib": peak - ready, "exact": exact}
+    return {"times": times, "copied": copied, "extra_kib": peak - ready,
+            "first_extra_kib": first - ready, "exact": exact}
 
 
 def run_method(method: str, cfg: dict) -> dict[int, dict]:
@@ -184,6 +193,9 @@ def summarize(reports: dict[int, dict], T: int, N: int) -> dict:
         "bytes_copied": sum(r["copied"][-1] for r in reports.values()),
         "trainer_extra_mib": max(reports[r]["extra_kib"] for r in range(T)) / 1024,
         "worker_extra_mib": max(reports[T + w]["extra_kib"] for w in range(N)) / 1024,
+        "first_round_trainer_extra_mib": max(reports[r]["first_extra_kib"] for r in range(T)) / 1024,
+        "first_round_worker_extra_mib": max(reports[T + w]["first_extra_kib"]
+                                            for w in range(N)) / 1024,
         "bit_exact": all(reports[T + w]["exact"]["ok"] for w in range(N)),
     }
 
@@ -246,13 +258,15 @@ def main() -> None:
             sys.exit(f"error: {e}")
     load_end = os.getloadavg()[0]
     head = (f"{'method':<24}{'round s':>9}{'bytes copied':>15}{'trainer extra':>15}"
-            f"{'worker extra':>14}{'bit-exact':>11}")
+            f"{'worker extra':>14}{'1st round t/w extra':>22}{'bit-exact':>11}")
     print()
     print(head)
     print("-" * len(head))
     for m, r in rows.items():
         print(f"{LABELS[m]:<24}{r['round_s']:>9.3f}{r['bytes_copied'] / 1e6:>12,.1f} MB"
               f"{r['trainer_extra_mib']:>11,.1f} MiB{r['worker_extra_mib']:>10,.1f} MiB"
+              f"{r['first_round_trainer_extra_mib']:>11,.1f} / "
+              f"{r['first_round_worker_extra_mib']:,.1f} MiB"
               f"{'yes' if r['bit_exact'] else 'NO':>11}")
     print(f"\nbytes the workers need (plan.nbytes_min): {plan.nbytes_min / 1e6:,.1f} MB; "
           f"load average {load_start:.1f} -> {load_end:.1f}")
