@@ -251,3 +251,45 @@ def test_a_stale_handle_in_a_round_is_refused_and_every_rank_fails():
         assert torch.isnan(storage[w]["big.0"]).all() or not storage[w]["big.0"][:128].any()
     (err0,) = res[0]
     assert "no longer maps" in str(err0)
+
+
+@pytest.mark.timeout(60)
+def test_the_full_tensor_baseline_maps_each_full_tensor_and_keeps_each_workers_slice():
+    """The colocated baseline (vLLM ipc's way): all-gather, rank 0 exposes every full
+    tensor, each worker maps it and keeps its boxes; bit-exact, and the bytes it copies
+    are the full tensors' (what m2nkit's shard IPC avoids)."""
+    from m2nkit.engine.tools.baseline import create_trainer_group
+    from m2nkit.engine.tools.colocated_baseline import SharedPool, full_tensor_ipc_round
+
+    fulls, plan, dest = _case()
+    storage = {w: allocate_storage(dest, w) for w in range(N)}
+    port, tport, groups = free_port(), free_port(), []
+
+    def rank_fn(rank):
+        def run():
+            store, group = create_group("127.0.0.1", port, rank, T + N, timeout_s=20)
+            groups.append(group)
+            if rank >= T:
+                return full_tensor_ipc_round(store, None, plan, rank, 1,
+                                             storage=storage[rank - T], timeout_s=20)
+            _, tgroup = create_trainer_group("127.0.0.1", tport, rank, T, timeout_s=20)
+            groups.append(tgroup)
+            return full_tensor_ipc_round(
+                store, tgroup, plan, rank, 1, pool=SharedPool(), timeout_s=20,
+                stream=iter([(n, t.chunk(T, 0)[rank].clone()) for n, t in fulls.items()]))
+        return run
+
+    try:
+        res = in_threads({r: rank_fn(r) for r in range(T + N)}, 50, "a rank")
+    finally:
+        for g in groups:
+            g.abort()
+    assert all(kind == "ok" for kind, _ in res.values()), res
+    for w in range(N):
+        for name, t in _expected(fulls, w, torch.float32).items():
+            assert bitwise_equal(storage[w][name], t), (w, name)
+    model = sum(t.numel() * t.element_size() for t in fulls.values())
+    for r in range(T):
+        assert res[r][1].assembled == model and res[r][1].gathered == model // T
+    for w in range(N):
+        assert res[T + w][1].copied == model // N
