@@ -373,16 +373,26 @@ def _plan_and_report(args, console, json_file, dump_dir) -> int:
         gc.enable()
     if args.verify and not ckpt.has_data:
         raise UserError(f"--verify needs tensor data, but {ckpt.path} has only a config")
+    routes = None
+    if args.nodes is not None:           # refused before anything is printed
+        try:
+            routes = report.ipc_routes(plan, args.nodes)
+        except ValueError as e:
+            raise UserError(str(e)) from None
     report.print_summary(console, args, ckpt, metas, plan, timings)
     if args.verbose:
         report.print_tensors(console, plan)
     if args.bindings:
         report.print_bindings(console, plan)
+    if routes is not None:
+        report.print_routes(console, routes)
     if json_file is not None:
         from m2nkit.manifest.serialize import manifest_to_json
 
         out = {"manifest": manifest_to_json(metas, tspec.num_ranks), "plan": plan.to_json(),
                "notes": list(plan.destination.notes)}
+        if routes is not None:
+            out["ipc_routes"] = routes
         json.dump(out, json_file)
         json_file.flush()
         console.print(f"wrote {args.json}")
@@ -586,6 +596,10 @@ def _parser() -> argparse.ArgumentParser:
                            "needed), or vLLM's own weight loaders, traced on the meta device "
                            "(needs vLLM); auto (default): the table where the architecture has "
                            "one, else traced")
+    plan.add_argument("--nodes", type=int, default=None, metavar="N",
+                      help="for the ipc transport (colocated): N nodes, each with an equal run of "
+                           "trainer ranks and workers; prints the bytes copied over shared memory "
+                           "on a node and the bytes sent by torch_p2p between nodes")
     plan.add_argument("-v", "--verbose", action="store_true", help="print the per-tensor table")
     plan.set_defaults(func=_cmd_plan)
     demo = sub.add_parser("demo", help="real multi-process transfer on this machine, verified")

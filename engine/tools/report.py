@@ -54,6 +54,25 @@ def console_for_stdout():
     return _Console(width=int(columns) if columns.isdigit() and int(columns) > 0 else 200)
 
 
+def ipc_routes(plan, count: int) -> dict:
+    """``m2nkit plan --nodes N``: which slabs the ``ipc`` transport copies over shared
+    memory and which go by torch_p2p, with ``count`` nodes each holding an equal run of
+    trainer ranks and workers (``ipc.even_nodes``): ``{"nodes", "ipc", "p2p",
+    "ipc_slabs", "p2p_slabs"}`` (bytes, slab counts)."""
+    from m2nkit.engine.transports.ipc import even_nodes, route_bytes
+
+    return {"nodes": count,
+            **route_bytes(plan, even_nodes(plan.num_trainer_ranks, plan.num_workers, count))}
+
+
+def print_routes(console, routes: dict) -> None:
+    """One line: the ``ipc`` transport's bytes each way (:func:`ipc_routes`)."""
+    console.print(f"ipc transport over {routes['nodes']} node{'s' if routes['nodes'] > 1 else ''}: "
+                  f"{fmt_bytes(routes['ipc'])} in {routes['ipc_slabs']} slabs copied over shared "
+                  f"memory on their node, {fmt_bytes(routes['p2p'])} in {routes['p2p_slabs']} "
+                  "slabs by torch_p2p to other nodes")
+
+
 def print_summary(console, args, ckpt, metas, plan, timings):
     """The ``m2nkit plan`` summary table, then why ``nccl_m2n`` leaves tensors to torch_p2p.
 

@@ -80,6 +80,7 @@ __all__ = [
     "expose",
     "open_handle",
     "split_by_node",
+    "even_nodes",
     "route_bytes",
 ]
 
@@ -343,6 +344,22 @@ def split_by_node(plan: Plan, nodes: tuple[str, ...]) -> tuple[Plan, Plan]:
                                        recv_bytes=recv, link_bytes=links))
     cache[nodes] = tuple(out)
     return cache[nodes]
+
+
+def even_nodes(num_trainer_ranks: int, num_workers: int, count: int) -> tuple[str, ...]:
+    """Node names of every rank when ``count`` nodes each hold an equal run of trainer
+    ranks and of workers, in rank order (trainer rank ``r`` on node ``r * count // T``,
+    worker ``w`` on ``w * count // N``): what ``m2nkit plan --nodes`` reports.
+
+    Raises:
+        ValueError: ``count`` below 1 or above the trainer ranks or the workers.
+    """
+    T, N = num_trainer_ranks, num_workers
+    if not 1 <= count <= min(T, N):
+        raise ValueError(f"--nodes {count}: each node needs a trainer rank and a worker; give "
+                         f"1 to {min(T, N)} for {T} trainer ranks and {N} workers")
+    return tuple(f"node{r * count // T}" for r in range(T)) + \
+        tuple(f"node{w * count // N}" for w in range(N))
 
 
 def route_bytes(plan: Plan, nodes: tuple[str, ...]) -> dict:
