@@ -65,7 +65,7 @@ from typing import Any, ClassVar, Iterable, Mapping
 import numpy as np
 import torch
 
-from m2nkit.engine.control import TransferError, error_gist
+from m2nkit.engine.control import TransferError, error_gist, wait_work
 from m2nkit.engine.deadline import Deadline
 from m2nkit.engine.plan_types import Plan, SlabTable, next_local
 from m2nkit.engine.transports import torch_p2p
@@ -384,11 +384,28 @@ class IpcReport:
     p2p_bytes: int
 
 
+def _dests_of(wp, rank: int) -> np.ndarray:
+    """Workers with slabs of ``wp`` from trainer ``rank`` (with repeats)."""
+    if not len(wp.table):
+        return wp.table[:0, SlabTable.DST]
+    return wp.table[wp.table[:, SlabTable.SRC] == rank, SlabTable.DST]
+
+
 def _sources_of(wp, worker: int) -> np.ndarray:
     """Trainer ranks with slabs of ``wp`` for ``worker`` (with repeats)."""
     if not len(wp.table):
         return wp.table[:0, SlabTable.SRC]
     return wp.table[wp.table[:, SlabTable.DST] == worker, SlabTable.SRC]
+
+
+def _settle(posted, deadline: Deadline, grace_s: float = 1.0) -> None:
+    """Best effort on a failure path: let posted signals go out, each for at most
+    ``grace_s`` (within the round's deadline); errors are ignored (the peer may be gone)."""
+    for work, _, _ in posted:
+        try:
+            wait_work(work, Deadline(max(min(deadline.left(), grace_s), 0.01)), "")
+        except TransferError:
+            pass
 
 
 def _wait_keys(store, keys: list[str], deadline: Deadline, what) -> None:
@@ -557,9 +574,11 @@ class IpcTransport:
         T = plan.num_trainer_ranks
         for k, (local_plan, remote_plan) in enumerate(self._bucket_plans(plan, schedule)):
             published = False
+            readers = sorted({int(d) for wi in schedule.wires(k)
+                              for d in _dests_of(local_plan.wires[wi], rank)})
+            signals: list = []
             try:
                 locals_: list[tuple[str, torch.Tensor]] = []
-                readers: set[int] = set()
                 handles: dict[str, dict] = {}
                 staged: list[tuple[int, torch.Tensor]] = []
                 for wi in schedule.wires(k):
@@ -573,11 +592,8 @@ class IpcTransport:
                                             "round is over")
                     locals_.append((wp.name, local))
                     lw = local_plan.wires[wi]
-                    mine = lw.table[lw.table[:, SlabTable.SRC] == rank] if len(lw.table) else \
-                        lw.table
-                    if not len(mine):
+                    if not len(_dests_of(lw, rank)):
                         continue
-                    readers.update(int(d) for d in mine[:, SlabTable.DST])
                     ipc_bytes += int(lw.slab_nbytes()[lw.table[:, SlabTable.SRC] == rank].sum())
                     h = self._share(local)
                     if h is None:
@@ -590,28 +606,36 @@ class IpcTransport:
                 if readers:
                     self.store.set(self._key(k, f"t{rank}"), json.dumps({"handles": handles}))
                     published = True
-                if any(len(w.table) and (w.table[:, SlabTable.SRC] == rank).any()
-                       for w in remote_plan.wires):
+                    signals = self._signal_all(readers, T, 2 * k, rank, k)
+                if any(len(_dests_of(w, rank)) for w in remote_plan.wires):
                     p2p_bytes += torch_p2p.send_round(
                         self.group, remote_plan, BucketSchedule.of(remote_plan, 1 << 62), rank,
                         iter(locals_), deadline=deadline, device=self.device, pool=self._pool)
-                keys = [self._key(k, f"w{w}", f"t{rank}") for w in sorted(readers)]
-                _wait_keys(self.store, keys, deadline, lambda key: (
-                    f"trainer rank {rank}: worker {key.split('/')[-2][1:]} (rank "
-                    f"{T + int(key.split('/')[-2][1:])}) did not copy bucket {k} of trainer "
-                    f"rank {rank}"))
-                for key in keys:
-                    answer = self.store.get(key).decode()
+                # Each reader's "done" comes over the group: a worker that dies closes its
+                # connections, so this fails at once naming it, not at the deadline.
+                dones = [(w, self._post("recv", T + w, 2 * k + 1,
+                                        f"trainer rank {rank}: worker {w} (rank {T + w})'s "
+                                        f"answer for bucket {k}")) for w in readers]
+                for w, (work, _, what) in dones:
+                    wait_work(work, deadline, what)
+                for w in readers:
+                    answer = self.store.get(self._key(k, f"w{w}", f"t{rank}")).decode()
                     if answer != "ok":
                         raise TransferError(answer)
+                for work, _, what in signals:
+                    wait_work(work, deadline, what)
                 del locals_, handles, staged
             except Exception as e:
-                if not published:      # the workers waiting on this rank fail at once
-                    try:
+                # The workers waiting on this rank hear at once: its error in place of the
+                # handles, or (published) the signals already posted go out.
+                try:
+                    if not published and readers:
                         self.store.set(self._key(k, f"t{rank}"),
                                        json.dumps({"error": f"trainer rank {rank}: {e}"}))
-                    except Exception:  # noqa: BLE001 - the store is gone too
-                        pass
+                        signals = self._signal_all(readers, T, 2 * k, rank, k)
+                    _settle(signals, deadline)
+                except Exception:  # noqa: BLE001 - the store or group is gone too
+                    pass
                 if isinstance(e, TransferError):
                     raise
                 raise TransferError(f"trainer rank {rank}: bucket {k}: {error_gist(e)}") from e
@@ -668,15 +692,29 @@ class IpcTransport:
                                for s in _sources_of(local_plan.wires[wi], worker)})
                 for i, src in enumerate(srcs):
                     try:
+                        work, _, what = self._post(
+                            "recv", src, 2 * k, f"worker {worker} (rank {me}): trainer rank "
+                                                f"{src}'s handles of bucket {k}")
+                        wait_work(work, deadline, what)
                         ipc_bytes += self._copy_from(plan, local_plan, schedule, k, src, worker,
                                                      storage, deadline)
                     except Exception as e:
                         # Every trainer of the bucket still waiting on this worker hears why.
                         why = f"worker {worker} (rank {me}): {e}"
+                        sends = []
                         for other in srcs[i:]:
                             self._answer(k, worker, other, why)
+                            try:
+                                sends.append(self._post("send", other, 2 * k + 1, ""))
+                            except TransferError:
+                                pass
+                        _settle(sends, deadline)
                         raise
                     self._answer(k, worker, src, "ok")
+                    work, _, what = self._post("send", src, 2 * k + 1,
+                                               f"worker {worker} (rank {me}): answer to trainer "
+                                               f"rank {src} for bucket {k}")
+                    wait_work(work, deadline, what)
                 for wi in schedule.wires(k):
                     if plan.wires[wi].name in expected:
                         done.add(plan.wires[wi].name)
@@ -689,6 +727,43 @@ class IpcTransport:
                 raise
             raise err from e
         return done, IpcReport(ipc_bytes + p2p_bytes, ipc_bytes, p2p_bytes)
+
+    def _post(self, op: str, peer: int, tag: int, what: str):
+        """Post a one-byte signal to or from ``peer``: ``(work, its buffer, what)``.
+
+        The store carries the handles and answers; these signals only say
+        "look now", so that a peer that dies (and closes its connections) is
+        found at once instead of at the deadline. Tags: ``2k`` handles of
+        bucket ``k`` published (trainer -> worker), ``2k + 1`` answered
+        (worker -> trainer); torch_p2p's messages in the same bucket only run
+        between ranks of different nodes, these only within one.
+        """
+        buf = torch.zeros(1, dtype=torch.uint8)
+        try:
+            return (self.group.send if op == "send" else self.group.recv)([buf], peer, tag), buf, what
+        except RuntimeError as e:
+            raise TransferError(f"{what} failed: {error_gist(e)}") from e
+
+    def _signal_all(self, readers, T: int, tag: int, rank: int, k: int) -> list:
+        """Post the signal to every reader; a post that fails (a dead worker) does not keep
+        the others from theirs. Returns the posted ones.
+
+        Raises:
+            TransferError: a post failed, after the others were posted and given
+                up to a second to go out (:func:`_settle`).
+        """
+        posted, first = [], None
+        for w in readers:
+            try:
+                posted.append(self._post("send", T + w, tag, f"trainer rank {rank}: signal of "
+                                                             f"bucket {k} to worker {w} "
+                                                             f"(rank {T + w})"))
+            except TransferError as e:
+                first = first or e
+        if first is not None:
+            _settle(posted, Deadline(1.0))
+            raise first
+        return posted
 
     def _answer(self, k: int, worker: int, src: int, text: str) -> None:
         """Tell trainer ``src`` that ``worker`` is done with its bucket ``k`` ("ok" or why not)."""
