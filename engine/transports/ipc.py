@@ -200,7 +200,9 @@ def open_handle(h: Mapping[str, Any], what: str) -> torch.Tensor:
         HandleError: an unknown kind.
     """
     kind = h.get("kind")
-    dtype = _DTYPES[h["dtype"]]
+    dtype = _DTYPES.get(h.get("dtype"))
+    if dtype is None:
+        raise HandleError(f"{what}: handle dtype {h.get('dtype')!r} is not one of {sorted(_DTYPES)}")
     start = 0              # bytes before the storage's first byte in what is mapped
     try:
         if kind == "shm":
@@ -603,6 +605,8 @@ class IpcTransport:
                         handles[str(wi)] = {**h, "name": wp.name, "generation": self._round}
                 if staged:
                     handles.update(self._stage(plan, staged))
+                if any(t.is_cuda for _, t in locals_):
+                    torch.cuda.current_stream().synchronize()   # written before it is read
                 if readers:
                     self.store.set(self._key(k, f"t{rank}"), json.dumps({"handles": handles}))
                     published = True
@@ -815,6 +819,9 @@ class IpcTransport:
                     dst = storage[slab.param][slab.dst_region]
                     dst.copy_(view[slab.src_region])
                     got += slab.nbytes
+                if view.is_cuda or any(storage[s.param].is_cuda for s in slabs):
+                    # read before "done": the trainer may change its shard after it
+                    torch.cuda.current_stream().synchronize()
             finally:
                 del view           # the mapping goes: the trainer may free its storage
         return got
