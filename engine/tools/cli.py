@@ -167,11 +167,9 @@ def _precheck(args) -> None:
                         f"got --trainer {args.trainer}")
     if _is_bridge_demo(args) and args.receiver != "stand-in":
         raise UserError("--trainer bridge:... runs with --receiver stand-in only")
-    if getattr(args, "colocated", False) and (args.receiver != "stand-in" or _is_bridge_demo(args)
-                                              or _is_megatron_demo(args)):
-        raise UserError("--colocated runs checkpoint-shard (fsdp:N, hsdp:R,S, replicated:N) or "
-                        "fsdp2: trainers with --receiver stand-in; got --trainer "
-                        f"{args.trainer} --receiver {args.receiver}")
+    if getattr(args, "colocated", False) and args.receiver != "stand-in":
+        raise UserError("--colocated runs with --receiver stand-in (m2nkit's workers sharing "
+                        f"this machine's memory); got --receiver {args.receiver}")
     if _is_megatron_demo(args):  # Megatron-Core trainers (engine/tools/demo_bridge.py)
         tspec = importlib.import_module("m2nkit.engine.tools.demo_bridge") \
             .parse_megatron_demo_spec(args.trainer)
@@ -494,14 +492,16 @@ def _run_demo(args, log):
         return run_megatron_demo(args.model, args.trainer, args.inference, rounds=args.rounds,
                                  timeout_s=args.timeout,
                                  bucket_bytes=int(args.bucket_mib * (1 << 20)),
-                                 workdir=args.workdir, log=log)
+                                 workdir=args.workdir, log=log,
+                                 transport="ipc" if args.colocated else "torch_p2p")
     if _is_bridge_demo(args):                              # Megatron-Bridge trainers
         from m2nkit.engine.tools.demo_bridge import run_bridge_demo
 
         return run_bridge_demo(args.model, args.trainer, args.inference,
                                mode=args.bridge_mode or "tasks", rounds=args.rounds,
                                timeout_s=args.timeout, bucket_bytes=int(args.bucket_mib * (1 << 20)),
-                               workdir=args.workdir, log=log)
+                               workdir=args.workdir, log=log,
+                               transport="ipc" if args.colocated else "torch_p2p")
     return run_demo(args.model, args.trainer, args.inference, rounds=args.rounds,
                     timeout_s=args.timeout, bucket_bytes=int(args.bucket_mib * (1 << 20)),
                     workdir=args.workdir, baseline=args.baseline, log=log,
