@@ -673,51 +673,36 @@ def test_a_worker_lost_before_the_commit_fails_every_trainer_rank_at_once():
 # the ipc transport (issue 19): trainer and worker processes sharing memory
 
 
+# Over the fast suite's budget (a server and its workers, trainer processes, a second
+# round with a death): in the integration run, like the vLLM plugin's ipc round.
+@pytest.mark.integration
 @pytest.mark.timeout(180)
-def test_ipc_rounds_copy_from_the_trainers_shared_shards_bit_exact(tmp_path):
+def test_ipc_processes_bit_exact_then_a_worker_killed_mid_round_fails_everyone_at_once(tmp_path):
     """Trainer processes expose their shards, the server's worker processes map them and
-    copy their boxes: every worker bit-exact against ``reference_load`` after each round;
-    every round copies exactly the minimum, each rank its plan bytes, none by torch_p2p."""
+    copy their boxes. Round 1: every worker bit-exact against ``reference_load``, each
+    trainer rank sending exactly its plan bytes. Round 2: a worker dies while the trainers
+    expose it; its connections close, so every trainer rank raises naming it long before
+    the deadline (the transport's signals go over the group), and nobody commits v2."""
     from m2nkit.adapters.hf_checkpoint import checkpoint_metas, read_checkpoint
     from m2nkit.adapters.trainer_spec import parse_trainer_spec
     from m2nkit.adapters.vllm import vllm_destination
     from m2nkit.engine.session import plan_from_manifest
     from m2nkit.manifest.serialize import manifest_to_json
 
-    tspec = parse_trainer_spec("fsdp:3")
     ck = read_checkpoint(EXAMPLE)
-    plan, _ = plan_from_manifest(manifest_to_json(checkpoint_metas(ck, tspec), 3),
-                                 vllm_destination(ck.config, "vllm:tp=2"))
-    srv = start_server(EXAMPLE, "vllm:tp=2")
-    try:
-        msgs, _, _, _ = _run_trainers(
-            srv.url, 3, "fsdp:3", "vllm:tp=2", rounds=2, timeout_s=4 * TIMEOUT, budget=90,
-            transport="ipc", check=lambda k: _check_workers(srv, tmp_path, k))
-        assert not any(_errors(msgs).values()), msgs
-        _check_workers(srv, tmp_path, 2)
-        assert srv.weight_versions() == ["v2", "v2"]
-    finally:
-        srv.stop()
-    for k in (1, 2):
-        sent = {r: p["bytes"] for r in range(3) for kind, p in msgs[r]
-                if kind == "ok" and p["round"] == k}
-        assert sent == {r: int(plan.send_bytes[r]) for r in range(3)}
-        assert sum(sent.values()) == plan.nbytes_min
-
-
-@pytest.mark.timeout(120)
-def test_ipc_worker_killed_mid_round_fails_every_trainer_at_once_and_keeps_the_version():
-    """A worker dies while the trainers expose round 2: its connections close, so every
-    trainer rank raises naming it long before the deadline (the ipc transport's signals go
-    over the group); no worker commits round 2."""
+    plan, _ = plan_from_manifest(manifest_to_json(checkpoint_metas(
+        ck, parse_trainer_spec("fsdp:2")), 2), vllm_destination(ck.config, "vllm:tp=2"))
     srv = start_server(EXAMPLE, "vllm:tp=2")
     try:
         victim = srv.worker_pids[1]
         msgs, _, _, killed = _run_trainers(srv.url, 2, "fsdp:2", "vllm:tp=2", rounds=2,
                                            faults={0: (2, 12, ("kill", victim))},
-                                           transport="ipc", timeout_s=LONG_TIMEOUT)
-        assert [any(k == "ok" and p["round"] == 1 for k, p in msgs[r]) for r in (0, 1)] == \
-            [True, True], msgs
+                                           transport="ipc", timeout_s=LONG_TIMEOUT,
+                                           check=lambda k: _check_workers(srv, tmp_path, k))
+        sent = {r: p["bytes"] for r in (0, 1) for kind, p in msgs[r]
+                if kind == "ok" and p["round"] == 1}
+        assert sent == {r: int(plan.send_bytes[r]) for r in (0, 1)}, msgs
+        assert sum(sent.values()) == plan.nbytes_min
         _assert_failed_within_bound(msgs, (0, 1), "worker 1 (rank 3)", LONG_TIMEOUT)
         assert all(_errors(msgs)[r][0]["round"] == 2 for r in (0, 1)), msgs
         took = {r: (round(_errors(msgs)[r][0]["seconds"], 2), _errors(msgs)[r][0]["message"])

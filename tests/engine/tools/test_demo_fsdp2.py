@@ -99,6 +99,8 @@ def test_baseline_moves_what_the_fsdp2_trainer_holds(tmp_path):
             dist.destroy_process_group()
 
 
+# Over the fast suite's budget (FSDP2 trainer and worker processes): in the integration run.
+@pytest.mark.integration
 @pytest.mark.timeout(240)
 def test_colocated_fsdp2_trainers_expose_their_shards_and_every_worker_is_bit_exact(tmp_path):
     """``m2nkit demo --colocated --trainer fsdp2:...``: the ``ipc`` transport from real
