@@ -193,7 +193,8 @@ def summarize(reports: dict[int, dict], T: int, N: int) -> dict:
         "bytes_copied": sum(r["copied"][-1] for r in reports.values()),
         "trainer_extra_mib": max(reports[r]["extra_kib"] for r in range(T)) / 1024,
         "worker_extra_mib": max(reports[T + w]["extra_kib"] for w in range(N)) / 1024,
-        "first_round_trainer_extra_mib": max(reports[r]["first_extra_kib"] for r in range(T)) / 1024,
+        "first_round_trainer_extra_mib": max(reports[r]["first_extra_kib"]
+                                             for r in range(T)) / 1024,
         "first_round_worker_extra_mib": max(reports[T + w]["first_extra_kib"]
                                             for w in range(N)) / 1024,
         "bit_exact": all(reports[T + w]["exact"]["ok"] for w in range(N)),

@@ -14,7 +14,8 @@ Mechanism (CPU): torch's own ``file_system`` sharing, the one
 (``torch/multiprocessing/reductions.py``: ``storage._share_filename_cpu_()``
 on the owner); the reader maps the named file itself (``torch.from_file``,
 ``MAP_SHARED``), so it takes no reference in torch's shared-memory manager
-and no manager process outlives a trainer on a worker's account. It moves a storage into a named POSIX shared-memory file
+and no manager process outlives a trainer on a worker's account. It moves
+a storage into a named POSIX shared-memory file
 (``/dev/shm/torch_<pid>_...``) *in place*: every view of that storage (the
 FSDP2 flat shard, the optimizer's parameter) keeps seeing the same bytes,
 so after the first round a stable storage is exposed again at no cost
@@ -99,7 +100,8 @@ class StaleHandleError(TransferError):
 
 
 def node_id() -> str:
-    """This process's node: ``$M2NKIT_NODE`` when set (tests simulate nodes with it), else the host name."""
+    """This process's node: ``$M2NKIT_NODE`` when set (tests simulate nodes with it), else
+    the host name."""
     return os.environ.get(NODE_ENV) or socket.gethostname()
 
 
@@ -182,7 +184,8 @@ def _check_shm_file(h: Mapping[str, Any], what: str) -> str:
     except OSError as e:
         raise StaleHandleError(
             f"{what}: the handle ({name}, {h.get('storage_nbytes')} bytes) no longer maps: the "
-            f"trainer freed or re-allocated that storage ({e.strerror}); nothing was read") from None
+            f"trainer freed or re-allocated that storage ({e.strerror}); nothing was "
+            "read") from None
     if size != int(h["storage_nbytes"]) + off:
         raise StaleHandleError(
             f"{what}: the handle ({name}) says {h['storage_nbytes']} bytes and its shared file "
@@ -202,7 +205,8 @@ def open_handle(h: Mapping[str, Any], what: str) -> torch.Tensor:
     kind = h.get("kind")
     dtype = _DTYPES.get(h.get("dtype"))
     if dtype is None:
-        raise HandleError(f"{what}: handle dtype {h.get('dtype')!r} is not one of {sorted(_DTYPES)}")
+        raise HandleError(f"{what}: handle dtype {h.get('dtype')!r} is not one of "
+                          f"{sorted(_DTYPES)}")
     start = 0              # bytes before the storage's first byte in what is mapped
     try:
         if kind == "shm":
@@ -453,8 +457,10 @@ class IpcTransport:
     Every wait counts down to the round's ``Deadline``. A trainer that
     fails mid-bucket publishes its error in place of its handles and a
     worker that fails writes its error as its answer, so the peers fail at
-    once; a worker that dies is named at the deadline ("worker 1 (rank 3)
-    did not copy bucket 0 of trainer rank 0 by the deadline").
+    once. "Handles published" and "done" also go as one-byte signals over
+    ``group`` (:meth:`_post`), so a rank that dies, whose connections close,
+    is named at once ("trainer rank 0: worker 1 (rank 3)'s answer for
+    bucket 2 failed: Connection closed by peer"), not at the deadline.
 
     Args:
         store: the session's store (``control.create_group``).
@@ -493,7 +499,8 @@ class IpcTransport:
 
     @staticmethod
     def check_source(source: Any, rank: int) -> None:
-        """Accepts every source (its collectives run while the stream is pulled, as for torch_p2p)."""
+        """Accepts every source (its collectives run while the stream is pulled, as for
+        torch_p2p)."""
 
     @classmethod
     def connect(cls, store: Any, group: Any, rank: int, world_size: int, *,
@@ -744,7 +751,8 @@ class IpcTransport:
         """
         buf = torch.zeros(1, dtype=torch.uint8)
         try:
-            return (self.group.send if op == "send" else self.group.recv)([buf], peer, tag), buf, what
+            post = self.group.send if op == "send" else self.group.recv
+            return post([buf], peer, tag), buf, what
         except RuntimeError as e:
             raise TransferError(f"{what} failed: {error_gist(e)}") from e
 
