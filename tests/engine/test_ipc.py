@@ -293,3 +293,34 @@ def test_the_full_tensor_baseline_maps_each_full_tensor_and_keeps_each_workers_s
         assert res[r][1].assembled == model and res[r][1].gathered == model // T
     for w in range(N):
         assert res[T + w][1].copied == model // N
+
+
+@pytest.mark.timeout(60)
+def test_connect_is_collective_and_every_rank_learns_every_ranks_node(monkeypatch):
+    import socket
+    import threading
+
+    from m2nkit.engine.transports import ipc
+
+    monkeypatch.setenv("M2NKIT_NODE", "box7")
+    assert ipc.node_id() == "box7"
+    monkeypatch.delenv("M2NKIT_NODE")
+    assert ipc.node_id() == socket.gethostname()
+    me = threading.local()          # the ranks are threads here: each says its own node
+    monkeypatch.setattr(ipc, "node_id", lambda: f"n{me.rank % 2}")
+    port, groups = free_port(), []
+
+    def rank_fn(rank):
+        def run():
+            me.rank = rank
+            store, group = create_group("127.0.0.1", port, rank, 3, timeout_s=20)
+            groups.append(group)
+            return IpcTransport.connect(store, group, rank, 3, device="cpu", timeout_s=20).nodes
+        return run
+
+    try:
+        res = in_threads({r: rank_fn(r) for r in range(3)}, 50, "a rank")
+    finally:
+        for g in groups:
+            g.abort()
+    assert {r: v for r, (_, v) in res.items()} == {r: ("n0", "n1", "n0") for r in range(3)}
