@@ -167,6 +167,9 @@ def _precheck(args) -> None:
                         f"got --trainer {args.trainer}")
     if _is_bridge_demo(args) and args.receiver != "stand-in":
         raise UserError("--trainer bridge:... runs with --receiver stand-in only")
+    if getattr(args, "colocated", False) and args.receiver != "stand-in":
+        raise UserError("--colocated runs with --receiver stand-in (m2nkit's workers sharing "
+                        f"this machine's memory); got --receiver {args.receiver}")
     if _is_megatron_demo(args):  # Megatron-Core trainers (engine/tools/demo_bridge.py)
         tspec = importlib.import_module("m2nkit.engine.tools.demo_bridge") \
             .parse_megatron_demo_spec(args.trainer)
@@ -368,16 +371,26 @@ def _plan_and_report(args, console, json_file, dump_dir) -> int:
         gc.enable()
     if args.verify and not ckpt.has_data:
         raise UserError(f"--verify needs tensor data, but {ckpt.path} has only a config")
+    routes = None
+    if args.nodes is not None:           # refused before anything is printed
+        try:
+            routes = report.ipc_routes(plan, args.nodes)
+        except ValueError as e:
+            raise UserError(str(e)) from None
     report.print_summary(console, args, ckpt, metas, plan, timings)
     if args.verbose:
         report.print_tensors(console, plan)
     if args.bindings:
         report.print_bindings(console, plan)
+    if routes is not None:
+        report.print_routes(console, routes)
     if json_file is not None:
         from m2nkit.manifest.serialize import manifest_to_json
 
         out = {"manifest": manifest_to_json(metas, tspec.num_ranks), "plan": plan.to_json(),
                "notes": list(plan.destination.notes)}
+        if routes is not None:
+            out["ipc_routes"] = routes
         json.dump(out, json_file)
         json_file.flush()
         console.print(f"wrote {args.json}")
@@ -479,17 +492,20 @@ def _run_demo(args, log):
         return run_megatron_demo(args.model, args.trainer, args.inference, rounds=args.rounds,
                                  timeout_s=args.timeout,
                                  bucket_bytes=int(args.bucket_mib * (1 << 20)),
-                                 workdir=args.workdir, log=log)
+                                 workdir=args.workdir, log=log,
+                                 transport="ipc" if args.colocated else "torch_p2p")
     if _is_bridge_demo(args):                              # Megatron-Bridge trainers
         from m2nkit.engine.tools.demo_bridge import run_bridge_demo
 
         return run_bridge_demo(args.model, args.trainer, args.inference,
                                mode=args.bridge_mode or "tasks", rounds=args.rounds,
                                timeout_s=args.timeout, bucket_bytes=int(args.bucket_mib * (1 << 20)),
-                               workdir=args.workdir, log=log)
+                               workdir=args.workdir, log=log,
+                               transport="ipc" if args.colocated else "torch_p2p")
     return run_demo(args.model, args.trainer, args.inference, rounds=args.rounds,
                     timeout_s=args.timeout, bucket_bytes=int(args.bucket_mib * (1 << 20)),
-                    workdir=args.workdir, baseline=args.baseline, log=log)
+                    workdir=args.workdir, baseline=args.baseline, log=log,
+                    colocated=getattr(args, "colocated", False))
 
 
 #: Seconds the demo driver gets to tear its processes down after SIGTERM
@@ -526,6 +542,8 @@ def _supervise_demo(args) -> int:
            "--receiver", args.receiver]
     if not args.baseline:
         cmd.append("--no-baseline")
+    if getattr(args, "colocated", False):
+        cmd.append("--colocated")
     if args.bridge_mode:
         cmd += ["--bridge-mode", args.bridge_mode]
 
@@ -578,6 +596,10 @@ def _parser() -> argparse.ArgumentParser:
                            "needed), or vLLM's own weight loaders, traced on the meta device "
                            "(needs vLLM); auto (default): the table where the architecture has "
                            "one, else traced")
+    plan.add_argument("--nodes", type=int, default=None, metavar="N",
+                      help="for the ipc transport (colocated): N nodes, each with an equal run of "
+                           "trainer ranks and workers; prints the bytes copied over shared memory "
+                           "on a node and the bytes sent by torch_p2p between nodes")
     plan.add_argument("-v", "--verbose", action="store_true", help="print the per-tensor table")
     plan.set_defaults(func=_cmd_plan)
     demo = sub.add_parser("demo", help="real multi-process transfer on this machine, verified")
@@ -601,6 +623,12 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-baseline", dest="baseline", action="store_false",
                       help="skip the gather-then-broadcast comparison run after the rounds "
                            "(the slowest part)")
+    demo.add_argument("--colocated", action="store_true",
+                      help="trainers and workers share this machine's memory: the rounds use the "
+                           "ipc transport (each worker copies its boxes from the trainers' own "
+                           "shards in shared memory), the baseline is full tensors per parameter "
+                           "over shared memory as vLLM's ipc backend moves them "
+                           "(see docs/colocated.md)")
     demo.add_argument("--receiver", choices=("stand-in", "vllm"), default="stand-in",
                       help="stand-in: m2nkit's own vLLM-layout storage (default, no vLLM needed); "
                            "vllm: real vLLM model objects on CPU, m2nkit's engine created by "

@@ -184,7 +184,7 @@ def _save_trained(model, plain, out: Path, rank: int) -> None:
 
 
 def _fsdp2_trainer_main(rank, num_ranks, model_dir, trainer, inference, url, port, dist_port,
-                        rounds, timeout_s, bucket_bytes, work, results, go):
+                        rounds, timeout_s, bucket_bytes, work, results, go, transport="torch_p2p"):
     """One FSDP2 trainer: build and shard the model, then per round one AdamW step and a send."""
     _child_setup()
     try:
@@ -225,7 +225,8 @@ def _fsdp2_trainer_main(rank, num_ranks, model_dir, trainer, inference, url, por
         source = fsdp2_source(model)
         info = M2NTrainerInitInfo(rank=rank, num_trainer_ranks=num_ranks,
                                   destination=vllm_destination(config, inference),
-                                  master_port=port, timeout_s=timeout_s, bucket_bytes=bucket_bytes)
+                                  master_port=port, timeout_s=timeout_s, bucket_bytes=bucket_bytes,
+                                  transport=transport)
         client = HTTPClient(url, timeout_s=4 * timeout_s) if rank == 0 else None
         engine = M2NTrainerEngine.trainer_init(info, client=client, source=source)
         manifest = manifest_to_json(source.metadata, num_ranks) if rank == 0 else None
@@ -266,7 +267,7 @@ def _check_live_manifest(doc: dict, metas, T: int, trainer: str) -> None:
 
 
 def _trainer_main(rank, num_ranks, model_dir, trainer, inference, url, port, rounds,
-                  timeout_s, bucket_bytes, results, go):
+                  timeout_s, bucket_bytes, results, go, transport="torch_p2p"):
     """One trainer process: init, then one ``send_weights`` per round, reporting each."""
     _child_setup()
     try:
@@ -286,7 +287,8 @@ def _trainer_main(rank, num_ranks, model_dir, trainer, inference, url, port, rou
 
         info = M2NTrainerInitInfo(rank=rank, num_trainer_ranks=num_ranks,
                                   destination=vllm_destination(ckpt.config, inference), master_port=port,
-                                  timeout_s=timeout_s, bucket_bytes=bucket_bytes)
+                                  timeout_s=timeout_s, bucket_bytes=bucket_bytes,
+                                  transport=transport)
         client = HTTPClient(url, timeout_s=4 * timeout_s) if rank == 0 else None
         t0 = time.perf_counter()
         engine = M2NTrainerEngine.trainer_init(info, client=client, source=source)
@@ -321,11 +323,13 @@ class DemoResult:
     nbytes_min: int
     rounds: list[DemoRound] = field(default_factory=list)
     baseline: dict | None = None
+    #: the transport of the m2nkit rounds ("ipc" with --colocated)
+    transport: str = "torch_p2p"
 
 
 def run_demo(model: str, trainer: str, inference: str, *, rounds: int = 2, timeout_s: float = 60.0,
              bucket_bytes: int = 4 << 20, workdir: str | None = None, baseline: bool = True,
-             log=print, start_method: str = "spawn") -> DemoResult:
+             log=print, start_method: str = "spawn", colocated: bool = False) -> DemoResult:
     """Run the demo; returns the verified rounds.
 
     Args:
@@ -338,6 +342,11 @@ def run_demo(model: str, trainer: str, inference: str, *, rounds: int = 2, timeo
         timeout_s: bound on every wait in the session (seconds).
         start_method: how the trainer and worker processes start
             (``multiprocessing``; tests use a preloaded ``"forkserver"``).
+        colocated: trainers and workers share memory: the rounds use the
+            ``ipc`` transport (each worker copies its boxes from the
+            trainers' shards in shared memory) and the baseline is full
+            tensors per parameter over shared memory, as vLLM's ``ipc``
+            backend moves them (``engine/tools/colocated_baseline.py``).
 
     Raises:
         ValueError: bad model, specs, or a plan with problems.
@@ -381,7 +390,9 @@ def run_demo(model: str, trainer: str, inference: str, *, rounds: int = 2, timeo
                                      vllm_destination(ckpt.config, ispec))
         if plan.problems:
             raise ValueError("the plan has problems: " + "; ".join(map(str, plan.problems[:5])))
-        result = DemoResult(str(model), str(tspec), str(ispec), plan.nbytes_min)
+        transport = "ipc" if colocated else "torch_p2p"
+        result = DemoResult(str(model), str(tspec), str(ispec), plan.nbytes_min,
+                            transport=transport)
         full = full_checkpoint_tensors(ckpt)
         T = tspec.num_ranks
         log(f"model {ckpt.architecture} from {model_dir}; {T} trainer ranks ({tspec}) -> "
@@ -414,12 +425,12 @@ def run_demo(model: str, trainer: str, inference: str, *, rounds: int = 2, timeo
             if live:
                 start_ranks(_fsdp2_trainer_main, lambda r: (
                     r, T, str(model_dir), str(tspec), str(ispec), url, port, dist_port, rounds,
-                    timeout_s, bucket_bytes, str(work), results, gos[r]),
+                    timeout_s, bucket_bytes, str(work), results, gos[r], transport),
                     T, ctx=ctx, name="m2nkit-trainer-{rank}", started=procs)
             else:
                 start_ranks(_trainer_main, lambda r: (
                     r, T, str(model_dir), str(tspec), str(ispec), url, port, rounds,
-                    timeout_s, bucket_bytes, results, gos[r]),
+                    timeout_s, bucket_bytes, results, gos[r], transport),
                     T, ctx=ctx, name="m2nkit-trainer-{rank}", started=procs)
 
             def failed(msg):
@@ -476,14 +487,16 @@ def run_demo(model: str, trainer: str, inference: str, *, rounds: int = 2, timeo
             stop_processes(procs, grace_s=timeout_s if finished else 0.0)
             server.stop()
         if baseline:
-            log(f"baseline: gather-then-broadcast on the same data and ranks, for comparison: "
+            what = ("full tensors per parameter over shared memory (vLLM's ipc backend)"
+                    if colocated else "gather-then-broadcast")
+            log(f"baseline: {what} on the same data and ranks, for comparison: "
                 f"{T + ispec.num_workers} new processes, the slowest part of the demo "
                 "(--no-baseline skips it)")
             t_base = time.monotonic()
             # fsdp2: what the trainers hold after the last step, as the m2nkit round sent it
             held = (work / f"trained-v{rounds}", doc) if live else None
             result.baseline = _run_baseline(model_dir, tspec, ispec, timeout_s, log=log,
-                                            held=held)
+                                            held=held, colocated=colocated)
             log(f"baseline: done in {time.monotonic() - t_base:.1f} s"
                 + ("" if result.baseline["verified"] else ", NOT bit-exact"))
         return result
@@ -492,7 +505,8 @@ def run_demo(model: str, trainer: str, inference: str, *, rounds: int = 2, timeo
             tmp.cleanup()
 
 
-def _baseline_rank(rank, model_dir, trainer, inference, ports, timeout_s, results, held=None):
+def _baseline_rank(rank, model_dir, trainer, inference, ports, timeout_s, results, held=None,
+                   colocated=False):
     """One process of the gather-then-broadcast baseline (``engine/tools/baseline.py``).
 
     ``held``: ``(trained checkpoint dir, live manifest JSON)`` of an fsdp2 demo: move
@@ -529,20 +543,33 @@ def _baseline_rank(rank, model_dir, trainer, inference, ports, timeout_s, result
         plan, _ = plan_from_manifest(doc, vllm_destination(ckpt.config, inference))
         data = ckpt if held is None else read_checkpoint(held[0])
         world = T + plan.num_workers
-        _, group = create_group("127.0.0.1", ports[0], rank, world, timeout_s=timeout_s)
+        from m2nkit.engine.tools.colocated_baseline import SharedPool, full_tensor_ipc_round
+
+        store, group = create_group("127.0.0.1", ports[0], rank, world, timeout_s=timeout_s)
         if rank < T:
             _, tgroup = create_trainer_group("127.0.0.1", ports[1], rank, T, timeout_s=timeout_s)
             stream = (checkpoint_manifest(ckpt, tspec, rank).iter_local() if held is None
                       else held_stream(data, manifest_from_json(doc)[0], T, rank))
             t0 = time.perf_counter()
-            moved = gather_then_broadcast_round(group, tgroup, plan, rank, stream=stream,
-                                                timeout_s=timeout_s)
-            results.put(("trainer", rank, moved.sent + moved.gathered, time.perf_counter() - t0))
+            if colocated:       # bytes: the all-gather and the full tensors assembled
+                moved = full_tensor_ipc_round(store, tgroup, plan, rank, 1, stream=stream,
+                                              pool=SharedPool(), timeout_s=timeout_s)
+                nbytes = moved.gathered + moved.assembled
+            else:
+                moved = gather_then_broadcast_round(group, tgroup, plan, rank, stream=stream,
+                                                    timeout_s=timeout_s)
+                nbytes = moved.sent + moved.gathered
+            results.put(("trainer", rank, nbytes, time.perf_counter() - t0))
         else:
             w = rank - T
             storage = allocate_storage(plan.destination, w)
             t0 = time.perf_counter()
-            gather_then_broadcast_round(group, None, plan, rank, storage=storage, timeout_s=timeout_s)
+            if colocated:
+                full_tensor_ipc_round(store, None, plan, rank, 1, storage=storage,
+                                      timeout_s=timeout_s)
+            else:
+                gather_then_broadcast_round(group, None, plan, rank, storage=storage,
+                                            timeout_s=timeout_s)
             seconds = time.perf_counter() - t0
             ref = reference_load(ckpt.config, full_checkpoint_tensors(data), inference, w)
             ok = all(bitwise_equal(t, ref[n]) for n, t in storage.items())
@@ -551,8 +578,10 @@ def _baseline_rank(rank, model_dir, trainer, inference, ports, timeout_s, result
         results.put(("error", rank, f"{type(e).__name__}: {e}", 0.0))
 
 
-def _run_baseline(model_dir, tspec, ispec, timeout_s, log=print, held=None) -> dict:
-    """Gather-then-broadcast on the same checkpoint and ranks, verified.
+def _run_baseline(model_dir, tspec, ispec, timeout_s, log=print, held=None,
+                  colocated=False) -> dict:
+    """Gather-then-broadcast (``colocated``: full tensors per parameter over shared
+    memory, ``colocated_baseline.py``) on the same checkpoint and ranks, verified.
 
     ``held``: for fsdp2 trainers, ``(trained checkpoint dir, live manifest
     JSON)``: the baseline moves the weights the trainers hold after the last
@@ -579,10 +608,10 @@ def _run_baseline(model_dir, tspec, ispec, timeout_s, log=print, held=None) -> d
     finished = False
     try:
         start_ranks(_baseline_rank, lambda r: (r, str(model_dir), str(tspec), str(ispec), ports,
-                                               timeout_s, results, held),
+                                               timeout_s, results, held, colocated),
                     T + N, ctx=ctx, name="m2nkit-baseline-{rank}", started=procs)
         reports = wait_reports(results, T + N, time.monotonic() + 6 * timeout_s,
-                               "the gather-then-broadcast baseline's ranks", log, failed, procs)
+                               "the baseline's ranks", log, failed, procs)
         finished = True
     finally:
         stop_processes(procs, grace_s=5.0 if finished else 0.0)
@@ -592,4 +621,5 @@ def _run_baseline(model_dir, tspec, ispec, timeout_s, log=print, held=None) -> d
         "bytes_max_rank": max(sent),
         "seconds": max(m[3] for m in reports),
         "verified": all(m[2] for m in reports if m[0] == "worker"),
+        "method": "full tensors per param (IPC)" if colocated else "gather-then-broadcast",
     }

@@ -299,7 +299,8 @@ def _setup_child() -> None:
 
 def bridge_trainer_main(rank: int, world: int, model_dir: str, trainer: str, inference: str,
                         mode: str, dist_port: int, rounds: int,
-                        timeout_s: float, bucket_bytes: int, work: str, results, go) -> None:
+                        timeout_s: float, bucket_bytes: int, work: str, results, go,
+                        transport: str = "torch_p2p") -> None:
     """One Bridge trainer process: build through Bridge, ``bridge_source``, then per round
     ``perturb``, ``send_weights`` and Bridge's export (rank 0 saves it for the check).
 
@@ -344,7 +345,8 @@ def bridge_trainer_main(rank: int, world: int, model_dir: str, trainer: str, inf
         url, port = go.get(timeout=10 * timeout_s)
         info = M2NTrainerInitInfo(rank=rank, num_trainer_ranks=world,
                                   destination=vllm_destination(config, inference),
-                                  master_port=port, timeout_s=timeout_s, bucket_bytes=bucket_bytes)
+                                  master_port=port, timeout_s=timeout_s, bucket_bytes=bucket_bytes,
+                                  transport=transport)
         client = HTTPClient(url, timeout_s=4 * timeout_s) if rank == 0 else None
         engine = M2NTrainerEngine.trainer_init(info, client=client, source=source)
         said = (manifest_to_json(source.metadata, world), list(engine.notes)) if rank == 0 else None
@@ -385,7 +387,8 @@ def _cfg(config, key):
 
 def run_bridge_demo(model: str, trainer: str, inference: str, *, mode: str = "tasks",
                     rounds: int = 2, timeout_s: float = 60.0, bucket_bytes: int = 4 << 20,
-                    workdir: str | None = None, log=print, start_method: str = "spawn"):
+                    workdir: str | None = None, log=print, start_method: str = "spawn",
+                    transport: str = "torch_p2p"):
     """Run the Bridge demo; returns a ``DemoResult`` of verified rounds.
 
     Args:
@@ -482,7 +485,7 @@ def run_bridge_demo(model: str, trainer: str, inference: str, *, mode: str = "ta
             t_init = time.monotonic()
             start_ranks(bridge_trainer_main, lambda r: (
                 r, T, str(model_dir), str(tspec), str(ispec), mode, dist_port, rounds,
-                timeout_s, bucket_bytes, str(work), results, gos[r]),
+                timeout_s, bucket_bytes, str(work), results, gos[r], transport),
                 T, ctx=ctx, name="m2nkit-bridge-trainer-{rank}", started=procs)
             log(f"meanwhile starting {ispec.num_workers} inference worker process"
                 f"{'' if ispec.num_workers == 1 else 'es'}")
@@ -504,7 +507,8 @@ def run_bridge_demo(model: str, trainer: str, inference: str, *, mode: str = "ta
             manifest, notes = next(m[3] for m in joined if m[1] == 0)
             plan, _ = plan_from_manifest(manifest, destination)
             label = str(tspec) + ("" if mode == MEGATRON_SOURCE else f" ({mode})")
-            result = DemoResult(str(model), label, str(ispec), plan.nbytes_min)
+            result = DemoResult(str(model), label, str(ispec), plan.nbytes_min,
+                                transport=transport)
             log(f"{T} trainers built and joined in {time.monotonic() - t_init:.1f} s; "
                 f"{len(plan.wires)} wire tensors, {plan.num_slabs} slabs")
             for note in notes:

@@ -500,14 +500,15 @@ def round_source(checkpoints: Sequence[str | os.PathLike], trainer_spec: str, ra
 
 def trainer_main(rank: int, num_ranks: int, checkpoints: Sequence[str], trainer: str,
                  inference: str, client, port: int, timeout_s: float, results,
-                 layout: str = "auto") -> None:
+                 layout: str = "auto", transport: str = "torch_p2p") -> None:
     """One trainer process: ``trainer_init``, one ``send_weights(f"v{k}")`` per checkpoint, report.
 
     Puts ``("init", rank, seconds, None)``, ``("round", rank, k, (bytes, seconds))``
     per round and finally ``("done", rank, None, None)`` on ``results``; a
     failure puts ``("error", rank, "Type: message", traceback)`` instead.
     ``client`` (rank 0 only) drives the workers, e.g. :class:`WorkersClient`.
-    ``layout``: the trainers' destination layout (``vllm_destination``'s).
+    ``layout``: the trainers' destination layout (``vllm_destination``'s);
+    ``transport``: the session's (``"ipc"``: colocated, docs/colocated.md).
     """
     from m2nkit.engine.tools.server import exit_with_parent
 
@@ -528,7 +529,7 @@ def trainer_main(rank: int, num_ranks: int, checkpoints: Sequence[str], trainer:
         config = read_checkpoint(checkpoints[0]).config
         info = M2NTrainerInitInfo(rank=rank, num_trainer_ranks=num_ranks,
                                   destination=vllm_destination(config, inference, layout),
-                                  master_port=port, timeout_s=timeout_s)
+                                  master_port=port, timeout_s=timeout_s, transport=transport)
         t0 = time.perf_counter()
         engine = M2NTrainerEngine.trainer_init(info, client=client if rank == 0 else None,
                                                source=source)

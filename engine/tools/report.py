@@ -54,6 +54,25 @@ def console_for_stdout():
     return _Console(width=int(columns) if columns.isdigit() and int(columns) > 0 else 200)
 
 
+def ipc_routes(plan, count: int) -> dict:
+    """``m2nkit plan --nodes N``: which slabs the ``ipc`` transport copies over shared
+    memory and which go by torch_p2p, with ``count`` nodes each holding an equal run of
+    trainer ranks and workers (``ipc.even_nodes``): ``{"nodes", "ipc", "p2p",
+    "ipc_slabs", "p2p_slabs"}`` (bytes, slab counts)."""
+    from m2nkit.engine.transports.ipc import even_nodes, route_bytes
+
+    return {"nodes": count,
+            **route_bytes(plan, even_nodes(plan.num_trainer_ranks, plan.num_workers, count))}
+
+
+def print_routes(console, routes: dict) -> None:
+    """One line: the ``ipc`` transport's bytes each way (:func:`ipc_routes`)."""
+    console.print(f"ipc transport over {routes['nodes']} node{'s' if routes['nodes'] > 1 else ''}: "
+                  f"{fmt_bytes(routes['ipc'])} in {routes['ipc_slabs']} slabs copied over shared "
+                  f"memory on their node, {fmt_bytes(routes['p2p'])} in {routes['p2p_slabs']} "
+                  "slabs by torch_p2p to other nodes")
+
+
 def print_summary(console, args, ckpt, metas, plan, timings):
     """The ``m2nkit plan`` summary table, then why ``nccl_m2n`` leaves tensors to torch_p2p.
 
@@ -241,14 +260,14 @@ def print_demo_table(console, result) -> None:
         t.add_column(col)
     for r in result.rounds:
         total = sum(r.bytes_per_rank)
-        t.add_row("m2nkit torch_p2p", str(r.index), fmt_bytes(total),
+        t.add_row(f"m2nkit {getattr(result, 'transport', 'torch_p2p')}", str(r.index), fmt_bytes(total),
                   fmt_bytes(max(r.bytes_per_rank)), fmt_seconds(r.seconds),
                   f"{fmt_bytes(result.nbytes_min / r.seconds)}/s" if r.seconds else "-",
                   f"bit-exact on {r.verified_workers} workers, = minimum"
                   if total == result.nbytes_min else f"{total - result.nbytes_min} bytes over the minimum")
     b = result.baseline
     if b:
-        t.add_row("gather-then-broadcast", "-", fmt_bytes(b["bytes_total"]),
+        t.add_row(b.get("method", "gather-then-broadcast"), "-", fmt_bytes(b["bytes_total"]),
                   fmt_bytes(b["bytes_max_rank"]), fmt_seconds(b["seconds"]),
                   f"{fmt_bytes(result.nbytes_min / b['seconds'])}/s" if b["seconds"] else "-",
                   "bit-exact" if b.get("verified") else "not verified")

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from m2nkit.engine.transports.base import CanCarry, Transport
+from m2nkit.engine.transports.ipc import IpcTransport
 from m2nkit.engine.transports.nccl_m2n import NcclM2NTransport
 from m2nkit.engine.transports.torch_p2p import TorchP2PTransport
 
@@ -23,7 +24,7 @@ __all__ = ["TRANSPORTS", "TRANSPORT_RULES", "check_transport", "open_transport"]
 
 #: name -> transport class, in the order messages list them (the default first).
 TRANSPORTS: Mapping[str, type[Transport]] = {
-    t.name: t for t in (TorchP2PTransport, NcclM2NTransport)
+    t.name: t for t in (TorchP2PTransport, NcclM2NTransport, IpcTransport)
 }
 
 #: name -> ``can_carry`` of every transport with rules: the planner's default

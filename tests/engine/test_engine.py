@@ -70,7 +70,8 @@ def server():
 
 
 def _trainer(rank, T, model_dir, trainer, inference, url, port, fault, results, rounds, go,
-             timeout_s, reorder=False, extra=False, misorder=False, client_fault=None):
+             timeout_s, reorder=False, extra=False, misorder=False, client_fault=None,
+             transport="torch_p2p"):
     """A trainer process; ``fault`` = (round, wire index, action) or None.
 
     ``client_fault`` (rank 0) = (round, action): in that round its
@@ -140,7 +141,8 @@ def _trainer(rank, T, model_dir, trainer, inference, url, port, fault, results, 
             source.iter_local = swapped
         info = M2NTrainerInitInfo(rank=rank, num_trainer_ranks=T,
                                   destination=vllm_destination(ckpt.config, inference),
-                                  master_port=port, timeout_s=timeout_s, bucket_bytes=16 << 10)
+                                  master_port=port, timeout_s=timeout_s, bucket_bytes=16 << 10,
+                                  transport=transport)
         client = HTTPClient(url, timeout_s=10 * timeout_s) if rank == 0 else None
         if client_fault is not None:
             f_round, action = client_fault
@@ -223,6 +225,8 @@ def _run_trainers(url, T, trainer, inference, *, model_dir=EXAMPLE, faults=None,
         kwargs = {k: v for k, v in kw.items()
                   if k in ("reorder", "extra", "misorder", "client_fault")
                   and r in kw.get("ranks", ())}
+        if "transport" in kw:
+            kwargs["transport"] = kw["transport"]
         procs.append(CTX.Process(target=_trainer, daemon=True, kwargs=kwargs, args=(
             r, T, str(model_dir), trainer, inference, url, port, (faults or {}).get(r), results,
             rounds, gos[r], timeout_s)))
@@ -474,7 +478,7 @@ def test_nccl_m2n_transport_is_refused_clearly_without_cuda():
     dest = _FakeDestination()
     with pytest.raises(ValueError, match="'nccl_m2n' needs CUDA GPUs.*torch_p2p"):
         M2NTrainerInitInfo(rank=0, num_trainer_ranks=1, destination=dest, transport="nccl_m2n")
-    with pytest.raises(ValueError, match=r"transport 'ucx' is not one of \['torch_p2p', 'nccl_m2n'\]"):
+    with pytest.raises(ValueError, match=r"transport 'ucx' is not one of \['torch_p2p', 'nccl_m2n', 'ipc'\]"):
         M2NTrainerInitInfo(rank=0, num_trainer_ranks=1, destination=dest, transport="ucx")
     with pytest.raises(ValueError, match="destination is missing"):
         M2NTrainerInitInfo(rank=0, num_trainer_ranks=1)
@@ -661,5 +665,53 @@ def test_a_worker_lost_before_the_commit_fails_every_trainer_rank_at_once():
             assert e["seconds"] < timeout_s / 3 + REPORT_GRACE_S, e     # not at the deadline
         first = min(errors[r][0]["at"] for r in range(3))
         assert all(errors[r][0]["at"] - first <= REPORT_GRACE_S for r in range(3)), errors
+    finally:
+        srv.stop()
+
+
+# --------------------------------------------------------------------------
+# the ipc transport (issue 19): trainer and worker processes sharing memory
+
+
+# Over the fast suite's budget (a server and its workers, trainer processes, a second
+# round with a death): in the integration run, like the vLLM plugin's ipc round.
+@pytest.mark.integration
+@pytest.mark.timeout(180)
+def test_ipc_processes_bit_exact_then_a_worker_killed_mid_round_fails_everyone_at_once(tmp_path):
+    """Trainer processes expose their shards, the server's worker processes map them and
+    copy their boxes. Round 1: every worker bit-exact against ``reference_load``, each
+    trainer rank sending exactly its plan bytes. Round 2: a worker dies while the trainers
+    expose it; its connections close, so every trainer rank raises naming it long before
+    the deadline (the transport's signals go over the group), and nobody commits v2."""
+    from m2nkit.adapters.hf_checkpoint import checkpoint_metas, read_checkpoint
+    from m2nkit.adapters.trainer_spec import parse_trainer_spec
+    from m2nkit.adapters.vllm import vllm_destination
+    from m2nkit.engine.session import plan_from_manifest
+    from m2nkit.manifest.serialize import manifest_to_json
+
+    ck = read_checkpoint(EXAMPLE)
+    plan, _ = plan_from_manifest(manifest_to_json(checkpoint_metas(
+        ck, parse_trainer_spec("fsdp:2")), 2), vllm_destination(ck.config, "vllm:tp=2"))
+    srv = start_server(EXAMPLE, "vllm:tp=2")
+    try:
+        victim = srv.worker_pids[1]
+        msgs, _, _, killed = _run_trainers(srv.url, 2, "fsdp:2", "vllm:tp=2", rounds=2,
+                                           faults={0: (2, 12, ("kill", victim))},
+                                           transport="ipc", timeout_s=LONG_TIMEOUT,
+                                           check=lambda k: _check_workers(srv, tmp_path, k))
+        sent = {r: p["bytes"] for r in (0, 1) for kind, p in msgs[r]
+                if kind == "ok" and p["round"] == 1}
+        assert sent == {r: int(plan.send_bytes[r]) for r in (0, 1)}, msgs
+        assert sum(sent.values()) == plan.nbytes_min
+        _assert_failed_within_bound(msgs, (0, 1), "worker 1 (rank 3)", LONG_TIMEOUT)
+        assert all(_errors(msgs)[r][0]["round"] == 2 for r in (0, 1)), msgs
+        took = {r: (round(_errors(msgs)[r][0]["seconds"], 2), _errors(msgs)[r][0]["message"])
+                for r in (0, 1)}
+        assert all(t < LONG_TIMEOUT / 2 for t, _ in took.values()), took
+        assert not killed
+        # Worker 0 answers and worker 1 is named: nobody committed "v2".
+        with pytest.raises(Exception, match="worker 1") as e:
+            srv.weight_versions()
+        assert "worker 0" not in str(e.value)
     finally:
         srv.stop()

@@ -14,6 +14,7 @@ import pytest
 
 from m2nkit.engine.plan import build_plan
 from m2nkit.engine.transports.base import Transport
+from m2nkit.engine.transports.ipc import IpcTransport
 from m2nkit.engine.transports.nccl_m2n import NcclM2NTransport
 from m2nkit.engine.transports.nccl_m2n_rules import can_carry
 from m2nkit.engine.transports.registry import (TRANSPORT_RULES, TRANSPORTS, check_transport,
@@ -24,9 +25,10 @@ MEMBERS = ("why_unavailable", "check_source", "connect", "send_round", "recv_rou
 
 
 def test_the_registry_names_every_transport_once_default_first():
-    assert list(TRANSPORTS) == ["torch_p2p", "nccl_m2n"]
+    assert list(TRANSPORTS) == ["torch_p2p", "nccl_m2n", "ipc"]
     assert TRANSPORTS["torch_p2p"] is TorchP2PTransport
     assert TRANSPORTS["nccl_m2n"] is NcclM2NTransport
+    assert TRANSPORTS["ipc"] is IpcTransport
     assert all(t.name == name for name, t in TRANSPORTS.items())
 
 
@@ -51,8 +53,10 @@ def test_the_planner_asks_the_transports_with_rules():
 
 def test_check_transport_names_the_valid_ones():
     assert check_transport("torch_p2p", "transport") == "torch_p2p"
-    with pytest.raises(ValueError, match=r"transport 'ipc' is not one of \['torch_p2p', 'nccl_m2n'\]"):
-        check_transport("ipc", "transport")
+    assert check_transport("ipc", "transport") == "ipc"
+    with pytest.raises(ValueError, match=r"transport 'shm' is not one of "
+                                         r"\['torch_p2p', 'nccl_m2n', 'ipc'\]"):
+        check_transport("shm", "transport")
 
 
 def test_torch_p2p_opens_without_a_collective_and_keeps_its_bytes_until_close():

@@ -139,3 +139,28 @@ def test_demo_deepseek_v3_mla_bit_exact_and_q_lora_null_refused():
     assert "Traceback" not in bad.stdout + bad.stderr
     assert ("MLA with q_lora_rank null: megatron-core 0.19.2 builds linear_q_proj as "
             "TransformerEngine's fused layer-norm linear") in bad.stderr, bad.stderr[-2000:]
+
+
+@pytest.mark.timeout(DEADLINE_S + 60)
+def test_colocated_demo_from_megatron_core_trainers_is_bit_exact():
+    """``m2nkit demo --colocated --trainer megatron:tp=2,ep=2`` (issue 19): Megatron-Core
+    GPTModels loaded by Bridge expose their shards over the ``ipc`` transport (expert and
+    tensor parallel, MoE); every worker bit-exact against Bridge's export each round, the
+    minimum bytes, rounds labelled ``m2nkit ipc``."""
+    cmd = [sys.executable, "-m", "m2nkit.engine.tools.cli", "demo", "--colocated", "--model",
+           "tiny-qwen3-moe", "--trainer", "megatron:tp=2,ep=2", "--inference", "vllm:tp=2,ep",
+           "--rounds", "2", "--timeout", "120"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env=env, start_new_session=True)
+    try:
+        out = p.communicate(timeout=DEADLINE_S)[0]
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    assert p.returncode == 0, out[-3000:]
+    for k in (1, 2):
+        assert re.search(rf"round {k}: weights changed, \d+ bytes .* all 2 workers bit-exact at "
+                         rf"version v{k} against Bridge's export_hf_weights", out), out[-3000:]
+    assert out.count(", = minimum") == 2 and out.count("│ m2nkit ipc ") == 2, out[-3000:]

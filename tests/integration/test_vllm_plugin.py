@@ -145,7 +145,7 @@ def _reseeded(checkpoint, out):
 
 
 def _run_trainers(client, checkpoints, inference, timeout_s=ROUND_TIMEOUT_S,
-                  layout="auto") -> dict:
+                  layout="auto", transport="torch_p2p") -> dict:
     """Two trainer processes send ``checkpoints`` (one round each); returns rank -> outcome."""
     from m2nkit.engine.tools.procs import free_port
     from m2nkit.engine.tools.demo_vllm import trainer_main
@@ -154,7 +154,8 @@ def _run_trainers(client, checkpoints, inference, timeout_s=ROUND_TIMEOUT_S,
     port = free_port()
     procs = [CTX.Process(target=trainer_main, daemon=True,
                          args=(r, 2, [str(c) for c in checkpoints], TRAINER, inference,
-                               client if r == 0 else None, port, timeout_s, results, layout))
+                               client if r == 0 else None, port, timeout_s, results, layout,
+                               transport))
              for r in range(2)]
     for p in procs:
         p.start()
@@ -227,6 +228,27 @@ def test_round_into_live_vllm_model_equals_fresh_vllm_load(host, versions, name,
         for w, r in enumerate(host.client.collective_rpc(_mla_derived_against_fresh, str(v1))):
             assert r["compared"], f"worker {w}: no MLA layer has derived weights: {r}"
             assert r["differ"] == [], f"worker {w}: derived MLA weights differ: {r['differ']}"
+
+
+def test_ipc_round_into_live_vllm_model_equals_fresh_vllm_load(host, versions):
+    """Colocated (issue 19): the ``ipc`` transport from trainer processes into real vLLM
+    0.33 model objects on CPU (engine from vLLM's factory): every worker copies its boxes
+    from the trainers' shards in shared memory into its live parameters, in place, and
+    equals a fresh vLLM load of v1."""
+    v0, v1 = versions("tiny-qwen3-moe")
+    started = host.start_workers(v0, "vllm:tp=2,ep", "auto")
+    assert {s["engine"] for s in started} == {"m2nkit.engine.plugins.vllm.M2NVLLMEngine"}
+    outcome = _run_trainers(host.client, [v1], "vllm:tp=2,ep", transport="ipc")
+    assert outcome == {0: "done", 1: "done"}, outcome
+    reports = host.client.verify(v1)
+    assert len(reports) == len(started) == 2
+    for w, r in enumerate(reports):
+        assert r["compared"] == started[w]["parameters"] > 0
+        assert (r["names_only_live"], r["names_only_fresh"]) == ([], []), (w, r)
+        assert r["differ"] == [], f"worker {w}: differs from vLLM's fresh load of v1: {r['differ']}"
+        assert r["unchanged_since_start"] == [], f"worker {w}: still v0"
+        assert r["moved"] == [], f"worker {w}: parameters re-allocated: {r['moved']}"
+        assert r["version"] == "v1"
 
 
 def _forbid_tracing_every_worker(state) -> bool:

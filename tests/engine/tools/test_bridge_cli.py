@@ -43,6 +43,7 @@ def test_bad_bridge_specs_are_refused_naming_the_value(text, says):
      "--bridge-mode needs a bridge: trainer"),
     (["demo", "--trainer", "bridge:tp=2,pp=2", "--receiver", "vllm"],
      "runs with --receiver stand-in only"),
+    (["demo", "--colocated", "--receiver", "vllm"], "--colocated runs with --receiver stand-in"),
 ])
 def test_cli_refuses_in_one_line_exit_2(argv, says, capsys):
     assert main(argv) == 2

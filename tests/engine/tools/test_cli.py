@@ -371,3 +371,28 @@ def test_layout_traced_without_vllm_is_refused_naming_the_way_out(capsys, monkey
     code, out, _ = run_plan(capsys, EXAMPLE, "--trainer", "fsdp:2", "--inference", "vllm:tp=2",
                             "--layout", "auto")
     assert code == 0 and "m2nkit's family tables (no vLLM needed)" in " ".join(out.split())
+
+
+def test_plan_nodes_reports_the_ipc_transports_bytes_each_way(tmp_path, capsys):
+    """``--nodes 2``: trainer ranks 0-1 and worker 0 on one node, ranks 2-3 and worker 1
+    on the other; the split is recounted here from the JSON's slab rows."""
+    out_json = tmp_path / "p.json"
+    code, out, _ = run_plan(capsys, EXAMPLE, "--trainer", "fsdp:4", "--inference",
+                            "vllm:tp=2", "--json", out_json, "--nodes", "2")
+    assert code == 0
+    data = json.loads(out_json.read_text())
+    same = other = 0
+    for wire in data["plan"]["wires"]:
+        for src, dst, *_, nbytes in wire["slabs"]:
+            if src // 2 == dst:
+                same += nbytes
+            else:
+                other += nbytes
+    routes = data["ipc_routes"]
+    assert (routes["nodes"], routes["ipc"], routes["p2p"]) == (2, same, other)
+    assert same and other
+    assert "ipc transport over 2 nodes:" in " ".join(out.split())
+    code, out, err = run_plan(capsys, EXAMPLE, "--trainer", "fsdp:4", "--inference",
+                              "vllm:tp=2", "--nodes", "3")
+    assert code == 2 and out == ""
+    assert "--nodes 3: each node needs a trainer rank and a worker; give 1 to 2" in err
