@@ -56,10 +56,12 @@ def vllm_available() -> bool:
 
 
 def _worker_main(conn, checkpoint: str, spec_text: str, worker: int,
-                 layout: str = "auto") -> None:
+                 layout: str = "auto", quantization: str | None = None) -> None:
     """One vLLM worker: build, load, create the engine, then serve ``(cmd, arg)`` until told to stop.
 
     ``layout``: the plugin's ``M2NKIT_LAYOUT`` in this worker (``auto``, ``tables``, ``traced``).
+    ``quantization``: vLLM's ``--quantization`` for the served model and the fresh loads
+    ``verify`` compares with (``build_cpu_worker``).
     """
     import torch
 
@@ -82,7 +84,8 @@ def _worker_main(conn, checkpoint: str, spec_text: str, worker: int,
     spec = parse_inference_spec(spec_text)
     try:
         t0 = time.perf_counter()
-        model, vllm_config = build_cpu_worker(checkpoint, spec, worker)
+        model, vllm_config = build_cpu_worker(checkpoint, spec, worker,
+                                              quantization=quantization)
         engine = create_engine(model, vllm_config, "cpu")
         before = {n: t.clone() for n, t in parameters_of(model).items()}
         addresses = {n: t.data_ptr() for n, t in parameters_of(model).items()}
@@ -97,7 +100,7 @@ def _worker_main(conn, checkpoint: str, spec_text: str, worker: int,
 
     def verify(ckpt: str) -> dict:
         live = parameters_of(model)
-        ref = fresh_load(ckpt, spec, worker)
+        ref = fresh_load(ckpt, spec, worker, quantization)
         return {
             "compared": len(ref),
             "names_only_live": sorted(set(live) - set(ref)),
@@ -149,7 +152,8 @@ class _Host:
         self.lock = threading.Lock()
         self.workers: list[tuple[Any, Any]] = []   # (process, connection)
 
-    def start_workers(self, checkpoint: str, spec_text: str, layout: str = "auto") -> list[dict]:
+    def start_workers(self, checkpoint: str, spec_text: str, layout: str = "auto",
+                      quantization: str | None = None) -> list[dict]:
         from m2nkit.adapters.vllm import parse_inference_spec
 
         self.stop_workers()
@@ -157,7 +161,8 @@ class _Host:
         n = parse_inference_spec(spec_text).num_workers
         for w in range(n):
             mine, theirs = ctx.Pipe()
-            p = ctx.Process(target=_worker_main, args=(theirs, checkpoint, spec_text, w, layout),
+            p = ctx.Process(target=_worker_main,
+                            args=(theirs, checkpoint, spec_text, w, layout, quantization),
                             name=f"m2nkit-vllm-worker-{w}", daemon=True)
             p.start()
             theirs.close()
@@ -430,14 +435,17 @@ class VLLMWorkers:
         return self
 
     def start_workers(self, checkpoint: str | os.PathLike, spec: str,
-                      layout: str = "auto") -> list[dict]:
+                      layout: str = "auto", quantization: str | None = None) -> list[dict]:
         """Fork one worker per ``spec`` worker (stopping earlier ones); each loads ``checkpoint``.
 
         ``layout``: each worker's ``M2NKIT_LAYOUT`` (the plugin's destination layout).
+        ``quantization``: vLLM's ``--quantization`` (``"fp8_per_block"``; ``None``:
+        the checkpoint's own quantization config, if any).
         Returns per worker ``{"seconds", "pid", "engine", "model", "parameters"}``.
         """
         return self.client.request("start_workers",
-                                   (str(Path(checkpoint).resolve()), str(spec), layout))
+                                   (str(Path(checkpoint).resolve()), str(spec), layout,
+                                    quantization))
 
     def stop_workers(self) -> None:
         self.client.request("stop_workers")

@@ -1,0 +1,95 @@
+"""m2nkit rounds into FP8-served vLLM models through vLLM's layerwise reload (issue 18, modes 1, 3).
+
+As ``test_vllm_plugin.py``: each worker is a process holding vLLM's own model
+class, built as its tp/ep rank builds it, loaded by vLLM's ``DefaultModelLoader``
+from checkpoint v0 and post-processed as vLLM's loader does, so it serves
+kernel-format fp8 (e4m3 ``weight``, fp32 ``weight_scale_inv``, MoE
+``w13``/``w2`` and their scales); the engine is made by vLLM's
+``WeightTransferEngineFactory``. Two FSDP2 trainer processes hold v1 and send
+one round. Afterwards every parameter of every worker (and MLA's derived
+``W_UK_T``/``W_UV``) must equal, bit for bit, what a fresh vLLM load of v1 with
+the same quantization holds, in the same memory: the expected values are
+vLLM's own quantization of v1 (mode 1: ``quantization="fp8_per_block"``, BF16
+v1) or vLLM's load of the v1 fp8 checkpoint (mode 3), never m2nkit's.
+
+On this CPU (no AMX) only vLLM's choice of kernel is replaced
+(``m2nkit.engine.tools.vllm_workers.cpu_quantized_kernels``), never its weight
+processing.
+
+Sizes: Qwen3 with hidden 192 (not a multiple of 128) at tp=2: each worker's
+``qkv_proj`` holds 192 q rows then 64 k and 64 v rows, so its second 128-row
+block spans q and k (two wire tensors), and ``gate_up_proj``'s spans gate and
+up (160 + 160 rows).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from .test_vllm_plugin import _mla_derived, _run_trainers, _traced_own_loaders, host  # noqa: F401
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+#: name -> (built-in tiny model, config overrides)
+CONFIGS = {
+    "qwen3-h192": ("tiny-qwen3", {"hidden_size": 192, "intermediate_size": 320,
+                                  "num_attention_heads": 6, "num_key_value_heads": 2,
+                                  "head_dim": 64}),
+}
+CASES = [  # (checkpoint, vLLM layout, quantization, what it covers)
+    ("qwen3-h192", "vllm:tp=2", "fp8_per_block",
+     "mode 1, dense: hidden 192, blocks across q/k and gate/up"),
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """``checkpoints(name) -> (v0, v1)``: seeds 0 and 1 of ``CONFIGS[name]``, saved by
+    transformers' ``save_pretrained`` (``save_tiny_checkpoint``)."""
+    from m2nkit.adapters.tiny import save_tiny_checkpoint, tiny_config
+
+    root = tmp_path_factory.mktemp("fp8")
+    made = {}
+
+    def get(name):
+        if name not in made:
+            base, overrides = CONFIGS[name]
+            config = tiny_config(base, **overrides)
+            made[name] = tuple(save_tiny_checkpoint(config, root / f"{name}-seed{seed}", seed=seed)
+                               for seed in (0, 1))
+        return made[name]
+
+    return get
+
+
+def _served_dtypes(state) -> dict:
+    return {n: str(p.dtype).replace("torch.", "")
+            for n, p in state["model"].named_parameters()}
+
+
+@pytest.mark.parametrize("name,inference,quantization,covers", CASES, ids=[c[0] for c in CASES])
+def test_round_into_fp8_served_vllm_equals_fresh_fp8_load(host, checkpoints, name, inference,
+                                                          quantization, covers):
+    v0, v1 = checkpoints(name)
+    started = host.start_workers(v0, inference, "auto", quantization)
+    assert {s["engine"] for s in started} == {"m2nkit.engine.plugins.vllm.M2NVLLMEngine"}
+    served = host.client.collective_rpc(_served_dtypes)
+    for dtypes in served:       # vLLM serves kernel-format fp8 (what the round must rebuild)
+        assert dtypes["model.layers.0.self_attn.qkv_proj.weight"] == "float8_e4m3fn", dtypes
+        assert dtypes["model.layers.0.self_attn.qkv_proj.weight_scale_inv"] == "float32", dtypes
+        assert dtypes["model.embed_tokens.weight"] == "bfloat16", dtypes
+
+    outcome = _run_trainers(host.client, [v1], inference)
+    assert outcome == {0: "done", 1: "done"}, outcome
+    # Each worker held its part of the plan against its checkpoint-format loaders (traced
+    # inside vLLM's layerwise reload, then restored).
+    assert host.client.collective_rpc(_traced_own_loaders) == [True] * len(started)
+    reports = host.client.verify(v1)
+    assert len(reports) == len(started)
+    for w, r in enumerate(reports):
+        assert r["compared"] == started[w]["parameters"] > 0
+        assert (r["names_only_live"], r["names_only_fresh"]) == ([], []), (w, r)
+        assert r["differ"] == [], f"worker {w}: differs from vLLM's fresh fp8 load of v1: {r['differ']}"
+        assert r["unchanged_since_start"] == [], f"worker {w}: still v0: {r['unchanged_since_start']}"
+        assert r["moved"] == [], f"worker {w}: parameters re-allocated: {r['moved']}"
+        assert r["version"] == "v1"
