@@ -54,6 +54,11 @@ def cpu_quantized_kernels() -> None:
       (``BlockScaledMMLinearKernel.py``, ``process_fp8_weight_block_strategy``).
       ``tests/data/oracle/oracle_fp8.py`` makes the same cut (it returns no
       kernel: it never post-processes);
+    * fp8 fused MoE: ``select_fp8_moe_backend`` (``fused_moe/oracle/fp8.py``)
+      finds no CPU backend without AMX and answers ``NONE``, which
+      ``convert_to_fp8_moe_kernel_format`` refuses; here ``NONE`` becomes
+      ``TRITON`` (a CUDA/ROCm choice), whose kernel format is the weights
+      as vLLM quantized them (no layout change in that function);
     * unquantized linear and embedding layers on CPU pack their weight for the
       oneDNN GEMM and drop it (``UnquantizedLinearMethod.process_weights_after_loading``,
       ``layers/utils.py`` ``dispatch_cpu_unquantized_gemm``); here they take
@@ -62,6 +67,9 @@ def cpu_quantized_kernels() -> None:
       as on a GPU, where that step changes nothing.
     """
     import vllm.model_executor.kernels.linear as kernels
+    import vllm.model_executor.layers.fused_moe.oracle.fp8 as moe_oracle
+    import vllm.model_executor.layers.quantization.fp8 as fp8_checkpoint
+    import vllm.model_executor.layers.quantization.online.fp8 as fp8_online
     import vllm.model_executor.layers.utils as layer_utils
     from vllm.model_executor.kernels.linear.scaled_mm.triton import TritonFp8BlockScaledMMKernel
 
@@ -77,9 +85,19 @@ def cpu_quantized_kernels() -> None:
     def plain_linear(layer, remove_weight=False):
         layer.cpu_linear = torch.nn.functional.linear
 
+    def select_moe_on_cpu(*args, **kwargs):
+        backend, experts = select_moe(*args, **kwargs)
+        if backend == moe_oracle.Fp8MoeBackend.NONE:
+            triton = moe_oracle.Fp8MoeBackend.TRITON
+            return triton, moe_oracle.backend_to_kernel_cls(triton)[0]
+        return backend, experts
+
     choose_on_cpu._m2nkit_cpu = True
     kernels.choose_scaled_mm_linear_kernel = choose_on_cpu
     layer_utils.dispatch_cpu_unquantized_gemm = plain_linear
+    select_moe = moe_oracle.select_fp8_moe_backend
+    for module in (fp8_checkpoint, fp8_online):
+        module.select_fp8_moe_backend = select_moe_on_cpu
 
 
 def build_cpu_worker(checkpoint: str | os.PathLike, spec: InferenceSpec, worker: int, *,
