@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import pytest
 
+from _paths import ORACLE
+
 from .test_vllm_plugin import _mla_derived, _run_trainers, _traced_own_loaders, host  # noqa: F401
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -48,7 +50,15 @@ CASES = [  # (checkpoint, vLLM layout, quantization, what it covers)
      "mode 1, dense: hidden 192, blocks across q/k and gate/up"),
     ("qwen3-moe-h256", "vllm:tp=2,ep", "fp8_per_block",
      "mode 1, MoE with EP: whole experts per worker; qkv blocks across q/k"),
+    # the shipped DeepSeek-V3 fp8 checkpoint (weight_block_size [32, 16]: tp=2 cuts
+    # q_b_proj/kv_b_proj/o_proj/experts on block edges, as vLLM requires); quantization
+    # comes from its config; after the round MLA's W_UK_T/W_UV derive from the new kv_b_proj
+    ("tiny-deepseek-v3-fp8", "vllm:tp=2", None,
+     "mode 3: checkpoint-format fp8 (weight + weight_scale_inv), MLA + MoE"),
 ]
+#: Shipped fp8 checkpoints (tests/data/oracle/NAME/checkpoint): v0 as shipped, v1 the same
+#: tensors refilled (:func:`_refilled`).
+SHIPPED = {"tiny-deepseek-v3-fp8"}
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +71,9 @@ def checkpoints(tmp_path_factory):
     made = {}
 
     def get(name):
+        if name in SHIPPED and name not in made:
+            v0 = ORACLE / name / "checkpoint"
+            made[name] = (v0, _refilled(v0, root / f"{name}-v1"))
         if name not in made:
             base, overrides = CONFIGS[name]
             config = tiny_config(base, **overrides)
@@ -69,6 +82,49 @@ def checkpoints(tmp_path_factory):
         return made[name]
 
     return get
+
+
+def _refilled(checkpoint, out):
+    """``checkpoint``'s config with every tensor refilled (seed 1), saved by safetensors.
+
+    e4m3 weights get new e4m3 values, their fp32 ``weight_scale_inv`` new positive
+    scales, every other tensor new values of its dtype: an fp8 checkpoint v1 in which
+    every byte vLLM loads differs from v0.
+    """
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True)
+    shutil.copy(checkpoint / "config.json", out / "config.json")
+    g = torch.Generator().manual_seed(1)
+    tensors = {}
+    for name, t in load_file(checkpoint / "model.safetensors").items():
+        x = torch.randn(t.shape, generator=g)
+        if t.dtype == torch.float8_e4m3fn:
+            tensors[name] = (4 * x).to(t.dtype)
+        elif name.endswith("weight_scale_inv"):
+            tensors[name] = (x.abs() + 0.5).mul(1e-2).to(t.dtype)
+        else:
+            tensors[name] = (0.05 * x).to(t.dtype)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def _mla_derived_of_fresh(state, checkpoint: str) -> dict:
+    """Whether MLA's derived weights on the live model equal a fresh, post-processed vLLM
+    load of ``checkpoint``'s (``build_cpu_worker`` post-processes a quantized model)."""
+    import torch
+
+    from m2nkit.engine.tools.vllm_workers import build_cpu_worker
+
+    live = _mla_derived(state["model"])
+    fresh, _ = build_cpu_worker(checkpoint, state["spec"], state["worker"])
+    ref = _mla_derived(fresh)
+    return {"compared": sorted(ref),
+            "differ": sorted(n for n in ref if n not in live or live[n].shape != ref[n].shape
+                             or not torch.equal(live[n], ref[n]))}
 
 
 def _served_dtypes(state) -> dict:
@@ -83,9 +139,11 @@ def test_round_into_fp8_served_vllm_equals_fresh_fp8_load(host, checkpoints, nam
     started = host.start_workers(v0, inference, "auto", quantization)
     assert {s["engine"] for s in started} == {"m2nkit.engine.plugins.vllm.M2NVLLMEngine"}
     served = host.client.collective_rpc(_served_dtypes)
+    proj = ("model.layers.0.self_attn.o_proj" if name in SHIPPED
+            else "model.layers.0.self_attn.qkv_proj")
     for dtypes in served:       # vLLM serves kernel-format fp8 (what the round must rebuild)
-        assert dtypes["model.layers.0.self_attn.qkv_proj.weight"] == "float8_e4m3fn", dtypes
-        assert dtypes["model.layers.0.self_attn.qkv_proj.weight_scale_inv"] == "float32", dtypes
+        assert dtypes[f"{proj}.weight"] == "float8_e4m3fn", dtypes
+        assert dtypes[f"{proj}.weight_scale_inv"] == "float32", dtypes
         assert dtypes["model.embed_tokens.weight"] == "bfloat16", dtypes
 
     outcome = _run_trainers(host.client, [v1], inference)
@@ -102,3 +160,7 @@ def test_round_into_fp8_served_vllm_equals_fresh_fp8_load(host, checkpoints, nam
         assert r["unchanged_since_start"] == [], f"worker {w}: still v0: {r['unchanged_since_start']}"
         assert r["moved"] == [], f"worker {w}: parameters re-allocated: {r['moved']}"
         assert r["version"] == "v1"
+    if name.startswith("tiny-deepseek-v3"):
+        for w, r in enumerate(host.client.collective_rpc(_mla_derived_of_fresh, str(v1))):
+            assert r["compared"], f"worker {w}: no MLA layer has derived weights: {r}"
+            assert r["differ"] == [], f"worker {w}: derived MLA weights differ: {r['differ']}"
