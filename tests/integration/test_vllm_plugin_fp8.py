@@ -164,3 +164,60 @@ def test_round_into_fp8_served_vllm_equals_fresh_fp8_load(host, checkpoints, nam
         for w, r in enumerate(host.client.collective_rpc(_mla_derived_of_fresh, str(v1))):
             assert r["compared"], f"worker {w}: no MLA layer has derived weights: {r}"
             assert r["differ"] == [], f"worker {w}: derived MLA weights differ: {r['differ']}"
+
+
+#: Kimi-K2.5's published ``quantization_config`` (int4 weights in groups of 32, packed by
+#: compressed-tensors; its ``ignore`` list shortened).
+KIMI_K25_INT4 = {
+    "config_groups": {"group_0": {
+        "input_activations": None, "output_activations": None, "targets": ["Linear"],
+        "weights": {"actorder": None, "block_structure": None, "dynamic": False,
+                    "group_size": 32, "num_bits": 4, "observer": "minmax",
+                    "observer_kwargs": {}, "strategy": "group", "symmetric": True,
+                    "type": "int"}}},
+    "format": "pack-quantized", "ignore": ["lm_head"], "kv_cache_scheme": None,
+    "quant_method": "compressed-tensors", "quantization_status": "compressed"}
+
+
+@pytest.mark.parametrize("scheme", ["kimi-k2.5-int4", "fp8-per-tensor"])
+def test_schemes_m2nkit_does_not_carry_are_named_with_the_supported_ones(tmp_path, checkpoints,
+                                                                        scheme):
+    """vLLM's own config of a served model (``VllmConfig`` from ``config.json`` and
+    ``--quantization``): ``quantization_mode`` refuses what m2nkit does not carry, naming
+    the scheme and listing the supported ones; the plugin's every init then refuses with
+    this message on every rank (``M2NVLLMEngine._problems``, first check)."""
+    import json
+    import shutil
+
+    from m2nkit.adapters.vllm import parse_inference_spec
+    from m2nkit.adapters.vllm.stand_in import worker_config
+    from m2nkit.engine.plugins.vllm_reload import quantization_mode
+
+    v0, _ = checkpoints("qwen3-h192")
+    quantization = None
+    if scheme == "kimi-k2.5-int4":
+        model = tmp_path / "int4"
+        shutil.copytree(v0, model)
+        config = json.loads((model / "config.json").read_text())
+        config["quantization_config"] = KIMI_K25_INT4
+        (model / "config.json").write_text(json.dumps(config))
+        named = "'compressed-tensors'"
+    else:
+        model, quantization = v0, "fp8"
+        named = "'fp8 online per-tensor from an unquantized checkpoint'"
+    vllm_config = worker_config(str(model), parse_inference_spec("vllm:tp=1"), 0,
+                                quantization=quantization)
+    with pytest.raises(ValueError) as e:
+        quantization_mode(vllm_config)
+    assert str(e.value) == (
+        f"vLLM serves this model with quantization {named}, which m2nkit does not carry; "
+        "supported: fp8_per_block (mode 1: BF16 wire, quantized online by vLLM in 128 x 128 "
+        "blocks); fp8 (mode 3: a block-quantized fp8 checkpoint (weight_block_size; "
+        "DeepSeek-V3 weight + weight_scale_inv) on the wire as stored)")
+    for supported, mode in (("fp8_per_block", "fp8_per_block"),):
+        assert quantization_mode(worker_config(str(v0), parse_inference_spec("vllm:tp=1"), 0,
+                                               quantization=supported)) == mode
+    assert quantization_mode(worker_config(str(v0), parse_inference_spec("vllm:tp=1"), 0)) is None
+    fp8_checkpoint = ORACLE / "tiny-deepseek-v3-fp8" / "checkpoint"
+    assert quantization_mode(worker_config(str(fp8_checkpoint),
+                                           parse_inference_spec("vllm:tp=1"), 0)) == "fp8"
