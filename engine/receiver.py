@@ -210,17 +210,24 @@ class ReloadTarget(Protocol):
     * :meth:`params`: ``{name: tensor}`` of the checkpoint-format layout (shape
       and dtype are what the plan is checked against; the tensors may be on
       the meta device);
-    * :meth:`begin`: start a round; returns the ``{name: tensor}`` mapping the
-      round's slabs are written into (looked up by name as they arrive);
+    * :meth:`begin` ``(plan, worker)``: start a round; returns the
+      ``{name: tensor}`` mapping the round's slabs are written into (looked up
+      by name as they arrive). A mapping with a ``wires_received(names)``
+      method hears, after each bucket, which wire tensors landed whole
+      (``torch_p2p.recv_round``), so it may make parts live during the round;
     * :meth:`commit`: every wire tensor arrived and every rank agreed: make the
-      live parameters from what was written (in place: addresses stay);
-    * :meth:`abort`: the round failed or was dropped: the live parameters
-      stay as they were before :meth:`begin`.
+      rest live from what was written (in place: addresses stay);
+    * :meth:`abort`: the round failed or was dropped: what was not made live
+      yet stays as it was before :meth:`begin`;
+    * ``live_changed``: whether this round already made some of the live
+      parameters (then a failed round leaves them mixed).
     """
+
+    live_changed: bool
 
     def params(self) -> Mapping[str, torch.Tensor]: ...
 
-    def begin(self) -> Mapping[str, torch.Tensor]: ...
+    def begin(self, plan: Plan, worker: int) -> Mapping[str, torch.Tensor]: ...
 
     def commit(self) -> None: ...
 
@@ -272,10 +279,12 @@ class M2NReceiver(WeightTransferEngine):
             mixed, see the module docstring).
         reload: a :class:`ReloadTarget` for ``target`` (a quantized vLLM
             model): each round is written into the checkpoint-format tensors
-            it hands out and made live only by its ``commit``, after the
-            round's verdict; a failed round is aborted there and leaves the
-            live parameters as they were, in either mode. ``mode`` must then
-            be ``"in_place"`` (the reload's tensors are the only copy).
+            it hands out and made live by the reload (as parts complete, and
+            the rest at its ``commit``, after the round's verdict); a failed
+            round is aborted there: what it had not made live stays, and the
+            weights count as mixed only if it had (``live_changed``).
+            ``mode`` must then be ``"in_place"`` (the reload's tensors are the
+            only copy).
 
     Sessions: a new ``init_transfer_engine`` while a session is live
     *replaces* it. The older session's trainers are told through their own
@@ -553,7 +562,7 @@ class M2NReceiver(WeightTransferEngine):
         self._staging = ({n: t.clone() for n, t in _unique_params(self.model).items()}
                          if self.mode == "staged" else None)
         if self._reload is not None:
-            self._staging = self._reload.begin()     # looked up by name, lazily
+            self._staging = self._reload.begin(self._plan, self.worker)   # looked up lazily
             self._reloading = True
         self._open = True
         self._received = set()
@@ -638,6 +647,8 @@ class M2NReceiver(WeightTransferEngine):
             return
         self._failed = str(verdict or mine)
         self._broken = f"round {update_info.round} failed"
+        if self._reload is not None and self._reload.live_changed:
+            self._mixed = f"round {update_info.round}"       # layers it already made live
         self._close_group()
         missing = sorted(self._expected - self._received)
         # The root cause (from the verdict) first, then this worker's view.

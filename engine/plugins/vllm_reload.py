@@ -25,23 +25,32 @@ vLLM 0.33.0's path for reloading a live model
   materialized (``materialize_layer``, on the device vLLM recorded) and
   zeroed when its first slab arrives (the elements no slab writes are the
   layout's ``zero_boxes``, vocab padding, which vLLM's loaders fill with 0);
+* as soon as every wire tensor the plan writes into a layer has landed (the
+  transport says so after each bucket: ``wires_received``), the layer goes
+  through ``_layerwise_process``: vLLM's quantization or repacking of it,
+  ``update_param_tp_status``, then a copy into the kernel tensors kept aside
+  (same storage). The plan's wire order is the trainer's module order,
+  grouped by decoder layer, and its buckets are contiguous runs of it, so a
+  worker holds the checkpoint-format tensors of about one bucket's layers at
+  a time, not of the model (vLLM's own warning: "ordering weights by their
+  parent layer" avoids its buffering);
 * :meth:`~LayerwiseReload.commit`, after every wire tensor arrived and every
-  rank agreed: each written layer goes through ``_layerwise_process`` (vLLM's
-  quantization or repacking of it, ``update_param_tp_status``, then a copy
-  into the kernel tensors kept aside: same storage), in model order, then
+  rank agreed: any written layer not processed yet is, in model order, then
   ``finalize_layerwise_reload`` places the untouched layers' kernel tensors
   back and runs the attention layers' ``process_weights_after_loading``
-  (MLA's derived weights from the new ``kv_b_proj``);
-* :meth:`~LayerwiseReload.abort` (a failed or dropped round): every layer gets
-  its kernel tensors back unchanged (``_place_kernel_tensors``, as the
-  sharded engine's ``_restore_after_dry_run``): the served weights stay
-  whole, in either receive mode.
+  (MLA's derived weights from the new ``kv_b_proj``). The version commits
+  only after that;
+* :meth:`~LayerwiseReload.abort` (a failed or dropped round): every layer not
+  processed yet gets its kernel tensors back unchanged
+  (``_place_kernel_tensors``, as the sharded engine's
+  ``_restore_after_dry_run``). Layers already processed keep the new values:
+  ``live_changed`` tells the receiver, which then reports the weights as
+  mixed (as in its ``in_place`` mode) until a complete round commits.
 
-vLLM quantizes each layer only once it is complete and the round commits
-(the version) only after every layer was processed. What is processed is
-exactly what vLLM's own loader would quantize: the bytes the plan wrote where
-vLLM's loaders write (the plan's layout is the checkpoint format, checked
-against :meth:`~LayerwiseReload.params`).
+What is processed is exactly what vLLM's own loader would quantize: the
+bytes the plan wrote where vLLM's loaders write (the plan's layout is the
+checkpoint format, checked against :meth:`~LayerwiseReload.params` and traced
+inside the reload).
 """
 
 from __future__ import annotations
@@ -131,14 +140,27 @@ def _own_checkpoint_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _never_on_meta() -> set[str]:
+    from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS
+
+    return SKIP_TENSORS
+
+
 class _LazyStorage(Mapping):
-    """``{checkpoint name: tensor}`` that materializes a layer on its first lookup."""
+    """``{checkpoint name: tensor}`` that materializes a layer on its first lookup.
+
+    ``wires_received(names)``: the transport's word that these wire tensors
+    landed whole (``torch_p2p.recv_round``, after each bucket).
+    """
 
     def __init__(self, owner: "LayerwiseReload") -> None:
         self._owner = owner
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._owner._tensor(name)
+
+    def wires_received(self, names) -> None:
+        self._owner._wires_received(names)
 
     def __iter__(self):
         return iter(self._owner._where)
@@ -170,14 +192,30 @@ class LayerwiseReload:
                 self._where.setdefault(dot + name, (module, name))
         self._written: list[torch.nn.Module] = []      # materialized this round, in order
         self._seen: set[int] = set()
+        self._waiting: dict[int, set[str]] = {}        # id(layer) -> wire tensors not yet in
+        self._shadow: dict[str, tuple[torch.nn.Module, str, torch.Tensor]] = {}
+        self._layer_of: dict[int, torch.nn.Module] = {}
+        self._wires_of: dict[str, set[int]] = {}       # wire tensor -> ids of layers it feeds
         self.active = False
+        #: whether this round already replaced some layer's kernel tensors (a failure
+        #: after that leaves the served weights mixed)
+        self.live_changed = False
+        #: layers processed during the round, as their last wire tensor arrived (their
+        #: count, their ids)
+        self.streamed = 0
+        self.streamed_ids: set[int] = set()
 
     def params(self) -> dict[str, torch.Tensor]:
         """The checkpoint-format layout (:func:`checkpoint_params`)."""
         return checkpoint_params(self.model)
 
-    def begin(self) -> Mapping[str, torch.Tensor]:
-        """``initialize_layerwise_reload``; returns the round's lazily materialized storage."""
+    def begin(self, plan: Any = None, worker: int | None = None) -> Mapping[str, torch.Tensor]:
+        """``initialize_layerwise_reload``; returns the round's lazily materialized storage.
+
+        With the round's ``plan`` and this ``worker``, each layer is processed
+        as soon as every wire tensor the plan writes into it arrived (the
+        transport says so after each bucket); without, at :meth:`commit`.
+        """
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
@@ -186,8 +224,52 @@ class LayerwiseReload:
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(self.model)
         self._written, self._seen = [], set()
+        self._waiting, self._layer_of, self._wires_of = {}, {}, {}
+        self._shadow = {}
+        self.live_changed = False
+        self.streamed = 0
+        self.streamed_ids = set()
+        if plan is not None:
+            for wire, bindings in plan.destination.bindings.items():
+                for b in bindings:
+                    if b.worker == worker and b.param in self._where:
+                        layer = self._where[b.param][0]
+                        self._layer_of[id(layer)] = layer
+                        self._waiting.setdefault(id(layer), set()).add(wire)
+                        self._wires_of.setdefault(wire, set()).add(id(layer))
         self.active = True
         return _LazyStorage(self)
+
+    def _wires_received(self, names) -> None:
+        """Process each layer whose wire tensors all arrived (``_layerwise_process``)."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer
+        from vllm.model_executor.model_loader.reload.layerwise import (
+            _layerwise_process,
+            get_layerwise_info,
+        )
+
+        ready = []
+        for wire in names:
+            for lid in self._wires_of.pop(wire, ()):
+                left = self._waiting.get(lid)
+                if left is not None:
+                    left.discard(wire)
+                    if not left:
+                        del self._waiting[lid]
+                        ready.append(self._layer_of[lid])
+        if not ready:
+            return
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            for layer in ready:
+                info = get_layerwise_info(layer)
+                if id(layer) in self._seen and info.can_load() \
+                        and not is_deferred_attention_layer(layer):
+                    self.live_changed = True
+                    self._flush_shadows(layer)
+                    _layerwise_process(layer, info)
+                    self.streamed += 1
+                    self.streamed_ids.add(id(layer))
 
     def _tensor(self, name: str) -> torch.Tensor:
         from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
@@ -209,7 +291,20 @@ class LayerwiseReload:
         if id(module) not in self._seen:
             self._seen.add(id(module))
             self._written.append(module)
+        if attr in _never_on_meta():
+            # A tensor the reload leaves live (e_score_correction_bias): the round writes
+            # a copy, put in place when its layer is processed, so an abort keeps it.
+            if name not in self._shadow:
+                self._shadow[name] = (module, attr, torch.zeros_like(t.data))
+            return self._shadow[name][2]
         return t.data
+
+    def _flush_shadows(self, layer: torch.nn.Module | None = None) -> None:
+        """Copy the round's values of the live-kept tensors of ``layer`` (all: None) in."""
+        for name, (module, attr, value) in list(self._shadow.items()):
+            if layer is None or module is layer:
+                getattr(module, attr).data.copy_(value)
+                del self._shadow[name]
 
     def commit(self) -> None:
         """Process every written layer as vLLM's reload does, then ``finalize_layerwise_reload``."""
@@ -224,6 +319,7 @@ class LayerwiseReload:
         written = {id(m) for m in self._written}
         self.active = False
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            self._flush_shadows()
             for _, module in _modules(self.model):
                 info = get_layerwise_info(module)
                 if id(module) in written and info.can_load() \
@@ -241,6 +337,7 @@ class LayerwiseReload:
         )
 
         self.active = False
+        self._shadow = {}
         for _, module in _modules(self.model):
             info = get_layerwise_info(module)
             if info.can_load():

@@ -840,14 +840,16 @@ class _RecordingReload:
     ``begin``, looked up lazily), and ``commit`` copies it into the live parameters."""
 
     def __init__(self, live: torch.nn.Module) -> None:
-        self.live, self.calls, self.looked_up = live, [], set()
+        self.live, self.calls, self.looked_up, self.heard = live, [], set(), []
+        self.live_changed = False
         self.shadow = {n: torch.zeros_like(p) for n, p in live.named_parameters()}
 
     def params(self):
         return dict(self.live.named_parameters())
 
-    def begin(self):
+    def begin(self, plan, worker):
         self.calls.append("begin")
+        self.heard = []
         for t in self.shadow.values():
             t.zero_()
         reload = self
@@ -856,6 +858,9 @@ class _RecordingReload:
             def __getitem__(self, name):
                 reload.looked_up.add(name)
                 return reload.shadow[name]
+
+            def wires_received(self, names):
+                reload.heard.extend(names)
 
         return Lazy((n, None) for n in self.shadow)
 
@@ -886,6 +891,9 @@ def test_a_reload_target_gets_the_round_and_makes_it_live_only_at_commit(ck):
         ok(tr.round(client, 1, "v1", 1.0))
         assert [r.calls for r in reloads] == [["begin", "commit"]] * N
         assert all(r.looked_up == set(r.shadow) for r in reloads)   # every slab went there
+        # told of every wire tensor it was sent, once, as each bucket landed
+        assert [sorted(r.heard) for r in reloads] == [
+            sorted(receivers[w]._expected) for w in range(N)]
         for r in receivers:
             assert_storage(r, reference(ck, 1.0, r.worker))
         out = tr.round(client, 2, "v2", 2.0, fail="raises")

@@ -127,6 +127,41 @@ def _mla_derived_of_fresh(state, checkpoint: str) -> dict:
                              or not torch.equal(live[n], ref[n]))}
 
 
+def _layers_processed(state) -> dict:
+    """The layers owning parameters that this worker's last round did not process while
+    receiving (each as its last wire tensor landed), leaving out the attention layers,
+    which vLLM's reload processes at its end (``finalize_layerwise_reload``)."""
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+
+    reload = state["engine"]._receiver._reload
+    owners = {n: m for n, m in state["model"].named_modules()
+              if any(p is not None for p in m._parameters.values())
+              and not is_deferred_attention_layer(m)}
+    return {"layers": len(owners), "streamed": reload.streamed,
+            "not_streamed": sorted(n for n, m in owners.items()
+                                   if id(m) not in reload.streamed_ids)}
+
+
+def _aborted_reload_leaves_the_served_weights(state) -> dict:
+    """A reload begun, written into (every checkpoint tensor set to 1) and aborted: the
+    served parameters keep their bytes and addresses."""
+    from m2nkit.engine.in_process import bitwise_equal
+    from m2nkit.engine.plugins.vllm_reload import LayerwiseReload
+
+    model = state["model"]
+    before = {n: (p.data.clone(), p.data_ptr()) for n, p in model.named_parameters()}
+    reload = LayerwiseReload(model, state["vllm_config"].model_config, state["vllm_config"])
+    storage = reload.begin()
+    for name in storage:
+        storage[name].fill_(1)
+    reload.abort()
+    after = dict(model.named_parameters())
+    return {"names": sorted(after) == sorted(before),
+            "changed": sorted(n for n, (t, ptr) in before.items()
+                              if n not in after or after[n].data_ptr() != ptr
+                              or not bitwise_equal(after[n].data, t))}
+
+
 def _served_dtypes(state) -> dict:
     return {n: str(p.dtype).replace("torch.", "")
             for n, p in state["model"].named_parameters()}
@@ -151,6 +186,10 @@ def test_round_into_fp8_served_vllm_equals_fresh_fp8_load(host, checkpoints, nam
     # Each worker held its part of the plan against its checkpoint-format loaders (traced
     # inside vLLM's layerwise reload, then restored).
     assert host.client.collective_rpc(_traced_own_loaders) == [True] * len(started)
+    # vLLM processed each layer as its last wire tensor landed (the plan's buckets follow
+    # the trainer's layer order), none was left for the commit
+    for w, n in enumerate(host.client.collective_rpc(_layers_processed)):
+        assert n["not_streamed"] == [] and n["streamed"] == n["layers"] > 0, (w, n)
     reports = host.client.verify(v1)
     assert len(reports) == len(started)
     for w, r in enumerate(reports):
@@ -160,6 +199,8 @@ def test_round_into_fp8_served_vllm_equals_fresh_fp8_load(host, checkpoints, nam
         assert r["unchanged_since_start"] == [], f"worker {w}: still v0: {r['unchanged_since_start']}"
         assert r["moved"] == [], f"worker {w}: parameters re-allocated: {r['moved']}"
         assert r["version"] == "v1"
+    for w, r in enumerate(host.client.collective_rpc(_aborted_reload_leaves_the_served_weights)):
+        assert r == {"names": True, "changed": []}, (w, r)
     if name.startswith("tiny-deepseek-v3"):
         for w, r in enumerate(host.client.collective_rpc(_mla_derived_of_fresh, str(v1))):
             assert r["compared"], f"worker {w}: no MLA layer has derived weights: {r}"
