@@ -40,11 +40,14 @@ stay). What the adapter adds is what only the live model can tell:
   ``_finalize_attention_layer``; ``model_loader/utils.py``
   ``process_weights_after_loading``).
 
-It refuses quantized models: vLLM post-processes their weights into kernel
-formats (``quant_method.process_weights_after_loading``) that m2nkit's
-loader-format writes would bypass. vLLM's own ``nccl_m2n`` engine makes the
-same cut (``weight_transfer/m2n_engine.py``: ``allow_direct`` only without
-quantization and without pipeline parallelism).
+A quantized model (``quantization="fp8_per_block"``, or a block-quantized fp8
+checkpoint such as DeepSeek-V3's) holds kernel-format tensors that m2nkit's
+checkpoint-format slabs must not be written into; its rounds go through
+vLLM's own layerwise reload instead (``m2nkit.engine.plugins.vllm_reload``,
+docs/fp8.md): the plan is checked against the checkpoint-format layout vLLM
+recorded before the first load, slabs land in the layers the reload restores,
+and vLLM quantizes each layer once it is complete. Any other scheme is
+refused by name at every init, on every rank (``vllm_reload.quantization_mode``).
 
 It sits above the runtime it drives (receiver, session, control plane),
 like the tools, and below them: nothing of the runtime imports it, and it
@@ -251,6 +254,11 @@ class M2NVLLMEngine(WeightTransferEngine):
         weight_version: the last committed version (``None`` before one).
         traced_own_loaders: whether an init held this worker's part of the
             plan against its own model's loaders.
+        quantization: ``None``, ``"fp8_per_block"`` (mode 1) or ``"fp8"``
+            (mode 3), read from ``vllm_config`` (``vllm_reload.quantization_mode``);
+            a quantized model always receives through vLLM's layerwise reload
+            (``M2NKIT_RECEIVE_MODE`` does not apply: a layer is made live when
+            its last slab lands, the version when every layer is).
 
     Layouts traced from vLLM's loaders (an architecture without a table,
     or ``--layout traced``): the trainers trace every worker's meta model and
@@ -419,7 +427,7 @@ class M2NVLLMEngine(WeightTransferEngine):
         """Resolve the live model against the plan, then join the session.
 
         A refusal (a live parameter that differs from m2nkit's table, a
-        quantized model) still joins the payload's group, only to report
+        quantization scheme m2nkit does not carry) still joins the payload's group, only to report
         it through the plan agreement, so every trainer rank and every
         worker raises this worker's message at once; nothing moves. An
         accepted payload replaces any earlier session of this engine.
@@ -512,8 +520,9 @@ class M2NVLLMEngine(WeightTransferEngine):
         """Each attention layer's ``process_weights_after_loading(dtype)``, as vLLM's reload ends.
 
         The linear layers' quant methods are not re-run: unquantized ones
-        only repack on CPU/ROCm/XPU platforms (``UnquantizedLinearMethod``),
-        and quantized models are refused at init.
+        only repack on CPU/ROCm/XPU platforms (``UnquantizedLinearMethod``).
+        A quantized model's round runs none of this: vLLM's layerwise reload
+        processed every layer, attention ones last (``vllm_reload``).
         """
         from vllm.model_executor.layers.attention import is_deferred_attention_layer
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import pytest
 
-from _paths import ORACLE
+from _paths import CONFIGS as PUBLIC_CONFIGS, ORACLE
 
 from .test_vllm_plugin import _mla_derived, _run_trainers, _traced_own_loaders, host  # noqa: F401
 
@@ -207,19 +207,6 @@ def test_round_into_fp8_served_vllm_equals_fresh_fp8_load(host, checkpoints, nam
             assert r["differ"] == [], f"worker {w}: derived MLA weights differ: {r['differ']}"
 
 
-#: Kimi-K2.5's published ``quantization_config`` (int4 weights in groups of 32, packed by
-#: compressed-tensors; its ``ignore`` list shortened).
-KIMI_K25_INT4 = {
-    "config_groups": {"group_0": {
-        "input_activations": None, "output_activations": None, "targets": ["Linear"],
-        "weights": {"actorder": None, "block_structure": None, "dynamic": False,
-                    "group_size": 32, "num_bits": 4, "observer": "minmax",
-                    "observer_kwargs": {}, "strategy": "group", "symmetric": True,
-                    "type": "int"}}},
-    "format": "pack-quantized", "ignore": ["lm_head"], "kv_cache_scheme": None,
-    "quant_method": "compressed-tensors", "quantization_status": "compressed"}
-
-
 @pytest.mark.parametrize("scheme", ["kimi-k2.5-int4", "fp8-per-tensor"])
 def test_schemes_m2nkit_does_not_carry_are_named_with_the_supported_ones(tmp_path, checkpoints,
                                                                         scheme):
@@ -240,7 +227,10 @@ def test_schemes_m2nkit_does_not_carry_are_named_with_the_supported_ones(tmp_pat
         model = tmp_path / "int4"
         shutil.copytree(v0, model)
         config = json.loads((model / "config.json").read_text())
-        config["quantization_config"] = KIMI_K25_INT4
+        # Kimi-K2.5's published quantization_config (int4 weights in groups of 32,
+        # compressed-tensors pack-quantized), from its config.json as shipped
+        kimi = json.loads((PUBLIC_CONFIGS / "moonshotai__Kimi-K2.5" / "config.json").read_text())
+        config["quantization_config"] = kimi["text_config"]["quantization_config"]
         (model / "config.json").write_text(json.dumps(config))
         named = "'compressed-tensors'"
     else:
