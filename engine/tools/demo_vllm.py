@@ -551,6 +551,57 @@ def trainer_main(rank: int, num_ranks: int, checkpoints: Sequence[str], trainer:
         results.put(("error", rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
 
 
+def fsdp2_trainer_main(rank: int, num_ranks: int, checkpoint: str, trainer: str, inference: str,
+                       client, port: int, dist_port: int, timeout_s: float, results) -> None:
+    """One FSDP2 trainer process: ``checkpoint`` as an FSDP2 trainer holds it, one round ``v1``.
+
+    The model is built by transformers and sharded by ``fully_shard`` over the
+    ``trainer`` spec's mesh (``fsdp2:dp_shard=2``: fp32 masters, bf16
+    ``MixedPrecisionPolicy``; ``demo._build_fsdp2_model``) on a gloo default
+    group at ``dist_port``, and sent through ``fsdp2_source`` with
+    ``send_weights("v1")``. Reports on ``results`` as :func:`trainer_main` does.
+    """
+    from m2nkit.engine.tools.server import exit_with_parent
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    exit_with_parent()
+    try:
+        from datetime import timedelta
+
+        import torch
+        import torch.distributed as dist
+        from transformers import AutoConfig
+        from transformers.utils import logging as hf_logging
+
+        from m2nkit.adapters.fsdp2 import fsdp2_source
+        from m2nkit.adapters.trainer_spec import parse_trainer_spec
+        from m2nkit.adapters.vllm import vllm_destination
+        from m2nkit.engine.tools.demo import _build_fsdp2_model
+        from m2nkit.engine.trainer import M2NTrainerEngine, M2NTrainerInitInfo
+
+        torch.set_num_threads(1)
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{dist_port}", rank=rank,
+                                world_size=num_ranks, timeout=timedelta(seconds=timeout_s))
+        try:
+            model, _ = _build_fsdp2_model(checkpoint, parse_trainer_spec(trainer))
+            config = AutoConfig.from_pretrained(checkpoint)
+            info = M2NTrainerInitInfo(rank=rank, num_trainer_ranks=num_ranks,
+                                      destination=vllm_destination(config, inference),
+                                      master_port=port, timeout_s=timeout_s)
+            engine = M2NTrainerEngine.trainer_init(info, client=client if rank == 0 else None,
+                                                   source=fsdp2_source(model))
+            stats = engine.send_weights("v1")
+            results.put(("round", rank, 1, (stats.bytes_sent, stats.seconds)))
+            engine.shutdown()
+        finally:
+            dist.destroy_process_group()
+        results.put(("done", rank, None, None))
+    except BaseException as e:  # noqa: BLE001 - reported to the driver
+        results.put(("error", rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
+
+
 # --------------------------------------------------------------------------
 # the demo
 

@@ -24,13 +24,25 @@ up (160 + 160 rows).
 
 from __future__ import annotations
 
+import queue
+import time
+
 import pytest
 
 from _paths import CONFIGS as PUBLIC_CONFIGS, ORACLE
 
-from .test_vllm_plugin import _mla_derived, _run_trainers, _traced_own_loaders, host  # noqa: F401
+from _procs import CTX
+
+from .test_vllm_plugin import (ROUND_TIMEOUT_S, _mla_derived, _run_trainers,  # noqa: F401
+                               _traced_own_loaders, host)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+#: The trainers of the BF16 rounds: real FSDP2 (``fully_shard`` over 2 ranks, fp32 masters
+#: sent as bf16 by the mixed-precision policy, through ``fsdp2_source``). The fp8 checkpoint
+#: (mode 3) is sent by checkpoint-reading trainers (``fsdp:2`` boxes): transformers holds no
+#: e4m3 weights with their scales to shard.
+FSDP2 = "fsdp2:dp_shard=2"
 
 #: name -> (built-in tiny model, config overrides)
 CONFIGS = {
@@ -82,6 +94,38 @@ def checkpoints(tmp_path_factory):
         return made[name]
 
     return get
+
+
+def _run_fsdp2_trainers(client, checkpoint, inference, timeout_s=ROUND_TIMEOUT_S) -> dict:
+    """Two FSDP2 trainer processes (``fully_shard``, ``fsdp2_source``) send ``checkpoint``
+    as round v1 (``demo_vllm.fsdp2_trainer_main``); returns rank -> "done" or the error."""
+    from m2nkit.engine.tools.demo_vllm import fsdp2_trainer_main
+    from m2nkit.engine.tools.procs import free_port
+
+    results = CTX.Queue()
+    port, dist_port = free_port(), free_port()
+    procs = [CTX.Process(target=fsdp2_trainer_main, daemon=True,
+                         args=(r, 2, str(checkpoint), FSDP2, inference,
+                               client if r == 0 else None, port, dist_port, timeout_s, results))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    outcome: dict[int, str] = {}
+    deadline = time.monotonic() + 3 * timeout_s + 30
+    try:
+        while len(outcome) < 2:
+            try:
+                kind, rank, a, _ = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"trainers hung: outcomes so far {outcome}") from None
+            if kind in ("done", "error"):
+                outcome[rank] = "done" if kind == "done" else a
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    return outcome
 
 
 def _refilled(checkpoint, out):
@@ -181,7 +225,10 @@ def test_round_into_fp8_served_vllm_equals_fresh_fp8_load(host, checkpoints, nam
         assert dtypes[f"{proj}.weight_scale_inv"] == "float32", dtypes
         assert dtypes["model.embed_tokens.weight"] == "bfloat16", dtypes
 
-    outcome = _run_trainers(host.client, [v1], inference)
+    if name in SHIPPED:
+        outcome = _run_trainers(host.client, [v1], inference)
+    else:
+        outcome = _run_fsdp2_trainers(host.client, v1, inference)
     assert outcome == {0: "done", 1: "done"}, outcome
     # Each worker held its part of the plan against its checkpoint-format loaders (traced
     # inside vLLM's layerwise reload, then restored).
