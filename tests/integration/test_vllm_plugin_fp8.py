@@ -34,7 +34,7 @@ from _paths import CONFIGS as PUBLIC_CONFIGS, ORACLE
 from _procs import CTX
 
 from .test_vllm_plugin import (ROUND_TIMEOUT_S, _mla_derived, _run_trainers,  # noqa: F401
-                               _traced_own_loaders, host)
+                               _tied_storage, _traced_own_loaders, host)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -49,6 +49,9 @@ CONFIGS = {
     "qwen3-h192": ("tiny-qwen3", {"hidden_size": 192, "intermediate_size": 320,
                                   "num_attention_heads": 6, "num_key_value_heads": 2,
                                   "head_dim": 64}),
+    "qwen3-tied-h192": ("tiny-qwen3-tied", {"hidden_size": 192, "intermediate_size": 320,
+                                            "num_attention_heads": 6, "num_key_value_heads": 2,
+                                            "head_dim": 64}),
     # vLLM's online block MoE pads each expert's hidden and intermediate dims to whole
     # 128 blocks in its checkpoint-format w13/w2 (Fp8PerBlockOnlineMoEMethod.
     # maybe_roundup_sizes), which m2nkit's tables do not model yet: expert dims here are
@@ -60,6 +63,9 @@ CONFIGS = {
 CASES = [  # (checkpoint, vLLM layout, quantization, what it covers)
     ("qwen3-h192", "vllm:tp=2", "fp8_per_block",
      "mode 1, dense: hidden 192, blocks across q/k and gate/up"),
+    # tied embeddings: lm_head.weight is embed_tokens.weight; vLLM's reload processes the
+    # tie through one of its layers (reload/__init__.py, Limitations 2)
+    ("qwen3-tied-h192", "vllm:tp=2", "fp8_per_block", "mode 1, tied embeddings"),
     ("qwen3-moe-h256", "vllm:tp=2,ep", "fp8_per_block",
      "mode 1, MoE with EP: whole experts per worker; qkv blocks across q/k"),
     # the shipped DeepSeek-V3 fp8 checkpoint (weight_block_size [32, 16]: tp=2 cuts
@@ -178,9 +184,12 @@ def _layers_processed(state) -> dict:
     from vllm.model_executor.layers.attention import is_deferred_attention_layer
 
     reload = state["engine"]._receiver._reload
-    owners = {n: m for n, m in state["model"].named_modules()
-              if any(p is not None for p in m._parameters.values())
-              and not is_deferred_attention_layer(m)}
+    owners, seen = {}, set()
+    for n, m in state["model"].named_modules():
+        own = {id(p) for p in m._parameters.values() if p is not None}
+        if own - seen and not is_deferred_attention_layer(m):   # a tied lm_head owns none
+            owners[n] = m
+        seen |= own
     return {"layers": len(owners), "streamed": reload.streamed,
             "not_streamed": sorted(n for n, m in owners.items()
                                    if id(m) not in reload.streamed_ids)}
@@ -246,6 +255,8 @@ def test_round_into_fp8_served_vllm_equals_fresh_fp8_load(host, checkpoints, nam
         assert r["unchanged_since_start"] == [], f"worker {w}: still v0: {r['unchanged_since_start']}"
         assert r["moved"] == [], f"worker {w}: parameters re-allocated: {r['moved']}"
         assert r["version"] == "v1"
+    if "tied" in name:      # still one tensor under both names
+        assert host.client.collective_rpc(_tied_storage) == [True] * len(started)
     for w, r in enumerate(host.client.collective_rpc(_aborted_reload_leaves_the_served_weights)):
         assert r == {"names": True, "changed": []}, (w, r)
     if name.startswith("tiny-deepseek-v3"):
