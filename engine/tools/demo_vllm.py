@@ -557,7 +557,7 @@ def fsdp2_trainer_main(rank: int, num_ranks: int, checkpoint: str, trainer: str,
 
     The model is built by transformers and sharded by ``fully_shard`` over the
     ``trainer`` spec's mesh (``fsdp2:dp_shard=2``: fp32 masters, bf16
-    ``MixedPrecisionPolicy``; ``demo._build_fsdp2_model``) on a gloo default
+    ``MixedPrecisionPolicy``; ``demo.build_fsdp2_model``) on a gloo default
     group at ``dist_port``, and sent through ``fsdp2_source`` with
     ``send_weights("v1")``. Reports on ``results`` as :func:`trainer_main` does.
     """
@@ -576,7 +576,7 @@ def fsdp2_trainer_main(rank: int, num_ranks: int, checkpoint: str, trainer: str,
         from m2nkit.adapters.fsdp2 import fsdp2_source
         from m2nkit.adapters.trainer_spec import parse_trainer_spec
         from m2nkit.adapters.vllm import vllm_destination
-        from m2nkit.engine.tools.demo import _build_fsdp2_model
+        from m2nkit.engine.tools.demo import build_fsdp2_model
         from m2nkit.engine.trainer import M2NTrainerEngine, M2NTrainerInitInfo
 
         torch.set_num_threads(1)
@@ -585,7 +585,7 @@ def fsdp2_trainer_main(rank: int, num_ranks: int, checkpoint: str, trainer: str,
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{dist_port}", rank=rank,
                                 world_size=num_ranks, timeout=timedelta(seconds=timeout_s))
         try:
-            model, _ = _build_fsdp2_model(checkpoint, parse_trainer_spec(trainer))
+            model, _ = build_fsdp2_model(checkpoint, parse_trainer_spec(trainer))
             config = AutoConfig.from_pretrained(checkpoint)
             info = M2NTrainerInitInfo(rank=rank, num_trainer_ranks=num_ranks,
                                       destination=vllm_destination(config, inference),
