@@ -26,6 +26,12 @@ only for a *complete* round. Two modes (``mode=``):
 In both modes parameters are written in place (``copy_`` or a receive into
 their storage): their addresses never change, which CUDA graphs need.
 
+A live model whose parameters are not in the wire's format (a quantized
+vLLM model) is given with a ``reload=`` (:class:`ReloadTarget`): the round
+lands in the checkpoint-format tensors it hands out, and it makes the live
+parameters from them; the receiver's checks, rounds and verdicts stay the
+same.
+
 Before any byte moves the receiver checks the init payload against itself
 (the inference spec, the manifest digest, the plan it rebuilds from its own
 destination layout, the plan digest) and then ``agree_on_plan`` with every rank;
@@ -203,9 +209,11 @@ class ReloadTarget(Protocol):
     quantized vLLM model: kernel-format ``weight`` in e4m3 and its scales,
     made from checkpoint-format tensors by ``process_weights_after_loading``),
     the receiver writes each round into the checkpoint-format tensors this
-    object hands out, and only :meth:`commit` turns them into the live
-    parameters. The vLLM plugin's is ``m2nkit.engine.plugins.vllm_reload.
-    LayerwiseReload`` (vLLM's layerwise reload).
+    object hands out, and the reload makes the live parameters from them
+    (part by part as their wire tensors land, the rest at :meth:`commit`).
+    The version commits only after :meth:`commit`. The vLLM plugin's is
+    ``m2nkit.engine.plugins.vllm_reload.LayerwiseReload`` (vLLM's layerwise
+    reload).
 
     * :meth:`params`: ``{name: tensor}`` of the checkpoint-format layout (shape
       and dtype are what the plan is checked against; the tensors may be on
