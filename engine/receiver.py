@@ -26,6 +26,12 @@ only for a *complete* round. Two modes (``mode=``):
 In both modes parameters are written in place (``copy_`` or a receive into
 their storage): their addresses never change, which CUDA graphs need.
 
+A live model whose parameters are not in the wire's format (a quantized
+vLLM model) is given with a ``reload=`` (:class:`ReloadTarget`): the round
+lands in the checkpoint-format tensors it hands out, and it makes the live
+parameters from them; the receiver's checks, rounds and verdicts stay the
+same.
+
 Before any byte moves the receiver checks the init payload against itself
 (the inference spec, the manifest digest, the plan it rebuilds from its own
 destination layout, the plan digest) and then ``agree_on_plan`` with every rank;
@@ -59,7 +65,7 @@ import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -87,7 +93,7 @@ from m2nkit.manifest.destination import DestinationLayout
 from m2nkit.manifest.protocol import WeightTransferEngine, WeightTransferUpdateInfo
 
 __all__ = ["M2NUpdateInfo", "IncompleteRoundError", "SupersededError", "M2NReceiver",
-           "build_vllm_storage", "RECEIVE_MODES", "refuse_unparsed_payload"]
+           "build_vllm_storage", "RECEIVE_MODES", "refuse_unparsed_payload", "ReloadTarget"]
 
 #: ``M2NReceiver(mode=...)``: copy at commit, or receive into the live parameters.
 RECEIVE_MODES = ("staged", "in_place")
@@ -196,15 +202,57 @@ def build_vllm_storage(destination: DestinationLayout, worker: int,
     return root
 
 
+class ReloadTarget(Protocol):
+    """A live model whose rounds go through a reload path instead of straight writes.
+
+    For a model whose live parameters are not what the wire carries (a
+    quantized vLLM model: kernel-format ``weight`` in e4m3 and its scales,
+    made from checkpoint-format tensors by ``process_weights_after_loading``),
+    the receiver writes each round into the checkpoint-format tensors this
+    object hands out, and the reload makes the live parameters from them
+    (part by part as their wire tensors land, the rest at :meth:`commit`).
+    The version commits only after :meth:`commit`. The vLLM plugin's is
+    ``m2nkit.engine.plugins.vllm_reload.LayerwiseReload`` (vLLM's layerwise
+    reload).
+
+    * :meth:`params`: ``{name: tensor}`` of the checkpoint-format layout (shape
+      and dtype are what the plan is checked against; the tensors may be on
+      the meta device);
+    * :meth:`begin` ``(plan, worker)``: start a round; returns the
+      ``{name: tensor}`` mapping the round's slabs are written into (looked up
+      by name as they arrive). A mapping with a ``wires_received(names)``
+      method hears, after each bucket, which wire tensors landed whole
+      (``torch_p2p.recv_round``), so it may make parts live during the round;
+    * :meth:`commit`: every wire tensor arrived and every rank agreed: make the
+      rest live from what was written (in place: addresses stay);
+    * :meth:`abort`: the round failed or was dropped: what was not made live
+      yet stays as it was before :meth:`begin`;
+    * ``live_changed``: whether this round already made some of the live
+      parameters (then a failed round leaves them mixed).
+    """
+
+    live_changed: bool
+
+    def params(self) -> Mapping[str, torch.Tensor]: ...
+
+    def begin(self, plan: Plan, worker: int) -> Mapping[str, torch.Tensor]: ...
+
+    def commit(self) -> None: ...
+
+    def abort(self) -> None: ...
+
+
 def _unique_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.data for n, p in module.named_parameters()}
 
 
-def _check_target(module: Any, plan: Plan, worker: int) -> None:
+def _check_target(module: Any, plan: Plan, worker: int,
+                  reload: ReloadTarget | None = None) -> None:
     if not isinstance(module, torch.nn.Module):
         raise ValueError(f"worker {worker}: the update target must be a torch.nn.Module, "
                          f"got {type(module).__name__}")
-    have = dict(module.named_parameters(remove_duplicate=False))
+    have = (dict(reload.params()) if reload is not None
+            else dict(module.named_parameters(remove_duplicate=False)))
     for p in plan.destination.params:
         if p.worker != worker:
             continue
@@ -237,6 +285,14 @@ class M2NReceiver(WeightTransferEngine):
             untouched) or ``"in_place"`` (receive straight into the live
             parameters; no copy of the model; a failed round leaves them
             mixed, see the module docstring).
+        reload: a :class:`ReloadTarget` for ``target`` (a quantized vLLM
+            model): each round is written into the checkpoint-format tensors
+            it hands out and made live by the reload (as parts complete, and
+            the rest at its ``commit``, after the round's verdict); a failed
+            round is aborted there: what it had not made live stays, and the
+            weights count as mixed only if it had (``live_changed``).
+            ``mode`` must then be ``"in_place"`` (the reload's tensors are the
+            only copy).
 
     Sessions: a new ``init_transfer_engine`` while a session is live
     *replaces* it. The older session's trainers are told through their own
@@ -264,7 +320,8 @@ class M2NReceiver(WeightTransferEngine):
 
     def __init__(self, destination: DestinationBuilder, worker: int,
                  target: torch.nn.Module | None = None, *,
-                 device: torch.device | str = "cpu", mode: str = "staged") -> None:
+                 device: torch.device | str = "cpu", mode: str = "staged",
+                 reload: ReloadTarget | None = None) -> None:
         super().__init__(target, model_config=None, device=device)
         self.destination = check_destination(destination, "M2NReceiver destination")
         n = destination.num_workers
@@ -272,7 +329,13 @@ class M2NReceiver(WeightTransferEngine):
             raise ValueError(f"worker {worker!r} is not in 0..{n - 1} for {destination.spec}")
         if mode not in RECEIVE_MODES:
             raise ValueError(f"M2NReceiver mode {mode!r} is not one of {list(RECEIVE_MODES)}")
+        if reload is not None and (target is None or mode != "in_place"):
+            raise ValueError("M2NReceiver reload= needs the live target it reloads and "
+                             f"mode='in_place' (got target={type(target).__name__}, "
+                             f"mode={mode!r})")
         self.worker = worker
+        self._reload = reload
+        self._reloading = False              # reload.begin() ran, no commit or abort yet
         self.mode = mode
         self._open = False                   # a round was started and not finished
         self._mixed: str | None = None       # in-place: the round that left mixed weights
@@ -413,7 +476,7 @@ class M2NReceiver(WeightTransferEngine):
         try:
             plan = self._session_plan(payload)
             if self.model is not None:
-                _check_target(self.model, plan, self.worker)
+                _check_target(self.model, plan, self.worker, self._reload)
         except (ValueError, PlanMismatchError) as refusal:
             if rank < payload.world_size:
                 self._report_refusal(payload, rank, str(refusal), deadline)
@@ -502,9 +565,13 @@ class M2NReceiver(WeightTransferEngine):
             TransferError: the group broke in an earlier round (re-init first).
         """
         self._require_session("start_weight_update")
-        _check_target(self.model, self._plan, self.worker)
+        self._abort_reload()                 # a round started and never finished
+        _check_target(self.model, self._plan, self.worker, self._reload)
         self._staging = ({n: t.clone() for n, t in _unique_params(self.model).items()}
                          if self.mode == "staged" else None)
+        if self._reload is not None:
+            self._staging = self._reload.begin(self._plan, self.worker)   # looked up lazily
+            self._reloading = True
         self._open = True
         self._received = set()
         self._round = None
@@ -555,8 +622,8 @@ class M2NReceiver(WeightTransferEngine):
         self._rounds_seen.add(update_info.round)
         payload, rank = self._payload, self._payload.rank_offset + self.worker
         mine: Exception | None = None
-        target = self._staging if self.mode == "staged" else self._live()
-        if self.mode == "in_place":
+        target = self._staging if self.mode == "staged" or self._reload else self._live()
+        if self.mode == "in_place" and self._reload is None:
             # From the first byte on, the live weights may be partly this round's.
             self._mixed = f"round {update_info.round}"
         try:
@@ -588,6 +655,8 @@ class M2NReceiver(WeightTransferEngine):
             return
         self._failed = str(verdict or mine)
         self._broken = f"round {update_info.round} failed"
+        if self._reload is not None and self._reload.live_changed:
+            self._mixed = f"round {update_info.round}"       # layers it already made live
         self._close_group()
         missing = sorted(self._expected - self._received)
         # The root cause (from the verdict) first, then this worker's view.
@@ -603,6 +672,12 @@ class M2NReceiver(WeightTransferEngine):
                             f"{deadline.elapsed():.1f} s: {what}")
         err.received, err.missing = sorted(self._received), missing
         raise err from (verdict or mine)
+
+    def _abort_reload(self) -> None:
+        """Undo a reload's ``begin`` that no ``commit`` followed (the live parameters stay)."""
+        if self._reloading:
+            self._reloading = False
+            self._reload.abort()
 
     def _mixed_note(self) -> str:
         if self._mixed is None:
@@ -650,6 +725,7 @@ class M2NReceiver(WeightTransferEngine):
         staging, self._staging, self._open = self._staging, None, False
         missing = sorted(self._expected - self._received)
         if missing or self._failed or self._round is None:
+            self._abort_reload()
             label = f"round {self._round.round}" if self._round else "the round (never received)"
             why = f"{len(missing)} of {len(self._expected)} wire tensors missing {_few(missing)}" \
                 if missing else f"it failed elsewhere ({self._failed})"
@@ -663,7 +739,15 @@ class M2NReceiver(WeightTransferEngine):
             raise IncompleteRoundError(
                 f"{self._name()}: {label} is incomplete, not committing: {why}{tail}",
                 sorted(self._received), missing)
-        if staging is not None:
+        if self._reload is not None:
+            self._reloading = False
+            try:
+                self._reload.commit()
+            except Exception as e:
+                # Layers made live before the failure are this round's, the rest older.
+                self._mixed = f"round {self._round.round}, whose reload failed ({e})"
+                raise
+        elif staging is not None:
             live = _unique_params(self.model)
             with torch.no_grad():
                 for name, t in staging.items():
@@ -682,6 +766,7 @@ class M2NReceiver(WeightTransferEngine):
         group, self._group, self._store = self._group, None, None
         transport, self._transport = self._transport, None
         self._staging, self._open = None, False
+        self._abort_reload()
         if transport is not None:
             transport.close()
         release_group(group)

@@ -40,11 +40,14 @@ stay). What the adapter adds is what only the live model can tell:
   ``_finalize_attention_layer``; ``model_loader/utils.py``
   ``process_weights_after_loading``).
 
-It refuses quantized models: vLLM post-processes their weights into kernel
-formats (``quant_method.process_weights_after_loading``) that m2nkit's
-loader-format writes would bypass. vLLM's own ``nccl_m2n`` engine makes the
-same cut (``weight_transfer/m2n_engine.py``: ``allow_direct`` only without
-quantization and without pipeline parallelism).
+A quantized model (``quantization="fp8_per_block"``, or a block-quantized fp8
+checkpoint such as DeepSeek-V3's) holds kernel-format tensors that m2nkit's
+checkpoint-format slabs must not be written into; its rounds go through
+vLLM's own layerwise reload instead (``m2nkit.engine.plugins.vllm_reload``,
+docs/fp8.md): the plan is checked against the checkpoint-format layout vLLM
+recorded before the first load, slabs land in the layers the reload restores,
+and vLLM quantizes each layer once it is complete. Any other scheme is
+refused by name at every init, on every rank (``vllm_reload.quantization_mode``).
 
 It sits above the runtime it drives (receiver, session, control plane),
 like the tools, and below them: nothing of the runtime imports it, and it
@@ -75,6 +78,7 @@ from m2nkit.adapters.vllm.dtype import model_dtype
 from m2nkit.adapters.vllm.spec import ALL2ALL_BACKENDS, InferenceSpec
 from m2nkit.engine.control import PlanMismatchError, agree_on_plan, create_group, release_group
 from m2nkit.engine.deadline import Deadline
+from m2nkit.engine.plugins.vllm_reload import LayerwiseReload, checkpoint_params, quantization_mode
 from m2nkit.engine.receiver import M2NReceiver, M2NUpdateInfo, refuse_unparsed_payload
 from m2nkit.engine.session import InitPayload, plan_from_manifest, session_destination
 
@@ -158,7 +162,8 @@ def worker_index_of(vllm_config: Any) -> int:
     return pc.data_parallel_index * pc.world_size + pc.rank
 
 
-def live_model_problems(model: torch.nn.Module, layout: Any, worker: int) -> list[str]:
+def live_model_problems(model: torch.nn.Module, layout: Any, worker: int,
+                        params: Mapping[str, torch.Tensor] | None = None) -> list[str]:
     """How a live vLLM model differs from m2nkit's layout for ``worker`` (empty: it fits).
 
     Three checks, each naming the parameter:
@@ -173,8 +178,13 @@ def live_model_problems(model: torch.nn.Module, layout: Any, worker: int) -> lis
 
     Args:
         layout: a ``DestinationLayout`` (``params``, ``aliases``).
+        params: the parameters to check instead of ``model``'s own: for a
+            quantized model, its checkpoint-format ones
+            (``vllm_reload.checkpoint_params``: what its loaders fill, meta
+            tensors); their aliases' storage is then not compared (the
+            reload keeps the live model's).
     """
-    live = dict(model.named_parameters(remove_duplicate=False))
+    live = dict(params) if params is not None else dict(model.named_parameters(remove_duplicate=False))
     mine = {p.name: p for p in layout.params if p.worker == worker}
     out: list[str] = []
     for name, p in mine.items():
@@ -192,7 +202,7 @@ def live_model_problems(model: torch.nn.Module, layout: Any, worker: int) -> lis
                        "not in m2nkit's table: it would never be updated")
     for alias, target in aliases.items():
         a, b = live.get(alias), live.get(target)
-        if a is not None and b is not None and a.data_ptr() != b.data_ptr():
+        if params is None and a is not None and b is not None and a.data_ptr() != b.data_ptr():
             out.append(f"parameter '{alias}': m2nkit's table ties it to '{target}', but vLLM's "
                        "model holds them in separate storage")
     return out
@@ -244,6 +254,11 @@ class M2NVLLMEngine(WeightTransferEngine):
         weight_version: the last committed version (``None`` before one).
         traced_own_loaders: whether an init held this worker's part of the
             plan against its own model's loaders.
+        quantization: ``None``, ``"fp8_per_block"`` (mode 1) or ``"fp8"``
+            (mode 3), read from ``vllm_config`` (``vllm_reload.quantization_mode``);
+            a quantized model always receives through vLLM's layerwise reload
+            (``M2NKIT_RECEIVE_MODE`` does not apply: a layer is made live when
+            its last slab lands, the version when every layer is).
 
     Layouts traced from vLLM's loaders (an architecture without a table,
     or ``--layout traced``): the trainers trace every worker's meta model and
@@ -271,6 +286,14 @@ class M2NVLLMEngine(WeightTransferEngine):
         self.destination = vllm_destination(self.model_config.hf_config, self.spec,
                                             layout_choice())
         self.mode = receive_mode()
+        #: the way in for a quantized model (``vllm_reload.quantization_mode``: None,
+        #: "fp8_per_block", "fp8"); a scheme m2nkit does not carry is refused at every init
+        self.quantization: str | None = None
+        self._quantization_refusal: str | None = None
+        try:
+            self.quantization = quantization_mode(vllm_config)
+        except ValueError as e:
+            self._quantization_refusal = str(e)
         self._receiver: M2NReceiver | None = None
         self._version: str | None = None
         #: whether an init held this worker's part of the plan against its own model's
@@ -309,10 +332,8 @@ class M2NVLLMEngine(WeightTransferEngine):
 
     def _problems(self, payload: InitPayload) -> list[str]:
         """Why this worker refuses ``payload`` before any byte moves (empty: it accepts)."""
-        if getattr(self.model_config, "quantization", None) is not None:
-            return [f"vLLM serves this model quantized ({self.model_config.quantization}): its "
-                    "weights are post-processed into kernel formats after loading, which "
-                    "m2nkit's in-place writes would bypass; serve it unquantized"]
+        if self._quantization_refusal is not None:
+            return [self._quantization_refusal]
         if payload.inference != self.destination.spec:
             return []       # the receiver refuses it, naming both specs
         try:
@@ -320,13 +341,18 @@ class M2NVLLMEngine(WeightTransferEngine):
             plan, _ = plan_from_manifest(payload.manifest, destination)
         except ValueError:
             return []       # the receiver refuses it with its own message
-        found = live_model_problems(self.model, plan.destination, self.worker)
+        quantized = self.quantization is not None
+        found = live_model_problems(self.model, plan.destination, self.worker,
+                                    checkpoint_params(self.model) if quantized else None)
         # The tables' layout, or the trainers' traced one (the payload's): either way this
         # worker's part is held against its own model's loaders, one trace, its own.
         theirs = destination is not self.destination
         if (not found and (theirs or self.destination.layout != "traced")
                 and os.environ.get(TRACE_CHECK_ENV, "1") != "0"):
-            found = self._traced_problems(plan)
+            if quantized:
+                found = self._traced_problems_on_reload(plan)
+            else:
+                found = self._traced_problems(plan)
         if found:
             more = f" ... and {len(found) - _LIST_AT_MOST} more" if len(found) > _LIST_AT_MOST else ""
             return [f"vLLM's {type(self.model).__name__} does not match m2nkit's layout for "
@@ -372,11 +398,36 @@ class M2NVLLMEngine(WeightTransferEngine):
                          self.identity, e)
             return []
 
+    def _traced_problems_on_reload(self, plan) -> list[str]:
+        """:meth:`_traced_problems` on the checkpoint-format model vLLM's reload restores.
+
+        A quantized model's live loaders belong to its kernel-format tensors;
+        the trace runs where a reload's loaders run: inside
+        ``initialize_layerwise_reload`` (every layer in checkpoint format on
+        the meta device), with the layerwise wrappers taken off for the
+        trace (vLLM's sharded RDT engine traces the same way, ``_bake``),
+        then every layer gets its kernel tensors back untouched
+        (``LayerwiseReload.abort``).
+        """
+        from vllm.model_executor.model_loader.reload.layerwise import _get_original_loader
+        from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
+
+        reload = LayerwiseReload(self.model, self.model_config, self.vllm_config)
+        reload.begin()
+        try:
+            for module in self.model.modules():
+                for t in get_layer_tensors(module).values():
+                    if hasattr(t, "weight_loader"):
+                        t.weight_loader = _get_original_loader(t)
+            return self._traced_problems(plan)
+        finally:
+            reload.abort()
+
     def init_transfer_engine(self, init_info: InitPayload | Mapping[str, Any]) -> None:
         """Resolve the live model against the plan, then join the session.
 
         A refusal (a live parameter that differs from m2nkit's table, a
-        quantized model) still joins the payload's group, only to report
+        quantization scheme m2nkit does not carry) still joins the payload's group, only to report
         it through the plan agreement, so every trainer rank and every
         worker raises this worker's message at once; nothing moves. An
         accepted payload replaces any earlier session of this engine.
@@ -399,9 +450,12 @@ class M2NVLLMEngine(WeightTransferEngine):
             if receiver is not None:        # another group backend: new receive buffers
                 self._version = self.weight_version
                 receiver.shutdown()
-            receiver = self._receiver = M2NReceiver(self.destination, self.worker,
-                                                    target=self.model, device=device,
-                                                    mode=self.mode)
+            reload = None
+            if self.quantization is not None:      # vLLM's layerwise reload, always in place
+                reload = LayerwiseReload(self.model, self.model_config, self.vllm_config)
+            receiver = self._receiver = M2NReceiver(
+                self.destination, self.worker, target=self.model, device=device,
+                mode="in_place" if reload is not None else self.mode, reload=reload)
         receiver.init_transfer_engine(payload)
 
     def _refuse_everywhere(self, payload: InitPayload, message: str) -> None:
@@ -459,14 +513,16 @@ class M2NVLLMEngine(WeightTransferEngine):
                 elsewhere; nothing was committed or post-processed.
         """
         self._require("finish_weight_update").finish_weight_update(weight_version)
-        self._after_loading()
+        if self.quantization is None:     # the layerwise reload's finalize ran them already
+            self._after_loading()
 
     def _after_loading(self) -> None:
         """Each attention layer's ``process_weights_after_loading(dtype)``, as vLLM's reload ends.
 
         The linear layers' quant methods are not re-run: unquantized ones
-        only repack on CPU/ROCm/XPU platforms (``UnquantizedLinearMethod``),
-        and quantized models are refused at init.
+        only repack on CPU/ROCm/XPU platforms (``UnquantizedLinearMethod``).
+        A quantized model's round runs none of this: vLLM's layerwise reload
+        processed every layer, attention ones last (``vllm_reload``).
         """
         from vllm.model_executor.layers.attention import is_deferred_attention_layer
 

@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 
 from m2nkit.engine.tools.procs import free_port, start_ranks, stop_processes, wait_reports
 
-__all__ = ["shift", "DemoRound", "DemoResult", "run_demo", "MAX_DEMO_PROCESSES"]
+__all__ = ["shift", "DemoRound", "DemoResult", "run_demo", "MAX_DEMO_PROCESSES", "build_fsdp2_model"]
 
 #: Most processes (trainers + workers) the demo starts on one machine.
 MAX_DEMO_PROCESSES = 32
@@ -120,7 +120,7 @@ def shifted_source(checkpoint, trainer_spec, rank: int, state: dict):
     return ManifestM2NWeightSource([wrap(e) for e in base.entries], rank=rank)
 
 
-def _build_fsdp2_model(model_dir, tspec):
+def build_fsdp2_model(model_dir, tspec):
     """The checkpoint as an FSDP2 trainer holds it: transformers, TP plan, ``fully_shard``.
 
     fp32 parameters (the optimizer's masters) under ``MixedPrecisionPolicy(
@@ -219,7 +219,7 @@ def _fsdp2_trainer_main(rank, num_ranks, model_dir, trainer, inference, url, por
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{dist_port}", rank=rank,
                                 world_size=num_ranks, timeout=timedelta(seconds=timeout_s))
         t0 = time.perf_counter()
-        model, tp_mesh = _build_fsdp2_model(model_dir, tspec)
+        model, tp_mesh = build_fsdp2_model(model_dir, tspec)
         config = AutoConfig.from_pretrained(model_dir)
         plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32) if rank == 0 else None
         source = fsdp2_source(model)

@@ -56,10 +56,12 @@ def vllm_available() -> bool:
 
 
 def _worker_main(conn, checkpoint: str, spec_text: str, worker: int,
-                 layout: str = "auto") -> None:
+                 layout: str = "auto", quantization: str | None = None) -> None:
     """One vLLM worker: build, load, create the engine, then serve ``(cmd, arg)`` until told to stop.
 
     ``layout``: the plugin's ``M2NKIT_LAYOUT`` in this worker (``auto``, ``tables``, ``traced``).
+    ``quantization``: vLLM's ``--quantization`` for the served model and the fresh loads
+    ``verify`` compares with (``build_cpu_worker``).
     """
     import torch
 
@@ -82,7 +84,8 @@ def _worker_main(conn, checkpoint: str, spec_text: str, worker: int,
     spec = parse_inference_spec(spec_text)
     try:
         t0 = time.perf_counter()
-        model, vllm_config = build_cpu_worker(checkpoint, spec, worker)
+        model, vllm_config = build_cpu_worker(checkpoint, spec, worker,
+                                              quantization=quantization)
         engine = create_engine(model, vllm_config, "cpu")
         before = {n: t.clone() for n, t in parameters_of(model).items()}
         addresses = {n: t.data_ptr() for n, t in parameters_of(model).items()}
@@ -97,7 +100,7 @@ def _worker_main(conn, checkpoint: str, spec_text: str, worker: int,
 
     def verify(ckpt: str) -> dict:
         live = parameters_of(model)
-        ref = fresh_load(ckpt, spec, worker)
+        ref = fresh_load(ckpt, spec, worker, quantization)
         return {
             "compared": len(ref),
             "names_only_live": sorted(set(live) - set(ref)),
@@ -149,7 +152,8 @@ class _Host:
         self.lock = threading.Lock()
         self.workers: list[tuple[Any, Any]] = []   # (process, connection)
 
-    def start_workers(self, checkpoint: str, spec_text: str, layout: str = "auto") -> list[dict]:
+    def start_workers(self, checkpoint: str, spec_text: str, layout: str = "auto",
+                      quantization: str | None = None) -> list[dict]:
         from m2nkit.adapters.vllm import parse_inference_spec
 
         self.stop_workers()
@@ -157,7 +161,8 @@ class _Host:
         n = parse_inference_spec(spec_text).num_workers
         for w in range(n):
             mine, theirs = ctx.Pipe()
-            p = ctx.Process(target=_worker_main, args=(theirs, checkpoint, spec_text, w, layout),
+            p = ctx.Process(target=_worker_main,
+                            args=(theirs, checkpoint, spec_text, w, layout, quantization),
                             name=f"m2nkit-vllm-worker-{w}", daemon=True)
             p.start()
             theirs.close()
@@ -430,14 +435,17 @@ class VLLMWorkers:
         return self
 
     def start_workers(self, checkpoint: str | os.PathLike, spec: str,
-                      layout: str = "auto") -> list[dict]:
+                      layout: str = "auto", quantization: str | None = None) -> list[dict]:
         """Fork one worker per ``spec`` worker (stopping earlier ones); each loads ``checkpoint``.
 
         ``layout``: each worker's ``M2NKIT_LAYOUT`` (the plugin's destination layout).
+        ``quantization``: vLLM's ``--quantization`` (``"fp8_per_block"``; ``None``:
+        the checkpoint's own quantization config, if any).
         Returns per worker ``{"seconds", "pid", "engine", "model", "parameters"}``.
         """
         return self.client.request("start_workers",
-                                   (str(Path(checkpoint).resolve()), str(spec), layout))
+                                   (str(Path(checkpoint).resolve()), str(spec), layout,
+                                    quantization))
 
     def stop_workers(self) -> None:
         self.client.request("stop_workers")
@@ -539,6 +547,57 @@ def trainer_main(rank: int, num_ranks: int, checkpoints: Sequence[str], trainer:
             stats = engine.send_weights(f"v{k}")
             results.put(("round", rank, k, (stats.bytes_sent, stats.seconds)))
         engine.shutdown()
+        results.put(("done", rank, None, None))
+    except BaseException as e:  # noqa: BLE001 - reported to the driver
+        results.put(("error", rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
+
+
+def fsdp2_trainer_main(rank: int, num_ranks: int, checkpoint: str, trainer: str, inference: str,
+                       client, port: int, dist_port: int, timeout_s: float, results) -> None:
+    """One FSDP2 trainer process: ``checkpoint`` as an FSDP2 trainer holds it, one round ``v1``.
+
+    The model is built by transformers and sharded by ``fully_shard`` over the
+    ``trainer`` spec's mesh (``fsdp2:dp_shard=2``: fp32 masters, bf16
+    ``MixedPrecisionPolicy``; ``demo.build_fsdp2_model``) on a gloo default
+    group at ``dist_port``, and sent through ``fsdp2_source`` with
+    ``send_weights("v1")``. Reports on ``results`` as :func:`trainer_main` does.
+    """
+    from m2nkit.engine.tools.server import exit_with_parent
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    exit_with_parent()
+    try:
+        from datetime import timedelta
+
+        import torch
+        import torch.distributed as dist
+        from transformers import AutoConfig
+        from transformers.utils import logging as hf_logging
+
+        from m2nkit.adapters.fsdp2 import fsdp2_source
+        from m2nkit.adapters.trainer_spec import parse_trainer_spec
+        from m2nkit.adapters.vllm import vllm_destination
+        from m2nkit.engine.tools.demo import build_fsdp2_model
+        from m2nkit.engine.trainer import M2NTrainerEngine, M2NTrainerInitInfo
+
+        torch.set_num_threads(1)
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{dist_port}", rank=rank,
+                                world_size=num_ranks, timeout=timedelta(seconds=timeout_s))
+        try:
+            model, _ = build_fsdp2_model(checkpoint, parse_trainer_spec(trainer))
+            config = AutoConfig.from_pretrained(checkpoint)
+            info = M2NTrainerInitInfo(rank=rank, num_trainer_ranks=num_ranks,
+                                      destination=vllm_destination(config, inference),
+                                      master_port=port, timeout_s=timeout_s)
+            engine = M2NTrainerEngine.trainer_init(info, client=client if rank == 0 else None,
+                                                   source=fsdp2_source(model))
+            stats = engine.send_weights("v1")
+            results.put(("round", rank, 1, (stats.bytes_sent, stats.seconds)))
+            engine.shutdown()
+        finally:
+            dist.destroy_process_group()
         results.put(("done", rank, None, None))
     except BaseException as e:  # noqa: BLE001 - reported to the driver
         results.put(("error", rank, f"{type(e).__name__}: {e}", traceback.format_exc()))

@@ -31,7 +31,7 @@ from m2nkit.adapters.vllm.spec import InferenceSpec
 from m2nkit.adapters.vllm.stand_in import gpu_sparse_attention, worker_config
 from m2nkit.engine.plugins.vllm import BACKEND, M2NVLLMEngine, register
 
-__all__ = ["build_cpu_worker", "load_checkpoint", "fresh_load",
+__all__ = ["build_cpu_worker", "load_checkpoint", "fresh_load", "cpu_quantized_kernels",
            "parameters_of", "create_engine", "set_current_config"]
 
 
@@ -40,8 +40,69 @@ def _cpu_environment() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+def cpu_quantized_kernels() -> None:
+    """Let vLLM build and post-process a quantized model on a CPU without AMX; idempotent.
+
+    Only vLLM's choice of *kernel* (how a forward pass multiplies) is
+    replaced, never the weight processing:
+
+    * fp8 block-scaled linear layers: vLLM 0.33.0 offers the CPU only AMX
+      kernels (``kernels/linear/__init__.py``, ``_POSSIBLE_FP8_BLOCK_KERNELS``),
+      and ``choose_scaled_mm_linear_kernel`` raises without AMX; here it picks
+      ``TritonFp8BlockScaledMMKernel``, the last CUDA/ROCm candidate, whose
+      ``process_weights_after_loading`` is the block kernels' shared one
+      (``BlockScaledMMLinearKernel.py``, ``process_fp8_weight_block_strategy``).
+      ``tests/data/oracle/oracle_fp8.py`` makes the same cut (it returns no
+      kernel: it never post-processes);
+    * fp8 fused MoE: ``select_fp8_moe_backend`` (``fused_moe/oracle/fp8.py``)
+      finds no CPU backend without AMX and answers ``NONE``, which
+      ``convert_to_fp8_moe_kernel_format`` refuses; here ``NONE`` becomes
+      ``TRITON`` (a CUDA/ROCm choice), whose kernel format is the weights
+      as vLLM quantized them (no layout change in that function);
+    * unquantized linear and embedding layers on CPU pack their weight for the
+      oneDNN GEMM and drop it (``UnquantizedLinearMethod.process_weights_after_loading``,
+      ``layers/utils.py`` ``dispatch_cpu_unquantized_gemm``); here they take
+      the plain ``torch.nn.functional.linear``, as vLLM itself does on CPU for
+      MLA's ``kv_b_proj`` (``_cpu_skip_gemm_dispatch``), so the weight stays,
+      as on a GPU, where that step changes nothing.
+    """
+    import vllm.model_executor.kernels.linear as kernels
+    import vllm.model_executor.layers.fused_moe.oracle.fp8 as moe_oracle
+    import vllm.model_executor.layers.quantization.fp8 as fp8_checkpoint
+    import vllm.model_executor.layers.quantization.online.fp8 as fp8_online
+    import vllm.model_executor.layers.utils as layer_utils
+    from vllm.model_executor.kernels.linear.scaled_mm.triton import TritonFp8BlockScaledMMKernel
+
+    if getattr(kernels.choose_scaled_mm_linear_kernel, "_m2nkit_cpu", False):
+        return
+    choose = kernels.choose_scaled_mm_linear_kernel
+
+    def choose_on_cpu(config, possible_kernels, **kwargs):
+        if possible_kernels is kernels._POSSIBLE_FP8_BLOCK_KERNELS:
+            return TritonFp8BlockScaledMMKernel
+        return choose(config, possible_kernels, **kwargs)
+
+    def plain_linear(layer, remove_weight=False):
+        layer.cpu_linear = torch.nn.functional.linear
+
+    def select_moe_on_cpu(*args, **kwargs):
+        backend, experts = select_moe(*args, **kwargs)
+        if backend == moe_oracle.Fp8MoeBackend.NONE:
+            triton = moe_oracle.Fp8MoeBackend.TRITON
+            return triton, moe_oracle.backend_to_kernel_cls(triton)[0]
+        return backend, experts
+
+    choose_on_cpu._m2nkit_cpu = True
+    kernels.choose_scaled_mm_linear_kernel = choose_on_cpu
+    layer_utils.dispatch_cpu_unquantized_gemm = plain_linear
+    select_moe = moe_oracle.select_fp8_moe_backend
+    for module in (fp8_checkpoint, fp8_online):
+        module.select_fp8_moe_backend = select_moe_on_cpu
+
+
 def build_cpu_worker(checkpoint: str | os.PathLike, spec: InferenceSpec, worker: int, *,
-                     load: bool = True) -> tuple[torch.nn.Module, Any]:
+                     load: bool = True,
+                     quantization: str | None = None) -> tuple[torch.nn.Module, Any]:
     """Build vLLM's own model class for ``checkpoint`` as ``worker`` of ``spec``, on CPU.
 
     vLLM resolves the class from ``config.json`` (its model registry),
@@ -56,6 +117,13 @@ def build_cpu_worker(checkpoint: str | os.PathLike, spec: InferenceSpec, worker:
         ``(model, vllm_config)``: ``vllm_config.parallel_config`` carries
         ``rank`` and ``data_parallel_rank`` as a vLLM worker's does.
 
+    ``quantization``: vLLM's ``--quantization`` (e.g. ``"fp8_per_block"``);
+    a quantized model (that, or a checkpoint with a ``quantization_config``)
+    is post-processed as vLLM's loader does (``process_weights_after_loading``
+    of ``model_loader/utils.py``; online fp8 quantizes each layer while it
+    loads), with :func:`cpu_quantized_kernels`: what it serves is then kernel
+    format (e4m3 ``weight`` + ``weight_scale_inv``).
+
     Requires ``VLLM_TARGET_DEVICE=cpu`` before vLLM is first imported (set
     here if unset; too late if vLLM was imported for another platform).
     """
@@ -65,7 +133,10 @@ def build_cpu_worker(checkpoint: str | os.PathLike, spec: InferenceSpec, worker:
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     path = str(Path(checkpoint).resolve())
-    vllm_config = worker_config(path, spec, worker,
+    quantized = quantization is not None or _has_quantization_config(path)
+    if quantized:
+        cpu_quantized_kernels()
+    vllm_config = worker_config(path, spec, worker, quantization=quantization,
                                 load_config=LoadConfig(load_format="safetensors",
                                                        use_tqdm_on_load=False),
                                 weight_transfer_config=WeightTransferConfig(backend=BACKEND))
@@ -77,7 +148,19 @@ def build_cpu_worker(checkpoint: str | os.PathLike, spec: InferenceSpec, worker:
             model = initialize_model(vllm_config=vllm_config)
     if load:
         load_checkpoint(model, vllm_config, path)
+        if quantized:
+            from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+            with set_current_vllm_config(vllm_config), torch.no_grad():
+                process_weights_after_loading(model, model_config, torch.device("cpu"))
     return model, vllm_config
+
+
+def _has_quantization_config(checkpoint: str) -> bool:
+    import json
+
+    config = json.loads((Path(checkpoint) / "config.json").read_text())
+    return bool(config.get("quantization_config"))
 
 
 def load_checkpoint(model: torch.nn.Module, vllm_config: Any,
@@ -98,7 +181,7 @@ def load_checkpoint(model: torch.nn.Module, vllm_config: Any,
 
 
 def fresh_load(checkpoint: str | os.PathLike, spec: InferenceSpec,
-               worker: int) -> dict[str, torch.Tensor]:
+               worker: int, quantization: str | None = None) -> dict[str, torch.Tensor]:
     """``worker``'s parameters as vLLM loads ``checkpoint`` into a new model (new configs).
 
     :func:`build_cpu_worker` again, so nothing is shared with a live model
@@ -107,7 +190,7 @@ def fresh_load(checkpoint: str | os.PathLike, spec: InferenceSpec,
     :func:`parameters_of` it. Leaves the process's stand-in parallel state
     set for ``worker``.
     """
-    model, _ = build_cpu_worker(checkpoint, spec, worker)
+    model, _ = build_cpu_worker(checkpoint, spec, worker, quantization=quantization)
     return parameters_of(model)
 
 

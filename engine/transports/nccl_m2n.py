@@ -364,6 +364,14 @@ class NcclM2NTransport:
         expected = {w.name for w in plan.wires
                     if w.sends_to(worker)}
         done: set[str] = set()
+        notify = getattr(storage, "wires_received", None)   # a reload's (torch_p2p.recv_round)
+
+        def _landed(names) -> set[str]:
+            whole = set(names) & expected
+            if whole and notify is not None:
+                notify(sorted(whole))     # drain waited for each one's event: its bytes landed
+            return whole
+
         try:
             for seg in segments:
                 if seg.carrier == CARRIER_P2P:
@@ -385,8 +393,8 @@ class NcclM2NTransport:
                             f"{dst.dtype}; nccl.m2n delivers {call.dst_local_shape} {call.dtype}")
                     self.resharder.issue(call, None, dst)
                     report.m2n_bytes += 0 if dst is None else dst.numel() * dst.element_size()
-                    done |= set(self.resharder.drain(self.max_pending_bytes)) & expected
-            done |= set(self.resharder.drain(0)) & expected
+                    done |= _landed(self.resharder.drain(self.max_pending_bytes))
+            done |= _landed(self.resharder.drain(0))
             self.resharder.fence()
         except TransferError as e:
             prior = set(getattr(e, "received", ()))

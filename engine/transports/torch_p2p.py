@@ -566,7 +566,10 @@ def recv_round(group, plan: Plan, schedule: BucketSchedule, worker: int,
     parameter's dtype as vLLM's loaders cast (:func:`_recv_targets`). One
     bucket is posted at a time, so the staged bytes are at most one
     bucket's; ``pool`` (kept by the caller across rounds) is reused, a
-    fresh one serves this round without it.
+    fresh one serves this round without it. A ``storage`` with a
+    ``wires_received(names)`` method is told, after each bucket, the wire
+    tensors of it that landed whole (a reload makes their layers live then:
+    ``engine/receiver.py``, ``ReloadTarget``).
 
     Returns ``(names of wire tensors fully received, bytes received)``.
     Every receive is waited for until ``deadline`` (the round's), else
@@ -578,6 +581,7 @@ def recv_round(group, plan: Plan, schedule: BucketSchedule, worker: int,
     """
     deadline = Deadline.of(deadline, timeout_s)
     pool = pool if pool is not None else BufferPool(device)
+    notify = getattr(storage, "wires_received", None)
     expected = {plan.wires[wi].name for wi in range(len(plan.wires))
                 if plan.wires[wi].sends_to(worker)}
     done: set[str] = set()
@@ -591,10 +595,11 @@ def recv_round(group, plan: Plan, schedule: BucketSchedule, worker: int,
                 if unpack is not None:
                     _unpack(storage, unpack)
             del posted
-            for wi in schedule.wires(k):
-                name = plan.wires[wi].name
-                if name in expected:
-                    done.add(name)
+            whole = [plan.wires[wi].name for wi in schedule.wires(k)
+                     if plan.wires[wi].name in expected]
+            done.update(whole)
+            if whole and notify is not None:
+                notify(whole)
     except TransferError as e:
         e.received = sorted(done)
         e.missing = sorted(expected - done)

@@ -833,3 +833,84 @@ def test_no_bucket_holds_more_than_bucket_bytes_for_any_rank(ck, bucket_bytes):
         assert per_rank(nxt) > bucket_bytes or per_rank(sched.wires(k + 1)[:1]) == 0, k
     assert len(sched) > 2                # the sizes above really cut this model
 
+
+
+class _RecordingReload:
+    """A ``ReloadTarget`` over a plain storage: the round lands in ``shadow`` (zeros at each
+    ``begin``, looked up lazily), and ``commit`` copies it into the live parameters."""
+
+    def __init__(self, live: torch.nn.Module) -> None:
+        self.live, self.calls, self.looked_up, self.heard = live, [], set(), []
+        self.live_changed = False
+        self.shadow = {n: torch.zeros_like(p) for n, p in live.named_parameters()}
+
+    def params(self):
+        return dict(self.live.named_parameters())
+
+    def begin(self, plan, worker):
+        self.calls.append("begin")
+        self.heard = []
+        for t in self.shadow.values():
+            t.zero_()
+        reload = self
+
+        class Lazy(dict):
+            def __getitem__(self, name):
+                reload.looked_up.add(name)
+                return reload.shadow[name]
+
+            def wires_received(self, names):
+                reload.heard.extend(names)
+
+        return Lazy((n, None) for n in self.shadow)
+
+    def commit(self):
+        self.calls.append("commit")
+        with torch.no_grad():
+            for n, p in self.live.named_parameters():
+                p.copy_(self.shadow[n])
+
+    def abort(self):
+        self.calls.append("abort")
+
+
+@pytest.mark.timeout(60)
+def test_a_reload_target_gets_the_round_and_makes_it_live_only_at_commit(ck):
+    """``M2NReceiver(reload=...)`` (the vLLM plugin's path into a quantized model): slabs
+    land in the reload's tensors, ``commit`` runs once the round is whole; a failed round
+    is aborted: the live weights keep the last committed round, whole, and are not mixed."""
+    dest = vllm_destination(ck.config, INFERENCE)
+    targets = [build_vllm_storage(dest(checkpoint_metas(ck, TRAINER)), w) for w in range(N)]
+    reloads = [_RecordingReload(t) for t in targets]
+    receivers = [M2NReceiver(dest, w, target=targets[w], mode="in_place", reload=reloads[w])
+                 for w in range(N)]
+    client = InProcessClient(receivers, timeout_s=60)
+    tr = Trainers(ck, timeout_s=30.0)
+    try:
+        ok(tr.join(client))
+        ok(tr.round(client, 1, "v1", 1.0))
+        assert [r.calls for r in reloads] == [["begin", "commit"]] * N
+        assert all(r.looked_up == set(r.shadow) for r in reloads)   # every slab went there
+        # told of every wire tensor it was sent, once, as each bucket landed
+        assert [sorted(r.heard) for r in reloads] == [
+            sorted(receivers[w]._expected) for w in range(N)]
+        for r in receivers:
+            assert_storage(r, reference(ck, 1.0, r.worker))
+        out = tr.round(client, 2, "v2", 2.0, fail="raises")
+        assert isinstance(out["client"][1], WeightSyncError)
+        with pytest.raises(WeightSyncError) as fin:
+            client.finish_weight_update("v2")
+        for e in fin.value.errors.values():
+            assert "not committing" in str(e) and "mixed" not in str(e), e
+        assert [r.calls for r in reloads] == [["begin", "commit", "begin", "abort"]] * N
+        assert client.weight_versions() == ["v1", "v1"]
+        for r in receivers:
+            assert not r.weights_mixed
+            assert_storage(r, reference(ck, 1.0, r.worker))
+    finally:
+        tr.close()
+        for r in receivers:
+            r.shutdown()
+    with pytest.raises(ValueError, match=r"reload= needs the live target it reloads and "
+                                         r"mode='in_place' \(got target=NoneType, mode='staged'\)"):
+        M2NReceiver(dest, 0, reload=reloads[0])

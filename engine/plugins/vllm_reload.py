@@ -1,0 +1,350 @@
+"""Rounds into a quantized vLLM model through vLLM's own layerwise reload.
+
+A vLLM model served with ``quantization="fp8_per_block"`` (online: BF16
+checkpoint weights, quantized by each worker) or from a block-quantized fp8
+checkpoint (DeepSeek-V3's ``weight_scale_inv``) does not hold what the wire
+carries: after loading, each layer's ``quant_method.process_weights_after_loading``
+turned the checkpoint-format tensors into kernel-format ones (e4m3 ``weight``
+and fp32 ``weight_scale_inv`` made by ``per_block_cast_to_fp8``, MoE
+``w13``/``w2`` set up for their kernel, MLA's derived ``W_UK_T``/``W_UV``).
+Writing slabs into those would be wrong bytes, and they must not be
+re-allocated (CUDA graphs hold their addresses).
+
+vLLM 0.33.0's path for reloading a live model
+(``vllm/model_executor/model_loader/reload/layerwise.py``) is what
+:class:`LayerwiseReload` drives, the way vLLM's own sharded RDT engine does
+(``distributed/weight_transfer/sharded_rdt_engine.py``: ``start_weight_update``,
+``_process_item``, ``_run_quant``), minus its loader replay:
+
+* :meth:`~LayerwiseReload.begin`: ``initialize_layerwise_reload(model)`` keeps
+  each layer's kernel tensors aside and puts the layer back in checkpoint
+  format on the meta device, from the metadata ``initialize_model`` recorded
+  before the first load (``record_metadata_for_reloading``,
+  ``model_loader/utils.py``);
+* the round's slabs land in those checkpoint-format tensors: a layer is
+  materialized (``materialize_layer``, on the device vLLM recorded) and
+  zeroed when its first slab arrives (the elements no slab writes are the
+  layout's ``zero_boxes``, vocab padding, which vLLM's loaders fill with 0);
+* as soon as every wire tensor the plan writes into a layer has landed (the
+  transport says so after each bucket: ``wires_received``), the layer goes
+  through ``_layerwise_process``: vLLM's quantization or repacking of it,
+  ``update_param_tp_status``, then a copy into the kernel tensors kept aside
+  (same storage). The plan's wire order is the trainer's module order,
+  grouped by decoder layer, and its buckets are contiguous runs of it, so a
+  worker holds the checkpoint-format tensors of about one bucket's layers at
+  a time, not of the model (vLLM's own warning: "ordering weights by their
+  parent layer" avoids its buffering);
+* :meth:`~LayerwiseReload.commit`, after every wire tensor arrived and every
+  rank agreed: any written layer not processed yet is, in model order, then
+  ``finalize_layerwise_reload`` places the untouched layers' kernel tensors
+  back and runs the attention layers' ``process_weights_after_loading``
+  (MLA's derived weights from the new ``kv_b_proj``). The version commits
+  only after that;
+* :meth:`~LayerwiseReload.abort` (a failed or dropped round): every layer not
+  processed yet gets its kernel tensors back unchanged
+  (``_place_kernel_tensors``, as the sharded engine's
+  ``_restore_after_dry_run``). Layers already processed keep the new values:
+  ``live_changed`` tells the receiver, which then reports the weights as
+  mixed (as in its ``in_place`` mode) until a complete round commits.
+
+What is processed is exactly what vLLM's own loader would quantize: the
+bytes the plan wrote where vLLM's loaders write (the plan's layout is the
+checkpoint format, checked against :meth:`~LayerwiseReload.params` and traced
+inside the reload).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["LayerwiseReload", "checkpoint_params", "quantization_mode", "SUPPORTED_QUANTIZATION"]
+
+#: The quantization schemes a quantized vLLM model may be served with to receive
+#: m2nkit rounds, and what the wire then carries (docs/fp8.md).
+SUPPORTED_QUANTIZATION = {
+    "fp8_per_block": "mode 1: BF16 wire, quantized online by vLLM in 128 x 128 blocks",
+    "fp8": "mode 3: a block-quantized fp8 checkpoint (weight_block_size; DeepSeek-V3 "
+           "weight + weight_scale_inv) on the wire as stored",
+}
+
+
+def quantization_mode(vllm_config: Any) -> str | None:
+    """Which way in a vLLM config's quantization gives (``None``: unquantized).
+
+    ``"fp8_per_block"`` (vLLM's ``OnlineQuantizationConfig`` with block
+    scheme: ``layers/quantization/online/``) or ``"fp8"`` with a
+    checkpoint serialized in fp8 blocks (``Fp8Config`` with
+    ``is_checkpoint_fp8_serialized`` and ``weight_block_size``,
+    ``layers/quantization/fp8.py``).
+
+    Raises:
+        ValueError: any other scheme (int4 compressed-tensors, NVFP4, MXFP4,
+            per-tensor fp8, ...), naming it and listing the supported ones.
+    """
+    name = getattr(vllm_config.model_config, "quantization", None)
+    if name is None:
+        return None
+    qc = vllm_config.quant_config
+    if name == "fp8_per_block":
+        return name
+    if name == "fp8" and getattr(qc, "is_checkpoint_fp8_serialized", False) \
+            and getattr(qc, "weight_block_size", None):
+        return name
+    what = name
+    if name == "fp8":
+        what = ("fp8 " + ("per-tensor from an fp8 checkpoint"
+                          if getattr(qc, "is_checkpoint_fp8_serialized", False)
+                          else "online per-tensor from an unquantized checkpoint"))
+    supported = "; ".join(f"{k} ({v})" for k, v in SUPPORTED_QUANTIZATION.items())
+    raise ValueError(f"vLLM serves this model with quantization {what!r}, which m2nkit does "
+                     f"not carry; supported: {supported}")
+
+
+def _modules(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        yield prefix, module
+
+
+def checkpoint_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``{name: tensor}`` of the model's checkpoint-format parameters (what its loaders fill).
+
+    Each layer's parameters as ``initialize_model`` recorded them before the
+    first load (``LAYERWISE_INFO[layer].restore_metadata``: meta tensors
+    with the loader's shape and dtype, e.g. ``qkv_proj.weight`` in BF16 for
+    online fp8, e4m3 ``weight`` + fp32 ``weight_scale_inv`` for an fp8
+    checkpoint), plus the live parameters the reload never moves to meta
+    (``SKIP_TENSORS``: ``e_score_correction_bias``), under the live model's
+    dotted names. Tied parameters appear under every name.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for prefix, module in _modules(model):
+        dot = f"{prefix}." if prefix else ""
+        for name, t in _own_checkpoint_params(module).items():
+            out[dot + name] = t
+    return out
+
+
+def _own_checkpoint_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """One module's own checkpoint-format parameters (:func:`checkpoint_params`)."""
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+    from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS
+
+    params, _ = get_layerwise_info(module).restore_metadata
+    out = dict(params)
+    for name, t in module._parameters.items():
+        if t is not None and name in SKIP_TENSORS:
+            out[name] = t
+    return out
+
+
+def _never_on_meta() -> set[str]:
+    from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS
+
+    return SKIP_TENSORS
+
+
+class _LazyStorage(Mapping):
+    """``{checkpoint name: tensor}`` that materializes a layer on its first lookup.
+
+    ``wires_received(names)``: the transport's word that these wire tensors
+    landed whole (``torch_p2p.recv_round``, after each bucket).
+    """
+
+    def __init__(self, owner: "LayerwiseReload") -> None:
+        self._owner = owner
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._owner._tensor(name)
+
+    def wires_received(self, names) -> None:
+        self._owner._wires_received(names)
+
+    def __iter__(self):
+        return iter(self._owner._where)
+
+    def __len__(self) -> int:
+        return len(self._owner._where)
+
+
+class LayerwiseReload:
+    """m2nkit's ``ReloadTarget`` (``engine/receiver.py``) for a live, quantized vLLM model.
+
+    Args:
+        model: the live vLLM model (built by ``initialize_model``, so its
+            reload metadata is recorded).
+        model_config: ``vllm_config.model_config`` (its dtype, for the
+            attention layers' post-load step).
+        vllm_config: set as vLLM's current config around the processing
+            (online quantization methods read it).
+    """
+
+    def __init__(self, model: torch.nn.Module, model_config: Any, vllm_config: Any) -> None:
+        self.model = model
+        self.model_config = model_config
+        self.vllm_config = vllm_config
+        self._where: dict[str, tuple[torch.nn.Module, str]] = {}
+        for prefix, module in _modules(model):
+            dot = f"{prefix}." if prefix else ""
+            for name in _own_checkpoint_params(module):
+                self._where.setdefault(dot + name, (module, name))
+        self._written: list[torch.nn.Module] = []      # materialized this round, in order
+        self._seen: set[int] = set()
+        self._waiting: dict[int, set[str]] = {}        # id(layer) -> wire tensors not yet in
+        self._shadow: dict[str, tuple[torch.nn.Module, str, torch.Tensor]] = {}
+        self._layer_of: dict[int, torch.nn.Module] = {}
+        self._wires_of: dict[str, set[int]] = {}       # wire tensor -> ids of layers it feeds
+        self.active = False
+        #: whether this round already replaced some layer's kernel tensors (a failure
+        #: after that leaves the served weights mixed)
+        self.live_changed = False
+        #: layers processed during the round, as their last wire tensor arrived (their
+        #: count, their ids)
+        self.streamed = 0
+        self.streamed_ids: set[int] = set()
+
+    def params(self) -> dict[str, torch.Tensor]:
+        """The checkpoint-format layout (:func:`checkpoint_params`)."""
+        return checkpoint_params(self.model)
+
+    def begin(self, plan: Any = None, worker: int | None = None) -> Mapping[str, torch.Tensor]:
+        """``initialize_layerwise_reload``; returns the round's lazily materialized storage.
+
+        With the round's ``plan`` and this ``worker``, each layer is processed
+        as soon as every wire tensor the plan writes into it arrived (the
+        transport says so after each bucket); without, at :meth:`commit`.
+        """
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        if self.active:
+            self.abort()
+        with set_current_vllm_config(self.vllm_config):
+            initialize_layerwise_reload(self.model)
+        self._written, self._seen = [], set()
+        self._waiting, self._layer_of, self._wires_of = {}, {}, {}
+        self._shadow = {}
+        self.live_changed = False
+        self.streamed = 0
+        self.streamed_ids = set()
+        if plan is not None:
+            for wire, bindings in plan.destination.bindings.items():
+                for b in bindings:
+                    if b.worker == worker and b.param in self._where:
+                        layer = self._where[b.param][0]
+                        self._layer_of[id(layer)] = layer
+                        self._waiting.setdefault(id(layer), set()).add(wire)
+                        self._wires_of.setdefault(wire, set()).add(id(layer))
+        self.active = True
+        return _LazyStorage(self)
+
+    def _wires_received(self, names) -> None:
+        """Process each layer whose wire tensors all arrived (``_layerwise_process``)."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer
+        from vllm.model_executor.model_loader.reload.layerwise import (
+            _layerwise_process,
+            get_layerwise_info,
+        )
+
+        ready = []
+        for wire in names:
+            for lid in self._wires_of.pop(wire, ()):
+                left = self._waiting.get(lid)
+                if left is not None:
+                    left.discard(wire)
+                    if not left:
+                        del self._waiting[lid]
+                        ready.append(self._layer_of[lid])
+        if not ready:
+            return
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            for layer in ready:
+                info = get_layerwise_info(layer)
+                if id(layer) in self._seen and info.can_load() \
+                        and not is_deferred_attention_layer(layer):
+                    self.live_changed = True
+                    self._flush_shadows(layer)
+                    _layerwise_process(layer, info)
+                    self.streamed += 1
+                    self.streamed_ids.add(id(layer))
+
+    def _tensor(self, name: str) -> torch.Tensor:
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+        from vllm.model_executor.model_loader.reload.meta import materialize_layer
+        from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
+
+        if not self.active:
+            raise RuntimeError(f"parameter '{name}' written outside a reload round")
+        module, attr = self._where[name]
+        t = getattr(module, attr)
+        if t.is_meta:
+            on_meta = [n for n, u in get_layer_tensors(module).items() if u.is_meta]
+            materialize_layer(module, get_layerwise_info(module))
+            # Elements no slab writes are the layout's zero_boxes (vocab padding, which
+            # vLLM's loaders fill with 0): they must read 0, not what empty() left.
+            for n in on_meta:
+                getattr(module, n).data.zero_()
+            t = getattr(module, attr)
+        if id(module) not in self._seen:
+            self._seen.add(id(module))
+            self._written.append(module)
+        if attr in _never_on_meta():
+            # A tensor the reload leaves live (e_score_correction_bias): the round writes
+            # a copy, put in place when its layer is processed, so an abort keeps it.
+            if name not in self._shadow:
+                self._shadow[name] = (module, attr, torch.zeros_like(t.data))
+            return self._shadow[name][2]
+        return t.data
+
+    def _flush_shadows(self, layer: torch.nn.Module | None = None) -> None:
+        """Copy the round's values of the live-kept tensors of ``layer`` (all: None) in."""
+        for name, (module, attr, value) in list(self._shadow.items()):
+            if layer is None or module is layer:
+                getattr(module, attr).data.copy_(value)
+                del self._shadow[name]
+
+    def commit(self) -> None:
+        """Process every written layer as vLLM's reload does, then ``finalize_layerwise_reload``."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+        from vllm.model_executor.model_loader.reload.layerwise import (
+            _layerwise_process,
+            get_layerwise_info,
+        )
+
+        written = {id(m) for m in self._written}
+        self.active = False
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            self._flush_shadows()
+            for _, module in _modules(self.model):
+                info = get_layerwise_info(module)
+                if id(module) in written and info.can_load() \
+                        and not is_deferred_attention_layer(module):
+                    _layerwise_process(module, info)
+            finalize_layerwise_reload(self.model, self.model_config)
+        self._written, self._seen = [], set()
+
+    def abort(self) -> None:
+        """Give every layer its kernel tensors back, unchanged; nothing is processed."""
+        from vllm.model_executor.model_loader.reload.layerwise import (
+            LOADING_LAYERS,
+            _place_kernel_tensors,
+            get_layerwise_info,
+        )
+
+        self.active = False
+        self._shadow = {}
+        for _, module in _modules(self.model):
+            info = get_layerwise_info(module)
+            if info.can_load():
+                if info.kernel_tensors is not None:
+                    _place_kernel_tensors(module, info)
+                info.reset()
+        LOADING_LAYERS.clear()
+        if hasattr(self.model, "_original_do_torchao_reload"):
+            self.model._do_torchao_reload = self.model._original_do_torchao_reload
+        self._written, self._seen = [], set()
