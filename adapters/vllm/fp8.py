@@ -23,9 +23,9 @@ Each quantized layer ends with ``weight`` (float8 e4m3, the local shape) and
 (gate rows, then up rows, each padded with zeros, ``moe_base._zero_padding``),
 ``w2 [E_local, ceil128(H), ceil128(Im_local)]``.
 
-Per family the rule is data: families whose table marks ``Param.quantized``
-(DeepSeek-V3, pinned by vLLM's checkpoint-fp8 dumps, the same
-``quant_config`` rule) use it; :data:`ONLINE_FP8_LINEAR` lists the
+Per family the rule is data: the families of :data:`ONLINE_FP8_FROM_TABLE`
+use their table's ``Param.quantized`` (DeepSeek-V3, pinned by vLLM's
+checkpoint-fp8 dumps: the same ``quant_config`` rule); :data:`ONLINE_FP8_LINEAR` lists the
 quantized parameters of the others m2nkit plans in fp8. The integration
 test ``tests/integration/test_fp8_plan.py`` holds the rule against a fresh
 vLLM load with ``quantization="fp8_per_block"``.
@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 
 from m2nkit.manifest.destination import DestinationLayout
 
-__all__ = ["ONLINE_FP8_LINEAR", "OnlineFp8Param", "online_fp8_params", "fp8_architectures",
+__all__ = ["ONLINE_FP8_LINEAR", "ONLINE_FP8_FROM_TABLE", "OnlineFp8Param", "online_fp8_params", "fp8_architectures",
            "SCALE_SUFFIX"]
 
 SCALE_SUFFIX = "_scale_inv"
@@ -73,19 +73,15 @@ def _round_up(n: int) -> int:
     return -(-n // _BLOCK) * _BLOCK
 
 
+#: Families whose table's ``Param.quantized`` flags are vLLM's online rule too, checked
+#: against a fresh vLLM fp8_per_block load (``tests/integration/test_fp8_plan.py``).
+#: DeepSeek-V3 covers Kimi-K2 (same architecture).
+ONLINE_FP8_FROM_TABLE: tuple[str, ...] = ("DeepseekV3ForCausalLM",)
+
+
 def fp8_architectures() -> tuple[str, ...]:
     """Architectures m2nkit plans under ``quant=fp8_per_block``."""
-    from m2nkit.adapters.families import supported_architectures, family_for
-
-    out = set(ONLINE_FP8_LINEAR)
-    for arch in supported_architectures():
-        try:
-            fam = family_for({"architectures": [arch]})
-        except Exception:  # noqa: BLE001 - a wrapper family needs more of the config
-            continue
-        if any(p.quantized for p in fam.params):
-            out.add(arch)
-    return tuple(sorted(out))
+    return tuple(sorted({*ONLINE_FP8_LINEAR, *ONLINE_FP8_FROM_TABLE}))
 
 
 def online_fp8_params(config: Any, destination: DestinationLayout) -> list[OnlineFp8Param]:
@@ -124,7 +120,7 @@ def online_fp8_params(config: Any, destination: DestinationLayout) -> list[Onlin
     suffixes = ONLINE_FP8_LINEAR.get(arch)
     flagged: set[str] | None = None
     if suffixes is None:
-        if not any(p.quantized for p in family.params):
+        if arch not in ONLINE_FP8_FROM_TABLE:
             raise ValueError(f"{arch}: m2nkit has no fp8_per_block rule for this architecture; "
                              f"supported: {', '.join(fp8_architectures())}")
         s = family.sizes(config)

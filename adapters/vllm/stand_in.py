@@ -92,14 +92,16 @@ class StandInGroups:
                   else _StandInCoordinator("ep", 1, 0))
 
 
-def worker_config(model_dir: str, spec: Any, worker: int, **extra: Any) -> Any:
+def worker_config(model_dir: str, spec: Any, worker: int, *, quantization: str | None = None,
+                  **extra: Any) -> Any:
     """The ``VllmConfig`` of ``worker`` of ``spec`` (an ``InferenceSpec``), its groups installed.
 
     ``model_dir`` holds the ``config.json`` vLLM's ``ModelConfig`` reads
     (and the checkpoint, when one is loaded). The parallel config carries
     ``rank`` and ``data_parallel_rank`` as a vLLM worker's does, with the
     spec's EP, expert placement and all2all backend; the device is the CPU.
-    ``extra`` goes to ``VllmConfig`` (a ``load_config``, a
+    ``quantization`` is vLLM's ``--quantization`` (``ModelConfig.quantization``,
+    e.g. ``"fp8_per_block"``). ``extra`` goes to ``VllmConfig`` (a ``load_config``, a
     ``weight_transfer_config``). Sets the process's parallel state for this
     worker (:class:`StandInGroups`), which stays so.
     """
@@ -108,7 +110,8 @@ def worker_config(model_dir: str, spec: Any, worker: int, **extra: Any) -> Any:
     tp_rank, dp_index = spec.tp_rank(worker), spec.dp_index(worker)
     StandInGroups(spec.tp, tp_rank, spec.dp, dp_index, spec.ep).install()
     model_config = ModelConfig(model=model_dir, tokenizer=model_dir, skip_tokenizer_init=True,
-                               dtype=spec.dtype, enforce_eager=True, seed=0)
+                               dtype=spec.dtype, enforce_eager=True, seed=0,
+                               quantization=quantization)
     parallel = ParallelConfig(tensor_parallel_size=spec.tp, data_parallel_size=spec.dp,
                               data_parallel_rank=dp_index, rank=tp_rank,
                               enable_expert_parallel=spec.ep,

@@ -16,7 +16,8 @@ import time
 
 from m2nkit.engine.tools.report import fmt_bytes, fmt_seconds
 
-__all__ = ["plan_fp8_wire", "fp8_rows", "print_fp8", "verify_fp8"]
+__all__ = ["plan_fp8_wire", "fp8_rows", "print_fp8", "run_fp8_in_process", "verify_fp8",
+           "vllm_reference_fp8"]
 
 
 def plan_fp8_wire(config, plan, *, with_leaders: bool = False):
@@ -110,6 +111,27 @@ def _shard_regions(t):
         yield src, dst
 
 
+def run_fp8_in_process(ckpt, tspec, plan, fp8):
+    """Every worker's parameters after a mode-2 round from trainer ranks holding ``ckpt``.
+
+    The BF16 plan runs first (``execute_plan``: the unquantized parameters,
+    norms, embeddings), then every trainer rank quantizes what it sends
+    (``quant_fp8.execute_fp8_in_process``). Returns ``(storage, (t0, t1,
+    t2))``: ``{worker: {vLLM name: tensor}}`` and the clock around both.
+    """
+    from m2nkit.adapters.hf_checkpoint import checkpoint_manifest
+    from m2nkit.engine.in_process import allocate_storage, execute_plan
+    from m2nkit.engine.quant_fp8 import execute_fp8_in_process
+
+    storage = {w: allocate_storage(plan.destination, w) for w in range(plan.num_workers)}
+    sources = {r: checkpoint_manifest(ckpt, tspec, r) for r in range(tspec.num_ranks)}
+    t0 = time.perf_counter()
+    execute_plan(plan, {r: s.iter_local() for r, s in sources.items()}, storage)
+    t1 = time.perf_counter()
+    execute_fp8_in_process(plan, fp8, lambda r: sources[r].iter_local(), storage)
+    return storage, (t0, t1, time.perf_counter())
+
+
 def verify_fp8(console, ckpt, tspec, ispec, plan, fp8):
     """Run the BF16 plan and the trainer-side fp8 quantization here; compare with vLLM's.
 
@@ -120,19 +142,12 @@ def verify_fp8(console, ckpt, tspec, ispec, plan, fp8):
 
     Returns ``(ok, storage)``, storage as vLLM holds it after quantization.
     """
-    from m2nkit.adapters.hf_checkpoint import checkpoint_manifest, full_checkpoint_tensors
+    from m2nkit.adapters.hf_checkpoint import full_checkpoint_tensors
     from m2nkit.adapters.vllm import reference_load
-    from m2nkit.engine.in_process import allocate_storage, bitwise_equal, execute_plan
-    from m2nkit.engine.quant_fp8 import execute_fp8_in_process
+    from m2nkit.engine.in_process import bitwise_equal
 
     workers = range(plan.num_workers)
-    storage = {w: allocate_storage(plan.destination, w) for w in workers}
-    sources = {r: checkpoint_manifest(ckpt, tspec, r) for r in range(tspec.num_ranks)}
-    t0 = time.perf_counter()
-    execute_plan(plan, {r: s.iter_local() for r, s in sources.items()}, storage)
-    t1 = time.perf_counter()
-    execute_fp8_in_process(plan, fp8, lambda r: sources[r].iter_local(), storage)
-    t2 = time.perf_counter()
+    storage, (t0, t1, t2) = run_fp8_in_process(ckpt, tspec, plan, fp8)
     full = full_checkpoint_tensors(ckpt)
     by_worker: dict[int, list] = {}
     for t in fp8.targets.values():
