@@ -115,3 +115,26 @@ def test_deepseek_v3_mla_tp2():
 def test_deepseek_v3_ep():
     _check_against_vllm(DATA / "tiny-deepseek-v3" / "checkpoint", "fsdp:2",
                         "vllm:tp=2,ep,quant=fp8_per_block,wire=fp8")
+
+
+def test_cli_verify_dump_holds_vllms_tensors(qwen3_blocks, tmp_path, capsys):
+    """``m2nkit plan --verify --dump``: each worker file holds, under vLLM's names, exactly
+    the tensors vLLM's own fp8_per_block load holds (e4m3 weights, float32 scales)."""
+    from safetensors.torch import load_file
+
+    from m2nkit.adapters.vllm import parse_inference_spec
+    from m2nkit.engine.tools.cli import main
+    from m2nkit.engine.tools.vllm_workers import fresh_fp8_load
+
+    inference = "vllm:tp=2,quant=fp8_per_block,wire=fp8"
+    assert main(["plan", str(qwen3_blocks), "--trainer", "hsdp:2,2", "--inference", inference,
+                 "--verify", "--dump", str(tmp_path)]) == 0
+    assert "e4m3 bytes and scales bit-identical" in capsys.readouterr().out
+    for w in range(2):
+        dumped = load_file(str(tmp_path / f"worker{w}.safetensors"))
+        vllm = fresh_fp8_load(qwen3_blocks, parse_inference_spec(inference), w)
+        assert set(dumped) == set(vllm)
+        assert dumped["model.layers.0.self_attn.qkv_proj.weight"].dtype == torch.float8_e4m3fn
+        assert dumped["model.layers.0.self_attn.qkv_proj.weight_scale_inv"].shape == (3, 3)
+        for name, ref in vllm.items():
+            assert _same(dumped[name], ref), f"worker {w}: dumped {name} differs from vLLM's"
