@@ -339,6 +339,47 @@ def plan_fp8(plan: Plan, targets: Iterable[Fp8Target], *, with_leaders: bool = F
     edges: dict[str, list[np.ndarray]] = {}     # param -> [(worker, flat block, src, wire)]
     wire_ids: dict[str, dict[int, int]] = {}
     interior_leaders: dict[str, list[np.ndarray]] = {}
+    last_wire: dict[str, int] = {}                 # param -> the last wire feeding it
+    for wi, wp in enumerate(plan.wires):
+        if not wp.skipped and len(wp.table):
+            for b in wp.bindings:
+                if (b.worker, b.param) in tmap:
+                    last_wire[b.param] = wi
+
+    def finish(pname: str) -> None:
+        chunks = edges.pop(pname)
+        rows = np.concatenate(chunks)
+        NB, NW = int(np.prod(grid0[pname])), len(wire_ids[pname])
+        if N * NB * T * NW >= 1 << 62:
+            raise ValueError(f"fp8 plan: {pname!r} has too many blocks to index "
+                             f"({N} workers x {NB} blocks x {T} ranks)")
+        # one int64 per (worker, block, src, wire): sorting it sorts by block, then src
+        code = _distinct(((rows[:, 0] * NB + rows[:, 1]) * T + rows[:, 2]) * NW + rows[:, 3])
+        wbs = _distinct(code // NW)                     # distinct (worker*NB + block)*T + src
+        wb = wbs // T
+        src = wbs % T
+        keys, first, counts = np.unique(wb, return_index=True, return_counts=True)
+        out.blocks += len(keys)
+        shared = counts > 1
+        out.shared_blocks += int(shared.sum())
+        _, wire_counts = np.unique(_distinct(code // (NW * T) * NW + code % NW) // NW,
+                                   return_counts=True)
+        out.multi_wire_blocks += int((wire_counts > 1).sum())
+        out.exchange_scalars += int(2 * (counts[shared] - 1).sum())
+        leader = src[first]                             # lowest feeder
+        kw = keys // NB
+        np.add.at(send, leader, SCALE_BYTES)            # the block's scale, leader -> worker
+        np.add.at(recv, kw, SCALE_BYTES)
+        lead_of = np.repeat(leader, counts)
+        nonlead = src != lead_of                        # partial max to the leader, amax back
+        np.add.at(send, src[nonlead], SCALE_BYTES)
+        np.add.at(trecv, lead_of[nonlead], SCALE_BYTES)
+        np.add.at(send, lead_of[nonlead], SCALE_BYTES)
+        np.add.at(trecv, src[nonlead], SCALE_BYTES)
+        if with_leaders:
+            interior_leaders.setdefault(pname, []).append(
+                np.stack([kw, keys % NB, leader], axis=1))
+
     for wi, wp in enumerate(plan.wires):
         if wp.skipped or not len(wp.table):
             continue
@@ -392,38 +433,11 @@ def plan_fp8(plan: Plan, targets: Iterable[Fp8Target], *, with_leaders: bool = F
                 k = row[box]
                 edges.setdefault(pname, []).append(np.stack(
                     [d[k], flat, s[k], np.full(len(k), wl)], axis=1))
-    for pname, chunks in edges.items():
-        rows = np.concatenate(chunks)
-        NB, NW = int(np.prod(grid0[pname])), len(wire_ids[pname])
-        if N * NB * T * NW >= 1 << 62:
-            raise ValueError(f"fp8 plan: {pname!r} has too many blocks to index "
-                             f"({N} workers x {NB} blocks x {T} ranks)")
-        # one int64 per (worker, block, src, wire): sorting it sorts by block, then src
-        code = _distinct(((rows[:, 0] * NB + rows[:, 1]) * T + rows[:, 2]) * NW + rows[:, 3])
-        wbs = _distinct(code // NW)                     # distinct (worker*NB + block)*T + src
-        wb = wbs // T
-        src = wbs % T
-        keys, first, counts = np.unique(wb, return_index=True, return_counts=True)
-        out.blocks += len(keys)
-        shared = counts > 1
-        out.shared_blocks += int(shared.sum())
-        _, wire_counts = np.unique(_distinct(code // (NW * T) * NW + code % NW) // NW,
-                                   return_counts=True)
-        out.multi_wire_blocks += int((wire_counts > 1).sum())
-        out.exchange_scalars += int(2 * (counts[shared] - 1).sum())
-        leader = src[first]                             # lowest feeder
-        kw = keys // NB
-        np.add.at(send, leader, SCALE_BYTES)            # the block's scale, leader -> worker
-        np.add.at(recv, kw, SCALE_BYTES)
-        lead_of = np.repeat(leader, counts)
-        nonlead = src != lead_of                        # partial max to the leader, amax back
-        np.add.at(send, src[nonlead], SCALE_BYTES)
-        np.add.at(trecv, lead_of[nonlead], SCALE_BYTES)
-        np.add.at(send, lead_of[nonlead], SCALE_BYTES)
-        np.add.at(trecv, src[nonlead], SCALE_BYTES)
-        if with_leaders:
-            interior_leaders.setdefault(pname, []).append(
-                np.stack([kw, keys % NB, leader], axis=1))
+        for pname in names:                             # one layer's edges in memory at a time
+            if last_wire[pname] == wi and pname in edges:
+                finish(pname)
+    for pname in list(edges):
+        finish(pname)
     if with_leaders:
         for pname, chunks in interior_leaders.items():
             rows = np.concatenate(chunks)
