@@ -115,3 +115,37 @@ def test_cli_refusals(capsys, config, says):
                  "vllm:tp=8,quant=fp8_per_block,wire=fp8"])
     err = capsys.readouterr().err
     assert code == 2 and says in err and "Traceback" not in err
+
+
+def _fp8_names(model: str, spec: str) -> dict[str, tuple]:
+    from m2nkit.adapters.hf_checkpoint import checkpoint_metas, read_checkpoint
+    from m2nkit.adapters.trainer_spec import parse_trainer_spec
+    from m2nkit.adapters.vllm import destination_layout
+    from m2nkit.adapters.vllm.fp8 import online_fp8_params
+
+    ckpt = read_checkpoint(str(ORACLE / model / "checkpoint" / "config.json"))
+    metas = checkpoint_metas(ckpt, parse_trainer_spec("fsdp:2"))
+    dest = destination_layout(ckpt.config, metas, spec)
+    return {p.param: p.fp8_shape for p in online_fp8_params(ckpt.config, dest)
+            if p.worker == 0 and ".layers.1." in p.param}
+
+
+def test_which_layers_vllm_quantizes():
+    """vLLM 0.33.0 fp8_per_block, read off a fresh load (tests/integration/test_fp8_plan.py
+    holds it against vLLM itself): Qwen3-MoE's router is fp8 (GateLinear built with
+    quant_config), DeepSeek-V3's is not; norms, embeddings, lm_head, e_score_correction_bias
+    never are; experts padded to 128 (Im 32 -> 128, DeepSeek H 64 -> 128; 4 experts at EP 2)."""
+    L = "model.layers.1"
+    assert _fp8_names("tiny-qwen3-moe", "vllm:tp=2,ep") == {
+        f"{L}.self_attn.qkv_proj.weight": (96, 128), f"{L}.self_attn.o_proj.weight": (128, 64),
+        f"{L}.mlp.gate.weight": (8, 128),
+        f"{L}.mlp.experts.routed_experts.w13_weight": (4, 256, 128),
+        f"{L}.mlp.experts.routed_experts.w2_weight": (4, 128, 128)}
+    assert _fp8_names("tiny-deepseek-v3", "vllm:tp=2,ep") == {
+        f"{L}.self_attn.fused_qkv_a_proj.weight": (72, 64),
+        f"{L}.self_attn.q_b_proj.weight": (128, 32), f"{L}.self_attn.kv_b_proj.weight": (128, 32),
+        f"{L}.self_attn.o_proj.weight": (64, 32),
+        f"{L}.mlp.shared_experts.gate_up_proj.weight": (32, 64),
+        f"{L}.mlp.shared_experts.down_proj.weight": (64, 16),
+        f"{L}.mlp.experts.routed_experts.w13_weight": (4, 256, 128),
+        f"{L}.mlp.experts.routed_experts.w2_weight": (4, 128, 128)}
