@@ -149,3 +149,20 @@ def test_which_layers_vllm_quantizes():
         f"{L}.mlp.shared_experts.down_proj.weight": (64, 16),
         f"{L}.mlp.experts.routed_experts.w13_weight": (4, 256, 128),
         f"{L}.mlp.experts.routed_experts.w2_weight": (4, 128, 128)}
+
+
+def test_megatron_tp_matching_vllm_needs_no_exchange(tmp_path):
+    """megatron:tp=2 -> vllm:tp=2: Megatron rank r holds exactly vLLM tp rank r's heads and
+    columns/rows, so each of the 16 blocks of tiny-qwen3 (see above) has one feeder: no
+    exchange; the 8 qkv / gate_up blocks still span two wire tensors (a rank-local
+    combination of its q, k and v, or gate and up)."""
+    ckpt = tmp_path / "tiny-qwen3"
+    ckpt.mkdir()
+    shutil.copy(ORACLE / "tiny-qwen3" / "checkpoint" / "config.json", ckpt / "config.json")
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(ckpt), "--trainer", "megatron:tp=2,pp=1", "--inference",
+                 "vllm:tp=2,quant=fp8_per_block,wire=fp8", "--json", str(out)]) == 0
+    fp8 = json.loads(out.read_text())["fp8"]
+    assert (fp8["blocks"], fp8["shared_blocks"], fp8["exchange_scalars"],
+            fp8["multi_wire_blocks"]) == (16, 0, 0, 8)
+    assert fp8["fp8_wire_bytes"] == 260928          # the same bytes as from fsdp:4
