@@ -1,4 +1,4 @@
-"""The vLLM spec: ``vllm:tp=T[,dp=D][,ep][,placement=P][,all2all=B][,dtype=X]``.
+"""The vLLM spec: ``vllm:tp=T[,dp=D][,ep][,placement=P][,all2all=B][,dtype=X][,quant=Q[,wire=W]]``.
 
 One string names the inference side's layout on the command line and in a
 ``DestinationLayout``. Workers are numbered dp-major, ``worker = dp_index * tp
@@ -13,6 +13,14 @@ experts go) and ``--dtype`` (``vllm/config/model.py``; the dtype vLLM
 allocates parameters in). The values are checked here, without torch, so a
 typo is refused at once; what they mean for a model is decided in
 ``m2nkit.adapters.vllm.expert_placement`` and ``m2nkit.adapters.vllm.dtype``.
+
+``quant`` is vLLM's ``--quantization`` for a BF16 model quantized online
+(``vllm/config/quantization.py`` ``_ONLINE_SHORTHANDS``); m2nkit carries
+``fp8_per_block`` only (``m2nkit.adapters.vllm.fp8``) and refuses vLLM's
+other online schemes by name. ``wire`` says what the trainer sends into it:
+``bf16`` (vLLM quantizes what lands, mode 1) or ``fp8`` (each trainer rank
+quantizes its slabs in the worker's 128 x 128 grid, mode 2,
+``m2nkit.engine.quant_fp8``).
 """
 
 from __future__ import annotations
@@ -21,12 +29,14 @@ import re
 from dataclasses import dataclass
 
 __all__ = ["InferenceSpec", "parse_inference_spec", "SPEC_SYNTAX", "PLACEMENTS",
-           "ALL2ALL_BACKENDS", "DTYPES"]
+           "ALL2ALL_BACKENDS", "DTYPES", "QUANTS", "REFUSED_QUANTS", "WIRES"]
 
 #: What a valid spec looks like (quoted in every parse error).
 SPEC_SYNTAX = ("vllm:tp=T[,dp=D][,ep][,placement=linear|round_robin][,all2all=BACKEND]"
-               "[,dtype=auto|bfloat16|float16|float32] (T, D positive ints; e.g. 'vllm:tp=4', "
-               "'vllm:tp=2,dp=4,ep', 'vllm:tp=2,ep,placement=round_robin', 'vllm:tp=2,dtype=float16')")
+               "[,dtype=auto|bfloat16|float16|float32][,quant=fp8_per_block[,wire=bf16|fp8]] "
+               "(T, D positive ints; e.g. 'vllm:tp=4', "
+               "'vllm:tp=2,dp=4,ep', 'vllm:tp=2,ep,placement=round_robin', 'vllm:tp=2,dtype=float16', "
+               "'vllm:tp=8,quant=fp8_per_block,wire=fp8')")
 
 #: vLLM 0.33.0 ``ExpertPlacementStrategy`` (``vllm/config/parallel.py``).
 PLACEMENTS = ("linear", "round_robin")
@@ -44,6 +54,17 @@ ALL2ALL_BACKENDS = (
 DTYPES = {"auto": "auto", "bfloat16": "bfloat16", "float16": "float16", "half": "float16",
           "float32": "float32", "float": "float32"}
 
+#: Online quantization schemes m2nkit carries (``none``: vLLM serves the model unquantized).
+QUANTS = ("none", "fp8_per_block")
+#: vLLM 0.33.0 ``--quantization`` online shorthands m2nkit does not carry
+#: (``vllm/config/quantization.py`` ``ONLINE_QUANT_SHORTHAND_NAMES``), and checkpoint
+#: schemes a user may name here by mistake.
+REFUSED_QUANTS = ("fp8_per_tensor", "fp8_per_channel", "mxfp8", "mxfp4",
+                  "int8_per_channel_weight_only", "nvfp4_per_token", "online", "fp8",
+                  "compressed-tensors", "nvfp4", "modelopt_fp4", "awq", "gptq", "int4")
+#: What the trainer sends into an fp8_per_block worker: BF16 (vLLM quantizes) or e4m3 + scales.
+WIRES = ("bf16", "fp8")
+
 _INT = re.compile(r"^[0-9]+$")
 #: Largest inference world m2nkit plans for (a guard against typos like dp=100000).
 MAX_WORKERS = 1 << 14
@@ -55,6 +76,17 @@ def _check_size(name: str, value: object) -> int:
     if value <= 0:
         raise ValueError(f"vLLM spec: {name}={value} must be a positive int (>= 1)")
     return value
+
+
+def _check_quant(value: object) -> None:
+    if value in QUANTS:
+        return
+    known = value in REFUSED_QUANTS
+    raise ValueError(f"vLLM spec: quant={value!r} is "
+                     + ("a quantization scheme m2nkit does not carry" if known else
+                        "not a quantization scheme m2nkit knows")
+                     + f"; supported: {', '.join(QUANTS)} (fp8_per_block: vLLM's online "
+                     "128x128 block fp8 of a BF16 model)")
 
 
 def _check_choice(name: str, value: object, choices) -> None:
@@ -80,10 +112,16 @@ class InferenceSpec:
         dtype: ``--dtype``: ``auto`` (vLLM decides from the config, see
             ``m2nkit.adapters.vllm.dtype``), ``bfloat16``, ``float16`` or
             ``float32``.
+        quant: ``--quantization`` of a BF16 model quantized online:
+            ``none`` or ``fp8_per_block``.
+        wire: with ``quant``: ``bf16`` (default; vLLM quantizes) or ``fp8``
+            (the trainer quantizes, e4m3 + float32 scales on the wire).
 
     Raises:
         ValueError: ``tp`` or ``dp`` is not a positive int, or another field
-            is not one of its valid values (the message lists them).
+            is not one of its valid values (the message lists them); a
+            quantization scheme m2nkit does not carry (named, with the
+            supported ones); ``wire=fp8`` without ``quant``.
     """
 
     tp: int
@@ -92,6 +130,8 @@ class InferenceSpec:
     placement: str = "linear"
     all2all: str = ALL2ALL_BACKENDS[0]
     dtype: str = "auto"
+    quant: str = "none"
+    wire: str = "bf16"
 
     def __post_init__(self) -> None:
         _check_size("tp", self.tp)
@@ -101,6 +141,11 @@ class InferenceSpec:
         _check_choice("placement", self.placement, PLACEMENTS)
         _check_choice("all2all", self.all2all, ALL2ALL_BACKENDS)
         _check_choice("dtype", self.dtype, tuple(dict.fromkeys(DTYPES.values())))
+        _check_quant(self.quant)
+        _check_choice("wire", self.wire, WIRES)
+        if self.wire == "fp8" and self.quant == "none":
+            raise ValueError("vLLM spec: wire=fp8 needs quant=fp8_per_block (the worker must "
+                             "serve the model in fp8); without quant the wire is the model dtype")
 
     @property
     def num_workers(self) -> int:
@@ -121,7 +166,7 @@ class InferenceSpec:
         """Canonical text; options at their defaults are left out."""
         out = f"vllm:tp={self.tp},dp={self.dp}" + (",ep" if self.ep else "")
         for key, default in (("placement", "linear"), ("all2all", ALL2ALL_BACKENDS[0]),
-                             ("dtype", "auto")):
+                             ("dtype", "auto"), ("quant", "none"), ("wire", "bf16")):
             value = getattr(self, key)
             if value != default:
                 out += f",{key}={value}"
@@ -129,13 +174,14 @@ class InferenceSpec:
 
 
 def parse_inference_spec(text: str) -> InferenceSpec:
-    """Parse ``"vllm:tp=T[,dp=D][,ep][,placement=P][,all2all=B][,dtype=X]"``.
+    """Parse ``"vllm:tp=T[,dp=D][,ep][,placement=P][,all2all=B][,dtype=X][,quant=Q[,wire=W]]"``.
 
     Keys may come in any order; ``tp`` is required, ``dp`` defaults to 1,
     ``ep`` (or ``ep=1``/``ep=0``/``ep=true``/``ep=false``) defaults to off,
     ``placement`` to ``linear``, ``all2all`` to ``allgather_reducescatter``
     and ``dtype`` to ``auto`` (``half``/``float`` are read as vLLM reads
-    them, ``float16``/``float32``). Values are case-insensitive.
+    them, ``float16``/``float32``), ``quant`` to ``none`` and ``wire`` to
+    ``bf16``. Values are case-insensitive.
 
     Raises:
         ValueError: not a string, a prefix other than ``vllm:``, a missing
@@ -179,6 +225,12 @@ def parse_inference_spec(text: str) -> InferenceSpec:
                     f"vLLM spec {text!r}: '{part}' must be 'ep', 'ep=1' or 'ep=0'"
                 )
             values[key] = flag in ("1", "true")
+        elif key == "quant":
+            if not eq or not value:
+                raise ValueError(f"vLLM spec {text!r}: '{part}' needs a scheme, like "
+                                 "quant=fp8_per_block")
+            _check_quant(value.lower())
+            values[key] = value.lower()
         elif key in _CHOICES:
             choices, names = _CHOICES[key]
             if not eq or value.lower() not in choices:
@@ -190,7 +242,8 @@ def parse_inference_spec(text: str) -> InferenceSpec:
         else:
             raise ValueError(
                 f"vLLM spec {text!r}: unknown key '{key}'; valid keys are tp, dp, ep, "
-                f"placement, all2all, dtype (pipeline parallelism is not supported); "
+                f"placement, all2all, dtype, quant, wire (pipeline parallelism is not "
+                f"supported); "
                 f"expected {SPEC_SYNTAX}"
             )
     if "tp" not in values:
@@ -207,4 +260,5 @@ _CHOICES = {
     "placement": ({p: p for p in PLACEMENTS}, PLACEMENTS),
     "all2all": ({b: b for b in ALL2ALL_BACKENDS}, ALL2ALL_BACKENDS),
     "dtype": (DTYPES, tuple(DTYPES)),
+    "wire": ({w: w for w in WIRES} | {"bfloat16": "bf16", "e4m3": "fp8"}, WIRES),
 }

@@ -377,7 +377,19 @@ def _plan_and_report(args, console, json_file, dump_dir) -> int:
             routes = report.ipc_routes(plan, args.nodes)
         except ValueError as e:
             raise UserError(str(e)) from None
+    fp8 = None
+    if ispec.quant != "none":
+        if args.layout == "traced":
+            raise UserError(f"--inference {args.inference}: quant= is planned with --layout "
+                            "tables (vLLM's online fp8 rule, m2nkit.adapters.vllm.fp8)")
+        from m2nkit.engine.tools.fp8 import plan_fp8_wire
+
+        fp8 = plan_fp8_wire(ckpt.config, plan)
     report.print_summary(console, args, ckpt, metas, plan, timings)
+    if fp8 is not None:
+        from m2nkit.engine.tools.fp8 import print_fp8
+
+        print_fp8(console, plan, fp8, ispec.wire, args.link_gbps)
     if args.verbose:
         report.print_tensors(console, plan)
     if args.bindings:
@@ -391,6 +403,8 @@ def _plan_and_report(args, console, json_file, dump_dir) -> int:
                "notes": list(plan.destination.notes)}
         if routes is not None:
             out["ipc_routes"] = routes
+        if fp8 is not None:
+            out["fp8"] = {"wire": ispec.wire, **fp8.to_json()}
         json.dump(out, json_file)
         json_file.flush()
         console.print(f"wrote {args.json}")
@@ -403,7 +417,12 @@ def _plan_and_report(args, console, json_file, dump_dir) -> int:
             console.print("[red]verify skipped: the plan has problems"
                           + (" (nothing dumped)" if dump_dir else "") + "[/red]")
             return status
-        ok, storage = verify_plan(console, ckpt, tspec, ispec, plan, args.layout)
+        if fp8 is not None and ispec.wire == "fp8":
+            from m2nkit.engine.tools.fp8 import verify_fp8
+
+            ok, storage = verify_fp8(console, ckpt, tspec, ispec, plan, fp8)
+        else:
+            ok, storage = verify_plan(console, ckpt, tspec, ispec, plan, args.layout)
         if dump_dir is not None:
             dump_storage(console, dump_dir, storage, plan, ckpt, ispec)
         if not ok:

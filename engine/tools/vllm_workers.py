@@ -19,6 +19,7 @@ the plugin (``m2nkit.engine.plugins.vllm``) is all it loads.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from pathlib import Path
@@ -31,7 +32,8 @@ from m2nkit.adapters.vllm.spec import InferenceSpec
 from m2nkit.adapters.vllm.stand_in import gpu_sparse_attention, worker_config
 from m2nkit.engine.plugins.vllm import BACKEND, M2NVLLMEngine, register
 
-__all__ = ["build_cpu_worker", "load_checkpoint", "fresh_load", "cpu_quantized_kernels",
+__all__ = ["build_cpu_worker", "load_checkpoint", "fresh_load", "fresh_fp8_load",
+           "cpu_quantized_kernels",
            "parameters_of", "create_engine", "set_current_config"]
 
 
@@ -217,3 +219,80 @@ def set_current_config(vllm_config: Any):
     from vllm.config import set_current_vllm_config
 
     return set_current_vllm_config(vllm_config)
+
+
+@contextlib.contextmanager
+def no_fp8_kernels():
+    """Build vLLM 0.33.0's fp8 layers on a CPU without AMX: no matmul kernel is chosen.
+
+    vLLM asks for a kernel while it builds or processes an fp8 layer, and on
+    a CPU without AMX every candidate declines (``CPUFp8BlockScaledMMKernel
+    requires AMX``; the fused-MoE oracle finds backend ``NONE``). The kernel
+    only decides how the forward pass multiplies, so inside this context
+    that one choice is replaced, and nothing that computes a weight:
+
+    * ``online/fp8.py`` ``init_fp8_linear_kernel``: a kernel whose
+      ``process_weights_after_loading`` leaves the layer as vLLM's
+      quantization left it (``per_block_cast_to_fp8``, ``replace_parameter``);
+    * ``fused_moe/oracle/fp8.py`` ``convert_to_fp8_moe_kernel_format``: the
+      tensors in no kernel's format (as quantized), and
+      ``_Fp8OnlineMoEBase.get_fused_moe_quant_config``: no kernel config, so
+      ``make_fp8_moe_kernel`` is not called.
+
+    The model can be built and loaded, not run. Everything is restored on exit.
+    """
+    import vllm.model_executor.layers.fused_moe.oracle.fp8 as moe_fp8
+    import vllm.model_executor.layers.quantization.online.fp8 as online_fp8
+
+    class _NoKernel:
+        def process_weights_after_loading(self, layer):
+            return None
+
+    def _as_quantized(*, w13, w2, w13_scale, w2_scale, **_):
+        return w13, w2, w13_scale, w2_scale
+
+    saved = [(online_fp8, "init_fp8_linear_kernel", online_fp8.init_fp8_linear_kernel),
+             (moe_fp8, "convert_to_fp8_moe_kernel_format",
+              moe_fp8.convert_to_fp8_moe_kernel_format),
+             (online_fp8._Fp8OnlineMoEBase, "get_fused_moe_quant_config",
+              online_fp8._Fp8OnlineMoEBase.get_fused_moe_quant_config)]
+    online_fp8.init_fp8_linear_kernel = lambda **kwargs: _NoKernel()
+    moe_fp8.convert_to_fp8_moe_kernel_format = _as_quantized
+    online_fp8._Fp8OnlineMoEBase.get_fused_moe_quant_config = lambda self, layer: None
+    try:
+        yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+
+
+def fresh_fp8_load(checkpoint: str | os.PathLike, spec: InferenceSpec,
+                   worker: int) -> dict[str, torch.Tensor]:
+    """``worker``'s parameters as vLLM serves a BF16 ``checkpoint`` with ``quantization="fp8_per_block"``.
+
+    vLLM's own path: ``ModelConfig(quantization="fp8_per_block")``, the
+    model built (online layers on the meta device), ``DefaultModelLoader.
+    load_weights`` (each layer quantized as its last weight lands), then
+    ``finalize_layerwise_processing`` (``model_loader/reload/layerwise.py``:
+    the layers whose padding is never loaded, the experts), inside
+    :func:`no_fp8_kernels`. Returns :func:`parameters_of` the model.
+    """
+    _cpu_environment()
+    from vllm.config import LoadConfig, set_current_vllm_config
+    from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_processing
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    path = str(Path(checkpoint).resolve())
+    with no_fp8_kernels():
+        vllm_config = worker_config(path, spec, worker, quantization="fp8_per_block",
+                                    load_config=LoadConfig(load_format="safetensors",
+                                                           use_tqdm_on_load=False))
+        model_config = vllm_config.model_config
+        with set_current_vllm_config(vllm_config), gpu_sparse_attention():
+            with set_default_torch_dtype(model_config.dtype), torch.device("cpu"):
+                model = initialize_model(vllm_config=vllm_config)
+        load_checkpoint(model, vllm_config, path)
+        with set_current_vllm_config(vllm_config), torch.no_grad():
+            finalize_layerwise_processing(model, model_config)
+    return parameters_of(model)
