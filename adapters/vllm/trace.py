@@ -59,6 +59,7 @@ import functools
 import math
 import os
 import tempfile
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -700,12 +701,23 @@ def _whole_feed(meta: ParamMeta, transposed: bool, name: str | None = None) -> F
     return Feed.whole(meta, name)
 
 
+#: model -> its modules that hold an ``expert_map_manager`` (found once per model: a
+#: 61-layer model has some 12 k modules; re-placing replaces managers, not modules)
+_MANAGED: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()
+
+
 def _expert_maps(model: torch.nn.Module) -> dict[str, Any]:
     """MoE block name -> its vLLM ``ExpertMapManager`` (blocks named by the wire's prefix)."""
+    managed = _MANAGED.get(model)
+    if managed is None:
+        managed = [(name, module) for name, module in model.named_modules()
+                   if ".experts" in name and getattr(module, "expert_map_manager", None)
+                   is not None]
+        _MANAGED[model] = managed
     out = {}
-    for name, module in model.named_modules():
+    for name, module in managed:
         manager = getattr(module, "expert_map_manager", None)
-        if manager is not None and ".experts" in name and hasattr(manager, "is_local_expert"):
+        if manager is not None and hasattr(manager, "is_local_expert"):
             out.setdefault(name[: name.index(".experts")], manager)
     return out
 
@@ -762,6 +774,9 @@ def _uncovered(shape: tuple[int, ...], regions: list[tuple]) -> tuple[tuple, ...
 
     if not regions:
         return (tuple((0, n) for n in shape),)
+    whole = tuple((0, n) for n in shape)
+    if whole in regions:            # the common case: one copy fills the parameter
+        return ()
     cuts = [sorted({0, n, *(r[k][0] for r in regions), *(r[k][1] for r in regions)})
             for k, n in enumerate(shape)]
     out = []
@@ -936,7 +951,7 @@ def _build_meta_model(config_dir: str, spec: InferenceSpec, worker: int):
         vllm_config = worker_config(config_dir, spec, worker)
         model_config = vllm_config.model_config
         with set_current_vllm_config(vllm_config), _no_fp8_kernel_choice(), \
-                gpu_sparse_attention():
+                _no_reload_record(), gpu_sparse_attention():
             with set_default_torch_dtype(model_config.dtype), torch.device("meta"):
                 model = initialize_model(vllm_config=vllm_config)
     except TraceError:
@@ -1030,6 +1045,34 @@ def _replace_for_worker(model: torch.nn.Module, vllm_config: Any, spec: Inferenc
 
 
 @contextlib.contextmanager
+def _no_reload_record():
+    """Build without recording each layer's metadata for a later weight reload.
+
+    vLLM 0.33.0's ``initialize_model`` (``model_loader/utils.py``) ends with
+    ``record_metadata_for_reloading(model)`` (``model_loader/reload/layerwise.py``):
+    a meta copy of every parameter of every module, kept for
+    ``initialize_layerwise_reload`` (torchao's reload of high-precision
+    weights, the dummy loader). A trace never reloads, and the copy is about
+    a fifth of each meta build of a 61-layer model; the module attribute is
+    restored on exit.
+    """
+    try:
+        import vllm.model_executor.model_loader.utils as utils
+    except ImportError:
+        yield
+        return
+    original = getattr(utils, "record_metadata_for_reloading", None)
+    if original is None:
+        yield
+        return
+    utils.record_metadata_for_reloading = lambda model: None
+    try:
+        yield
+    finally:
+        utils.record_metadata_for_reloading = original
+
+
+@contextlib.contextmanager
 def _no_fp8_kernel_choice():
     """Build fp8 layers without choosing their matmul kernel (the trace never multiplies).
 
@@ -1089,7 +1132,7 @@ class _Replica:
     """
 
     moe: tuple[str, ...]          # prefixes ("model.layers.3.mlp.experts.") of the MoE layers
-    copies: tuple                 # (0, t)'s copies outside them
+    copies: tuple                 # (0, t)'s copies outside them (merge_copies'd)
     touched: frozenset[str]       # (0, t)'s empty-slice parameters outside them
     moe_wires: frozenset[str]     # wire tensors (0, t)'s loaders copied into them
     layers: tuple                 # the MoE layer modules
@@ -1107,7 +1150,7 @@ class _Replica:
 
         def inside(p):
             return p.startswith(moe)
-        return cls(moe, tuple(c for c in copies if not inside(c.param)),
+        return cls(moe, tuple(merge_copies([c for c in copies if not inside(c.param)])),
                    frozenset(p for p in touched if not inside(p)),
                    frozenset(c.name for c in copies if inside(c.param)),
                    tuple(m for _, m in named), movable)
@@ -1292,10 +1335,10 @@ def trace_destination(config: Any, wire: Sequence[ParamMeta],
         aliases: dict[str, str] = {}
         experts = experts_on_disk(config_dir)
         names = checkpoint_names(config_dir, [m.name for m in wire])
-        stacked = {vllm_checkpoint_name(names.get(m.name, m.name)) for m in wire
-                   if per_expert_feeds(m, experts, names.get(m.name)) is not None}
-        fused = bool(stacked)
         split = _split_experts(wire, experts, names)    # the same for every worker
+        stacked = {vllm_checkpoint_name(names.get(m.name, m.name)) for m, per_expert in split
+                   if per_expert is not None}
+        fused = bool(stacked)
 
         def _trace_fresh(w: int, only: frozenset[str] | None = None):
             nonlocal fused
@@ -1354,10 +1397,14 @@ def trace_destination(config: Any, wire: Sequence[ParamMeta],
                 model, vllm_config, base = built[t]
                 mine, touched = _trace_only(model, vllm_config, base.moe_wires - derive.wires
                                             if derive else base.moe_wires)
-                copies = [*base.copies, *(c for c in mine if base.in_moe(c.param))]
+                # merged apart: no (wire, parameter) pair is in two of the parts
+                copies = [*base.copies,
+                          *merge_copies([c for c in mine if base.in_moe(c.param)])]
                 touched = base.touched | {p for p in touched if base.in_moe(p)}
+                merged = True
             else:
                 model, vllm_config, copies, touched = _trace_fresh(w, rest if derive else None)
+                merged = False
             if derive is not None:
                 derived = derive.copies_for(model)
                 if derived is None or w in check:
@@ -1367,13 +1414,14 @@ def trace_destination(config: Any, wire: Sequence[ParamMeta],
                     else:                 # this worker's placement is not worker 0's kind
                         derived = real
                         touched = touched | real_touched
-                copies = [*copies, *derived]
+                copies = [*copies, *(merge_copies(derived) if merged else derived)]
             elif (w == 0 and DERIVE_EXPERTS and spec.ep and expert_wires
                     and spec.num_workers > 1):
                 derive = _ExpertSlots.of(model, copies, touched, expert_wires)
             if spec.dp > 1 and spec.dp_index(w) == 0 and t not in built:
                 built[t] = (model, vllm_config, _Replica.of(model, copies, touched))
-            copies = merge_copies(copies)
+            if not merged:
+                copies = merge_copies(copies)
             by_param: dict[str, list[tuple]] = {p: [] for p in touched}
             for c in copies:
                 by_param.setdefault(c.param, []).append(c.region)

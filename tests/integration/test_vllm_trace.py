@@ -187,7 +187,8 @@ DERIVED = [("tiny-qwen3-moe", "vllm:tp=2,dp=2,ep"), ("tiny-qwen3-moe", "vllm:tp=
            ("tiny-deepseek-v3-fp8", "vllm:tp=2,dp=2,ep"), ("tiny-qwen3-moe-e10", "vllm:tp=2,ep")]
 #: ... and where the experts do not split evenly over the EP ranks (10 over 4, 6 over 4):
 #: every worker's experts are traced by its own loaders.
-NOT_DERIVED = [("tiny-qwen3-moe-e10", "vllm:tp=2,dp=2,ep"), ("tiny-mixtral-e6", "vllm:tp=1,dp=4,ep")]
+NOT_DERIVED = [("tiny-qwen3-moe-e10", "vllm:tp=2,dp=2,ep"),
+               ("tiny-mixtral-e6", "vllm:tp=1,dp=4,ep")]
 
 
 def _expert_traces(monkeypatch):
