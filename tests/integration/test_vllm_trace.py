@@ -457,3 +457,37 @@ def test_a_traced_layout_from_the_trainers_is_held_against_each_workers_own_load
         engine.init_transfer_engine(_payload(metas, off_for(worker), inference))
     assert len(reported) == 1 and name in reported[0]
     assert engine._problems(_payload(metas, off_for(0), inference)) == []
+
+
+def test_the_plugin_plans_each_init_once_and_the_receiver_still_checks_that_plan(monkeypatch):
+    """The plugin's own checks (live model, traced loaders) need the payload's plan; the
+    receiver is handed that plan instead of building it again, and holds it to the
+    payload as its own: a plan digest that differs is still refused, naming the field."""
+    from dataclasses import replace
+
+    from _oracle import DATA
+    from m2nkit.adapters.hf_checkpoint import checkpoint_metas, read_checkpoint
+    from m2nkit.adapters.vllm import parse_inference_spec
+    from m2nkit.engine import receiver, session
+    from m2nkit.engine.control import PlanMismatchError
+    from m2nkit.engine.plugins import vllm as plugin
+    from m2nkit.engine.tools.vllm_workers import build_cpu_worker, create_engine
+
+    model, inference, worker = "tiny-qwen3-moe", "vllm:tp=2,ep", 1
+    ckpt = DATA / model / "checkpoint"
+    metas = checkpoint_metas(read_checkpoint(ckpt), "fsdp:2")
+    live, vllm_config = build_cpu_worker(ckpt, parse_inference_spec(inference), worker)
+    engine = create_engine(live, vllm_config, "cpu")
+    payload = _payload(metas, engine.destination(metas), engine.destination.spec)
+    built = []
+
+    def counted(*args, **kwargs):
+        built.append(args[1])
+        return session.plan_from_manifest(*args, **kwargs)
+    monkeypatch.setattr(plugin, "plan_from_manifest", counted)
+    monkeypatch.setattr(receiver, "plan_from_manifest", counted)
+    monkeypatch.setattr(receiver.M2NReceiver, "_report_refusal", lambda *a, **k: None)
+    with pytest.raises(PlanMismatchError, match=rf"worker {worker}: init payload field "
+                                                r"'plan_digest' is 0000000000000000\.\.\. but"):
+        engine.init_transfer_engine(replace(payload, plan_digest="0" * 64))
+    assert len(built) == 1, built
