@@ -768,6 +768,14 @@ def _config_context(vllm_config):
     return set_current_vllm_config(vllm_config)
 
 
+def _tile(shape: tuple[int, ...], regions: list[tuple]) -> bool:
+    """Whether ``regions`` (boxes inside ``shape``) are pairwise disjoint and fill it."""
+    if sum(math.prod(b - a for a, b in r) for r in regions) != math.prod(shape):
+        return False
+    return not any(all(a < d and c < b for (a, b), (c, d) in zip(r, q))
+                   for i, r in enumerate(regions) for q in regions[i + 1:])
+
+
 def _uncovered(shape: tuple[int, ...], regions: list[tuple]) -> tuple[tuple, ...]:
     """Boxes of a ``shape`` tensor no region covers (a cell grid at every region edge)."""
     import itertools
@@ -776,6 +784,8 @@ def _uncovered(shape: tuple[int, ...], regions: list[tuple]) -> tuple[tuple, ...
         return (tuple((0, n) for n in shape),)
     whole = tuple((0, n) for n in shape)
     if whole in regions:            # the common case: one copy fills the parameter
+        return ()
+    if len(regions) <= 16 and _tile(shape, regions):     # a few (fused q/kv, gate/up)
         return ()
     cuts = [sorted({0, n, *(r[k][0] for r in regions), *(r[k][1] for r in regions)})
             for k, n in enumerate(shape)]
@@ -1189,10 +1199,10 @@ def _slot_maps(model: torch.nn.Module) -> dict[str, tuple[int, ...]] | None:
         if (expert_map is None or not total or not ep or not local or total % ep
                 or len(expert_map) != total or local != total // ep):
             return None
+        expert_map = expert_map.cpu()
+        here = torch.nonzero(expert_map >= 0).flatten()
         slots = [-1] * local
-        for g, j in enumerate(expert_map.cpu().tolist()):
-            if j < 0:
-                continue
+        for g, j in zip(here.tolist(), expert_map[here].tolist()):
             if j >= local or slots[j] != -1:
                 return None
             slots[j] = g
