@@ -50,6 +50,12 @@ an architecture without one, of transformers' own conversion rule
 the wire is transformers 5's in-memory model, names and all, and vLLM is
 handed the checkpoint names transformers' own renaming rules give them
 (:func:`checkpoint_names`; MiniMax-M2's MoE blocks are renamed on load).
+
+At scale, a dp replica's model is worker ``(0, t)``'s re-placed as vLLM's
+elastic EP re-places it (:func:`_replace_for_worker`), and under EP each
+worker's copies of the stacked experts are worker 0's relabelled by that
+worker's own expert map (:class:`_ExpertSlots`), with sample workers traced
+in full and held to the derived copies.
 """
 
 from __future__ import annotations
