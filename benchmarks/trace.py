@@ -5,8 +5,11 @@ cost, against the family tables, for a real config? For each case it reads
 the config's wire tensors (no weights), then traces every worker: vLLM's
 model class built on the meta device (``build``), its ``load_weights`` run on
 fake wire tensors (``trace``), the copies turned into bindings (the rest),
-and compares with ``destination_layout`` from the tables (``tables``). Needs
-vLLM installed (``scripts/setup.sh``).
+and compares with ``destination_layout`` from the tables (``tables``): the
+time, and whether the two layouts are the same (parameters, and bindings
+after coalescing, as ``tests/integration/test_vllm_trace.py`` compares them).
+Wall and CPU seconds of the trace are both given: on a shared machine the
+CPU seconds are the fair figure. Needs vLLM installed (``scripts/setup.sh``).
 
     .venv/bin/python benchmarks/trace.py [--case NAME ...] [--json PATH]
 
@@ -79,6 +82,7 @@ def _run(name: str) -> dict:
 
     trace._build_meta_model = timed("build", build)
     trace.trace_worker = timed("trace", trace_worker)
+    c2 = time.process_time()
     try:
         traced = trace.trace_destination(path.parent, metas, spec)
     except Exception as e:      # a loader that does not trace: reported as the row's result
@@ -87,16 +91,32 @@ def _run(name: str) -> dict:
     finally:
         trace._build_meta_model, trace.trace_worker = build, trace_worker
     t3 = time.perf_counter()
+    c3 = time.process_time()
     from m2nkit.engine.plan import build_plan
 
     plan = build_plan(metas, 8, traced)
     return {"case": name, "spec": spec_text, "wire_tensors": len(metas),
             "workers": spec.num_workers, "read_s": t1 - t0, "tables_s": t2 - t1,
-            "traced_s": t3 - t2, "build_s": spent["build"], "trace_s": spent["trace"],
+            "traced_s": t3 - t2, "traced_cpu_s": c3 - c2,
+            "build_s": spent["build"], "trace_s": spent["trace"],
+            "equals_tables": None if table is None else _canonical(table) == _canonical(traced),
             "bindings": sum(len(b) for b in traced.bindings.values()),
             "table_bindings": sum(len(b) for b in table.bindings.values()) if table else None,
             "problems": len(plan.problems),
             "bytes_moved_over_min": plan.nbytes_moved / plan.nbytes_min}
+
+
+def _canonical(layout):
+    """A layout as sets: parameters (worker, name, dtype, shape, zero boxes), coalesced bindings."""
+    from m2nkit.adapters.vllm.trace import TracedCopy, merge_copies
+
+    params = {(p.worker, p.name, p.dtype, p.shape, tuple(sorted(p.zero_boxes)))
+              for p in layout.params}
+    copies = [TracedCopy(b.name, f"{b.worker}:{b.param}", b.box,
+                         tuple((o, o + hi - lo) for o, (lo, hi) in zip(b.offset, b.box)))
+              for bs in layout.bindings.values() for b in bs]
+    bindings = {(c.name, c.param, c.box, c.region) for c in merge_copies(copies)}
+    return params, bindings, set(layout.skipped), dict(layout.aliases)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="a case to run (repeatable; default: all)")
     ap.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     args = ap.parse_args(argv)
+    load_start = os.getloadavg()[0]
     t = time.perf_counter()
     import vllm.config  # noqa: F401 - the import, apart from the cases
     import_s = time.perf_counter() - t
@@ -113,9 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     from rich.table import Table
 
     table = Table(title=f"traced vLLM layouts (vLLM import {import_s:.1f} s, load "
-                        f"{os.getloadavg()[0]:.2f})", title_justify="left")
-    for col in ("case", "workers", "wire tensors", "tables", "traced", "build", "trace",
-                "bindings (traced / tables)", "plan problems", "moved / min"):
+                        f"{load_start:.2f} at the start, {os.getloadavg()[0]:.2f} at the end)",
+                  title_justify="left")
+    for col in ("case", "workers", "wire tensors", "tables", "traced", "traced CPU", "build",
+                "trace", "bindings (traced / tables)", "= tables", "plan problems",
+                "moved / min"):
         table.add_column(col)
     for r in rows:
         if "error" in r:
@@ -123,12 +146,15 @@ def main(argv: list[str] | None = None) -> int:
             continue
         table.add_row(r["case"], str(r["workers"]), str(r["wire_tensors"]),
                       "-" if r["table_bindings"] is None else f"{r['tables_s']:.2f} s",
-                      f"{r['traced_s']:.1f} s", f"{r['build_s']:.1f} s", f"{r['trace_s']:.1f} s",
-                      f"{r['bindings']} / {r['table_bindings'] or '-'}", str(r["problems"]),
+                      f"{r['traced_s']:.1f} s", f"{r['traced_cpu_s']:.1f} s",
+                      f"{r['build_s']:.1f} s", f"{r['trace_s']:.1f} s",
+                      f"{r['bindings']} / {r['table_bindings'] or '-'}",
+                      {None: "-", True: "yes", False: "NO"}[r["equals_tables"]], str(r["problems"]),
                       f"{r['bytes_moved_over_min']:.3f}")
     Console(width=160).print(table)
     if args.json:
         Path(args.json).write_text(json.dumps({"vllm_import_s": import_s,
+                                               "load_average_start": load_start,
                                                "load_average": os.getloadavg()[0],
                                                "cases": rows}, indent=1))
     return 0

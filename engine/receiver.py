@@ -412,8 +412,13 @@ class M2NReceiver(WeightTransferEngine):
     def _refuse_unparsed(self, init_dict: Any, message: str) -> None:
         refuse_unparsed_payload(init_dict, self.worker, message)
 
-    def _session_plan(self, payload: InitPayload) -> Plan:
-        """Every check that needs no peer; returns the plan this worker rebuilt."""
+    def _session_plan(self, payload: InitPayload,
+                      planned: tuple[Plan, str] | None = None) -> Plan:
+        """Every check that needs no peer; returns the plan this worker rebuilt.
+
+        ``planned``: ``(plan, manifest digest)`` the caller already rebuilt
+        from this payload (see :meth:`init_transfer_engine`); checked the same.
+        """
         me, spec = self._name(), self.destination.spec
         if payload.inference != spec:
             raise ValueError(f"{me}: init payload field 'inference' is '{payload.inference}' but "
@@ -422,11 +427,14 @@ class M2NReceiver(WeightTransferEngine):
             raise ValueError(f"{me}: init payload world_size {payload.world_size} - rank_offset "
                              f"{payload.rank_offset} = {payload.num_workers} workers, but "
                              f"{spec} has {self.destination.num_workers}")
-        destination = session_destination(payload, self.destination, me)
-        try:
-            plan, digest = plan_from_manifest(payload.manifest, destination)
-        except ValueError as e:
-            raise ValueError(f"{me}: init payload field 'manifest': {e}") from None
+        if planned is None:
+            destination = session_destination(payload, self.destination, me)
+            try:
+                plan, digest = plan_from_manifest(payload.manifest, destination)
+            except ValueError as e:
+                raise ValueError(f"{me}: init payload field 'manifest': {e}") from None
+        else:
+            plan, digest = planned
         if digest != payload.manifest_digest:
             raise ValueError(f"{me}: init payload field 'manifest_digest' is "
                              f"{payload.manifest_digest[:16]}... but the manifest hashes to "
@@ -444,8 +452,16 @@ class M2NReceiver(WeightTransferEngine):
                 "(a different model config, destination rules or m2nkit version); nothing was sent")
         return plan
 
-    def init_transfer_engine(self, init_info: InitPayload | Mapping[str, Any]) -> None:
+    def init_transfer_engine(self, init_info: InitPayload | Mapping[str, Any], *,
+                             planned: tuple[Plan, str] | None = None) -> None:
         """Check the payload, then join a fresh group and agree on the plan.
+
+        ``planned``: ``plan_from_manifest(payload.manifest,
+        session_destination(payload, destination, ...))`` for this very
+        payload and this receiver's destination, where the caller built it
+        already (the vLLM plugin, whose own checks need it): it is not built
+        a second time, and every check below holds it as it would the
+        receiver's own.
 
         A payload that does not parse is refused at once. One that parses
         but is refused (spec, digests, plan, target) still joins its group
@@ -474,7 +490,7 @@ class M2NReceiver(WeightTransferEngine):
         deadline = Deadline(payload.timeout_s)
         rank = payload.rank_offset + self.worker
         try:
-            plan = self._session_plan(payload)
+            plan = self._session_plan(payload, planned)
             if self.model is not None:
                 _check_target(self.model, plan, self.worker, self._reload)
         except (ValueError, PlanMismatchError) as refusal:

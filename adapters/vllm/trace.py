@@ -50,6 +50,12 @@ an architecture without one, of transformers' own conversion rule
 the wire is transformers 5's in-memory model, names and all, and vLLM is
 handed the checkpoint names transformers' own renaming rules give them
 (:func:`checkpoint_names`; MiniMax-M2's MoE blocks are renamed on load).
+
+At scale, a dp replica's model is worker ``(0, t)``'s re-placed as vLLM's
+elastic EP re-places it (:func:`_replace_for_worker`), and under EP each
+worker's copies of the stacked experts are worker 0's relabelled by that
+worker's own expert map (:class:`_ExpertSlots`), with sample workers traced
+in full and held to the derived copies.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ import functools
 import math
 import os
 import tempfile
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -700,12 +707,23 @@ def _whole_feed(meta: ParamMeta, transposed: bool, name: str | None = None) -> F
     return Feed.whole(meta, name)
 
 
+#: model -> its modules that hold an ``expert_map_manager`` (found once per model: a
+#: 61-layer model has some 12 k modules; re-placing replaces managers, not modules)
+_MANAGED: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()
+
+
 def _expert_maps(model: torch.nn.Module) -> dict[str, Any]:
     """MoE block name -> its vLLM ``ExpertMapManager`` (blocks named by the wire's prefix)."""
+    managed = _MANAGED.get(model)
+    if managed is None:
+        managed = [(name, module) for name, module in model.named_modules()
+                   if ".experts" in name and getattr(module, "expert_map_manager", None)
+                   is not None]
+        _MANAGED[model] = managed
     out = {}
-    for name, module in model.named_modules():
+    for name, module in managed:
         manager = getattr(module, "expert_map_manager", None)
-        if manager is not None and ".experts" in name and hasattr(manager, "is_local_expert"):
+        if manager is not None and hasattr(manager, "is_local_expert"):
             out.setdefault(name[: name.index(".experts")], manager)
     return out
 
@@ -756,12 +774,25 @@ def _config_context(vllm_config):
     return set_current_vllm_config(vllm_config)
 
 
+def _tile(shape: tuple[int, ...], regions: list[tuple]) -> bool:
+    """Whether ``regions`` (boxes inside ``shape``) are pairwise disjoint and fill it."""
+    if sum(math.prod(b - a for a, b in r) for r in regions) != math.prod(shape):
+        return False
+    return not any(all(a < d and c < b for (a, b), (c, d) in zip(r, q))
+                   for i, r in enumerate(regions) for q in regions[i + 1:])
+
+
 def _uncovered(shape: tuple[int, ...], regions: list[tuple]) -> tuple[tuple, ...]:
     """Boxes of a ``shape`` tensor no region covers (a cell grid at every region edge)."""
     import itertools
 
     if not regions:
         return (tuple((0, n) for n in shape),)
+    whole = tuple((0, n) for n in shape)
+    if whole in regions:            # the common case: one copy fills the parameter
+        return ()
+    if len(regions) <= 16 and _tile(shape, regions):     # a few (fused q/kv, gate/up)
+        return ()
     cuts = [sorted({0, n, *(r[k][0] for r in regions), *(r[k][1] for r in regions)})
             for k, n in enumerate(shape)]
     out = []
@@ -936,7 +967,7 @@ def _build_meta_model(config_dir: str, spec: InferenceSpec, worker: int):
         vllm_config = worker_config(config_dir, spec, worker)
         model_config = vllm_config.model_config
         with set_current_vllm_config(vllm_config), _no_fp8_kernel_choice(), \
-                gpu_sparse_attention():
+                _no_reload_record(), gpu_sparse_attention():
             with set_default_torch_dtype(model_config.dtype), torch.device("meta"):
                 model = initialize_model(vllm_config=vllm_config)
     except TraceError:
@@ -1030,6 +1061,34 @@ def _replace_for_worker(model: torch.nn.Module, vllm_config: Any, spec: Inferenc
 
 
 @contextlib.contextmanager
+def _no_reload_record():
+    """Build without recording each layer's metadata for a later weight reload.
+
+    vLLM 0.33.0's ``initialize_model`` (``model_loader/utils.py``) ends with
+    ``record_metadata_for_reloading(model)`` (``model_loader/reload/layerwise.py``):
+    a meta copy of every parameter of every module, kept for
+    ``initialize_layerwise_reload`` (torchao's reload of high-precision
+    weights, the dummy loader). A trace never reloads, and the copy is about
+    a fifth of each meta build of a 61-layer model; the module attribute is
+    restored on exit.
+    """
+    try:
+        import vllm.model_executor.model_loader.utils as utils
+    except ImportError:
+        yield
+        return
+    original = getattr(utils, "record_metadata_for_reloading", None)
+    if original is None:
+        yield
+        return
+    utils.record_metadata_for_reloading = lambda model: None
+    try:
+        yield
+    finally:
+        utils.record_metadata_for_reloading = original
+
+
+@contextlib.contextmanager
 def _no_fp8_kernel_choice():
     """Build fp8 layers without choosing their matmul kernel (the trace never multiplies).
 
@@ -1089,7 +1148,7 @@ class _Replica:
     """
 
     moe: tuple[str, ...]          # prefixes ("model.layers.3.mlp.experts.") of the MoE layers
-    copies: tuple                 # (0, t)'s copies outside them
+    copies: tuple                 # (0, t)'s copies outside them (merge_copies'd)
     touched: frozenset[str]       # (0, t)'s empty-slice parameters outside them
     moe_wires: frozenset[str]     # wire tensors (0, t)'s loaders copied into them
     layers: tuple                 # the MoE layer modules
@@ -1107,13 +1166,147 @@ class _Replica:
 
         def inside(p):
             return p.startswith(moe)
-        return cls(moe, tuple(c for c in copies if not inside(c.param)),
+        return cls(moe, tuple(merge_copies([c for c in copies if not inside(c.param)])),
                    frozenset(p for p in touched if not inside(p)),
                    frozenset(c.name for c in copies if inside(c.param)),
                    tuple(m for _, m in named), movable)
 
     def in_moe(self, param: str) -> bool:
         return param.startswith(self.moe)
+
+
+#: Derive EP workers' expert copies from worker 0's (:class:`_ExpertSlots`) instead of
+#: running their loaders on every expert; ``False`` traces them all (tests compare).
+DERIVE_EXPERTS = True
+
+
+def _block_of(param: str) -> str | None:
+    """The MoE block a parameter belongs to, keyed as :func:`_expert_maps` keys it."""
+    return param[: param.index(".experts")] if ".experts" in param else None
+
+
+def _slot_maps(model: torch.nn.Module) -> dict[str, tuple[int, ...]] | None:
+    """MoE block -> global expert id of each local slot, read off vLLM's expert maps.
+
+    vLLM's ``ExpertMapManager.expert_map`` (``layers/fused_moe/expert_map_manager.py``,
+    ``determine_expert_map``) maps global expert id -> local slot (-1: elsewhere).
+    ``None`` unless every MoE block has such a map, its experts split evenly over
+    the EP ranks (``global_num_experts % ep_size == 0``: every rank holds as many,
+    so every rank's parameters have one shape), the map is exactly
+    ``global_num_experts`` long (no fused shared or redundant slots appended) and
+    it places each local slot once.
+    """
+    out: dict[str, tuple[int, ...]] = {}
+    for block, manager in _expert_maps(model).items():
+        expert_map = getattr(manager, "expert_map", None)
+        total = getattr(manager, "global_num_experts", None)
+        ep = getattr(manager, "ep_size", None)
+        local = getattr(manager, "local_num_experts", None)
+        if (expert_map is None or not total or not ep or not local or total % ep
+                or len(expert_map) != total or local != total // ep):
+            return None
+        expert_map = expert_map.cpu()
+        here = torch.nonzero(expert_map >= 0).flatten()
+        slots = [-1] * local
+        for g, j in zip(here.tolist(), expert_map[here].tolist()):
+            if j >= local or slots[j] != -1:
+                return None
+            slots[j] = g
+        if -1 in slots:
+            return None
+        out[block] = tuple(slots)
+    return out or None
+
+
+@dataclass(frozen=True)
+class _ExpertSlots:
+    """Worker 0's copies of the stacked expert wire tensors, as copies into local slots.
+
+    Under expert parallelism vLLM's fused-MoE loaders
+    (``layers/fused_moe/routed_experts.py``, ``weight_loader``: the global
+    ``expert_id`` looked up in the layer's ``expert_map``, then the shard
+    narrowed into ``param.data[local_id]``) copy expert ``e`` of a stacked wire
+    tensor ``[E, ...]`` whole into local slot ``expert_map[e]``, by the same op
+    chain whatever ``e`` is: the slot, not the expert, fixes the region. So each
+    worker's expert copies are worker 0's with the wire's expert index replaced
+    by the global id that worker's own expert map (read off its model) puts in
+    the same slot. Kimi-K2 at ``tp=8,dp=8,ep``: the loaders run on the experts
+    of 3 workers (0, and the two samples), not 64.
+
+    Only taken where that is provable from worker 0's trace (:meth:`of`): EP
+    maps of :func:`_slot_maps`' kind in every MoE block, every copy of a
+    stacked expert wire tensor landing in an MoE block's parameter with its
+    expert dim on the slot dim exactly as the map says, and no empty copy into
+    an MoE block. A worker whose own maps are not of that kind, or have other
+    slot counts, is traced for real. ``trace_destination`` also traces sample
+    workers for real and holds them to the derived copies (:meth:`agree`).
+    """
+
+    wires: frozenset[str]                   # the stacked expert wire tensors
+    slots: dict[str, tuple[int, ...]]       # worker 0's block -> slot -> global id
+    copies: tuple[tuple[str, TracedCopy], ...]   # worker 0's (block, merged copy)
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, copies: Sequence[TracedCopy], touched: set[str],
+           wires: frozenset[str]) -> "_ExpertSlots | None":
+        slots = _slot_maps(model)
+        if slots is None or any(_block_of(p) in slots for p in touched):
+            return None
+        mine = []
+        for c in merge_copies([c for c in copies if c.name in wires]):
+            block = _block_of(c.param)
+            if block not in slots or not c.box or len(c.region) != len(c.box):
+                return None
+            (a, b), (r0, r1) = c.box[0], c.region[0]
+            if b - a != r1 - r0 or r1 > len(slots[block]) \
+                    or slots[block][r0:r1] != tuple(range(a, b)):
+                return None
+            mine.append((block, c))
+        return cls(wires, slots, tuple(mine)) if mine else None
+
+    def copies_for(self, model: torch.nn.Module) -> list[TracedCopy] | None:
+        """The expert copies of the worker whose model this is; ``None``: trace it instead."""
+        slots = _slot_maps(model)
+        if slots is None or {b: len(s) for b, s in slots.items()} != \
+                {b: len(s) for b, s in self.slots.items()}:
+            return None
+        out = []
+        for block, c in self.copies:
+            r0, r1 = c.region[0]
+            ids = slots[block][r0:r1]
+            i = 0
+            while i < len(ids):       # one copy per run of consecutive global ids
+                k = i + 1
+                while k < len(ids) and ids[k] == ids[k - 1] + 1:
+                    k += 1
+                out.append(TracedCopy(c.name, c.param, ((ids[i], ids[k - 1] + 1),) + c.box[1:],
+                                      ((r0 + i, r0 + k),) + c.region[1:]))
+                i = k
+        return out
+
+    def agree(self, worker: int, derived: Sequence[TracedCopy], real: Sequence[TracedCopy],
+              touched: set[str]) -> None:
+        """Hold ``worker``'s derived expert copies to its loaders' own trace of them.
+
+        Raises:
+            TraceError: they differ (names the worker, a differing copy and the
+                switch that turns the derivation off).
+        """
+        want = {(c.name, c.param, c.box, c.region)
+                for c in merge_copies([c for c in real if c.name in self.wires])}
+        have = {(c.name, c.param, c.box, c.region) for c in merge_copies(list(derived))}
+        empty = sorted(p for p in touched if _block_of(p) in self.slots)
+        if want == have and not empty:
+            return
+        diff = sorted(want - have)[:1] or sorted(have - want)[:1]
+        what = (f"vLLM's loaders copy {diff[0]}" if diff and diff[0] in want
+                else f"the derivation copies {diff[0]}" if diff
+                else f"vLLM's loaders leave {empty[:2]} empty")
+        raise TraceError(f"worker {worker}: the expert copies derived from worker 0's trace "
+                         f"differ from its own loaders' ({what}, and not the other); vLLM's "
+                         "loaders do not place experts by slot alone here: set "
+                         "m2nkit.adapters.vllm.trace.DERIVE_EXPERTS = False to trace every "
+                         "worker's experts")
 
 
 def trace_destination(config: Any, wire: Sequence[ParamMeta],
@@ -1158,12 +1351,12 @@ def trace_destination(config: Any, wire: Sequence[ParamMeta],
         aliases: dict[str, str] = {}
         experts = experts_on_disk(config_dir)
         names = checkpoint_names(config_dir, [m.name for m in wire])
-        stacked = {vllm_checkpoint_name(names.get(m.name, m.name)) for m in wire
-                   if per_expert_feeds(m, experts, names.get(m.name)) is not None}
-        fused = bool(stacked)
         split = _split_experts(wire, experts, names)    # the same for every worker
+        stacked = {vllm_checkpoint_name(names.get(m.name, m.name)) for m, per_expert in split
+                   if per_expert is not None}
+        fused = bool(stacked)
 
-        def _trace_fresh(w: int):
+        def _trace_fresh(w: int, only: frozenset[str] | None = None):
             nonlocal fused
             model, vllm_config = _build_meta_model(config_dir, spec, w)
             if w == 0:
@@ -1178,7 +1371,7 @@ def trace_destination(config: Any, wire: Sequence[ParamMeta],
             if fused:
                 try:
                     copies, touched, copied = trace_worker(
-                        model, _feeds(wire, experts, True, model, names), vllm_config)
+                        model, _feeds(wire, experts, True, model, names, only=only), vllm_config)
                     if w == 0 and not stacked <= copied:
                         copies = None
                 except TraceError:
@@ -1189,8 +1382,25 @@ def trace_destination(config: Any, wire: Sequence[ParamMeta],
                     model, vllm_config = _build_meta_model(config_dir, spec, w)
             if copies is None:
                 copies, touched, _ = trace_worker(
-                    model, _feeds(wire, experts, False, model, names, split), vllm_config)
+                    model, _feeds(wire, experts, False, model, names, split, only=only),
+                    vllm_config)
             return model, vllm_config, copies, touched
+
+        def _trace_only(model, vllm_config, only: frozenset[str]):
+            if not only:
+                return [], set()
+            feeds = _feeds(wire, experts, fused, model, names, None if fused else split,
+                           only=only)
+            mine, touched, _ = trace_worker(model, feeds, vllm_config)
+            return mine, touched
+
+        # EP workers: the copies of the stacked expert wire tensors are worker 0's,
+        # relabelled by each worker's own expert map (_ExpertSlots); the sample
+        # workers of `check` are traced for real as well and must agree.
+        expert_wires = frozenset(m.name for m, per_expert in split if per_expert is not None)
+        derive: _ExpertSlots | None = None
+        check = {spec.tp - 1, spec.num_workers - 1} - {0}
+        rest = frozenset(m.name for m in wire) - expert_wires
 
         # dp replicas: worker (d, t) is worker (0, t)'s model with its experts re-placed
         # (_replace_for_worker), so only the wire tensors that reach its MoE layers
@@ -1201,16 +1411,33 @@ def trace_destination(config: Any, wire: Sequence[ParamMeta],
             if (t in built and built[t][2].movable
                     and _replace_for_worker(*built[t][:2], spec, w, built[t][2].layers)):
                 model, vllm_config, base = built[t]
-                feeds = _feeds(wire, experts, fused, model, names, None if fused else split,
-                               only=base.moe_wires)
-                mine, touched, _ = trace_worker(model, feeds, vllm_config)
-                copies = [*base.copies, *(c for c in mine if base.in_moe(c.param))]
+                mine, touched = _trace_only(model, vllm_config, base.moe_wires - derive.wires
+                                            if derive else base.moe_wires)
+                # merged apart: no (wire, parameter) pair is in two of the parts
+                copies = [*base.copies,
+                          *merge_copies([c for c in mine if base.in_moe(c.param)])]
                 touched = base.touched | {p for p in touched if base.in_moe(p)}
+                merged = True
             else:
-                model, vllm_config, copies, touched = _trace_fresh(w)
-                if spec.dp > 1 and spec.dp_index(w) == 0:
-                    built[t] = (model, vllm_config, _Replica.of(model, copies, touched))
-            copies = merge_copies(copies)
+                model, vllm_config, copies, touched = _trace_fresh(w, rest if derive else None)
+                merged = False
+            if derive is not None:
+                derived = derive.copies_for(model)
+                if derived is None or w in check:
+                    real, real_touched = _trace_only(model, vllm_config, derive.wires)
+                    if derived is not None:
+                        derive.agree(w, derived, real, real_touched)
+                    else:                 # this worker's placement is not worker 0's kind
+                        derived = real
+                        touched = touched | real_touched
+                copies = [*copies, *(merge_copies(derived) if merged else derived)]
+            elif (w == 0 and DERIVE_EXPERTS and spec.ep and expert_wires
+                    and spec.num_workers > 1):
+                derive = _ExpertSlots.of(model, copies, touched, expert_wires)
+            if spec.dp > 1 and spec.dp_index(w) == 0 and t not in built:
+                built[t] = (model, vllm_config, _Replica.of(model, copies, touched))
+            if not merged:
+                copies = merge_copies(copies)
             by_param: dict[str, list[tuple]] = {p: [] for p in touched}
             for c in copies:
                 by_param.setdefault(c.param, []).append(c.region)

@@ -299,6 +299,9 @@ class M2NVLLMEngine(WeightTransferEngine):
         #: whether an init held this worker's part of the plan against its own model's
         #: loaders (traced once, on the live model)
         self.traced_own_loaders = False
+        #: (payload, plan, manifest digest) of the last payload _problems planned, for the
+        #: receiver to check rather than plan again
+        self._planned: tuple[InitPayload, Any, str] | None = None
 
     @property
     def weight_version(self) -> str | None:
@@ -338,9 +341,10 @@ class M2NVLLMEngine(WeightTransferEngine):
             return []       # the receiver refuses it, naming both specs
         try:
             destination = session_destination(payload, self.destination, str(self.identity))
-            plan, _ = plan_from_manifest(payload.manifest, destination)
+            plan, digest = plan_from_manifest(payload.manifest, destination)
         except ValueError:
             return []       # the receiver refuses it with its own message
+        self._planned = (payload, plan, digest)
         quantized = self.quantization is not None
         found = live_model_problems(self.model, plan.destination, self.worker,
                                     checkpoint_params(self.model) if quantized else None)
@@ -439,7 +443,12 @@ class M2NVLLMEngine(WeightTransferEngine):
             ValueError, TransferError: as ``M2NReceiver.init_transfer_engine``.
         """
         payload = init_info if isinstance(init_info, InitPayload) else self.parse_init_info(init_info)
+        self._planned = None
         problems = self._problems(payload)
+        # the plan _problems built for this payload (a traced layout's plan is no small
+        # thing: Kimi-K2 at tp=8,dp=8,ep binds 100 k boxes), not built again by the receiver
+        planned = self._planned[1:] if self._planned and self._planned[0] is payload else None
+        self._planned = None
         if problems:
             message = f"{self.identity}: {problems[0]}"
             self._refuse_everywhere(payload, message)
@@ -456,7 +465,7 @@ class M2NVLLMEngine(WeightTransferEngine):
             receiver = self._receiver = M2NReceiver(
                 self.destination, self.worker, target=self.model, device=device,
                 mode="in_place" if reload is not None else self.mode, reload=reload)
-        receiver.init_transfer_engine(payload)
+        receiver.init_transfer_engine(payload, planned=planned)
 
     def _refuse_everywhere(self, payload: InitPayload, message: str) -> None:
         """Join the payload's group only to tell every rank why this worker refuses."""

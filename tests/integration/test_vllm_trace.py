@@ -178,6 +178,78 @@ def test_replicas_re_placed_like_vllms_elastic_ep_trace_as_fresh_builds(model, s
     assert replaced == fresh
 
 
+#: EP layouts whose expert copies are derived from worker 0's (trace._ExpertSlots): dp
+#: replicas, tp alone, round-robin placement, fp8 block scales, MLA with shared experts, a
+#: loader taking the stacked experts whole (Qwen3-MoE) and ones taking them per expert.
+DERIVED = [("tiny-qwen3-moe", "vllm:tp=2,dp=2,ep"), ("tiny-qwen3-moe", "vllm:tp=4,ep"),
+           ("tiny-qwen3-moe", "vllm:tp=2,dp=2,ep,placement=round_robin"),
+           ("tiny-mixtral", "vllm:tp=1,dp=4,ep"), ("tiny-deepseek-v3", "vllm:tp=2,dp=2,ep"),
+           ("tiny-deepseek-v3-fp8", "vllm:tp=2,dp=2,ep"), ("tiny-qwen3-moe-e10", "vllm:tp=2,ep")]
+#: ... and where the experts do not split evenly over the EP ranks (10 over 4, 6 over 4):
+#: every worker's experts are traced by its own loaders.
+NOT_DERIVED = [("tiny-qwen3-moe-e10", "vllm:tp=2,dp=2,ep"),
+               ("tiny-mixtral-e6", "vllm:tp=1,dp=4,ep")]
+
+
+def _expert_traces(monkeypatch):
+    """Count the loader runs handed any stacked expert wire tensor."""
+    from m2nkit.adapters.vllm import trace
+
+    calls = []
+    real = trace.trace_worker
+
+    def spy(model, feeds, vllm_config=None):
+        calls.append(any(".experts.gate_up_proj" in f.wire.name
+                         or ".experts.down_proj" in f.wire.name for f in feeds))
+        return real(model, feeds, vllm_config)
+    monkeypatch.setattr(trace, "trace_worker", spy)
+    return calls
+
+
+@pytest.mark.parametrize("model,spec,derived", [(*c, True) for c in DERIVED]
+                         + [(*c, False) for c in NOT_DERIVED],
+                         ids=[f"{m}-{s[5:]}" for m, s in DERIVED + NOT_DERIVED])
+def test_derived_expert_copies_equal_every_workers_own_trace(model, spec, derived, monkeypatch):
+    """EP workers' expert copies are worker 0's relabelled by their own expert maps; the
+    layout equals the one where every worker is built afresh and its loaders run on
+    every expert it holds. Uneven splits are traced worker by worker."""
+    from m2nkit.adapters.vllm import parse_inference_spec, trace
+
+    inference = parse_inference_spec(spec)
+    calls = _expert_traces(monkeypatch)
+    quick = _canonical(_trace(model, inference))
+    with_experts = sum(calls)
+    samples = len({inference.tp - 1, inference.num_workers - 1} - {0})
+    if derived:     # worker 0 (twice where its loader refuses the stacked tensors whole)
+        assert with_experts in (1 + samples, 2 + samples), calls
+    else:
+        assert with_experts >= inference.num_workers, calls
+    monkeypatch.setattr(trace, "DERIVE_EXPERTS", False)
+    monkeypatch.setattr(trace, "REPLACE_REPLICAS", False)
+    calls.clear()
+    fresh = _canonical(_trace(model, inference))
+    assert sum(calls) >= inference.num_workers
+    assert quick == fresh
+
+
+def test_derived_expert_copies_that_drift_from_a_sample_workers_trace_fail_loudly(monkeypatch):
+    from m2nkit.adapters.vllm import trace
+    from m2nkit.adapters.vllm.trace import TraceError, TracedCopy
+
+    real = trace._ExpertSlots.copies_for
+
+    def shifted(self, model):     # the last slot's expert one further on: a wrong byte range
+        out = real(self, model)
+        c = out[-1]
+        (a, b), rest = c.box[0], c.box[1:]
+        out[-1] = TracedCopy(c.name, c.param, ((a + 1, b + 1),) + rest, c.region)
+        return out
+    monkeypatch.setattr(trace._ExpertSlots, "copies_for", shifted)
+    with pytest.raises(TraceError, match=r"worker 1: the expert copies derived from worker 0's "
+                                         r"trace differ from its own loaders' .*DERIVE_EXPERTS"):
+        _trace("tiny-qwen3-moe", "vllm:tp=2,ep")
+
+
 def test_an_untraceable_loader_is_refused_naming_the_model_and_the_reason():
     from m2nkit.adapters.vllm.trace import TraceError
 
@@ -385,3 +457,37 @@ def test_a_traced_layout_from_the_trainers_is_held_against_each_workers_own_load
         engine.init_transfer_engine(_payload(metas, off_for(worker), inference))
     assert len(reported) == 1 and name in reported[0]
     assert engine._problems(_payload(metas, off_for(0), inference)) == []
+
+
+def test_the_plugin_plans_each_init_once_and_the_receiver_still_checks_that_plan(monkeypatch):
+    """The plugin's own checks (live model, traced loaders) need the payload's plan; the
+    receiver is handed that plan instead of building it again, and holds it to the
+    payload as its own: a plan digest that differs is still refused, naming the field."""
+    from dataclasses import replace
+
+    from _oracle import DATA
+    from m2nkit.adapters.hf_checkpoint import checkpoint_metas, read_checkpoint
+    from m2nkit.adapters.vllm import parse_inference_spec
+    from m2nkit.engine import receiver, session
+    from m2nkit.engine.control import PlanMismatchError
+    from m2nkit.engine.plugins import vllm as plugin
+    from m2nkit.engine.tools.vllm_workers import build_cpu_worker, create_engine
+
+    model, inference, worker = "tiny-qwen3-moe", "vllm:tp=2,ep", 1
+    ckpt = DATA / model / "checkpoint"
+    metas = checkpoint_metas(read_checkpoint(ckpt), "fsdp:2")
+    live, vllm_config = build_cpu_worker(ckpt, parse_inference_spec(inference), worker)
+    engine = create_engine(live, vllm_config, "cpu")
+    payload = _payload(metas, engine.destination(metas), engine.destination.spec)
+    built = []
+
+    def counted(*args, **kwargs):
+        built.append(args[1])
+        return session.plan_from_manifest(*args, **kwargs)
+    monkeypatch.setattr(plugin, "plan_from_manifest", counted)
+    monkeypatch.setattr(receiver, "plan_from_manifest", counted)
+    monkeypatch.setattr(receiver.M2NReceiver, "_report_refusal", lambda *a, **k: None)
+    with pytest.raises(PlanMismatchError, match=rf"worker {worker}: init payload field "
+                                                r"'plan_digest' is 0000000000000000\.\.\. but"):
+        engine.init_transfer_engine(replace(payload, plan_digest="0" * 64))
+    assert len(built) == 1, built
