@@ -80,8 +80,8 @@ import torch
 from .kinds import (COLUMN, MERGED, REPLICATED, REPLICATED_MERGED, ROW, SHARED_MERGED, SHARED_ROW,
                     VOCAB, W13, W2)
 from .sizes import Sizes, base_sizes, cfg_get
-from .table import (TRANSFORMERS_FUSED_EXPERTS, Family, HFNaming, Param, SkippedLayers, TinyModel,
-                    alias, kv_heads, merged_feeds)
+from .table import (ONLINE_FP8_FROM_TABLE, TRANSFORMERS_FUSED_EXPERTS, Family, HFNaming, Param,
+                    SkippedLayers, TinyModel, alias, kv_heads, merged_feeds)
 
 __all__ = ["ARCHITECTURE", "HF_NAMES", "EXPERTS_ON_DISK", "VLLM_PARAMS", "CONDITIONS",
            "TINY_MODELS", "FAMILY", "MlaSizes", "is_moe_layer", "mtp_layer",
@@ -424,5 +424,7 @@ FAMILY = Family(
     ARCHITECTURE, HF_NAMES, VLLM_PARAMS, sizes, CONDITIONS, (mla_heads_divide_tp,),
     tiny=TINY_MODELS, vllm_source="vllm/model_executor/models/deepseek_v2.py", module=__name__,
     num_expert_group=_n_group, skip=mtp_layer,
-    skipped_layers=SkippedLayers(mtp_layers, MTP_EXTRAS),
+    skipped_layers=SkippedLayers(mtp_layers, MTP_EXTRAS),    # fp8_per_block quantizes what its fp8 checkpoints quantize (the router,
+    # built without quant_config, stays bf16): tests/integration/test_fp8_plan.py
+    online_fp8=ONLINE_FP8_FROM_TABLE,
 )

@@ -95,5 +95,8 @@ TINY_MODELS = {
 FAMILY = Family(
     ARCHITECTURE, HF_NAMES, VLLM_PARAMS, sizes, CONDITIONS, tiny=TINY_MODELS,
     vllm_source="vllm/model_executor/models/qwen3.py",
-    module=__name__, tp_plan=TP_PLAN,
+    module=__name__, tp_plan=TP_PLAN,    # vLLM's fp8_per_block quantizes every LinearBase built with quant_config
+    # (m2nkit.adapters.vllm.fp8): Qwen3Attention's and Qwen3MLP's four
+    online_fp8=(".self_attn.qkv_proj.weight", ".self_attn.o_proj.weight",
+                ".mlp.gate_up_proj.weight", ".mlp.down_proj.weight"),
 )

@@ -135,5 +135,9 @@ FAMILY = Family(
     tiny=TINY_MODELS, vllm_source="vllm/model_executor/models/qwen3_moe.py", module=__name__,
     # Qwen3's (dense layers' MLP: intermediate_size counts only when some layer is dense);
     # experts and routers stay whole on each TP rank
-    tp_plan=replace(TP_PLAN, divides={"nkv": None, "nh": None, "I": "dense_layer"}),
+    tp_plan=replace(TP_PLAN, divides={"nkv": None, "nh": None, "I": "dense_layer"}),    # fp8_per_block (m2nkit.adapters.vllm.fp8): Qwen3's four, the router
+    # (GateLinear(quant_config=quant_config) in models/qwen3_moe.py) and the experts
+    online_fp8=(".self_attn.qkv_proj.weight", ".self_attn.o_proj.weight",
+                ".mlp.gate_up_proj.weight", ".mlp.down_proj.weight",
+                ".mlp.gate.weight", ".w13_weight", ".w2_weight"),
 )

@@ -458,6 +458,10 @@ class SkippedLayers:
     at: str = "model.layers.{L}"
 
 
+#: :attr:`Family.online_fp8` meaning "the table's ``Param.quantized`` flags".
+ONLINE_FP8_FROM_TABLE = ("<Param.quantized>",)
+
+
 @dataclass(frozen=True)
 class Family:
     """Everything m2nkit knows about one model family.
@@ -499,6 +503,12 @@ class Family:
             run of consecutive rows -> the ``Sizes`` symbol of the count (a
             vision tower's blocks: ``{"B": "vdepth"}``); filled by
             ``m2nkit.adapters.families.expand``. Empty for most families.
+        online_fp8: which vLLM parameters vLLM 0.33.0 quantizes under
+            ``quantization="fp8_per_block"`` (``m2nkit.adapters.vllm.fp8``):
+            suffixes of their names, or :data:`ONLINE_FP8_FROM_TABLE` (the
+            table's ``Param.quantized`` flags, where vLLM's checkpoint-fp8
+            rule and its online one agree); ``None``: no rule (``quant=`` is
+            refused for the family).
 
     Raises:
         ValueError: a ``Param.when`` names no condition.
@@ -519,6 +529,7 @@ class Family:
     tp_plan: TPPlan | None = None
     skipped_layers: SkippedLayers | None = None
     repeats: Mapping[str, str] = field(default_factory=dict)
+    online_fp8: tuple[str, ...] | None = None
 
     def tp_problem(self, tp: int, config: Any) -> str | None:
         """Why a trainer cannot apply :attr:`tp_plan` over ``tp`` ranks to ``config``, or ``None``.

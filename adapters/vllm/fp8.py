@@ -9,10 +9,9 @@ built with the model's ``quant_config`` and is not in
 ``quantization_config.ignore``, and ``Fp8PerBlockOnlineMoEMethod`` to every
 ``RoutedExperts``; embeddings, ``lm_head`` (``ParallelLMHead`` is no
 ``LinearBase``), norms and the ``e_score_correction_bias`` get none. Whether
-a router is quantized is the model's word: Qwen3-MoE builds its ``GateLinear``
-with ``quant_config`` (``models/qwen3_moe.py``), so its ``mlp.gate`` becomes
-fp8; DeepSeek-V3 builds it without (``models/deepseek_v2.py``), so it stays
-in the model dtype.
+a router is quantized is the model's word: a router built with ``quant_config``
+(a ``GateLinear``) becomes fp8, one built without stays in the model dtype
+(each family's ``online_fp8`` says which, citing its vLLM model file).
 
 Each quantized layer ends with ``weight`` (float8 e4m3, the local shape) and
 ``weight_scale_inv`` (float32, ``ceil(local / 128)``); experts with
@@ -23,39 +22,25 @@ Each quantized layer ends with ``weight`` (float8 e4m3, the local shape) and
 (gate rows, then up rows, each padded with zeros, ``moe_base._zero_padding``),
 ``w2 [E_local, ceil128(H), ceil128(Im_local)]``.
 
-Per family the rule is data: the families of :data:`ONLINE_FP8_FROM_TABLE`
-use their table's ``Param.quantized`` (DeepSeek-V3, pinned by vLLM's
-checkpoint-fp8 dumps: the same ``quant_config`` rule); :data:`ONLINE_FP8_LINEAR` lists the
-quantized parameters of the others m2nkit plans in fp8. The integration
-test ``tests/integration/test_fp8_plan.py`` holds the rule against a fresh
-vLLM load with ``quantization="fp8_per_block"``.
+Per family the rule is data, in the family's module: ``Family.online_fp8``
+lists the suffixes of the parameters vLLM quantizes, or is
+``ONLINE_FP8_FROM_TABLE`` where the table's ``Param.quantized`` (pinned by
+vLLM's checkpoint-fp8 dumps: the same ``quant_config`` rule) says it. The
+integration test ``tests/integration/test_fp8_plan.py`` holds every family's
+rule against a fresh vLLM load with ``quantization="fp8_per_block"``.
 """
 
 from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from m2nkit.adapters.families.table import ONLINE_FP8_FROM_TABLE
 from m2nkit.manifest.destination import DestinationLayout
 
-__all__ = ["ONLINE_FP8_LINEAR", "ONLINE_FP8_FROM_TABLE", "OnlineFp8Param", "online_fp8_params", "fp8_architectures",
-           "SCALE_SUFFIX"]
+__all__ = ["OnlineFp8Param", "online_fp8_params", "fp8_architectures", "SCALE_SUFFIX"]
 
 SCALE_SUFFIX = "_scale_inv"
 _BLOCK = 128
-
-#: architecture -> suffixes of the vLLM parameters vLLM 0.33.0 quantizes under
-#: ``fp8_per_block`` (the LinearBase layers built with ``quant_config``, and the experts).
-ONLINE_FP8_LINEAR: dict[str, tuple[str, ...]] = {
-    # models/qwen3.py: Qwen3Attention (QKVParallelLinear, RowParallelLinear) and
-    # Qwen3MLP (MergedColumnParallelLinear, RowParallelLinear), all with quant_config
-    "Qwen3ForCausalLM": (".self_attn.qkv_proj.weight", ".self_attn.o_proj.weight",
-                         ".mlp.gate_up_proj.weight", ".mlp.down_proj.weight"),
-    # models/qwen3_moe.py: the same attention, GateLinear(quant_config=quant_config)
-    # and the routed experts
-    "Qwen3MoeForCausalLM": (".self_attn.qkv_proj.weight", ".self_attn.o_proj.weight",
-                            ".mlp.gate_up_proj.weight", ".mlp.down_proj.weight",
-                            ".mlp.gate.weight", ".w13_weight", ".w2_weight"),
-}
 
 
 class OnlineFp8Param(NamedTuple):
@@ -73,15 +58,11 @@ def _round_up(n: int) -> int:
     return -(-n // _BLOCK) * _BLOCK
 
 
-#: Families whose table's ``Param.quantized`` flags are vLLM's online rule too, checked
-#: against a fresh vLLM fp8_per_block load (``tests/integration/test_fp8_plan.py``).
-#: DeepSeek-V3 covers Kimi-K2 (same architecture).
-ONLINE_FP8_FROM_TABLE: tuple[str, ...] = ("DeepseekV3ForCausalLM",)
-
-
 def fp8_architectures() -> tuple[str, ...]:
-    """Architectures m2nkit plans under ``quant=fp8_per_block``."""
-    return tuple(sorted({*ONLINE_FP8_LINEAR, *ONLINE_FP8_FROM_TABLE}))
+    """Architectures m2nkit plans under ``quant=fp8_per_block`` (``Family.online_fp8`` set)."""
+    from m2nkit.adapters.families.registry import ARCHITECTURES, family
+
+    return tuple(sorted(a for a in ARCHITECTURES if family(a).online_fp8 is not None))
 
 
 def online_fp8_params(config: Any, destination: DestinationLayout) -> list[OnlineFp8Param]:
@@ -117,12 +98,12 @@ def online_fp8_params(config: Any, destination: DestinationLayout) -> list[Onlin
                          f"already has quantization_config (quant_method {method!r}); plan a "
                          "BF16 config (without quantization_config) with quant=fp8_per_block, "
                          "or this one without quant=")
-    suffixes = ONLINE_FP8_LINEAR.get(arch)
+    suffixes = family.online_fp8
     flagged: set[str] | None = None
     if suffixes is None:
-        if arch not in ONLINE_FP8_FROM_TABLE:
-            raise ValueError(f"{arch}: m2nkit has no fp8_per_block rule for this architecture; "
-                             f"supported: {', '.join(fp8_architectures())}")
+        raise ValueError(f"{arch}: m2nkit has no fp8_per_block rule for this architecture; "
+                         f"supported: {', '.join(fp8_architectures())}")
+    if suffixes == ONLINE_FP8_FROM_TABLE:
         s = family.sizes(config)
         ex = expand(family, config, s, vllm_names(DEFAULT_VLLM_VERSION), quantized=False)
         flagged = {name for name, p in ex.params if p.quantized}
