@@ -508,7 +508,7 @@ def round_source(checkpoints: Sequence[str | os.PathLike], trainer_spec: str, ra
 
 def trainer_main(rank: int, num_ranks: int, checkpoints: Sequence[str], trainer: str,
                  inference: str, client, port: int, timeout_s: float, results,
-                 layout: str = "auto", transport: str = "torch_p2p") -> None:
+                 layout: str = "auto", transport: str = "torch_p2p", checked=None) -> None:
     """One trainer process: ``trainer_init``, one ``send_weights(f"v{k}")`` per checkpoint, report.
 
     Puts ``("init", rank, seconds, None)``, ``("round", rank, k, (bytes, seconds))``
@@ -517,6 +517,13 @@ def trainer_main(rank: int, num_ranks: int, checkpoints: Sequence[str], trainer:
     ``client`` (rank 0 only) drives the workers, e.g. :class:`WorkersClient`.
     ``layout``: the trainers' destination layout (``vllm_destination``'s);
     ``transport``: the session's (``"ipc"``: colocated, docs/colocated.md).
+    ``checked``: a semaphore the driver releases once per trainer rank after
+    it has checked a round; before round ``k > 1`` each rank acquires it, so
+    no round starts while the workers' previous one is being compared
+    (``None``: rounds follow one another at once).
+
+    Raises (reported as ``"error"``): TimeoutError: the driver did not check
+    round ``k - 1`` within ``4 * timeout_s``.
     """
     from m2nkit.engine.tools.server import exit_with_parent
 
@@ -543,6 +550,9 @@ def trainer_main(rank: int, num_ranks: int, checkpoints: Sequence[str], trainer:
                                                source=source)
         results.put(("init", rank, time.perf_counter() - t0, None))
         for k in range(1, len(checkpoints) + 1):
+            if k > 1 and checked is not None and not checked.acquire(timeout=4 * timeout_s):
+                raise TimeoutError(f"trainer rank {rank}: round {k - 1} was not checked by the "
+                                   f"driver within {4 * timeout_s:.0f} s")
             state["round"] = k
             stats = engine.send_weights(f"v{k}")
             results.put(("round", rank, k, (stats.bytes_sent, stats.seconds)))
@@ -696,6 +706,8 @@ def run_vllm_demo(model: str, trainer: str, inference: str, *, rounds: int = 2,
                 f"vLLM's WeightTransferEngineFactory) loaded v0 with DefaultModelLoader")
             ctx = mp.get_context(start_method)
             results = ctx.Queue()
+            # round k + 1 starts only after round k's workers were compared
+            checked = ctx.Semaphore(0)
             port = free_port()
             procs: list = []
             per_round: dict[int, list] = {}
@@ -703,7 +715,8 @@ def run_vllm_demo(model: str, trainer: str, inference: str, *, rounds: int = 2,
             try:
                 start_ranks(trainer_main, lambda r: (
                     r, T, [str(v) for v in versions], str(tspec), str(ispec),
-                    host.client if r == 0 else None, port, timeout_s, results),
+                    host.client if r == 0 else None, port, timeout_s, results, "auto",
+                    "torch_p2p", checked),
                     T, ctx=ctx, name="m2nkit-trainer-{rank}", started=procs)
                 deadline = time.monotonic() + (rounds + 2) * 4 * timeout_s + 60
                 while done < T:
@@ -721,6 +734,8 @@ def run_vllm_demo(model: str, trainer: str, inference: str, *, rounds: int = 2,
                             stats = [per_round[a][r] for r in range(T)]
                             out.rounds.append(_check_round(host.client, a, versions[a - 1],
                                                            stats, log))
+                            for _ in range(T):
+                                checked.release()
                     if kind == "done":
                         done += 1
             finally:
