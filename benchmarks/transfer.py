@@ -119,6 +119,10 @@ def _run_rank(rank: int, cfg: dict) -> dict:
     import torch
 
     torch.set_num_threads(1)  # T + N processes share the machine's cores
+    if cfg["runs"]:           # --runs: torch_p2p's run messages (off by default)
+        from m2nkit.engine.transports import torch_p2p
+
+        torch_p2p.RUN_PIECE_BYTES = RUNS_PIECE_BYTES
     from m2nkit.adapters.hf_checkpoint import checkpoint_manifest, checkpoint_metas
     from m2nkit.adapters.trainer_spec import parse_trainer_spec
     from m2nkit.engine.tools.baseline import (create_trainer_group, gather_then_broadcast_round,
@@ -387,6 +391,9 @@ def print_tables(rows: list[dict]) -> None:
              _mib(r["w_peak"]), _mib(r["w_over_idle"]), _mib(r["w_delta"])] for r in rows])
 
 
+#: ``torch_p2p.RUN_PIECE_BYTES`` under ``--runs``.
+RUNS_PIECE_BYTES = 4 << 20
+
 #: The named cases of ``--cases``: ``name -> (trainer, inference, scale)``.
 #: ``default`` is the script's default layout (353.5 MB); ``1gb`` 8 trainer
 #: ranks into 4 workers (1,020.9 MB, 12 processes); ``hsdp`` two replicas of
@@ -430,13 +437,17 @@ def run_one(args, methods: list[str], trainer: str, inference: str, scale: int) 
     payload = plan.nbytes_min
     assert sum(plan.link_bytes.values()) == payload, "plan payload differs from nbytes_min"
     bucket_bytes = int(args.bucket_mb * 2**20)
+    if args.runs:
+        from m2nkit.engine.transports import torch_p2p
+
+        torch_p2p.RUN_PIECE_BYTES = RUNS_PIECE_BYTES
     messages = {"m2nkit": message_count(plan, BucketSchedule.build(plan, bucket_bytes)),
                 "floor": len(plan.link_bytes)}
     ck.close()  # the children reopen the files; the handles do not pickle
     gather_rounds = min(args.rounds, args.gather_rounds)
     cfg = {"checkpoint": ck, "trainer": str(tspec), "inference": inference, "methods": methods,
            "T": T, "N": N, "rounds": args.rounds, "gather_rounds": gather_rounds,
-           "warmup": args.warmup,
+           "warmup": args.warmup, "runs": args.runs,
            "bucket_bytes": bucket_bytes, "timeout_s": args.timeout}
     load_start = os.getloadavg()
     print(f"\n== trainer {tspec} -> {plan.destination.spec}: model {checkpoint} "
@@ -521,7 +532,7 @@ def run_one(args, methods: list[str], trainer: str, inference: str, scale: int) 
     } for r in rows}, "load_average": [load_start[0], load_end[0]],
         "model": str(checkpoint), "trainer": str(tspec), "inference": inference,
         "scale": scale, "bucket_mib": args.bucket_mb, "rounds": args.rounds,
-        "warmup_rounds": args.warmup,
+        "warmup_rounds": args.warmup, "p2p_runs": args.runs,
         "gather_rounds": gather_rounds, "payload_bytes": payload, "interleaved": True,
         "ratio_to_floor": {"rounds": floor_ratio,
                            "median": statistics.median(floor_ratio) if floor_ratio else None},
@@ -557,6 +568,10 @@ def main() -> None:
     p.add_argument("--methods", default=",".join(METHODS),
                    help=f"comma-separated subset of {','.join(METHODS)}")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any single wait may take")
+    p.add_argument("--runs", action="store_true",
+                   help="torch_p2p with run messages (torch_p2p.RUN_PIECE_BYTES = 4 MiB; off "
+                        "by default): a pair's slabs adjacent in a worker parameter as one "
+                        "message, for comparison")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
     args = p.parse_args()
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -569,6 +584,8 @@ def main() -> None:
         sys.exit(f"--warmup must be >= 0, got {args.warmup}")
     if args.gather_rounds < 0:
         sys.exit(f"--gather-rounds must be >= 0, got {args.gather_rounds}")
+    if args.gather_rounds == 0 and "gather" in methods:
+        methods.remove("gather")     # no slot of its own left
     if args.cases:
         names = list(CASES) if args.cases.strip() == "all" else \
             [c.strip() for c in args.cases.split(",") if c.strip()]

@@ -14,12 +14,12 @@ bucket a slab of ``DIRECT_BYTES`` or more is a message of its own (cut where
 that makes it contiguous on both sides), sent straight from the provider's
 local tensor and received straight into the worker's parameter where its
 region is contiguous there (zero-copy), through a bounce copy otherwise; the
-smaller slabs of a (trainer, worker) pair share one packed message. Slabs
-of a pair that continue one another in a worker parameter (an expert's gate
-and up halves in vLLM's fused ``w13_weight``, the next expert's after them)
-travel as one *run* message, packed on the trainer and received straight into
-the parameter: fewer, larger messages, since each one costs both sides a
-post, a wait and a wake-up (:func:`_messages`). Both
+smaller slabs of a (trainer, worker) pair share one packed message. With
+``RUN_PIECE_BYTES`` set (off by default), slabs of a pair that continue one
+another in a worker parameter (an expert's gate and up halves in vLLM's
+fused ``w13_weight``, the next expert's after them) travel as one *run*
+message, packed on the trainer and received straight into the parameter
+(:func:`_messages`). Both
 sides derive bucket boundaries and message layouts from the plan alone
 (cached on it), so no sizes are exchanged. One bucket is in flight at a
 time and staged bytes come from a ``BufferPool`` kept across rounds, so a
@@ -254,9 +254,13 @@ def _split_direct(plan: Plan, wi: int, slab: Slab) -> list[Slab]:
 
 #: A slab part smaller than this may share a message with its neighbours in
 #: the worker's parameter (a *run*, :func:`_messages`); a larger one stays a
-#: message of its own, sent zero-copy where it can be: copying it to save one
-#: message would cost more than the message.
-RUN_PIECE_BYTES = 4 << 20
+#: message of its own, sent zero-copy where it can be. 0 (the default): no
+#: runs. Measured over gloo on 2 shared cores (docs/benchmarks.md, issue 20),
+#: ``4 << 20`` cut a round's messages 2.2x (2,832 -> 1,296 at fsdp:8 -> tp=4)
+#: but not its CPU time (the trainer's packing copies cost what the saved
+#: messages did) and grew the trainer's staging pool (12 -> 30 MiB), so it is
+#: off until a device run (``benchmarks/gpu_check.py``) shows it pays on NCCL.
+RUN_PIECE_BYTES = 0
 
 
 def _flat_range(plan: Plan, wi: int, slab: Slab) -> tuple[str, int, int] | None:
@@ -284,8 +288,9 @@ def _messages(plan: Plan, items: list[tuple[int, Slab]]):
     messages [[(wi, slab), ...]])``.
 
     A slab of ``DIRECT_BYTES`` or more is cut into parts (:func:`_split_direct`);
-    then every part or smaller slab whose region is contiguous in the worker's
-    parameter and that is smaller than ``RUN_PIECE_BYTES`` is chained with the
+    then, when ``RUN_PIECE_BYTES`` is set, every part or smaller slab whose
+    region is contiguous in the worker's parameter and that is smaller than
+    ``RUN_PIECE_BYTES`` is chained with the
     ones that continue it there (same parameter, same wire dtype, the next
     element on): a chain of two or more with ``DIRECT_BYTES`` or more in all is
     a *run*, one message in the parameter's order, received zero-copy into the

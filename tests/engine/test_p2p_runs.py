@@ -8,7 +8,9 @@ apart, with the other worker's rows between them. So no two of a pair's
 per-expert halves are adjacent on the trainer, while all of them are, in
 order, on the worker: issue 20's "fewer, bigger messages". The transport
 sends them as one message, packed on the trainer (a copy per part) and
-received straight into the parameter's bytes.
+received straight into the parameter's bytes. Runs are off by default
+(``RUN_PIECE_BYTES = 0``: on gloo they did not measure faster, issue 20);
+these tests turn them on.
 
 The layout is built by hand (``Binding`` boxes, as ``tests/_layouts.py``
 does), at sizes that keep each test under a second: ``DIRECT_BYTES`` is
@@ -49,8 +51,10 @@ PART = HALF * H * 2  # bytes of one expert's half in bf16: 512
 @pytest.fixture(autouse=True)
 def _small_direct(monkeypatch):
     # The halves are PART bytes here; at real sizes (Qwen3-MoE, H 1024, I 512,
-    # tp 2) they are 256 KiB, the library's DIRECT_BYTES.
+    # tp 2) they are 256 KiB, the library's DIRECT_BYTES. Runs are off by
+    # default (RUN_PIECE_BYTES = 0); on, as benchmarks/transfer.py --runs sets them.
     monkeypatch.setattr(torch_p2p, "DIRECT_BYTES", PART)
+    monkeypatch.setattr(torch_p2p, "RUN_PIECE_BYTES", 4 << 20)
 
 
 def _fused_moe(param_dtype=torch.bfloat16):
@@ -83,8 +87,8 @@ def test_a_pairs_expert_halves_travel_as_one_message_per_pair(monkeypatch):
     # Each pair: 2 experts x (gate, up) = 4 halves of PART bytes, all adjacent
     # in w13_weight rows [2r, 2r+2) x [0, I): one message; 4 pairs.
     assert message_count(plan, BucketSchedule.build(plan)) == T * N
-    # With no part small enough to join a run, each half is its own message
-    # (cut per expert, contiguous on both sides): 4 per pair.
+    # Runs off (the library default): each half is its own message (cut per
+    # expert, contiguous on both sides): 4 per pair.
     monkeypatch.setattr(torch_p2p, "RUN_PIECE_BYTES", 0)
     _, plan, _ = _fused_moe()
     assert message_count(plan, BucketSchedule.build(plan)) == T * N * 4
