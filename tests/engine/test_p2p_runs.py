@@ -163,8 +163,9 @@ def test_a_trainer_that_fails_before_its_run_is_sent_ends_the_workers_round_nami
             _, group = create_group("127.0.0.1", port, rank, T + N, timeout_s=30)
             groups.append(group)
             if rank < T:
-                return send_round(group, plan, schedule, rank, iter(wrong[rank]), timeout_s=4)
-            return recv_round(group, plan, schedule, rank - T, storage[rank - T], timeout_s=4)
+                return send_round(group, plan, schedule, rank, iter(wrong[rank]), timeout_s=1.5)
+            return recv_round(group, plan, schedule, rank - T, storage[rank - T],
+                              timeout_s=1.5)
         return run
 
     start = time.monotonic()
