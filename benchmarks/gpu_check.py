@@ -158,13 +158,17 @@ def _simulate(ck, tspec, ispec, plan, calls) -> list[str]:
     return [f"worker {w}: {n}" for w in range(N) for n in _compare(ck, ispec, plan, w, storage[w])]
 
 
-def dry_run(ckpt_dir: str, scenarios, m2n=None) -> bool:
+def dry_run(ckpt_dir: str, scenarios, m2n=None, bucket_bytes: int = 1 << 20) -> bool:
     """Plan, route and byte-check every scenario in this process; True when all verify.
 
     ``m2n`` is the imported ``nccl.m2n`` module, or ``None`` where it does
     not import: then no descriptor is built and every tensor, the m2n ones
-    included, is moved slab by slab for the byte check.
+    included, is moved slab by slab for the byte check. The table also gives
+    the messages a ``torch_p2p``-only round of the plan posts at
+    ``bucket_bytes`` (``torch_p2p.message_count``), the figure the GPU run
+    sets beside that round's time.
     """
+    from m2nkit.engine.transports import torch_p2p
     from m2nkit.engine.transports.nccl_m2n_rules import (
         CARRIER_M2N,
         CARRIER_P2P,
@@ -191,12 +195,15 @@ def dry_run(ckpt_dir: str, scenarios, m2n=None) -> bool:
                      _fmt_bytes(sum(plan.wires[i].nbytes_moved for i in m2n_wires)),
                      f"{len(calls)} checked" if m2n is not None else "skipped", len(p2p),
                      _fmt_bytes(sum(w.nbytes_moved for w in p2p)), len(plan_segments(plan)),
+                     torch_p2p.message_count(plan, torch_p2p.BucketSchedule.build(plan,
+                                                                                  bucket_bytes)),
                      "ok" if not bad else f"{len(bad)} differ: {bad[:2]}"))
         reasons = sorted({w.verdict("nccl_m2n").reason for w in p2p})
         for r in reasons:
             print(f"  {label}: torch_p2p because {r}")
     head = ("scenario", "ranks", "nccl_m2n tensors", "nccl_m2n bytes", "descriptors",
-            "torch_p2p tensors", "torch_p2p bytes", "segments", "in-process byte check")
+            "torch_p2p tensors", "torch_p2p bytes", "segments", "torch_p2p-only messages",
+            "in-process byte check")
     how = ("m2n tensors moved as their nccl.m2n descriptors say, the rest slab by slab"
            if m2n is not None else "every tensor moved slab by slab (no nccl.m2n descriptors)")
     _table(f"dry run (no GPU work): {how}; every worker byte vs vLLM's loaders", head, rows)
@@ -247,15 +254,18 @@ def _rank_main(cfg: dict) -> None:
                 rounds.append({**rep.__dict__, "bad": _compare(ck, ispec, plan, rank - T, storage)})
         result["rounds"] = rounds
 
-        # The same plan through torch_p2p alone, for comparison.
+        # The same plan through torch_p2p alone, for comparison: its time and its
+        # message count (the pattern issue 20 changed must suit NCCL p2p too).
         schedule = torch_p2p.BucketSchedule.build(plan, cfg["bucket_bytes"])
+        messages = torch_p2p.message_count(plan, schedule)
         t0 = time.perf_counter()
         if rank < T:
             n = torch_p2p.send_round(group, plan, schedule, rank,
                                      checkpoint_manifest(ck, tspec, rank).iter_local(),
                                      timeout_s=cfg["timeout"], device=dev)
             torch.cuda.synchronize(dev)
-            result["p2p_only"] = {"seconds": time.perf_counter() - t0, "bytes": n, "bad": []}
+            result["p2p_only"] = {"seconds": time.perf_counter() - t0, "bytes": n, "bad": [],
+                                  "messages": messages}
         else:
             storage = storage_on_gpu(rank - T)
             t0 = time.perf_counter()
@@ -263,7 +273,8 @@ def _rank_main(cfg: dict) -> None:
                                         timeout_s=cfg["timeout"], device=dev)
             torch.cuda.synchronize(dev)
             result["p2p_only"] = {"seconds": time.perf_counter() - t0, "bytes": n,
-                                  "bad": _compare(ck, ispec, plan, rank - T, storage)}
+                                  "bad": _compare(ck, ispec, plan, rank - T, storage),
+                                  "messages": messages}
         transport.close()
         shutdown = getattr(group, "shutdown", None)
         if callable(shutdown):
@@ -312,7 +323,8 @@ def _row(text, world, placement, results, T):
     return (text, world, placement, first[0]["m2n_tensors"], _fmt_bytes(sum(f["m2n_bytes"] for f in first)),
             first[0]["p2p_tensors"], _fmt_bytes(sum(f["p2p_bytes"] for f in first)),
             _fmt_s(secs[0]), _fmt_s(secs[-1]) if rounds > 1 else "-",
-            _fmt_s(max(x["p2p_only"]["seconds"] for x in results)), verified), \
+            f"{_fmt_s(max(x['p2p_only']['seconds'] for x in results))} "
+            f"({results[0]['p2p_only']['messages']} msgs)", verified), \
         [f"rank {r} round {k}: {b}" for r, k, b in bad]
 
 
@@ -370,7 +382,7 @@ def gpu_run(ckpt_dir: str, scenarios, args, end: float | None = None) -> bool:
                     break
     head = ("scenario", "ranks", "placement", "nccl_m2n tensors", "nccl_m2n bytes (workers)",
             "torch_p2p tensors", "torch_p2p bytes (workers)", "round 1", "last round",
-            "torch_p2p only", "verified")
+            "torch_p2p only (messages)", "verified")
     _table("GPU run: nccl_m2n + torch_p2p(nccl), every worker byte vs vLLM's loaders", head, rows)
     for n in notes:
         print(n)
@@ -927,7 +939,7 @@ def main(argv: list[str] | None = None) -> int:
         ok, ckpt, serve = True, None, None
         if run_scenarios:
             ckpt = str(save_tiny_checkpoint(args.model, Path(tmp) / args.model, seed=0))
-            ok = dry_run(ckpt, scenarios, m2n)
+            ok = dry_run(ckpt, scenarios, m2n, args.bucket_bytes)
         if args.vllm_serve != "no":
             serve = prepare_serve(Path(tmp), args)
             ok &= serve["ok"]

@@ -1,33 +1,47 @@
 """Does shard-to-shard beat gather-then-broadcast, and how close is it to the wire?
 
-Runs three ways of moving one checkpoint from ``T`` trainer ranks into ``N``
-vLLM-layout workers, each on ``T + N`` freshly spawned processes joined in
-one stateless gloo group over 127.0.0.1 (the trainers also in a gloo group of
+Moves one checkpoint from ``T`` trainer ranks into ``N`` vLLM-layout workers
+three ways, all in the same ``T + N`` spawned processes, joined in one
+stateless gloo group over 127.0.0.1 (the trainers also in a gloo group of
 their own for the baseline's all-gather):
 
-* ``m2nkit``   — ``torch_p2p``: ``agree_on_plan``, then ``send_round`` /
-  ``recv_round`` (each slab once, straight from shard to worker storage);
+* ``m2nkit``   — ``TorchP2PTransport`` (what a session runs): ``agree_on_plan``,
+  then ``send_round`` / ``recv_round`` (each slab once, straight from shard
+  to worker storage; its staging pool kept across rounds);
 * ``gather``   — ``m2nkit.engine.tools.baseline.gather_then_broadcast_round``: per
   tensor, all-gather among the trainer ranks, rank 0 sends the full tensor to
   every worker, each worker keeps its part (what RL frameworks do today);
 * ``floor``    — ``raw_floor_round``: the plan's bytes per (trainer, worker)
   link as one raw message each, from buffers filled in advance.
 
+The methods run **interleaved**, round by round: m2nkit and the floor in
+every round (alternating which goes first), gather-then-broadcast last in
+the first ``--gather-rounds`` rounds, after ``--warmup`` unrecorded rounds.
+So both sides of a ratio see the same processes and, within a fraction of
+a second, the same load from whatever else shares the machine; the script
+prints each round's m2nkit / floor ratio, their median and the load
+average. ``--cases all`` runs the named cases (``CASES``: the default, the
+1 GB ``fsdp:8 -> vllm:tp=4 --scale 4``, and HSDP replicas) one after
+another and prints their ratios side by side.
+
 Every trainer rank holds its ``--trainer`` shard in memory before the first
 round (read once from the checkpoint, as a trainer holds its weights), every
 worker its vLLM-layout storage; both are excluded from the transfer's memory
-delta. Rounds are fenced by barriers on the whole group; a round's time is
-the slowest rank's. After the rounds each worker's storage is compared bit
-for bit with ``reference_load`` (an independent restatement of vLLM's
-loaders); a method that moves wrong bytes fails the benchmark.
+delta. Slots are fenced by barriers on the whole group; a slot's time is
+the slowest rank's. After every m2nkit and gather-then-broadcast slot each
+worker's storage is compared bit for bit with ``reference_load`` (an
+independent restatement of vLLM's loaders, computed once); a method that
+moves wrong bytes fails the benchmark.
 
     python benchmarks/transfer.py [--model tiny-qwen3-moe|DIR] [--trainer fsdp:4]
-        [--inference vllm:tp=2] [--rounds 3] [--scale N]
+        [--inference vllm:tp=2] [--rounds 5] [--scale N] [--cases all] [--json PATH]
 
 ``--model NAME`` (a built-in tiny architecture) builds, once, a larger
 randomly initialised checkpoint of that architecture (``BENCH_SIZES``,
 ``4 * scale`` layers) under the system temp dir; ``--model DIR`` uses a
-checkpoint directory as is.
+checkpoint directory as is. ``--json`` writes the first case's figures at
+the top level (the one-case schema, with ``ratio_to_floor`` added) and every
+case under ``cases``.
 """
 
 from __future__ import annotations
@@ -76,34 +90,50 @@ BENCH_LAYERS = 4
 # one process
 
 
-def _rank_main(method: str, rank: int, cfg: dict, out) -> None:
-    """Run ``cfg['rounds']`` rounds of ``method`` as ``rank``; report to ``out``."""
+def _rank_main(rank: int, cfg: dict, out) -> None:
+    """Run every round of every method as ``rank``; report to ``out``."""
     try:
-        out.put((rank, "ok", _run_rank(method, rank, cfg)))
+        out.put((rank, "ok", _run_rank(rank, cfg)))
     except BaseException:
         out.put((rank, "error", traceback.format_exc()))
         raise
 
 
-def _run_rank(method: str, rank: int, cfg: dict) -> dict:
-    import gc
+def slot_order(methods: list[str], k: int) -> list[str]:
+    """The methods of round ``k`` in the order they run.
 
-    phases = {"start": time.time()}
+    m2nkit and the floor alternate which goes first (m2nkit first in even
+    rounds), so neither always runs right after the other's traffic or
+    right after the barrier; gather-then-broadcast runs last, in a slot of
+    its own, once both are done.
+    """
+    pair = [m for m in ("m2nkit", "floor") if m in methods]
+    if k % 2:
+        pair.reverse()
+    return pair + [m for m in methods if m not in ("m2nkit", "floor")]
+
+
+def _run_rank(rank: int, cfg: dict) -> dict:
+    import gc
 
     import torch
 
     torch.set_num_threads(1)  # T + N processes share the machine's cores
+    if cfg["runs"]:           # --runs: torch_p2p's run messages (off by default)
+        from m2nkit.engine.transports import torch_p2p
+
+        torch_p2p.RUN_PIECE_BYTES = RUNS_PIECE_BYTES
     from m2nkit.adapters.hf_checkpoint import checkpoint_manifest, checkpoint_metas
     from m2nkit.adapters.trainer_spec import parse_trainer_spec
     from m2nkit.engine.tools.baseline import (create_trainer_group, gather_then_broadcast_round,
-                                        raw_floor_buffers, raw_floor_round)
+                                              raw_floor_buffers, raw_floor_round)
     from m2nkit.engine.in_process import allocate_storage, bitwise_equal
     from m2nkit.engine.session import plan_from_manifest
     from m2nkit.engine.control import agree_on_plan, create_group, wait_work
-    from m2nkit.engine.transports.torch_p2p import BucketSchedule, recv_round, send_round
+    from m2nkit.engine.transports.torch_p2p import TorchP2PTransport
     from m2nkit.manifest.serialize import manifest_to_json
 
-    phases["imports"] = time.time()
+    methods = cfg["methods"]
     timeout_s = cfg["timeout_s"]
     T, N = cfg["T"], cfg["N"]
     world = T + N
@@ -121,91 +151,105 @@ def _run_rank(method: str, rank: int, cfg: dict) -> dict:
     plan, _ = plan_from_manifest(manifest, vllm_destination(ck.config, cfg["inference"]))
     _, group = create_group("127.0.0.1", cfg["ports"][0], rank, world, timeout_s=timeout_s)
     tgroup = None
-    if method == "gather" and is_trainer:
+    if "gather" in methods and is_trainer:
         _, tgroup = create_trainer_group("127.0.0.1", cfg["ports"][1], rank, T, timeout_s=timeout_s)
     agree_on_plan(group, rank, world, plan, timeout_s=timeout_s)
-    schedule = BucketSchedule.build(plan, cfg["bucket_bytes"])
-    phases["plan"] = time.time()
+    # The transport a session runs (its staging pool kept across rounds).
+    p2p = TorchP2PTransport(group, rank=rank, timeout_s=timeout_s,
+                            bucket_bytes=cfg["bucket_bytes"])
     rss_idle = rss_kib()  # imports, checkpoint headers, plan, groups: an idle process
 
-    local = storage = buffers = None
-    if method == "floor":
+    # Everything every method needs, resident before the first round.
+    local = storage = ref = buffers = None
+    if "floor" in methods:
         buffers = raw_floor_buffers(plan, rank)
-    elif is_trainer:
+    if is_trainer:
         # clone(): the shard in anonymous memory, every page written, as a
         # trainer holds its weights. The provider's tensors can still be
         # backed by the checkpoint's memory map, whose pages would only come
-        # in when round 1 reads them and be counted as the transfer's memory.
+        # in when a round reads them and be counted as the transfer's memory.
         local = [(name, t.clone()) for name, t in checkpoint_manifest(ck, tspec, rank).iter_local()]
     else:
         storage = allocate_storage(plan.destination, rank - T)
+        from m2nkit.adapters.hf_checkpoint import full_checkpoint_tensors
+        from m2nkit.adapters.vllm import reference_load
+
+        # vLLM's loaders on the full checkpoint: every slot that writes the
+        # storage is compared with it bit for bit.
+        ref = reference_load(ck.config, full_checkpoint_tensors(ck), cfg["inference"], rank - T)
+        ref = {name: ref[name].clone() for name in storage}
     ck.close()  # drop the safetensors memory maps: only the shard stays resident
     gc.collect()
 
     def barrier(what: str) -> None:
         wait_work(group.barrier(), timeout_s, f"rank {rank}: barrier {what}")
 
-    peak_reset = reset_peak()
-    rss_ready = rss_kib()
-    times, cpus, counts = [], [], []
-
     def cpu_s() -> float:  # all threads of this process, gloo's included
         ru = resource.getrusage(resource.RUSAGE_SELF)
         return ru.ru_utime + ru.ru_stime
 
-    for k in range(cfg["rounds"]):
-        if storage is not None:
-            for t in storage.values():  # every round must write every byte again
-                if t.dtype.is_floating_point:
-                    t.fill_(float("nan"))
-            for p in plan.destination.params:  # vLLM's padding rows stay zero
-                if p.worker == rank - T:
-                    for z in p.zero_boxes:
-                        storage[p.name][tuple(slice(a, b) for a, b in z)] = 0
-        barrier(f"before round {k}")
-        t0, c0 = time.perf_counter(), cpu_s()
-        if method == "m2nkit":
-            if is_trainer:
-                n = send_round(group, plan, schedule, rank, iter(local), timeout_s=timeout_s)
-                c = {"sent": n, "received": 0, "gathered": 0}
+    def scrub() -> None:
+        for t in storage.values():  # every slot must write every byte again
+            if t.dtype.is_floating_point:
+                t.fill_(float("nan"))
+        for p in plan.destination.params:  # vLLM's padding rows stay zero
+            if p.worker == rank - T:
+                for z in p.zero_boxes:
+                    storage[p.name][tuple(slice(a, b) for a, b in z)] = 0
+
+    slots = []
+    peak_reset = True
+    warmup = cfg["warmup"]
+    for k in range(-warmup, cfg["rounds"]):   # k < 0: warm-up rounds, not recorded
+        for method in slot_order(methods, k):
+            if method == "gather" and (k >= cfg["gather_rounds"] or k < 0):
+                continue
+            if storage is not None and method != "floor":
+                scrub()
+            gc.collect()
+            barrier(f"before {method} round {k}")
+            peak_reset &= reset_peak()
+            rss_ready = rss_kib()
+            t0, c0 = time.perf_counter(), cpu_s()
+            if method == "m2nkit":
+                if is_trainer:
+                    n = p2p.send_round(plan, rank, iter(local)).nbytes
+                    c = {"sent": n, "received": 0, "gathered": 0}
+                else:
+                    _, rep = p2p.recv_round(plan, rank - T, storage)
+                    n = rep.nbytes
+                    c = {"sent": 0, "received": n, "gathered": 0}
+            elif method == "gather":
+                r = gather_then_broadcast_round(group, tgroup, plan, rank,
+                                                stream=iter(local) if is_trainer else None,
+                                                storage=storage, timeout_s=timeout_s)
+                c = {"sent": r.sent, "received": r.received, "gathered": r.gathered}
             else:
-                _, n = recv_round(group, plan, schedule, rank - T, storage, timeout_s=timeout_s)
-                c = {"sent": 0, "received": n, "gathered": 0}
-        elif method == "gather":
-            r = gather_then_broadcast_round(group, tgroup, plan, rank,
-                                            stream=iter(local) if is_trainer else None,
-                                            storage=storage, timeout_s=timeout_s)
-            c = {"sent": r.sent, "received": r.received, "gathered": r.gathered}
-        else:
-            r = raw_floor_round(group, plan, rank, buffers, timeout_s=timeout_s)
-            c = {"sent": r.sent, "received": r.received, "gathered": 0}
-        barrier(f"after round {k}")
-        times.append(time.perf_counter() - t0)
-        cpus.append(cpu_s() - c0)
-        counts.append(c)
-    peak = peak_kib()
-    phases["rounds"] = time.time()
-
-    exact = None  # the floor moves filler bytes: nothing to check
-    if storage is not None:
-        from m2nkit.adapters.hf_checkpoint import full_checkpoint_tensors
-        from m2nkit.adapters.vllm import reference_load
-
-        ref = reference_load(ck.config, full_checkpoint_tensors(ck), cfg["inference"], rank - T)
-        bad = [name for name in storage if not bitwise_equal(storage[name], ref[name])]
-        exact = {"ok": not bad, "params": len(storage), "bad": bad[:3]}
-    phases["verify"] = time.time()
-    return {"times": times, "cpus": cpus, "counts": counts, "rss_idle": rss_idle,
-            "rss_ready": rss_ready,
-            "peak": peak, "peak_reset": peak_reset, "exact": exact, "phases": phases}
+                r = raw_floor_round(group, plan, rank, buffers, timeout_s=timeout_s)
+                c = {"sent": r.sent, "received": r.received, "gathered": 0}
+            barrier(f"after {method} round {k}")
+            dt, dc = time.perf_counter() - t0, cpu_s() - c0
+            exact = None  # the floor moves filler bytes: nothing to check
+            if storage is not None and method != "floor":
+                bad = [name for name in storage if not bitwise_equal(storage[name], ref[name])]
+                exact = {"ok": not bad, "params": len(storage), "bad": bad[:3]}
+            if k < 0:
+                continue
+            slots.append({"method": method, "round": k, "time": dt, "cpu": dc,
+                          "counts": c, "rss_ready": rss_ready, "peak": peak_kib(),
+                          "exact": exact})
+    # torch_p2p's staging pool, kept across rounds (grown in the first one): what the
+    # transport holds between rounds, on top of each round's Δ ready.
+    pool = p2p._pool.nbytes if p2p._pool is not None else 0
+    return {"slots": slots, "rss_idle": rss_idle, "peak_reset": peak_reset, "pool": pool}
 
 
 # --------------------------------------------------------------------------
 # the parent
 
 
-def run_method(method: str, cfg: dict, deadline_s: float) -> dict[int, dict]:
-    """Spawn ``T + N`` processes for ``method``; ``{rank: report}``.
+def run_case(cfg: dict, deadline_s: float) -> dict[int, dict]:
+    """Spawn ``T + N`` processes that run every method, interleaved; ``{rank: report}``.
 
     Children are always reaped: on an error, a timeout or Ctrl-C every one
     still alive is killed.
@@ -215,8 +259,7 @@ def run_method(method: str, cfg: dict, deadline_s: float) -> dict[int, dict]:
             did not report within ``deadline_s``.
     """
     cfg = {**cfg, "ports": (free_port(), free_port())}
-    return collect_ranks(_rank_main, lambda r: (method, r, cfg), cfg["T"] + cfg["N"],
-                         deadline_s, f"{method}: ")
+    return collect_ranks(_rank_main, lambda r: (r, cfg), cfg["T"] + cfg["N"], deadline_s)
 
 
 def ensure_model(name_or_dir: str, scale: int) -> tuple[Path, bool]:
@@ -257,38 +300,55 @@ def _mb(n: float) -> str:
 
 
 def summarize(method: str, reports: dict[int, dict], T: int, N: int, payload_bytes: int) -> dict:
-    """One table row: median round time, bytes, throughput, memory, exactness."""
-    rounds = len(reports[0]["times"])
-    per_round = [max(r["times"][k] for r in reports.values()) for k in range(rounds)]
-    last = {rank: r["counts"][-1] for rank, r in reports.items()}
+    """One table row from ``method``'s slots: median round time, bytes, memory, exactness."""
+    slots = {rank: [s for s in r["slots"] if s["method"] == method] for rank, r in reports.items()}
+    rounds = [s["round"] for s in slots[0]]
+    per_round = [max(sl[i]["time"] for sl in slots.values()) for i in range(len(rounds))]
+    last = {rank: sl[-1]["counts"] for rank, sl in slots.items()}
     sent = [last[r]["sent"] + last[r]["gathered"] for r in range(T)]
     received = [last[T + w]["received"] for w in range(N)]
-    for rank, r in reports.items():  # every round moves the same bytes
-        if any(c != r["counts"][0] for c in r["counts"]):
+    for rank, sl in slots.items():  # every round moves the same bytes
+        if any(s["counts"] != sl[0]["counts"] for s in sl):
             raise RuntimeError(f"{method}: rank {rank} moved different bytes in different rounds")
-    exact = [reports[T + w]["exact"] for w in range(N)]
+    exact = [s["exact"] for w in range(N) for s in slots[T + w]]
     median = statistics.median(per_round)
-    cpu = statistics.median(sum(r["cpus"][k] for r in reports.values()) for k in range(rounds))
-    trainers = [reports[r] for r in range(T)]
-    workers = [reports[T + w] for w in range(N)]
+    cpu = statistics.median(sum(sl[i]["cpu"] for sl in slots.values())
+                            for i in range(len(rounds)))
+    trainers = [(reports[r]["rss_idle"], slots[r]) for r in range(T)]
+    workers = [(reports[T + w]["rss_idle"], slots[T + w]) for w in range(N)]
+
+    def most(ranks, f):
+        return max(f(idle, s) for idle, sl in ranks for s in sl)
+
     return {
-        "method": method, "round_s": median, "rounds_s": per_round, "cpu_s": cpu,
+        "method": method, "round_s": median, "rounds_s": per_round, "rounds": rounds,
+        "cpu_s": cpu,
         "sent_max": max(sent), "sent_total": sum(sent), "recv_max": max(received),
         "recv_total": sum(received),
         "p2p_sent": [last[r]["sent"] for r in range(T)],
         "gathered": [last[r]["gathered"] for r in range(T)],
         "gbps": payload_bytes / median / 1e9,
-        "t_peak": max(r["peak"] for r in trainers),
-        "t_delta": max(r["peak"] - r["rss_ready"] for r in trainers),
-        "t_over_idle": max(r["peak"] - r["rss_idle"] for r in trainers),
-        "w_peak": max(r["peak"] for r in workers),
-        "w_delta": max(r["peak"] - r["rss_ready"] for r in workers),
-        "w_over_idle": max(r["peak"] - r["rss_idle"] for r in workers),
+        "t_peak": most(trainers, lambda idle, s: s["peak"]),
+        "t_delta": most(trainers, lambda idle, s: s["peak"] - s["rss_ready"]),
+        "t_over_idle": most(trainers, lambda idle, s: s["peak"] - idle),
+        "w_peak": most(workers, lambda idle, s: s["peak"]),
+        "w_delta": most(workers, lambda idle, s: s["peak"] - s["rss_ready"]),
+        "w_over_idle": most(workers, lambda idle, s: s["peak"] - idle),
         "rss_idle": max(r["rss_idle"] for r in reports.values()),
         "peak_reset": all(r["peak_reset"] for r in reports.values()),
         "exact": "n/a" if exact[0] is None else ("yes" if all(e["ok"] for e in exact) else "NO"),
-        "exact_detail": exact,
+        "exact_detail": [e for e in exact if e is not None and not e["ok"]][:3],
+        "t_pool": max(reports[r]["pool"] for r in range(T)) if method == "m2nkit" else 0,
+        "w_pool": max(reports[T + w]["pool"] for w in range(N)) if method == "m2nkit" else 0,
     }
+
+
+def ratios(rows: list[dict], num: str, den: str) -> list[float]:
+    """Per round: ``num``'s round time over ``den``'s, rounds both ran (same processes, same round)."""
+    by = {r["method"]: dict(zip(r["rounds"], r["rounds_s"])) for r in rows}
+    if num not in by or den not in by:
+        return []
+    return [by[num][k] / by[den][k] for k in sorted(set(by[num]) & set(by[den]))]
 
 
 def check_bytes(rows: list[dict], payload: int, model_bytes: int, N: int) -> list[str]:
@@ -331,45 +391,43 @@ def print_tables(rows: list[dict]) -> None:
              _mib(r["w_peak"]), _mib(r["w_over_idle"]), _mib(r["w_delta"])] for r in rows])
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny-qwen3-moe",
-                   help="built-in tiny model name (built at bench sizes) or checkpoint directory")
-    p.add_argument("--trainer", default="fsdp:4",
-                   help="trainer layout (fsdp:N, hsdp:R,S, replicated:N)")
-    p.add_argument("--inference", default="vllm:tp=2", help="vLLM layout (vllm:tp=T[,dp=D][,ep])")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--scale", type=int, default=1, help="built-in model: 4*scale layers")
-    p.add_argument("--bucket-mb", type=float, default=64.0,
-                   help="torch_p2p bucket size, MiB (BucketSchedule; the library default is 64)")
-    p.add_argument("--methods", default=",".join(METHODS),
-                   help=f"comma-separated subset of {','.join(METHODS)}")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds any single wait may take")
-    p.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
-    args = p.parse_args()
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown or not methods:
-        sys.exit(f"--methods: unknown {unknown}; choose from {', '.join(METHODS)}")
-    if args.rounds < 1:
-        sys.exit(f"--rounds must be >= 1, got {args.rounds}")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # children inherit it
+#: ``torch_p2p.RUN_PIECE_BYTES`` under ``--runs``.
+RUNS_PIECE_BYTES = 4 << 20
 
+#: The named cases of ``--cases``: ``name -> (trainer, inference, scale)``.
+#: ``default`` is the script's default layout (353.5 MB); ``1gb`` 8 trainer
+#: ranks into 4 workers (1,020.9 MB, 12 processes); ``hsdp`` two replicas of
+#: 4 FSDP shards into 2 workers, so each worker's bytes come from both
+#: replicas (10 processes).
+CASES = {
+    "default": ("fsdp:4", "vllm:tp=2", 1),
+    "1gb": ("fsdp:8", "vllm:tp=4", 4),
+    "hsdp": ("hsdp:2,4", "vllm:tp=2", 1),
+}
+
+
+def _fmt_ratios(xs: list[float]) -> str:
+    return ", ".join(f"{x:.2f}" for x in xs)
+
+
+def run_one(args, methods: list[str], trainer: str, inference: str, scale: int) -> dict:
+    """Build the plan of one case, run its interleaved rounds, print its tables; its JSON doc."""
     from m2nkit.adapters.hf_checkpoint import checkpoint_metas, read_checkpoint
     from m2nkit.adapters.trainer_spec import parse_trainer_spec
     from m2nkit.engine.session import plan_from_manifest
+    from m2nkit.engine.transports.torch_p2p import BucketSchedule, message_count
     from m2nkit.manifest.serialize import manifest_to_json
 
     t_build = time.perf_counter()
-    checkpoint, built = ensure_model(args.model, args.scale)
+    checkpoint, built = ensure_model(args.model, scale)
     t_build = time.perf_counter() - t_build
     try:
-        tspec = parse_trainer_spec(args.trainer)
+        tspec = parse_trainer_spec(trainer)
         ck = read_checkpoint(checkpoint)
         from m2nkit.adapters.vllm import vllm_destination
 
         plan, _ = plan_from_manifest(manifest_to_json(checkpoint_metas(ck, tspec), tspec.num_ranks),
-                                     vllm_destination(ck.config, args.inference))
+                                     vllm_destination(ck.config, inference))
     except ValueError as e:
         sys.exit(f"error: {e}")
     if plan.problems:
@@ -378,40 +436,56 @@ def main() -> None:
     model_bytes = sum(wp.meta.nbytes for wp in plan.wires if not wp.skipped)
     payload = plan.nbytes_min
     assert sum(plan.link_bytes.values()) == payload, "plan payload differs from nbytes_min"
-    ck.close()  # the children reopen the files; the handles do not pickle
-    cfg = {"checkpoint": ck, "trainer": str(tspec), "inference": args.inference,
-           "T": T, "N": N, "rounds": args.rounds, "bucket_bytes": int(args.bucket_mb * 2**20),
-           "timeout_s": args.timeout}
-    print(f"model {checkpoint} ({ck.architecture}, {len(plan.wires)} wire tensors, "
-          f"{_mb(model_bytes)}), trainer {tspec} -> {plan.destination.spec}: T={T}, N={N}, "
-          f"{args.rounds} rounds, buckets {args.bucket_mb:g} MiB, {os.cpu_count()} CPUs, "
-          f"load average {os.getloadavg()[0]:.1f} at start", flush=True)
+    bucket_bytes = int(args.bucket_mb * 2**20)
+    if args.runs:
+        from m2nkit.engine.transports import torch_p2p
 
-    load_start = os.getloadavg()[0]
-    rows = []
-    for method in methods:
-        t0 = time.perf_counter()
-        try:
-            reports = run_method(method, cfg, deadline_s=args.timeout * 5 + 60 * args.rounds)
-        except RuntimeError as e:
-            sys.exit(f"error: {e}")
-        row = summarize(method, reports, T, N, payload)
-        row["wall_s"] = time.perf_counter() - t0
-        rows.append(row)
-        ph = [r["phases"] for r in reports.values()]
-        spans = {k: max(p[k] for p in ph) - min(p["start"] for p in ph)
-                 for k in ("imports", "plan", "rounds", "verify")}
-        print(f"  {LABELS[method]}: rounds {', '.join(f'{s:.3f}' for s in row['rounds_s'])} s, "
-              f"bit-exact {row['exact']} ({row['wall_s']:.0f} s in all; ranks done with imports "
-              f"{spans['imports']:.0f} s, plan {spans['plan']:.0f} s, "
-              f"rounds {spans['rounds']:.0f} s, "
-              f"checks {spans['verify']:.0f} s after the first started)",
-              file=sys.stderr, flush=True)
+        torch_p2p.RUN_PIECE_BYTES = RUNS_PIECE_BYTES
+    messages = {"m2nkit": message_count(plan, BucketSchedule.build(plan, bucket_bytes)),
+                "floor": len(plan.link_bytes)}
+    ck.close()  # the children reopen the files; the handles do not pickle
+    gather_rounds = min(args.rounds, args.gather_rounds)
+    cfg = {"checkpoint": ck, "trainer": str(tspec), "inference": inference, "methods": methods,
+           "T": T, "N": N, "rounds": args.rounds, "gather_rounds": gather_rounds,
+           "warmup": args.warmup, "runs": args.runs,
+           "bucket_bytes": bucket_bytes, "timeout_s": args.timeout}
+    load_start = os.getloadavg()
+    print(f"\n== trainer {tspec} -> {plan.destination.spec}: model {checkpoint} "
+          f"({ck.architecture}, {len(plan.wires)} wire tensors, {_mb(model_bytes)}), T={T}, N={N}, "
+          f"{args.warmup} warm-up + {args.rounds} rounds (gather-then-broadcast in "
+          f"{gather_rounds}), buckets "
+          f"{args.bucket_mb:g} MiB, {os.cpu_count()} CPUs, load average "
+          f"{load_start[0]:.1f} at start", flush=True)
+
+    t0 = time.perf_counter()
+    n_slots = (args.rounds + args.warmup) * len([m for m in methods if m != "gather"]) + \
+        (gather_rounds if "gather" in methods else 0)
+    try:
+        reports = run_case(cfg, deadline_s=args.timeout * (5 + n_slots) + 120)
+    except RuntimeError as e:
+        sys.exit(f"error: {e}")
+    wall = time.perf_counter() - t0
+    load_end = os.getloadavg()
+    rows = [summarize(m, reports, T, N, payload) for m in methods]
+    for row in rows:
+        print(f"  {LABELS[row['method']]}: rounds {', '.join(f'{s:.3f}' for s in row['rounds_s'])}"
+              f" s, bit-exact {row['exact']}", file=sys.stderr, flush=True)
 
     failures = check_bytes(rows, payload, model_bytes, N)
     print_tables(rows)
     print()
-    notes = [
+    floor_ratio = ratios(rows, "m2nkit", "floor")
+    gather_ratio = ratios(rows, "gather", "m2nkit")
+    notes = []
+    if floor_ratio:
+        notes.append(f"m2nkit / floor per round (same processes, same round): "
+                     f"{_fmt_ratios(floor_ratio)}; median {statistics.median(floor_ratio):.2f}x "
+                     f"(goal <= 1.25x). Messages a round: m2nkit {messages['m2nkit']:,}, floor "
+                     f"{messages['floor']:,}")
+    if gather_ratio:
+        notes.append(f"gather-then-broadcast / m2nkit per round: {_fmt_ratios(gather_ratio)}; "
+                     f"median {statistics.median(gather_ratio):.1f}x (goal >= 5x)")
+    notes += [
         f"bytes the workers need (plan.nbytes_min): {payload:,} = {payload / model_bytes:.3f} x "
         f"the model ({model_bytes:,} B). GB/s = nbytes_min / round s for every method; round s "
         f"= the slowest rank's, median of rounds; CPU s = user+system seconds of all {T + N} "
@@ -419,6 +493,9 @@ def main() -> None:
     ]
     for r in rows:
         if r["method"] == "m2nkit":
+            notes.append(f"m2nkit staging pool kept across rounds (on top of Δ ready): "
+                         f"{r['t_pool'] / 2**20:.1f} MiB per trainer, {r['w_pool'] / 2**20:.1f} "
+                         f"MiB per worker at most; buckets {args.bucket_mb:g} MiB")
             notes.append(f"m2nkit: trainers sent {r['sent_total']:,} B and workers received "
                          f"{r['recv_total']:,} B in {plan.num_slabs:,} slabs; == plan.nbytes_min: "
                          f"{r['sent_total'] == r['recv_total'] == payload}")
@@ -428,33 +505,124 @@ def main() -> None:
                          "sends "
                          f"per trainer rank {', '.join(f'{g:,}' for g in r['gathered'])} B (ring: "
                          "T-1 padded chunks per tensor), counted in 'sent'")
-    reset = "" if all(r["peak_reset"] for r in rows) else " and setup (reset unavailable)"
+    reset = "" if all(r["peak_reset"] for r in rows) else " (reset unavailable: since start)"
     notes.append(
-        f"peak = VmHWM, the high-water mark ru_maxrss reads, inside each process over the "
-        f"rounds{reset}, max over ranks (not ru_maxrss itself: a spawned child's starts at its "
-        "parent's mark). Δ idle = over the process's RSS when idle after imports, checkpoint "
-        f"headers, plan and groups (at most {_mib(max(r['rss_idle'] for r in rows))}). Δ ready "
-        "= over its RSS just before round 1, shard (trainer) or vLLM storage (worker) "
-        "resident: what the transfer itself costs.")
-    notes.append(f"load average {os.getloadavg()[0]:.1f} at the end (other processes share "
-                 "these CPUs: compare rows of one run, not runs)")
+        f"All methods run in the same {T + N} processes, round by round (m2nkit and the floor "
+        "alternate which goes first; gather-then-broadcast last), after "
+        f"{args.warmup} unrecorded warm-up round(s) of m2nkit and the floor. peak = VmHWM, reset before "
+        f"every slot{reset}, max over ranks and slots. Δ idle = over the process's RSS when idle "
+        "after imports, checkpoint headers, plan and groups (at most "
+        f"{_mib(max(r['rss_idle'] for r in rows))}). Δ ready = over its RSS just before the "
+        "slot, everything the methods hold between rounds resident (shard, vLLM storage, the "
+        "floor's buffers): what one round of the method itself costs.")
+    notes.append(f"load average {load_start[0]:.1f} at the start, {load_end[0]:.1f} at the end "
+                 f"({wall:.0f} s; other processes share these CPUs)")
     for note in notes:
         print(textwrap.fill(note, width=100, subsequent_indent="  "))
     if built:
         print(f"(model built in {t_build:.0f} s, kept for the next run)")
+    names = {"m2nkit": "m2nkit", "gather": "gather_broadcast", "floor": "floor"}
+    doc = {"methods": {names[r["method"]]: {
+        "round_s": r["round_s"], "rounds_s": r["rounds_s"], "cpu_s": r["cpu_s"],
+        "bytes_sent_total": r["sent_total"], "bytes_received_total": r["recv_total"],
+        "trainer_extra_mib": r["t_delta"] / 1024, "worker_extra_mib": r["w_delta"] / 1024,
+        "trainer_pool_mib": r["t_pool"] / 2**20, "worker_pool_mib": r["w_pool"] / 2**20,
+        "bit_exact": {"yes": True, "NO": False}.get(r["exact"]),
+        **({"messages": messages[r["method"]]} if r["method"] in messages else {}),
+    } for r in rows}, "load_average": [load_start[0], load_end[0]],
+        "model": str(checkpoint), "trainer": str(tspec), "inference": inference,
+        "scale": scale, "bucket_mib": args.bucket_mb, "rounds": args.rounds,
+        "warmup_rounds": args.warmup, "p2p_runs": args.runs,
+        "gather_rounds": gather_rounds, "payload_bytes": payload, "interleaved": True,
+        "ratio_to_floor": {"rounds": floor_ratio,
+                           "median": statistics.median(floor_ratio) if floor_ratio else None},
+        "gather_over_m2nkit": {"rounds": gather_ratio,
+                               "median": statistics.median(gather_ratio) if gather_ratio
+                               else None},
+        "failures": failures}
+    return doc
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny-qwen3-moe",
+                   help="built-in tiny model name (built at bench sizes) or checkpoint directory")
+    p.add_argument("--trainer", default="fsdp:4",
+                   help="trainer layout (fsdp:N, hsdp:R,S, replicated:N)")
+    p.add_argument("--inference", default="vllm:tp=2", help="vLLM layout (vllm:tp=T[,dp=D][,ep])")
+    p.add_argument("--cases", metavar="NAMES",
+                   help=f"comma-separated named cases, or 'all' ({', '.join(CASES)}): each "
+                        "case's trainer, inference and scale instead of --trainer/--inference/"
+                        "--scale, one after another, then their ratios side by side")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1,
+                   help="unrecorded rounds of m2nkit and the floor first (the first round "
+                        "builds torch_p2p's cached message layouts and grows its staging pool, "
+                        "once per session)")
+    p.add_argument("--gather-rounds", type=int, default=2,
+                   help="rounds that also run gather-then-broadcast (its slot is the round's "
+                        "last; it takes seconds a round)")
+    p.add_argument("--scale", type=int, default=1, help="built-in model: 4*scale layers")
+    p.add_argument("--bucket-mb", type=float, default=64.0,
+                   help="torch_p2p bucket size, MiB (BucketSchedule; the library default is 64)")
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help=f"comma-separated subset of {','.join(METHODS)}")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds any single wait may take")
+    p.add_argument("--runs", action="store_true",
+                   help="torch_p2p with run messages (torch_p2p.RUN_PIECE_BYTES = 4 MiB; off "
+                        "by default): a pair's slabs adjacent in a worker parameter as one "
+                        "message, for comparison")
+    p.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
+    args = p.parse_args()
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        sys.exit(f"--methods: unknown {unknown}; choose from {', '.join(METHODS)}")
+    if args.rounds < 1:
+        sys.exit(f"--rounds must be >= 1, got {args.rounds}")
+    if args.warmup < 0:
+        sys.exit(f"--warmup must be >= 0, got {args.warmup}")
+    if args.gather_rounds < 0:
+        sys.exit(f"--gather-rounds must be >= 0, got {args.gather_rounds}")
+    if args.gather_rounds == 0 and "gather" in methods:
+        methods.remove("gather")     # no slot of its own left
+    if args.cases:
+        names = list(CASES) if args.cases.strip() == "all" else \
+            [c.strip() for c in args.cases.split(",") if c.strip()]
+        bad = [c for c in names if c not in CASES]
+        if bad or not names:
+            sys.exit(f"--cases: unknown {bad}; choose from {', '.join(CASES)} or 'all'")
+        cases = [(c, *CASES[c]) for c in names]
+    else:
+        cases = [(None, args.trainer, args.inference, args.scale)]
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # children inherit it
+
+    docs = []
+    for name, trainer, inference, scale in cases:
+        doc = run_one(args, methods, trainer, inference, scale)
+        doc["case"] = name
+        docs.append(doc)
+
+    if len(docs) > 1 or docs[0]["ratio_to_floor"]["rounds"]:
+        print()
+        _table([("case", 30), ("m2nkit s", 9), ("floor s", 8), ("/ floor, per round", 32),
+                ("median", 7), ("gather/m2n", 10), ("load", 10)],
+               [[f"{d['case'] or 'given'}: {d['trainer']} -> {d['inference']}",
+                 f"{d['methods']['m2nkit']['round_s']:.3f}" if "m2nkit" in d["methods"] else "-",
+                 f"{d['methods']['floor']['round_s']:.3f}" if "floor" in d["methods"] else "-",
+                 _fmt_ratios(d["ratio_to_floor"]["rounds"]) or "-",
+                 f"{d['ratio_to_floor']['median']:.2f}x" if d["ratio_to_floor"]["median"]
+                 else "-",
+                 f"{d['gather_over_m2nkit']['median']:.1f}x" if d["gather_over_m2nkit"]["median"]
+                 else "-",
+                 f"{d['load_average'][0]:.1f}-{d['load_average'][1]:.1f}"] for d in docs])
     if args.json:
         import json
 
-        names = {"m2nkit": "m2nkit", "gather": "gather_broadcast", "floor": "floor"}
-        doc = {"methods": {names[r["method"]]: {
-            "round_s": r["round_s"], "rounds_s": r["rounds_s"], "cpu_s": r["cpu_s"],
-            "bytes_sent_total": r["sent_total"], "bytes_received_total": r["recv_total"],
-            "trainer_extra_mib": r["t_delta"] / 1024, "worker_extra_mib": r["w_delta"] / 1024,
-            "bit_exact": {"yes": True, "NO": False}.get(r["exact"]),
-        } for r in rows}, "load_average": [load_start, os.getloadavg()[0]],
-            "model": str(checkpoint), "trainer": str(tspec), "inference": args.inference,
-            "bucket_mib": args.bucket_mb, "rounds": args.rounds, "payload_bytes": payload}
-        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
+        # The first case's figures at the top level (the schema of one case),
+        # every case under "cases".
+        Path(args.json).write_text(json.dumps({**docs[0], "cases": docs}, indent=1) + "\n")
+    failures = [f for d in docs for f in d["failures"]]
     if failures:
         sys.exit("FAILED: " + "; ".join(failures))
 

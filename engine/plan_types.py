@@ -145,10 +145,20 @@ class WirePlan:
     #: bytes moved and held, once known (the planner knows them; else computed once)
     _moved: int | None = field(default=None, repr=False, compare=False)
     _min: int | None = field(default=None, repr=False, compare=False)
+    _local_shapes: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def name(self) -> str:
         return self.meta.name
+
+    def local_shape(self, rank: int) -> tuple[int, ...] | None:
+        """``meta.local_shape(rank)``, computed once per rank: a round asks it per tensor and
+        the manifest's answer (a validated layout built per call) costs tens of µs."""
+        try:
+            return self._local_shapes[rank]
+        except KeyError:
+            shape = self._local_shapes[rank] = self.meta.local_shape(rank)
+            return shape
 
     @property
     def itemsize(self) -> int:
@@ -376,7 +386,7 @@ def next_local(it, wp: WirePlan, rank: int, *,
     if name != wp.name:
         raise error(f"trainer rank {rank}: source yielded '{name}' where the manifest "
                     f"order expects '{wp.name}'")
-    want = wp.meta.local_shape(rank)
+    want = wp.local_shape(rank)
     got = tuple(local.shape)
     if want is not None and (got != want if wp.meta.exact_local_shape else (
             len(got) != len(want) or any(g < w for g, w in zip(got, want)))):

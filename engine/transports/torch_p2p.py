@@ -14,7 +14,12 @@ bucket a slab of ``DIRECT_BYTES`` or more is a message of its own (cut where
 that makes it contiguous on both sides), sent straight from the provider's
 local tensor and received straight into the worker's parameter where its
 region is contiguous there (zero-copy), through a bounce copy otherwise; the
-smaller slabs of a (trainer, worker) pair share one packed message. Both
+smaller slabs of a (trainer, worker) pair share one packed message. With
+``RUN_PIECE_BYTES`` set (off by default), slabs of a pair that continue one
+another in a worker parameter (an expert's gate and up halves in vLLM's
+fused ``w13_weight``, the next expert's after them) travel as one *run*
+message, packed on the trainer and received straight into the parameter
+(:func:`_messages`). Both
 sides derive bucket boundaries and message layouts from the plan alone
 (cached on it), so no sizes are exchanged. One bucket is in flight at a
 time and staged bytes come from a ``BufferPool`` kept across rounds, so a
@@ -50,6 +55,7 @@ __all__ = [
     "send_round",
     "recv_round",
     "exchange_in_process",
+    "message_count",
 ]
 
 
@@ -246,26 +252,107 @@ def _split_direct(plan: Plan, wi: int, slab: Slab) -> list[Slab]:
     return [slab]
 
 
+#: A slab part smaller than this may share a message with its neighbours in
+#: the worker's parameter (a *run*, :func:`_messages`); a larger one stays a
+#: message of its own, sent zero-copy where it can be. 0 (the default): no
+#: runs. Measured over gloo on 2 shared cores (docs/benchmarks.md, issue 20),
+#: ``4 << 20`` cut a round's messages 2.2x (2,832 -> 1,296 at fsdp:8 -> tp=4)
+#: but not its CPU time (the trainer's packing copies cost what the saved
+#: messages did) and grew the trainer's staging pool (12 -> 30 MiB), so it is
+#: off until a device run (``benchmarks/gpu_check.py``) shows it pays on NCCL.
+RUN_PIECE_BYTES = 0
+
+
+def _flat_range(plan: Plan, wi: int, slab: Slab) -> tuple[str, int, int] | None:
+    """``(param, first element, end element)`` of ``slab`` in its worker parameter, flattened.
+
+    ``None`` where the region is not one contiguous run of the parameter's
+    C-order elements (or the parameter's shape is not the slab's rank).
+    """
+    shape = _dst_shapes(plan).get((slab.dst, slab.param))
+    if shape is None or len(shape) != len(slab.box):
+        return None
+    region = slab.dst_region
+    if not region_is_contiguous(shape, region):
+        return None
+    start, stride = 0, 1
+    for s, n in zip(reversed(slab.dst_start), reversed(shape)):
+        start += s * stride
+        stride *= n
+    count = slab.nbytes // plan.wires[wi].itemsize
+    return slab.param, start, start + count
+
+
 def _messages(plan: Plan, items: list[tuple[int, Slab]]):
     """One pair's messages of one bucket: ``(packed [(wi, slab, offset)], packed bytes,
-    direct [(wi, slab)])``; the packed message (when not empty) goes first, then
-    each direct part (:func:`_split_direct`), in ``link_slabs`` order: both
-    sides number them alike."""
-    packed, direct, at = [], [], 0
+    messages [[(wi, slab), ...]])``.
+
+    A slab of ``DIRECT_BYTES`` or more is cut into parts (:func:`_split_direct`);
+    then, when ``RUN_PIECE_BYTES`` is set, every part or smaller slab whose
+    region is contiguous in the worker's parameter and that is smaller than
+    ``RUN_PIECE_BYTES`` is chained with the
+    ones that continue it there (same parameter, same wire dtype, the next
+    element on): a chain of two or more with ``DIRECT_BYTES`` or more in all is
+    a *run*, one message in the parameter's order, received zero-copy into the
+    parameter's contiguous bytes and packed with one copy per part on the
+    trainer. A gate half and an up half of one expert's ``w13_weight`` rows,
+    and the next expert's, are such neighbours in vLLM's fused parameter
+    (``FusedMoE.weight_loader``, vLLM ``model_executor/layers/fused_moe/layer.py``)
+    while the trainer's ``[E, 2I, H]`` shard holds them apart: one message per
+    pair and bucket instead of two per expert. Every other part is a message
+    of its own (a one-element list), every other small slab goes into the
+    packed message. The packed message (when not empty) goes first, then the
+    others in the order of their first part in ``link_slabs`` order: both
+    sides build and number them alike.
+    """
+    parts: list[tuple[int, Slab]] = []
     for wi, slab in items:
         if slab.nbytes >= DIRECT_BYTES:
-            direct.extend((wi, part) for part in _split_direct(plan, wi, slab))
+            parts.extend((wi, part) for part in _split_direct(plan, wi, slab))
+        else:
+            parts.append((wi, slab))
+    # Chain the parts that continue one another in a worker parameter.
+    keyed = []
+    for i, (wi, slab) in enumerate(parts):
+        if slab.nbytes < RUN_PIECE_BYTES:
+            flat = _flat_range(plan, wi, slab)
+            if flat is not None:
+                keyed.append((flat[0], flat[1], flat[2], plan.wires[wi].meta.dtype, i))
+    keyed.sort(key=lambda k: (k[0], k[1], k[4]))
+    run_of: dict[int, list[int]] = {}
+    chain: list = []
+
+    def close():
+        if len(chain) > 1 and sum(parts[i][1].nbytes for *_, i in chain) >= DIRECT_BYTES:
+            members = [i for *_, i in chain]
+            run_of[min(members)] = members
+            for i in members:
+                run_of.setdefault(i, None)
+    for key in keyed:
+        if chain and (chain[-1][0], chain[-1][2], chain[-1][3]) == (key[0], key[1], key[3]):
+            chain.append(key)
+            continue
+        close()
+        chain = [key]
+    close()
+    packed, msgs, at = [], [], 0
+    for i, (wi, slab) in enumerate(parts):
+        if i in run_of:
+            if run_of[i] is not None:
+                msgs.append([parts[j] for j in run_of[i]])     # a run, in the parameter's order
+        elif slab.nbytes >= DIRECT_BYTES:      # _split_direct keeps every part this large
+            msgs.append([(wi, slab)])
         else:
             packed.append((wi, slab, at))
             at += slab.nbytes
-    return packed, at, direct
+    return packed, at, msgs
 
 
 class _SendBucket(NamedTuple):
     """One trainer rank's bucket, prepared once per plan: see :func:`_send_layout`."""
 
-    rows: dict          # wire index -> [(dst, src region, packed offset or -1, nbytes, tag)]
-    packed: dict        # dst -> (bytes, tag, slab count) of its packed message
+    rows: dict          # wire index -> [(dst, src region, offset or -1 (direct), nbytes, tag)]
+    packed: dict        # (dst, tag) -> (bytes, part count) of each message copied together
     need: int           # pool bytes: packed messages + expected bounce copies (aligned)
     wires: tuple        # (first, end) wire indices of the bucket
 
@@ -273,8 +360,9 @@ class _SendBucket(NamedTuple):
 class _RecvBucket(NamedTuple):
     """One worker's bucket, prepared once per plan: see :func:`_recv_layout`."""
 
-    # (src, tag, nbytes, direct row or None, packed rows); a row is
-    # (vLLM name, region in it, dtype, offset in the message, bytes)
+    # (src, tag, nbytes, direct row or None, packed rows, run or None); a row is
+    # (vLLM name, region in it, dtype, offset in the message, bytes); a run is
+    # (vLLM name, wire dtype, first element, end element, parameter shape)
     msgs: list
     need: int           # pool bytes of the packed messages (bounce copies come on top)
 
@@ -290,29 +378,39 @@ def _send_layout(plan: Plan, schedule: BucketSchedule, rank: int) -> list[_SendB
     """Trainer ``rank``'s messages of every bucket, with their tags (cached on the plan).
 
     Tags number each (trainer, worker) pair's messages through the round:
-    per bucket the packed message first, then each direct part, as
-    :func:`_recv_layout` numbers them on the worker.
+    per bucket the packed message first, then each direct part or run
+    (:func:`_messages`), as :func:`_recv_layout` numbers them on the worker.
     """
     def build():
         out, tags = [], {}
         for k in range(len(schedule)):
             rows: dict[int, list] = {}
-            packed_msgs: dict[int, tuple] = {}
+            packed_msgs: dict[tuple[int, int], tuple] = {}
             need = 0
             for dst, items in sorted(link_slabs(plan, schedule.wires(k), src=rank).items()):
-                packed, nbytes, direct = _messages(plan, items)
+                packed, nbytes, msgs = _messages(plan, items)
                 t = tags.get(dst, 0)
                 if nbytes:
-                    packed_msgs[dst] = (nbytes, t, len(packed))
+                    packed_msgs[(dst, t)] = (nbytes, len(packed))
                     need += _aligned(nbytes)
-                    t += 1
                     for wi, slab, at in packed:
-                        rows.setdefault(wi, []).append((dst, slab.src_region, at, slab.nbytes, -1))
-                for wi, slab in direct:
-                    shape = plan.wires[wi].meta.local_shape(rank)
-                    if shape is None or not region_is_contiguous(shape, slab.src_region):
-                        need += _aligned(slab.nbytes)       # expected to need a bounce copy
-                    rows.setdefault(wi, []).append((dst, slab.src_region, -1, slab.nbytes, t))
+                        rows.setdefault(wi, []).append((dst, slab.src_region, at, slab.nbytes, t))
+                    t += 1
+                for msg in msgs:
+                    if len(msg) == 1:
+                        wi, slab = msg[0]
+                        shape = plan.wires[wi].local_shape(rank)
+                        if shape is None or not region_is_contiguous(shape, slab.src_region):
+                            need += _aligned(slab.nbytes)   # expected to need a bounce copy
+                        rows.setdefault(wi, []).append((dst, slab.src_region, -1, slab.nbytes, t))
+                    else:                                   # a run: its parts copied together
+                        at = 0
+                        for wi, slab in msg:
+                            rows.setdefault(wi, []).append((dst, slab.src_region, at,
+                                                            slab.nbytes, t))
+                            at += slab.nbytes
+                        packed_msgs[(dst, t)] = (at, len(msg))
+                        need += _aligned(at)
                     t += 1
                 tags[dst] = t
             out.append(_SendBucket(rows, packed_msgs, need,
@@ -334,19 +432,41 @@ def _recv_layout(plan: Plan, schedule: BucketSchedule, worker: int) -> list[_Rec
                 if nbytes:
                     rows = [(slab.param, slab.dst_region, plan.wires[wi].meta.dtype, at,
                              slab.nbytes) for wi, slab, at in packed]
-                    msgs.append((src, t, nbytes, None, rows))
+                    msgs.append((src, t, nbytes, None, rows, None))
                     need += _aligned(nbytes)
                     t += 1
-                for wi, slab in direct:
-                    msgs.append((src, t, slab.nbytes,
-                                 (slab.param, slab.dst_region, plan.wires[wi].meta.dtype, 0,
-                                  slab.nbytes), None))
+                for msg in direct:
+                    wi, slab = msg[0]
+                    dtype = plan.wires[wi].meta.dtype
+                    if len(msg) == 1:
+                        msgs.append((src, t, slab.nbytes,
+                                     (slab.param, slab.dst_region, dtype, 0, slab.nbytes), None,
+                                     None))
+                    else:                  # a run: contiguous in the parameter, in its order
+                        rows, at = [], 0
+                        for wj, part in msg:
+                            rows.append((part.param, part.dst_region, dtype, at, part.nbytes))
+                            at += part.nbytes
+                        first, end = _flat_range(plan, wi, slab)[1], _flat_range(plan, *msg[-1])[2]
+                        run = (slab.param, dtype, first, end, _dst_shapes(plan)[(worker, slab.param)])
+                        msgs.append((src, t, at, None, rows, run))
                     t += 1
                 tags[src] = t
             out.append(_RecvBucket(msgs, need))
         return out
 
     return _cached(plan, ("recv", worker, schedule.bounds), build)
+
+
+def message_count(plan: Plan, schedule: BucketSchedule) -> int:
+    """Messages one round of ``plan`` puts on the wire over all (trainer, worker) pairs.
+
+    Counted from the workers' receive layouts (what :func:`recv_round`
+    posts; :func:`send_round` posts the same messages), so the benchmarks
+    can set it beside the floor's one message per link.
+    """
+    return sum(len(b.msgs) for w in range(plan.num_workers)
+               for b in _recv_layout(plan, schedule, w))
 
 
 def _post(group, op: str, buf: torch.Tensor, peer: int, tag: int, what: str):
@@ -379,12 +499,12 @@ def _bucket_sends(plan: Plan, bucket: _SendBucket, k: int, rank: int, it, arena:
     :func:`exchange_in_process` post.
     """
     cursor = 0
-    packed_buf: dict[int, torch.Tensor] = {}
-    left: dict[int, int] = {}
-    for dst, (nbytes, _, count) in bucket.packed.items():
-        packed_buf[dst] = arena[cursor:cursor + nbytes]
+    packed_buf: dict[tuple[int, int], torch.Tensor] = {}
+    left: dict[tuple[int, int], int] = {}
+    for key, (nbytes, count) in bucket.packed.items():
+        packed_buf[key] = arena[cursor:cursor + nbytes]
         cursor += _aligned(nbytes)
-        left[dst] = count
+        left[key] = count
     for wi in range(*bucket.wires):
         wp = plan.wires[wi]
         if not wp.meta.holds(rank):
@@ -395,16 +515,17 @@ def _bucket_sends(plan: Plan, bucket: _SendBucket, k: int, rank: int, it, arena:
                                 f"came after {deadline.describe()}; the round is over")
         for dst, region, at, nbytes, tag in bucket.rows.get(wi, ()):
             piece = local[region]
-            if at >= 0:                                   # into the packed message
-                packed_buf[dst][at:at + nbytes].view(wp.meta.dtype).view(
+            if at >= 0:                                   # into a packed message or a run
+                key = (dst, tag)
+                packed_buf[key][at:at + nbytes].view(wp.meta.dtype).view(
                     piece.shape).copy_(piece)
-                left[dst] -= 1
-                if left[dst]:
+                left[key] -= 1
+                if left[key]:
                     continue
-                buf, tag = packed_buf[dst], bucket.packed[dst][1]
+                buf = packed_buf[key]
                 yield _Send(dst, tag, buf, None,
-                            f"trainer rank {rank}: send of bucket {k} (packed) to worker {dst}",
-                            buf.numel())
+                            f"trainer rank {rank}: send of bucket {k} (packed, tag {tag}) to "
+                            f"worker {dst}", buf.numel())
                 continue
             if piece.is_contiguous():
                 buf = _flat_bytes(piece)                  # zero-copy
@@ -503,7 +624,7 @@ def _recv_targets(plan: Plan, bucket: _RecvBucket, k: int, worker: int,
     me = plan.num_trainer_ranks + worker
     views = []
     need = bucket.need
-    for src, tag, nbytes, direct, packed in bucket.msgs:
+    for src, tag, nbytes, direct, packed, run in bucket.msgs:
         view = None
         if direct is not None:
             param = storage[direct[0]]
@@ -513,11 +634,17 @@ def _recv_targets(plan: Plan, bucket: _RecvBucket, k: int, worker: int,
                     view = None
             if view is None:
                 need += _aligned(nbytes)
+        elif run is not None:
+            param = storage[run[0]]
+            if param.dtype == run[1] and tuple(param.shape) == run[4] and param.is_contiguous():
+                view = param.view(-1)[run[2]:run[3]]
+            else:
+                need += _aligned(nbytes)
         views.append(view)
     arena = pool.reserve(need)
     cursor = 0
     out = []
-    for (src, tag, nbytes, direct, packed), view in zip(bucket.msgs, views):
+    for (src, tag, nbytes, direct, packed, run), view in zip(bucket.msgs, views):
         what = f"worker {worker} (rank {me}): receive of bucket {k} from trainer rank {src}"
         if view is not None:
             out.append(_Recv(src, tag, _flat_bytes(view), None, nbytes, what))  # zero-copy
