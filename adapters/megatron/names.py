@@ -38,7 +38,7 @@ from ..families.llama import ATTENTION, MLP
 from .layout import EXPERT_FC1, EXPERT_FC2, GATED_FC1, MegatronName
 
 __all__ = ["gpt_model_names", "mla_names", "LLAMA", "QWEN2", "QWEN3", "QWEN3_MOE", "MIXTRAL",
-           "DEEPSEEK_V3", "GLM4_MOE", "glm4_moe_names",
+           "DEEPSEEK_V3", "GLM4_MOE", "GLM4_MOE_LITE", "glm4_moe_names",
            "MEGATRON_NAMES", "megatron_names", "table_name"]
 
 
@@ -213,6 +213,12 @@ def glm4_moe_names() -> tuple[MegatronName, ...]:
 #: DeepSeek-V3 / Kimi-K2 (Megatron-Bridge ``DeepSeekV3Bridge``).
 DEEPSEEK_V3 = mla_names()
 
+#: GLM-4.7-Flash (Megatron-Bridge ``GLM47FlashBridge``, ``glm/glm47_flash_bridge.py``): its
+#: registry is DeepSeek-V3's (``deepseek/common.py`` ``get_common_mapping_list``), so the
+#: same names: MLA with q LoRA, dense first layers, MoE with a router ``expert_bias``
+#: and shared experts.
+GLM4_MOE_LITE = DEEPSEEK_V3
+
 #: GLM-4.5 / GLM-4.6 (Megatron-Bridge ``GLM45Bridge``).
 GLM4_MOE = glm4_moe_names()
 
@@ -225,6 +231,7 @@ _TABLES = {
     "MixtralForCausalLM": "MIXTRAL",
     "DeepseekV3ForCausalLM": "DEEPSEEK_V3",
     "Glm4MoeForCausalLM": "GLM4_MOE",
+    "Glm4MoeLiteForCausalLM": "GLM4_MOE_LITE",
 }
 
 #: ``config.architectures[0]`` -> its Megatron-Core names; a family absent has none.

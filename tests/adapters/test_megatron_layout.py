@@ -311,6 +311,48 @@ def test_dry_run_lays_out_deepseek_v3_mla(name):
     assert ("model.layers.0.self_attn.q_a_layernorm.weight" in by) == ("no-q" not in name)
 
 
+def test_dry_run_lays_out_glm47_flash_with_deepseek_v3_names():
+    """GLM-4.7-Flash (``Glm4MoeLiteForCausalLM``): Bridge's GLM47FlashBridge registry is
+    DeepSeek-V3's (``deepseek/common.py``), so names.GLM4_MOE_LITE is names.DEEPSEEK_V3;
+    MLA projections split over tp, layer 0 dense, the fp32 expert bias whole (4 experts)."""
+    import torch
+
+    from m2nkit.adapters.hf_checkpoint import checkpoint_metas, read_checkpoint
+    from m2nkit.adapters.megatron import names
+    from m2nkit.adapters.trainer_spec import parse_trainer_spec
+    from m2nkit.adapters.vllm import destination_layout
+    from m2nkit.engine.plan import build_plan
+
+    assert names.megatron_names("Glm4MoeLiteForCausalLM") is names.DEEPSEEK_V3
+    ckpt = read_checkpoint("tests/data/oracle/tiny-glm4-moe-lite/checkpoint")
+    tspec = parse_trainer_spec("megatron:tp=2,pp=2,ep=2")  # dp 2: ranks 0-3 stage 0, 4-7 stage 1
+    metas = checkpoint_metas(ckpt, tspec)
+    plan = build_plan(metas, tspec.num_ranks, destination_layout(ckpt.config, metas, "vllm:tp=2,ep"))
+    assert plan.problems == [] and plan.nbytes_moved == plan.nbytes_min
+    by = {m.name: m for m in metas}
+    qb = by["model.layers.0.self_attn.q_b_proj.weight"]  # [4 heads * 24, q_lora 16]
+    assert sorted({(p.rank, p.box[0]) for p in qb.pieces}) == [
+        (0, (0, 48)), (1, (48, 96)), (2, (0, 48)), (3, (48, 96))]
+    kva = by["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"]  # [kv_lora 16 + rope 8, H]
+    assert sorted({(p.rank, p.box[0]) for p in kva.pieces}) == [
+        (4, (0, 12)), (5, (12, 24)), (6, (0, 12)), (7, (12, 24))]
+    bias = by["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert bias.dtype == torch.float32 and {p.rank for p in bias.pieces} == {4, 5, 6, 7}
+    assert all(p.box == ((0, 4),) for p in bias.pieces)
+    assert "model.layers.0.mlp.gate.weight" not in by  # first_k_dense_replace: 1
+
+
+def test_dry_run_of_glm5_is_refused_naming_the_family():
+    """GLM-5 (DSA indexer) has no Megatron-Core table: megatron-core 0.19.2 builds DSA only
+    with TransformerEngine (docs/megatron.md, Limits), so nothing here could check one."""
+    from m2nkit.adapters.hf_checkpoint import checkpoint_metas, read_checkpoint
+    from m2nkit.adapters.trainer_spec import parse_trainer_spec
+
+    ckpt = read_checkpoint("tests/data/oracle/tiny-glm-moe-dsa/checkpoint")
+    with pytest.raises(ValueError, match=r"GlmMoeDsaForCausalLM has no Megatron-Core names"):
+        checkpoint_metas(ckpt, parse_trainer_spec("megatron:tp=2,pp=2"))
+
+
 def test_dry_run_of_an_fp8_checkpoint_names_the_scale_tensor():
     # Megatron-Core trains bf16 weights: an fp8 checkpoint's block scales have no Megatron tensor
     with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.q_a_proj\.weight_scale_inv'"
