@@ -154,7 +154,12 @@ TINY_MODELS = {
         "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
         "v_head_dim": 16, "first_k_dense_replace": 1, "topk_method": "noaux_tc",
         "scoring_func": "sigmoid", "n_group": 1, "topk_group": 1,
-        "routed_scaling_factor": 1.8}),
+        "routed_scaling_factor": 1.8}, {
+        # transformers 5.12.1's Glm4MoeLiteConfig keeps a legacy num_experts field beside
+        # n_routed_experts; vLLM reads n_routed_experts (glm4_moe_lite.py), Megatron-Bridge
+        # reads num_experts first for num_moe_experts (conversion/model_bridge.py
+        # CONFIG_MAPPING): TINY_SIZES' 8 would disagree with the 4 routed experts
+        "num_experts": lambda c: c.n_routed_experts}),
 }
 
 FAMILY = Family(

@@ -142,6 +142,23 @@ def test_demo_deepseek_v3_mla_bit_exact_and_q_lora_null_refused():
 
 
 @pytest.mark.timeout(DEADLINE_S + 60)
+def test_demo_glm47_flash_bit_exact():
+    """GLM-4.7-Flash (MLA + MoE, GLM47FlashBridge) through the demo at tp2 ep2 into
+    vllm:tp=2,ep: both rounds bit-exact against Bridge's export, the minimum bytes
+    (the built-in tiny model: its legacy num_experts follows n_routed_experts, which
+    Bridge reads for num_moe_experts)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    ((p, out),) = _run_wave([("tiny-glm4-moe-lite", "megatron:tp=2,ep=2", "vllm:tp=2,ep", 2)],
+                            env)
+    assert p.returncode == 0, f"exit {p.returncode}\n{out[-3000:]}"
+    assert "model Glm4MoeLiteForCausalLM" in out, out[-3000:]
+    for k in (1, 2):
+        assert re.search(rf"round {k}: weights changed, (\d+) bytes .* all 2 workers bit-exact "
+                         rf"at version v{k} against Bridge's export_hf_weights", out), out[-3000:]
+    assert out.count(", = minimum") == 2, out[-3000:]
+
+
+@pytest.mark.timeout(DEADLINE_S + 60)
 def test_colocated_demo_from_megatron_core_trainers_is_bit_exact():
     """``m2nkit demo --colocated --trainer megatron:tp=2,ep=2`` (issue 19): Megatron-Core
     GPTModels loaded by Bridge expose their shards over the ``ipc`` transport (expert and

@@ -62,11 +62,10 @@ def dumped(tmp_path_factory):
     for label, layers, kw, specs in CASES:
         ckpt = root / f"{NAME}-{layers}"
         if not ckpt.exists():
-            # num_experts: transformers 5.12.1's Glm4MoeLiteConfig keeps this legacy
-            # duplicate of n_routed_experts (default 8), and Bridge's CONFIG_MAPPING
-            # reads it for num_moe_experts (conversion/model_bridge.py); set equal, as
-            # tests/data/oracle/regenerate.py does for the shipped checkpoint
-            cfg = tiny_config(NAME, num_hidden_layers=layers, num_experts=4)
+            cfg = tiny_config(NAME, num_hidden_layers=layers)
+            # the legacy num_experts Bridge reads for num_moe_experts follows
+            # n_routed_experts (families/glm4_moe_lite.py TINY_MODELS)
+            assert cfg.num_experts == cfg.n_routed_experts == 4
             save_tiny_checkpoint(cfg, ckpt, seed=7)
             _nontrivial_norms(ckpt)
         layouts.append(Layout(label, str(ckpt), **kw))
