@@ -174,7 +174,9 @@ class BufferPool:
     packed messages and bounce copies out of it. The pool grows to the
     largest bucket's need and stays there, so after the first round no
     bucket allocates (no page faults on fresh buffers); ``nbytes`` is what
-    it holds. One pool per engine or receiver; not thread-safe.
+    it holds. It also keeps the views of its bytes that each bucket's packed
+    messages carve (:meth:`views`), so after the first round a bucket does
+    not re-slice them either. One pool per engine or receiver; not thread-safe.
     """
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
