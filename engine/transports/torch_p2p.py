@@ -174,12 +174,31 @@ class BufferPool:
     packed messages and bounce copies out of it. The pool grows to the
     largest bucket's need and stays there, so after the first round no
     bucket allocates (no page faults on fresh buffers); ``nbytes`` is what
-    it holds. One pool per engine or receiver; not thread-safe.
+    it holds. It also keeps the views of its bytes that each bucket's packed
+    messages carve (:meth:`views`), so after the first round a bucket does
+    not re-slice them either. One pool per engine or receiver; not thread-safe.
     """
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
         self._buf = torch.empty(0, dtype=torch.uint8, device=self.device)
+        self._views: dict[int, tuple[object, object]] = {}
+
+    def views(self, layout: object, build) -> Any:
+        """``build(bytes)``: the views of the pool's bytes that ``layout`` carves, made once.
+
+        ``layout`` is a message layout cached on the plan (:func:`_send_layout`,
+        :func:`_recv_layout`); the views are kept until the bytes change
+        (``reserve`` grows them, ``release`` drops them), so a round reuses the
+        previous round's views instead of slicing and re-viewing the pool per
+        slab. They view only the pool's own bytes, so keeping them holds no
+        other memory. ``layout`` is kept with them: its ``id`` is not reused
+        while the entry lives.
+        """
+        hit = self._views.get(id(layout))
+        if hit is None or hit[0] is not layout:
+            hit = self._views[id(layout)] = (layout, build(self._buf))
+        return hit[1]
 
     @property
     def nbytes(self) -> int:
@@ -188,12 +207,14 @@ class BufferPool:
     def reserve(self, n: int) -> torch.Tensor:
         """At least ``n`` bytes (a uint8 tensor); earlier views must be out of use."""
         if n > self._buf.numel():
+            self._views.clear()
             self._buf = torch.empty(0, dtype=torch.uint8, device=self.device)  # free first
             self._buf = torch.empty(n, dtype=torch.uint8, device=self.device)
         return self._buf
 
     def release(self) -> None:
         """Drop the bytes (a later ``reserve`` allocates again)."""
+        self._views.clear()
         self._buf = torch.empty(0, dtype=torch.uint8, device=self.device)
 
 
@@ -348,11 +369,20 @@ def _messages(plan: Plan, items: list[tuple[int, Slab]]):
     return packed, at, msgs
 
 
+def _box_shape(slab: Slab) -> tuple[int, ...]:
+    """The slab's shape: its box's extents (what ``t[slab.src_region]`` and
+    ``t[slab.dst_region]`` of a tensor that holds the box have)."""
+    return tuple(b - a for a, b in slab.box)
+
+
 class _SendBucket(NamedTuple):
     """One trainer rank's bucket, prepared once per plan: see :func:`_send_layout`."""
 
-    rows: dict          # wire index -> [(dst, src region, offset or -1 (direct), nbytes, tag)]
-    packed: dict        # (dst, tag) -> (bytes, part count) of each message copied together
+    # wire index -> [(dst, src region, pool offset or -1 (direct), nbytes, tag, slab shape,
+    # whether the row completes its packed message)], in packing order
+    rows: dict
+    packed: dict        # (dst, tag) -> (pool offset, bytes) of each message copied together
+    packed_end: int     # pool bytes of the packed messages; bounce copies start here
     need: int           # pool bytes: packed messages + expected bounce copies (aligned)
     wires: tuple        # (first, end) wire indices of the bucket
 
@@ -361,10 +391,12 @@ class _RecvBucket(NamedTuple):
     """One worker's bucket, prepared once per plan: see :func:`_recv_layout`."""
 
     # (src, tag, nbytes, direct row or None, packed rows, run or None); a row is
-    # (vLLM name, region in it, dtype, offset in the message, bytes); a run is
+    # (vLLM name, region in it, dtype, offset in the message, bytes, slab shape); a run is
     # (vLLM name, wire dtype, first element, end element, parameter shape)
     msgs: list
     need: int           # pool bytes of the packed messages (bounce copies come on top)
+    offsets: tuple      # per message: its pool offset if packed (``packed`` rows), else -1
+    expected: tuple     # names of the bucket's wire tensors that send to this worker
 
 
 def _cached(plan: Plan, key, build):
@@ -394,7 +426,8 @@ def _send_layout(plan: Plan, schedule: BucketSchedule, rank: int) -> list[_SendB
                     packed_msgs[(dst, t)] = (nbytes, len(packed))
                     need += _aligned(nbytes)
                     for wi, slab, at in packed:
-                        rows.setdefault(wi, []).append((dst, slab.src_region, at, slab.nbytes, t))
+                        rows.setdefault(wi, []).append((dst, slab.src_region, at, slab.nbytes, t,
+                                                        _box_shape(slab)))
                     t += 1
                 for msg in msgs:
                     if len(msg) == 1:
@@ -402,18 +435,38 @@ def _send_layout(plan: Plan, schedule: BucketSchedule, rank: int) -> list[_SendB
                         shape = plan.wires[wi].local_shape(rank)
                         if shape is None or not region_is_contiguous(shape, slab.src_region):
                             need += _aligned(slab.nbytes)   # expected to need a bounce copy
-                        rows.setdefault(wi, []).append((dst, slab.src_region, -1, slab.nbytes, t))
+                        rows.setdefault(wi, []).append((dst, slab.src_region, -1, slab.nbytes, t,
+                                                        _box_shape(slab)))
                     else:                                   # a run: its parts copied together
                         at = 0
                         for wi, slab in msg:
                             rows.setdefault(wi, []).append((dst, slab.src_region, at,
-                                                            slab.nbytes, t))
+                                                            slab.nbytes, t, _box_shape(slab)))
                             at += slab.nbytes
                         packed_msgs[(dst, t)] = (at, len(msg))
                         need += _aligned(at)
                     t += 1
                 tags[dst] = t
-            out.append(_SendBucket(rows, packed_msgs, need,
+            # Packed messages first in the pool, in this order (bounce copies after them);
+            # each row's offset made absolute, and the row that completes its message
+            # marked, in the order _bucket_sends copies them (manifest, then packing).
+            base, cursor = {}, 0
+            for key, (nbytes, _) in packed_msgs.items():
+                base[key] = cursor
+                cursor += _aligned(nbytes)
+            left = {key: count for key, (_, count) in packed_msgs.items()}
+            final = {}
+            for wi in sorted(rows):
+                final[wi] = []
+                for dst, region, at, nbytes, t, shape in rows[wi]:
+                    last = False
+                    if at >= 0:
+                        left[(dst, t)] -= 1
+                        last = not left[(dst, t)]
+                        at += base[(dst, t)]
+                    final[wi].append((dst, region, at, nbytes, t, shape, last))
+            out.append(_SendBucket(final, {key: (base[key], nbytes) for key, (nbytes, _)
+                                           in packed_msgs.items()}, cursor, need,
                                    (schedule.bounds[k], schedule.bounds[k + 1])))
         return out
 
@@ -431,7 +484,7 @@ def _recv_layout(plan: Plan, schedule: BucketSchedule, worker: int) -> list[_Rec
                 t = tags.get(src, 0)
                 if nbytes:
                     rows = [(slab.param, slab.dst_region, plan.wires[wi].meta.dtype, at,
-                             slab.nbytes) for wi, slab, at in packed]
+                             slab.nbytes, _box_shape(slab)) for wi, slab, at in packed]
                     msgs.append((src, t, nbytes, None, rows, None))
                     need += _aligned(nbytes)
                     t += 1
@@ -440,19 +493,27 @@ def _recv_layout(plan: Plan, schedule: BucketSchedule, worker: int) -> list[_Rec
                     dtype = plan.wires[wi].meta.dtype
                     if len(msg) == 1:
                         msgs.append((src, t, slab.nbytes,
-                                     (slab.param, slab.dst_region, dtype, 0, slab.nbytes), None,
-                                     None))
+                                     (slab.param, slab.dst_region, dtype, 0, slab.nbytes,
+                                      _box_shape(slab)), None, None))
                     else:                  # a run: contiguous in the parameter, in its order
                         rows, at = [], 0
                         for wj, part in msg:
-                            rows.append((part.param, part.dst_region, dtype, at, part.nbytes))
+                            rows.append((part.param, part.dst_region, dtype, at, part.nbytes,
+                                         _box_shape(part)))
                             at += part.nbytes
                         first, end = _flat_range(plan, wi, slab)[1], _flat_range(plan, *msg[-1])[2]
                         run = (slab.param, dtype, first, end, _dst_shapes(plan)[(worker, slab.param)])
                         msgs.append((src, t, at, None, rows, run))
                     t += 1
                 tags[src] = t
-            out.append(_RecvBucket(msgs, need))
+            offsets, cursor = [], 0
+            for _, _, nbytes, direct, _, run in msgs:
+                packed_msg = direct is None and run is None
+                offsets.append(cursor if packed_msg else -1)
+                cursor += _aligned(nbytes) if packed_msg else 0
+            expected = tuple(plan.wires[wi].name for wi in schedule.wires(k)
+                             if plan.wires[wi].sends_to(worker))
+            out.append(_RecvBucket(msgs, need, tuple(offsets), expected))
         return out
 
     return _cached(plan, ("recv", worker, schedule.bounds), build)
@@ -487,24 +548,39 @@ class _Send(NamedTuple):
     nbytes: int         # bytes the round's count adds for it
 
 
+def _send_views(plan: Plan, bucket: _SendBucket, arena: torch.Tensor):
+    """The pool views of ``bucket``'s packed messages: ``({(dst, tag): message bytes},
+    {wire index: [typed view of each packed row, in row order]})``.
+
+    Made once per pool bytes (``BufferPool.views``) and reused every round,
+    so a round's packing is one ``torch._foreach_copy_`` per local tensor.
+    """
+    bufs = {key: arena[off:off + n] for key, (off, n) in bucket.packed.items()}
+    rows = {}
+    for wi, items in bucket.rows.items():
+        dtype = plan.wires[wi].meta.dtype
+        views = [arena[off:off + n].view(dtype).view(shape)
+                 for _, _, off, n, _, shape, _ in items if off >= 0]
+        if views:
+            rows[wi] = views
+    return bufs, rows
+
+
 def _bucket_sends(plan: Plan, bucket: _SendBucket, k: int, rank: int, it, arena: torch.Tensor,
-                  deadline: Deadline | None, error: type[Exception] = TransferError):
+                  deadline: Deadline | None, error: type[Exception] = TransferError,
+                  views=None):
     """Trainer ``rank``'s messages of bucket ``k``, each yielded as soon as it is complete.
 
     Pulls the rank's local tensors of the bucket from ``it`` (its
     ``iter_local()``) one at a time, in manifest order; packs the small
-    slabs into the pool bytes ``arena`` (``bucket.need`` of them) and
-    yields each direct slab from the local tensor itself where it is
-    contiguous there. The one message layout both :func:`send_round` and
-    :func:`exchange_in_process` post.
+    slabs into the pool bytes ``arena`` (``bucket.need`` of them; ``views``
+    are :func:`_send_views` of it, made here when not given) with one
+    ``torch._foreach_copy_`` per local tensor, and yields each direct slab
+    from the local tensor itself where it is contiguous there. The one
+    message layout both :func:`send_round` and :func:`exchange_in_process` post.
     """
-    cursor = 0
-    packed_buf: dict[tuple[int, int], torch.Tensor] = {}
-    left: dict[tuple[int, int], int] = {}
-    for key, (nbytes, count) in bucket.packed.items():
-        packed_buf[key] = arena[cursor:cursor + nbytes]
-        cursor += _aligned(nbytes)
-        left[key] = count
+    bufs, row_views = views if views is not None else _send_views(plan, bucket, arena)
+    cursor = bucket.packed_end
     for wi in range(*bucket.wires):
         wp = plan.wires[wi]
         if not wp.meta.holds(rank):
@@ -513,20 +589,19 @@ def _bucket_sends(plan: Plan, bucket: _SendBucket, k: int, rank: int, it, arena:
         if deadline is not None and deadline.expired():
             raise TransferError(f"trainer rank {rank}: the source's local tensor of '{wp.name}' "
                                 f"came after {deadline.describe()}; the round is over")
-        for dst, region, at, nbytes, tag in bucket.rows.get(wi, ()):
-            piece = local[region]
-            if at >= 0:                                   # into a packed message or a run
-                key = (dst, tag)
-                packed_buf[key][at:at + nbytes].view(wp.meta.dtype).view(
-                    piece.shape).copy_(piece)
-                left[key] -= 1
-                if left[key]:
-                    continue
-                buf = packed_buf[key]
-                yield _Send(dst, tag, buf, None,
-                            f"trainer rank {rank}: send of bucket {k} (packed, tag {tag}) to "
-                            f"worker {dst}", buf.numel())
+        rows = bucket.rows.get(wi, ())
+        packs = row_views.get(wi)
+        if packs:                                         # into packed messages or runs
+            torch._foreach_copy_(packs, [local[row[1]] for row in rows if row[2] >= 0])
+        for dst, region, at, nbytes, tag, _, last in rows:
+            if at >= 0:
+                if last:                                  # its message is complete
+                    buf = bufs[(dst, tag)]
+                    yield _Send(dst, tag, buf, None,
+                                f"trainer rank {rank}: send of bucket {k} (packed, tag {tag}) "
+                                f"to worker {dst}", buf.numel())
                 continue
+            piece = local[region]
             if piece.is_contiguous():
                 buf = _flat_bytes(piece)                  # zero-copy
             else:
@@ -583,7 +658,8 @@ def send_round(group, plan: Plan, schedule: BucketSchedule, rank: int,
             wait_work(work, deadline, what)
         in_flight = []
         arena = pool.reserve(bucket.need)
-        for msg in _bucket_sends(plan, bucket, k, rank, it, arena, deadline):
+        views = pool.views(bucket, lambda buf, b=bucket: _send_views(plan, b, buf))
+        for msg in _bucket_sends(plan, bucket, k, rank, it, arena, deadline, views=views):
             in_flight.append((_post(group, "send", msg.buf, T + msg.dst, msg.tag, msg.what),
                               msg.what, msg.keep))
             sent += msg.nbytes
@@ -602,7 +678,7 @@ class _Recv(NamedTuple):
     src: int
     tag: int
     target: torch.Tensor  # 1-D uint8: the parameter's own bytes (zero-copy) or pool bytes
-    unpack: object        # None (landed already) or (target, rows) to copy out with a cast
+    unpack: object        # None (landed already) or (target, rows, source views or None)
     nbytes: int           # the message's size: the slabs' bytes in the wire dtype
     what: str
 
@@ -642,26 +718,48 @@ def _recv_targets(plan: Plan, bucket: _RecvBucket, k: int, worker: int,
                 need += _aligned(nbytes)
         views.append(view)
     arena = pool.reserve(need)
-    cursor = 0
+    packs = pool.views(bucket, lambda buf: _recv_views(bucket, buf))
+    cursor = bucket.need                  # packed messages first, at their layout offsets
     out = []
-    for (src, tag, nbytes, direct, packed, run), view in zip(bucket.msgs, views):
+    for i, ((src, tag, nbytes, direct, packed, run), view) in enumerate(zip(bucket.msgs, views)):
         what = f"worker {worker} (rank {me}): receive of bucket {k} from trainer rank {src}"
         if view is not None:
             out.append(_Recv(src, tag, _flat_bytes(view), None, nbytes, what))  # zero-copy
             continue
-        target = arena[cursor:cursor + nbytes]
+        if i in packs:
+            target, sources = packs[i]
+            out.append(_Recv(src, tag, target, (target, packed, sources), nbytes, what))
+            continue
+        target = arena[cursor:cursor + nbytes]   # a bounce copy of a direct part or a run
         cursor += _aligned(nbytes)
-        out.append(_Recv(src, tag, target, (target, packed if direct is None else [direct]),
+        out.append(_Recv(src, tag, target, (target, packed if direct is None else [direct], None),
                          nbytes, what))
     return out
 
 
+def _recv_views(bucket: _RecvBucket, arena: torch.Tensor) -> dict[int, tuple]:
+    """``{message index: (its pool bytes, [typed view of each row])}`` of ``bucket``'s packed
+    messages, made once per pool bytes (``BufferPool.views``) and reused every round."""
+    out = {}
+    for i, ((_, _, nbytes, _, rows, _), off) in enumerate(zip(bucket.msgs, bucket.offsets)):
+        if off >= 0:
+            target = arena[off:off + nbytes]
+            out[i] = (target, [target[at:at + n].view(dtype).view(shape)
+                               for _, _, dtype, at, n, shape in rows])
+    return out
+
+
 def _unpack(storage: Mapping[str, torch.Tensor], unpack) -> None:
-    """Copy a received message's slabs into their parameters (casting to the parameter's dtype)."""
-    buf, rows = unpack
-    for param, region, dtype, at, n in rows:
-        dst = storage[param][region]
-        dst.copy_(buf[at:at + n].view(dtype).view(dst.shape))
+    """Copy a received message's slabs into their parameters (casting to the parameter's dtype).
+
+    One ``torch._foreach_copy_`` per message: per slab ``param[region].copy_(slab)``, the
+    cast vLLM's loaders apply. ``sources`` are the rows' typed views of ``buf`` when
+    :func:`_recv_views` made them already.
+    """
+    buf, rows, sources = unpack
+    if sources is None:
+        sources = [buf[at:at + n].view(dtype).view(shape) for _, _, dtype, at, n, shape in rows]
+    torch._foreach_copy_([storage[row[0]][row[1]] for row in rows], sources)
 
 
 def _post_receives(group, plan: Plan, bucket: _RecvBucket, k: int, worker: int,
@@ -709,12 +807,12 @@ def recv_round(group, plan: Plan, schedule: BucketSchedule, worker: int,
     deadline = Deadline.of(deadline, timeout_s)
     pool = pool if pool is not None else BufferPool(device)
     notify = getattr(storage, "wires_received", None)
-    expected = {plan.wires[wi].name for wi in range(len(plan.wires))
-                if plan.wires[wi].sends_to(worker)}
+    layout = _recv_layout(plan, schedule, worker)
+    expected = {name for bucket in layout for name in bucket.expected}
     done: set[str] = set()
     got = 0
     try:
-        for k, bucket in enumerate(_recv_layout(plan, schedule, worker)):
+        for k, bucket in enumerate(layout):
             posted = _post_receives(group, plan, bucket, k, worker, storage, pool)
             for work, what, unpack, nbytes in posted:
                 wait_work(work, deadline, what)
@@ -722,8 +820,7 @@ def recv_round(group, plan: Plan, schedule: BucketSchedule, worker: int,
                 if unpack is not None:
                     _unpack(storage, unpack)
             del posted
-            whole = [plan.wires[wi].name for wi in schedule.wires(k)
-                     if plan.wires[wi].name in expected]
+            whole = list(bucket.expected)
             done.update(whole)
             if whole and notify is not None:
                 notify(whole)
@@ -788,7 +885,8 @@ def exchange_in_process(plan: Plan, streams: Mapping[int, Iterable[tuple[str, to
             if r not in its:
                 raise error(f"no local stream for trainer rank {r}, an owner of '{owned[0]}'")
             arena = pools[r].reserve(bucket.need)
-            for msg in _bucket_sends(plan, bucket, k, r, its[r], arena, None, error):
+            views = pools[r].views(bucket, lambda buf, b=bucket: _send_views(plan, b, buf))
+            for msg in _bucket_sends(plan, bucket, k, r, its[r], arena, None, error, views):
                 sent[(r, msg.dst, msg.tag)] = msg
         for w in range(plan.num_workers):
             if w not in storage:

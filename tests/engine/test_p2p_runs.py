@@ -183,3 +183,64 @@ def test_a_trainer_that_fails_before_its_run_is_sent_ends_the_workers_round_nami
         assert kind == "err" and isinstance(err, TransferError), (w, out[T + w])
         assert "from trainer rank 1" in str(err), str(err)
         assert err.missing == ["experts.gate_up_proj"] and err.received == []
+
+
+def test_pool_views_are_made_once_per_pool_bytes_and_again_after_it_grows():
+    pool, layout, built = BufferPool(), object(), []
+
+    def build(buf):
+        built.append(buf.numel())
+        return buf[:4]
+
+    pool.reserve(16)
+    first = pool.views(layout, build)
+    assert pool.views(layout, build) is first and built == [16]
+    pool.reserve(8)                                   # fits: same bytes, same views
+    assert pool.views(layout, build) is first and built == [16]
+    pool.reserve(64)                                  # grown: the old views are stale
+    again = pool.views(layout, build)
+    assert built == [16, 64] and again.data_ptr() == pool.reserve(1).data_ptr()
+    pool.release()
+    pool.reserve(16)
+    pool.views(layout, build)
+    assert built == [16, 64, 16]
+
+
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float32])
+def test_rounds_with_kept_pools_land_each_rounds_bytes(monkeypatch, param_dtype):
+    # Every slab packed (DIRECT_BYTES above the tensor, no runs): both sides
+    # copy through views of their kept pools, made in round 1 and reused in
+    # round 2, which carries other bytes; fp32 parameters take the cast.
+    monkeypatch.setattr(torch_p2p, "DIRECT_BYTES", 1 << 30)
+    monkeypatch.setattr(torch_p2p, "RUN_PIECE_BYTES", 0)
+    full, plan, dest = _fused_moe(param_dtype)
+    schedule = BucketSchedule.build(plan)
+    assert message_count(plan, schedule) == T * N     # one packed message per pair
+    storage = {w: allocate_storage(dest, w) for w in range(N)}
+    pools = {r: BufferPool() for r in range(T + N)}
+    for round_ in range(2):
+        full = full * 2 + 1 if round_ else full
+        streams = _streams(full)
+        port, groups = free_port(), []
+
+        def rank_fn(rank):
+            def run():
+                _, group = create_group("127.0.0.1", port, rank, T + N, timeout_s=30)
+                groups.append(group)
+                if rank < T:
+                    return send_round(group, plan, schedule, rank, iter(streams[rank]),
+                                      timeout_s=30, pool=pools[rank])
+                return recv_round(group, plan, schedule, rank - T, storage[rank - T],
+                                  timeout_s=30, pool=pools[rank])[1]
+            return run
+
+        try:
+            out = in_threads({r: rank_fn(r) for r in range(T + N)}, 60, "a rank")
+        finally:
+            for group in groups:
+                group.abort()
+        assert all(kind == "ok" for kind, _ in out.values()), out
+        for w in range(N):
+            want, _ = fill_worker(dest, {"experts.gate_up_proj": full}, w)
+            assert bitwise_equal(storage[w]["w13_weight"], want["w13_weight"]), (round_, w)
+        assert all(len(pools[r]._views) == 1 for r in range(T + N))   # one bucket's views
