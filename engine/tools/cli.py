@@ -191,6 +191,12 @@ def _precheck(args) -> None:
 
     if args.rounds < 1:
         raise UserError(f"--rounds must be >= 1, got {args.rounds}")
+    if ispec.quant != "none":
+        # its workers hold BF16 storage: a round would move BF16 and call it fp8
+        raise UserError(f"--inference {args.inference}: m2nkit demo does not run fp8 rounds "
+                        "(quant=); plan and check mode 2 with m2nkit plan CHECKPOINT ... "
+                        "--inference ...,quant=fp8_per_block,wire=fp8 --verify, and see "
+                        "docs/fp8.md for rounds into an fp8-served vLLM")
     count = tspec.num_ranks + ispec.num_workers
     if count > MAX_DEMO_PROCESSES:
         raise UserError(f"{args.trainer} -> {args.inference} needs {count} processes; the demo "
@@ -423,6 +429,12 @@ def _plan_and_report(args, console, json_file, dump_dir) -> int:
             ok, storage = verify_fp8(console, ckpt, tspec, ispec, plan, fp8)
         else:
             ok, storage = verify_plan(console, ckpt, tspec, ispec, plan, args.layout)
+            if fp8 is not None:      # wire=bf16: what lands is BF16; vLLM quantizes it after
+                console.print("verify: wire=bf16 checks the BF16 weights vLLM's loaders take "
+                              "(checkpoint format); vLLM quantizes them after loading, which "
+                              "is not run here" + (" and not in the dump" if dump_dir else "")
+                              + " (wire=fp8 runs the quantization)", markup=False,
+                              highlight=False)
         if dump_dir is not None:
             dump_storage(console, dump_dir, storage, plan, ckpt, ispec)
         if not ok:
@@ -598,7 +610,8 @@ def _parser() -> argparse.ArgumentParser:
                            "(tp: the family's TP plan)")
     plan.add_argument("--inference", required=True,
                       help="vllm:tp=T[,dp=D][,ep][,placement=linear|round_robin][,all2all=B]"
-                           "[,dtype=auto|bfloat16|float16|float32]")
+                           "[,dtype=auto|bfloat16|float16|float32]"
+                           "[,quant=fp8_per_block[,wire=bf16|fp8]] (docs/fp8.md)")
     plan.add_argument("--json", metavar="PATH", help="write the manifest and plan as JSON")
     plan.add_argument("--verify", action="store_true",
                       help="execute in-process on the checkpoint's data and check every worker")

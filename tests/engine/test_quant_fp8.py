@@ -166,3 +166,31 @@ def test_megatron_tp_matching_vllm_needs_no_exchange(tmp_path):
     assert (fp8["blocks"], fp8["shared_blocks"], fp8["exchange_scalars"],
             fp8["multi_wire_blocks"]) == (16, 0, 0, 8)
     assert fp8["fp8_wire_bytes"] == 260928          # the same bytes as from fsdp:4
+
+
+@pytest.mark.parametrize("trainer", ["fsdp:2", "megatron:tp=2,ep=2"])
+def test_demo_refuses_quant_rather_than_moving_bf16_under_its_name(capsys, trainer):
+    """The demo's workers hold BF16 storage: a quant= round would move BF16 and report it
+    as the fp8 spec (found trying it as a user). Refused before torch loads, one line."""
+    code = main(["demo", "--trainer", trainer, "--inference",
+                 "vllm:tp=2,ep,quant=fp8_per_block,wire=fp8", "--rounds", "1", "--no-baseline"])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == "", captured
+    assert captured.err.splitlines() == [
+        "m2nkit: error: --inference vllm:tp=2,ep,quant=fp8_per_block,wire=fp8: m2nkit demo "
+        "does not run fp8 rounds (quant=); plan and check mode 2 with m2nkit plan CHECKPOINT "
+        "... --inference ...,quant=fp8_per_block,wire=fp8 --verify, and see docs/fp8.md for "
+        "rounds into an fp8-served vLLM"]
+
+
+def test_verify_with_the_bf16_wire_says_what_it_does_not_check(capsys):
+    """wire=bf16 verifies the BF16 landing only (vLLM quantizes after loading): said, so a
+    dump of BF16 weights under quant=fp8_per_block is not taken for vLLM's fp8 tensors."""
+    ckpt = ORACLE / "tiny-qwen3" / "checkpoint"
+    assert main(["plan", str(ckpt), "--trainer", "fsdp:2", "--inference",
+                 "vllm:tp=2,quant=fp8_per_block", "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "verify: all 2 workers hold exactly what vLLM's loaders would" in out
+    assert ("verify: wire=bf16 checks the BF16 weights vLLM's loaders take (checkpoint format); "
+            "vLLM quantizes them after loading, which is not run here (wire=fp8 runs the "
+            "quantization)") in out
