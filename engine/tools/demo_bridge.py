@@ -459,11 +459,19 @@ def run_bridge_demo(model: str, trainer: str, inference: str, *, mode: str = "ta
             label = "megatron:" + trainer.partition(":")[2]
             dry = parse_trainer_spec(label)
             try:
-                checkpoint_metas(ckpt, dry)
+                metas = checkpoint_metas(ckpt, dry)
             except ValueError as e:
                 msg = str(e).replace(f"trainer spec '{dry}'", f"trainer spec '{trainer}'")
                 raise ValueError(msg.replace(f"trainer spec '{label}'",
                                              f"trainer spec '{trainer}'")) from None
+            # the workers' side too (a tp the family's vLLM layout refuses), as the
+            # stand-in demo does, rather than in every trainer once all are started
+            from m2nkit.manifest.serialize import manifest_to_json
+
+            planned, _ = plan_from_manifest(manifest_to_json(metas, T), destination)
+            if planned.problems:
+                raise ValueError("the plan has problems: "
+                                 + "; ".join(map(str, planned.problems[:5])))
         made = "megatron_source" if mode == MEGATRON_SOURCE else f"bridge_source mode={mode!r}"
         log(f"model {ckpt.architecture} from {model_dir}; {T} Megatron trainer ranks loaded "
             f"by Megatron-Bridge ({tspec}, {made}) -> {ispec.num_workers} workers ({ispec})")

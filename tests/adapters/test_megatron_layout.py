@@ -181,12 +181,17 @@ def test_an_empty_pipeline_stage_is_refused():
         stage_layers(2, 3, first=0, last=1)
 
 
-@pytest.mark.parametrize("trainer, match, how", [
+@pytest.mark.parametrize("trainer, inference, match, how", [
     # megatron-core's own rules (m2nkit.adapters.megatron.spec.megatron_size_problem)
-    ("megatron:pp=3", "2 layers do not split over pp*vpp=3", "cli"),
-    ("bridge:tp=3", "num_attention_heads (8) must be a multiple of tp (3)", "in-process"),
+    ("megatron:pp=3", "vllm:tp=2", "2 layers do not split over pp*vpp=3", "cli"),
+    ("bridge:tp=3", "vllm:tp=2", "num_attention_heads (8) must be a multiple of tp (3)",
+     "in-process"),
+    # the workers' side: a tp the family's vLLM layout refuses (was found only inside
+    # every trainer, once all were started: a fresh-user trial)
+    ("megatron:tp=2", "vllm:tp=3", "cannot be laid out as vllm:tp=3", "in-process"),
 ])
-def test_megatron_demo_checks_the_model_before_starting_trainers(capsys, trainer, match, how):
+def test_megatron_demo_checks_the_model_before_starting_trainers(capsys, trainer, inference,
+                                                                  match, how):
     """Sizes the tiny model (2 layers, 8 heads, hidden 128) cannot take fail with exit 2
     and one error line before any trainer process starts, as ``m2nkit plan`` refuses
     them, not later inside megatron-core with exit 1. Both trainer kinds reach the same
@@ -198,7 +203,8 @@ def test_megatron_demo_checks_the_model_before_starting_trainers(capsys, trainer
     import subprocess
     import sys
 
-    args = ["demo", "--model", "tiny-qwen3", "--trainer", trainer, "--no-baseline"]
+    args = ["demo", "--model", "tiny-qwen3", "--trainer", trainer, "--inference", inference,
+            "--no-baseline"]
     if how == "cli":
         code = f"import sys; from m2nkit.engine.tools.cli import main; sys.exit(main({args!r}))"
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
