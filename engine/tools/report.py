@@ -68,8 +68,8 @@ def ipc_routes(plan, count: int) -> dict:
 def print_routes(console, routes: dict) -> None:
     """One line: the ``ipc`` transport's bytes each way (:func:`ipc_routes`)."""
     console.print(f"ipc transport over {routes['nodes']} node{'s' if routes['nodes'] > 1 else ''}: "
-                  f"{fmt_bytes(routes['ipc'])} in {routes['ipc_slabs']} slabs copied over shared "
-                  f"memory on their node, {fmt_bytes(routes['p2p'])} in {routes['p2p_slabs']} "
+                  f"{fmt_bytes(routes['ipc'])} in {routes['ipc_slabs']:,} slabs copied over shared "
+                  f"memory on their node, {fmt_bytes(routes['p2p'])} in {routes['p2p_slabs']:,} "
                   "slabs by torch_p2p to other nodes")
 
 

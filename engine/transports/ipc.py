@@ -358,12 +358,15 @@ def even_nodes(num_trainer_ranks: int, num_workers: int, count: int) -> tuple[st
     worker ``w`` on ``w * count // N``): what ``m2nkit plan --nodes`` reports.
 
     Raises:
-        ValueError: ``count`` below 1 or above the trainer ranks or the workers.
+        ValueError: ``count`` below 1, above the trainer ranks or the workers, or not
+            dividing both (no equal runs); names the counts that would do.
     """
     T, N = num_trainer_ranks, num_workers
-    if not 1 <= count <= min(T, N):
-        raise ValueError(f"--nodes {count}: each node needs a trainer rank and a worker; give "
-                         f"1 to {min(T, N)} for {T} trainer ranks and {N} workers")
+    valid = [c for c in range(1, min(T, N) + 1) if T % c == 0 and N % c == 0]
+    if count not in valid:
+        raise ValueError(f"--nodes {count}: each node holds an equal run of the {T} trainer "
+                         f"ranks and of the {N} workers, so the count must divide both; "
+                         f"valid: {', '.join(map(str, valid))}")
     return tuple(f"node{r * count // T}" for r in range(T)) + \
         tuple(f"node{w * count // N}" for w in range(N))
 

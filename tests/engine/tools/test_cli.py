@@ -395,4 +395,11 @@ def test_plan_nodes_reports_the_ipc_transports_bytes_each_way(tmp_path, capsys):
     code, out, err = run_plan(capsys, EXAMPLE, "--trainer", "fsdp:4", "--inference",
                               "vllm:tp=2", "--nodes", "3")
     assert code == 2 and out == ""
-    assert "--nodes 3: each node needs a trainer rank and a worker; give 1 to 2" in err
+    assert ("--nodes 3: each node holds an equal run of the 4 trainer ranks and of the 2 "
+            "workers, so the count must divide both; valid: 1, 2") in err
+    # a count within range that divides one side only: no equal runs (fsdp:6, tp=4)
+    code, out, err = run_plan(capsys, EXAMPLE, "--trainer", "fsdp:6", "--inference",
+                              "vllm:tp=4", "--nodes", "3")
+    assert code == 2 and out == ""
+    assert "--nodes 3: each node holds an equal run of the 6 trainer ranks and of the 4 " \
+           "workers, so the count must divide both; valid: 1, 2" in err
