@@ -403,3 +403,8 @@ def test_plan_nodes_reports_the_ipc_transports_bytes_each_way(tmp_path, capsys):
     assert code == 2 and out == ""
     assert "--nodes 3: each node holds an equal run of the 6 trainer ranks and of the 4 " \
            "workers, so the count must divide both; valid: 1, 2" in err
+    # the fp8 wire has no ipc route yet: refused rather than reported in BF16 bytes
+    code, out, err = run_plan(capsys, EXAMPLE, "--trainer", "fsdp:4", "--inference",
+                              "vllm:tp=2,quant=fp8_per_block,wire=fp8", "--nodes", "2")
+    assert code == 2 and out == ""
+    assert "the ipc transport carries the BF16 wire only" in err
