@@ -154,3 +154,37 @@ def join_ranks(ctx, timeout_s: float, label: str = "") -> float:
                 p.kill()
             p.join()
     return time.monotonic() - start
+
+
+def trainer_outcomes(ctx, target, args_of, num_ranks: int, timeout_s: float) -> dict[int, str]:
+    """Run ``target(*args_of(rank, results))`` in ``num_ranks`` daemon processes of ``ctx``
+    and collect what each reports on ``results`` (``demo_vllm.trainer_main``'s protocol):
+    rank -> ``"done"`` or its error text.
+
+    Fails the test (``AssertionError``) when some rank reported neither within
+    ``3 * timeout_s + 30`` s (a hang); joins, and kills what still runs, on the way out.
+    """
+    import queue
+    import time
+
+    results = ctx.Queue()
+    procs = [ctx.Process(target=target, daemon=True, args=args_of(r, results))
+             for r in range(num_ranks)]
+    for p in procs:
+        p.start()
+    outcome: dict[int, str] = {}
+    deadline = time.monotonic() + 3 * timeout_s + 30
+    try:
+        while len(outcome) < num_ranks:
+            try:
+                kind, rank, a, _ = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"trainers hung: outcomes so far {outcome}") from None
+            if kind in ("done", "error"):
+                outcome[rank] = "done" if kind == "done" else a
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    return outcome

@@ -28,13 +28,11 @@ the backend on both factories.
 
 from __future__ import annotations
 
-import queue
-import time
 
 import pytest
 
 from _paths import ORACLE
-from _procs import CTX, ensure_forkserver
+from _procs import CTX, ensure_forkserver, trainer_outcomes
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -150,33 +148,10 @@ def _run_trainers(client, checkpoints, inference, timeout_s=ROUND_TIMEOUT_S,
     from m2nkit.engine.tools.procs import free_port
     from m2nkit.engine.tools.demo_vllm import trainer_main
 
-    results = CTX.Queue()
     port = free_port()
-    procs = [CTX.Process(target=trainer_main, daemon=True,
-                         args=(r, 2, [str(c) for c in checkpoints], TRAINER, inference,
-                               client if r == 0 else None, port, timeout_s, results, layout,
-                               transport))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    outcome: dict[int, str] = {}
-    deadline = time.monotonic() + 3 * timeout_s + 30
-    try:
-        while len(outcome) < 2:
-            try:
-                kind, rank, a, _ = results.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                raise AssertionError(f"trainers hung: outcomes so far {outcome}") from None
-            if kind == "done":
-                outcome[rank] = "done"
-            elif kind == "error":
-                outcome[rank] = a
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-    return outcome
+    return trainer_outcomes(CTX, trainer_main, lambda r, results: (
+        r, 2, [str(c) for c in checkpoints], TRAINER, inference, client if r == 0 else None,
+        port, timeout_s, results, layout, transport), 2, timeout_s)
 
 
 @pytest.mark.parametrize("name,inference,covers", CASES, ids=[c[0] for c in CASES])

@@ -24,14 +24,12 @@ up (160 + 160 rows).
 
 from __future__ import annotations
 
-import queue
-import time
 
 import pytest
 
 from _paths import CONFIGS as PUBLIC_CONFIGS, ORACLE
 
-from _procs import CTX
+from _procs import CTX, trainer_outcomes
 
 from .test_vllm_plugin import (ROUND_TIMEOUT_S, _mla_derived, _run_trainers,  # noqa: F401
                                _tied_storage, _traced_own_loaders, host)
@@ -108,30 +106,10 @@ def _run_fsdp2_trainers(client, checkpoint, inference, timeout_s=ROUND_TIMEOUT_S
     from m2nkit.engine.tools.demo_vllm import fsdp2_trainer_main
     from m2nkit.engine.tools.procs import free_port
 
-    results = CTX.Queue()
     port, dist_port = free_port(), free_port()
-    procs = [CTX.Process(target=fsdp2_trainer_main, daemon=True,
-                         args=(r, 2, str(checkpoint), FSDP2, inference,
-                               client if r == 0 else None, port, dist_port, timeout_s, results))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    outcome: dict[int, str] = {}
-    deadline = time.monotonic() + 3 * timeout_s + 30
-    try:
-        while len(outcome) < 2:
-            try:
-                kind, rank, a, _ = results.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                raise AssertionError(f"trainers hung: outcomes so far {outcome}") from None
-            if kind in ("done", "error"):
-                outcome[rank] = "done" if kind == "done" else a
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-    return outcome
+    return trainer_outcomes(CTX, fsdp2_trainer_main, lambda r, results: (
+        r, 2, str(checkpoint), FSDP2, inference, client if r == 0 else None, port, dist_port,
+        timeout_s, results), 2, timeout_s)
 
 
 def _refilled(checkpoint, out):
