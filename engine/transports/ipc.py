@@ -586,8 +586,7 @@ class IpcTransport:
         T = plan.num_trainer_ranks
         for k, (local_plan, remote_plan) in enumerate(self._bucket_plans(plan, schedule)):
             published = False
-            readers = sorted({int(d) for wi in schedule.wires(k)
-                              for d in _dests_of(local_plan.wires[wi], rank)})
+            readers = self._readers(plan, schedule, k, rank)
             signals: list = []
             try:
                 locals_: list[tuple[str, torch.Tensor]] = []
@@ -617,6 +616,13 @@ class IpcTransport:
                     handles.update(self._stage(plan, staged))
                 if any(t.is_cuda for _, t in locals_):
                     torch.cuda.current_stream().synchronize()   # written before it is read
+                # Each reader's "done" comes over the group: a worker that dies closes its
+                # connections, so this fails at once naming it, not at the deadline. Posted
+                # before the handles go out, so a reader's answer always finds its receive
+                # (a gloo send waits for it) even when this rank fails right after.
+                dones = [(w, self._post("recv", T + w, 2 * k + 1,
+                                        f"trainer rank {rank}: worker {w} (rank {T + w})'s "
+                                        f"answer for bucket {k}")) for w in readers]
                 if readers:
                     self.store.set(self._key(k, f"t{rank}"), json.dumps({"handles": handles}))
                     published = True
@@ -625,11 +631,6 @@ class IpcTransport:
                     p2p_bytes += torch_p2p.send_round(
                         self.group, remote_plan, BucketSchedule.of(remote_plan, 1 << 62), rank,
                         iter(locals_), deadline=deadline, device=self.device, pool=self._pool)
-                # Each reader's "done" comes over the group: a worker that dies closes its
-                # connections, so this fails at once naming it, not at the deadline.
-                dones = [(w, self._post("recv", T + w, 2 * k + 1,
-                                        f"trainer rank {rank}: worker {w} (rank {T + w})'s "
-                                        f"answer for bucket {k}")) for w in readers]
                 for w, (work, _, what) in dones:
                     wait_work(work, deadline, what)
                 for w in readers:
@@ -641,13 +642,14 @@ class IpcTransport:
                 del locals_, handles, staged
             except Exception as e:
                 # The workers waiting on this rank hear at once: its error in place of the
-                # handles, or (published) the signals already posted go out.
+                # handles of this bucket (unless published) and of every later one, each
+                # with its signal, so no worker waits for a bucket this rank will never
+                # expose (its connections close only when the group's last reference
+                # goes: not something to rely on), or (published) the signals already
+                # posted go out.
                 try:
-                    if not published and readers:
-                        self.store.set(self._key(k, f"t{rank}"),
-                                       json.dumps({"error": f"trainer rank {rank}: {e}"}))
-                        signals = self._signal_all(readers, T, 2 * k, rank, k)
-                    _settle(signals, deadline)
+                    self._fail_later_buckets(plan, schedule, rank, k if not published else k + 1,
+                                             f"trainer rank {rank}: {e}", signals, deadline)
                 except Exception:  # noqa: BLE001 - the store or group is gone too
                     pass
                 if isinstance(e, TransferError):
@@ -702,10 +704,10 @@ class IpcTransport:
                         self.group, remote_plan, BucketSchedule.of(remote_plan, 1 << 62), worker,
                         storage, deadline=deadline, device=self.device, pool=self._pool)
                     p2p_bytes += got
-                srcs = sorted({int(s) for wi in schedule.wires(k)
-                               for s in _sources_of(local_plan.wires[wi], worker)})
+                srcs = self._sources(plan, schedule, k, worker)
                 for i, src in enumerate(srcs):
                     try:
+                        self._raise_if_failed(k, src)
                         work, _, what = self._post(
                             "recv", src, 2 * k, f"worker {worker} (rank {me}): trainer rank "
                                                 f"{src}'s handles of bucket {k}")
@@ -713,16 +715,10 @@ class IpcTransport:
                         ipc_bytes += self._copy_from(plan, local_plan, schedule, k, src, worker,
                                                      storage, deadline)
                     except Exception as e:
-                        # Every trainer of the bucket still waiting on this worker hears why.
-                        why = f"worker {worker} (rank {me}): {e}"
-                        sends = []
-                        for other in srcs[i:]:
-                            self._answer(k, worker, other, why)
-                            try:
-                                sends.append(self._post("send", other, 2 * k + 1, ""))
-                            except TransferError:
-                                pass
-                        _settle(sends, deadline)
+                        # Every trainer still to hear from this worker, in this bucket and
+                        # every later one, hears why (its answer and its signal).
+                        self._answer_later_buckets(plan, schedule, worker, k, srcs[i:],
+                                                   f"worker {worker} (rank {me}): {e}", deadline)
                         raise
                     self._answer(k, worker, src, "ok")
                     work, _, what = self._post("send", src, 2 * k + 1,
@@ -779,6 +775,70 @@ class IpcTransport:
             _settle(posted, Deadline(1.0))
             raise first
         return posted
+
+    def _readers(self, plan: Plan, schedule: BucketSchedule, k: int, rank: int) -> list[int]:
+        """Workers on this node that read trainer ``rank``'s handles of bucket ``k``."""
+        local_plan = self._bucket_plans(plan, schedule)[k][0]
+        return sorted({int(d) for wi in schedule.wires(k)
+                       for d in _dests_of(local_plan.wires[wi], rank)})
+
+    def _sources(self, plan: Plan, schedule: BucketSchedule, k: int, worker: int) -> list[int]:
+        """Trainer ranks on this node whose handles of bucket ``k`` worker ``worker`` reads."""
+        local_plan = self._bucket_plans(plan, schedule)[k][0]
+        return sorted({int(s) for wi in schedule.wires(k)
+                       for s in _sources_of(local_plan.wires[wi], worker)})
+
+    def _fail_later_buckets(self, plan: Plan, schedule: BucketSchedule, rank: int, first: int,
+                            text: str, posted: list, deadline: Deadline) -> None:
+        """Trainer ``rank`` failed: publish ``text`` in place of its handles of buckets
+        ``first`` onwards and signal each of their readers, then give the signals (and
+        ``posted``, the ones already out) at most half a second in all to go.
+
+        A worker already waiting for one of these buckets wakes at once and reads the
+        error; one that reaches it later finds the error in the store before it waits
+        (:meth:`_raise_if_failed`). Neither depends on this rank's connections closing.
+        """
+        T = plan.num_trainer_ranks
+        posted = list(posted)
+        for kk in range(first, len(schedule)):
+            readers = self._readers(plan, schedule, kk, rank)
+            if not readers:
+                continue
+            self.store.set(self._key(kk, f"t{rank}"), json.dumps({"error": text}))
+            for w in readers:
+                try:
+                    posted.append(self._post("send", T + w, 2 * kk, ""))
+                except TransferError:
+                    pass
+        _settle(posted, Deadline(max(min(deadline.left(), 0.5), 0.01)))
+
+    def _answer_later_buckets(self, plan: Plan, schedule: BucketSchedule, worker: int, k: int,
+                              pending: list[int], text: str, deadline: Deadline) -> None:
+        """Worker ``worker`` failed in bucket ``k``: answer ``text`` (with its signal) to
+        the trainer ranks ``pending`` of bucket ``k`` and to every trainer rank it would
+        have read in the later buckets; the signals get at most half a second in all."""
+        sends = []
+        for kk in range(k, len(schedule)):
+            srcs = pending if kk == k else self._sources(plan, schedule, kk, worker)
+            for src in srcs:
+                self._answer(kk, worker, src, text)
+                try:
+                    sends.append(self._post("send", src, 2 * kk + 1, ""))
+                except TransferError:
+                    pass
+        _settle(sends, Deadline(max(min(deadline.left(), 0.5), 0.01)))
+
+    def _raise_if_failed(self, k: int, src: int) -> None:
+        """Raise trainer ``src``'s error for bucket ``k`` if it already published one."""
+        key = self._key(k, f"t{src}")
+        if not _check(self.store, key):
+            return
+        try:
+            msg = json.loads(self.store.get(key))
+        except ValueError:
+            return                        # _copy_from names a malformed message
+        if isinstance(msg, dict) and "error" in msg:
+            raise TransferError(str(msg["error"]))
 
     def _answer(self, k: int, worker: int, src: int, text: str) -> None:
         """Tell trainer ``src`` that ``worker`` is done with its bucket ``k`` ("ok" or why not)."""

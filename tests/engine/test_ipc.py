@@ -182,6 +182,38 @@ def test_a_trainer_that_fails_mid_round_fails_every_worker_at_once_naming_it():
     assert "provider of 'small' broke" in str(res[1][0])
 
 
+@pytest.mark.timeout(90)
+def test_a_worker_past_the_bucket_where_a_trainer_failed_hears_it_with_the_connections_open():
+    """Worker 1 fails in bucket 0 (its storage cannot take the slab), so both trainer
+    ranks fail after publishing bucket 0; worker 0 has copied bucket 0 and waits for
+    bucket 1, which no trainer will expose. The groups stay referenced (this test holds
+    them), so no connection closes: worker 0 must still fail at once, naming worker 1's
+    failure, not at the deadline (the CI failure of stop 26: a trainer whose sockets
+    outlived its failure left a worker waiting for a later bucket until the deadline)."""
+    import time
+
+    fulls, plan, dest = _case()
+
+    def streams(rank, k):
+        for n in SHAPES:
+            yield n, fulls[n].chunk(T, 0)[rank].clone()
+
+    storage = {w: allocate_storage(dest, w) for w in range(N)}
+    storage[1]["big.0"] = torch.empty(1, 1)          # no slab fits: worker 1 fails in bucket 0
+    timeout_s = 40.0
+    t0 = time.monotonic()
+    res = _round(plan, streams, storage, ("a",) * 4, timeout_s=timeout_s, bucket_bytes=4 << 10)
+    took = time.monotonic() - t0
+    (err,) = res[T + 0]
+    assert isinstance(err, TransferError), err
+    assert "worker 1 (rank 3)" in str(err) and "did not complete by" not in str(err), err
+    assert err.received == ["big"] and err.missing == ["small"], err
+    for r in range(T):
+        (e,) = res[r]
+        assert isinstance(e, TransferError) and "worker 1 (rank 3)" in str(e), e
+    assert took < timeout_s / 2, (took, res)
+
+
 def test_a_handle_whose_storage_was_freed_or_reallocated_is_refused_never_read():
     t = torch.arange(64, dtype=torch.float32)
     h = expose(t)
