@@ -458,9 +458,13 @@ class IpcTransport:
       drops the mapping and says it is done.
 
     Every wait counts down to the round's ``Deadline``. A trainer that
-    fails mid-bucket publishes its error in place of its handles and a
-    worker that fails writes its error as its answer, so the peers fail at
-    once. "Handles published" and "done" also go as one-byte signals over
+    fails mid-bucket publishes its error in place of its handles of that
+    bucket and of every later one, and a worker that fails writes its error
+    as its answer to every trainer rank it would still have read, so the
+    peers fail at once without waiting for any connection to close (a
+    group's connections close only when its last reference goes). Each
+    trainer rank posts the receives for its readers' answers before it
+    publishes, since a gloo send waits for its receive. "Handles published" and "done" also go as one-byte signals over
     ``group`` (:meth:`_post`), so a rank that dies, whose connections close,
     is named at once ("trainer rank 0: worker 1 (rank 3)'s answer for
     bucket 2 failed: Connection closed by peer"), not at the deadline.
