@@ -70,7 +70,7 @@ __all__ = ["TrainerSpec", "parse_trainer_spec", "TRAINER_SPEC_FORMS", "FSDP2_AXE
 #: The accepted spec forms, as shown in error messages and ``--help``.
 TRAINER_SPEC_FORMS = ("replicated:N", "fsdp:N", "hsdp:R,S", "fsdp2:dp_shard=N",
                       "fsdp2:dp_replicate=R,dp_shard=S", "fsdp2:dp_shard=S,tp=T",
-                      "megatron:tp=T,pp=P[,vpp=V][,ep=E][,etp=X]")
+                      "megatron:tp=T,pp=P[,vpp=V][,ep=E][,etp=X][,dp=D][,first=N][,last=N]")
 
 #: Mesh axes of an ``fsdp2:`` spec, in mesh order (torchtitan ``ParallelDims``
 #: names; ``dp_shard`` is required).

@@ -611,7 +611,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--trainer", required=True,
                       help="how the trainer holds it: replicated:N, fsdp:N, hsdp:R,S, or FSDP2 "
                            "with torchtitan's axis names: fsdp2:dp_shard=N[,dp_replicate=R][,tp=T] "
-                           "(tp: the family's TP plan)")
+                           "(tp: the family's TP plan), or Megatron-Core: "
+                           "megatron:tp=T,pp=P[,vpp=V][,ep=E][,etp=X][,dp=D][,first=N][,last=N] "
+                           "(docs/megatron.md)")
     plan.add_argument("--inference", required=True,
                       help="vllm:tp=T[,dp=D][,ep][,placement=linear|round_robin][,all2all=B]"
                            "[,dtype=auto|bfloat16|float16|float32]"

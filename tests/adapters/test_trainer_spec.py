@@ -63,6 +63,8 @@ def test_parse_invalid_names_the_valid_forms(text, why):
     assert why in msg
     assert repr(text) in msg
     assert "replicated:N, fsdp:N, hsdp:R,S" in msg
+    # every Megatron size the parser accepts is in the valid forms it lists
+    assert "megatron:tp=T,pp=P[,vpp=V][,ep=E][,etp=X][,dp=D][,first=N][,last=N]" in msg
 
 
 def test_layout_for_shapes():
