@@ -215,3 +215,68 @@ def test_a_server_that_exits_early_is_reported_with_its_log(tmp_path, without_re
             server.wait_ready(60.0)
     finally:
         server.stop()
+
+
+# --------------------------------------------------------------------------
+# the colocated case (--colocated): its CPU parts
+
+
+def test_the_colocated_case_is_planned_in_a_dry_run(capsys):
+    g = _gpu_check_module()
+    assert g["main"](["--dry-run", "--colocated", "only"]) == 0
+    out = capsys.readouterr().out
+    # the round it sends, byte-checked in this process (replicated:1 -> tp=1), and no scenario
+    rows = [line for line in out.splitlines() if " -> vllm:" in line and "|" in line]
+    assert [r.split("|")[0].strip() for r in rows] == ["replicated:1 -> vllm:tp=1,dp=1"], out
+    assert rows[0].split("|")[-1].strip() == "ok", rows
+    (plan,) = [line for line in out.splitlines() if line.startswith("colocated plan: ")]
+    env, command = _split_plan(plan.replace("colocated plan: ", "vllm serve plan: "))
+    assert env["VLLM_SERVER_DEV_MODE"] == "1", env      # the sleep and weight-transfer routes
+    assert "--enable-sleep-mode" in command, command
+    flags = dict(zip(command[command.index("serve") + 2::2], command[command.index("serve") + 3::2]))
+    assert flags["--weight-transfer-config"] == '{"backend": "m2nkit"}', command
+    assert flags["--tensor-parallel-size"] == "1", command
+    # the loop's steps, in the order colocated RL stacks take them
+    steps = [line.split(":", 2)[1].strip() for line in out.splitlines()
+             if line.startswith("  colocated step ")]
+    assert steps == ["generate", "sleep", "train", "wake weights", "update", "wake kv_cache",
+                     "generate", "fresh load"], out
+    assert "skipped (--dry-run): colocated" in out, out
+    assert "skipped (--dry-run): the GPU run" not in out, out     # --colocated only: no scenarios
+
+
+def test_colocated_options_are_checked_and_the_gpu_run_is_refused_without_cuda(capsys):
+    g = _gpu_check_module()
+    with pytest.raises(SystemExit) as e:
+        g["main"](["--colocated", "sometimes"])
+    assert e.value.code == 2 and "--colocated: invalid choice" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert g["main"](["--colocated", "only"]) == 2
+        assert "no CUDA device here: only --dry-run can run" in capsys.readouterr().err
+
+
+def test_the_colocated_trainer_sends_its_own_trained_tensors(tmp_path):
+    """On CPU: one train step changes every parameter, and the source the trainer sends
+    from yields the model's own storage (nothing copied), holding what it saved."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from m2nkit.adapters.tiny import save_tiny_checkpoint, tiny_config
+
+    g = _gpu_check_module()
+    v0 = save_tiny_checkpoint(tiny_config(g["SERVE_BASE_MODEL"], **g["SERVE_SIZES"]),
+                              tmp_path / "v0", seed=0)
+    model = AutoModelForCausalLM.from_pretrained(v0, dtype=torch.bfloat16)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    loss = g["colocated_train_step"](model)
+    assert loss > 0
+    same = [n for n, p in model.named_parameters() if torch.equal(p, before[n])]
+    assert same == [], f"one step left {same[:3]} unchanged"
+    model.save_pretrained(tmp_path / "trained")
+    saved = load_file(str(tmp_path / "trained" / "model.safetensors"))
+    params = dict(model.named_parameters())
+    got = list(g["colocated_source"](model, tmp_path / "trained").iter_local())
+    assert sorted(n for n, _ in got) == sorted(saved), sorted(set(saved) ^ {n for n, _ in got})
+    for name, t in got:
+        assert t.untyped_storage().data_ptr() == params[name].untyped_storage().data_ptr(), name
+        assert torch.equal(t.view(torch.uint8), saved[name].view(torch.uint8)), name
