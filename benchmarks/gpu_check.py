@@ -997,12 +997,14 @@ def _wait_for(results, kinds: tuple[str, ...], end: float, what: str):
             return kind, a, b
 
 
-def colocated_loop(base: str, plan: dict, timeout_s: float, end: float, log=print) -> list[str]:
+def colocated_loop(base: str, plan: dict, timeout_s: float, end: float, log=print, *,
+                   trainer_main=None, ctx=None) -> list[str]:
     """:data:`COLOCATED_STEPS` against a ready server at ``base`` started with sleep mode;
     returns what failed (empty: passed).
 
-    The trainer process (:func:`colocated_trainer_main`, spawned: it
-    initializes CUDA) is started once vLLM sleeps and stopped on every exit.
+    The trainer process (``trainer_main``, default :func:`colocated_trainer_main`,
+    in a process of ``ctx``, default ``spawn``: it initializes CUDA) is started
+    once vLLM sleeps and stopped on every exit.
     Every call waits at most ``timeout_s``; nothing runs past ``end``.
 
     Raises:
@@ -1023,9 +1025,9 @@ def colocated_loop(base: str, plan: dict, timeout_s: float, end: float, log=prin
     _post(base, "sleep", params={"level": 2}, timeout=t())
     if not _get_json(f"{base}/is_sleeping", t()).get("is_sleeping"):
         bad.append("vLLM does not say it sleeps after POST /sleep?level=2")
-    ctx = mp.get_context("spawn")
+    ctx = ctx or mp.get_context("spawn")
     results, woken = ctx.Queue(), ctx.Event()
-    trainer = ctx.Process(target=colocated_trainer_main, daemon=True,
+    trainer = ctx.Process(target=trainer_main or colocated_trainer_main, daemon=True,
                           name="gpu-check-colocated-trainer",
                           args=(str(plan["v0"]), str(plan["saved"]), base, free_port(),
                                 timeout_s, results, woken))
