@@ -588,7 +588,9 @@ class IpcTransport:
         threshold, which grows to 32 MiB) mapped, so the first round would
         hold the whole shard twice by its end. Every :data:`TRIM_BYTES`
         moved, the freed pages go back to the OS (``malloc_trim``), so
-        the first round's extra stays within about one bucket.
+        the first round's extra is the largest storage moved (while it is
+        in both places) plus at most ``TRIM_BYTES``: within one bucket
+        unless one local tensor is larger (docs/colocated.md, "Memory").
         """
         st = local.untyped_storage()
         if st.nbytes() > max(2 * local.numel() * local.element_size(), 1 << 20):
