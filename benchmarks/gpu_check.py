@@ -12,6 +12,8 @@ everything through ``torch_p2p`` alone, for comparison. Prints a table.
     python benchmarks/gpu_check.py                 # GPU machine, < 5 minutes
     python benchmarks/gpu_check.py --vllm-serve also   # + vllm serve RL loop, < 10 minutes
     python benchmarks/gpu_check.py --vllm-serve only   # the vllm serve loop alone
+    python benchmarks/gpu_check.py --colocated only    # one GPU, trainer + vLLM through
+                                                   # sleep mode, < 5 minutes
     python benchmarks/gpu_check.py --dry-run [--vllm-serve also]
                                                    # any machine, no GPU: plans, an
                                                    # in-process byte check, the
@@ -53,8 +55,23 @@ tokens. The server is stopped (its process group, SIGTERM then SIGKILL) on
 every exit path, SIGTERM to this script included; its output is in
 ``--serve-log``.
 
+``--colocated also|only`` checks the colocated RL loop on one GPU shared by
+a trainer process and ``vllm serve --enable-sleep-mode`` (same v0, plugin and
+routes as above; :data:`COLOCATED_STEPS`): generate and take the checksums;
+``/sleep?level=2`` (vLLM frees its weights and KV cache); the trainer process
+loads v0 with transformers on the same GPU, takes one AdamW step and saves
+its weights; ``/wake_up?tags=weights`` (fresh memory, undefined bytes); one
+m2nkit round ``replicated:1 -> vllm:tp=1`` over the ``ipc`` transport (the
+trainer's own CUDA tensors as CUDA IPC handles, copied into the live
+weights); ``/wake_up?tags=kv_cache``; generate. Pass when the tokens
+changed, the served version is ``v1``, every checksum changed, and after
+vLLM reloads the trainer's saved weights itself every checksum equals what
+the round left and generation gives the same tokens. Its server's output is
+in ``--colocated-log``. Not yet run on a GPU (written by reading vLLM 0.33).
+
 Time: ``--total-timeout`` (570 s) bounds the whole GPU run; with
-``--vllm-serve also`` the scenarios leave the last 300 s to the serve check,
+``--vllm-serve also`` the scenarios leave the last 300 s to the serve check
+(and 270 s more to ``--colocated also``: raise ``--total-timeout`` for all three),
 and a watchdog 30 s after the bound stops the server and every child and
 exits 1. Exit status: 0 all verified, 1 a failure, 2 bad arguments or
 nothing could run.
@@ -793,22 +810,31 @@ def run_serve(plan: dict, args, end: float, log=print) -> bool:
     to ``--serve-log``; its last lines are printed when the check fails.
     Returns True when every check passed.
     """
+    return _with_server("vllm serve check", plan, args, end, Path(args.serve_log),
+                        lambda base: serve_loop(base, plan["v1"], plan["trainer"],
+                                                plan["inference"], args.timeout, end, log),
+                        "generation changed after the update and every live parameter equals "
+                        "vLLM's own load of v1", log)
+
+
+def _with_server(label: str, plan: dict, args, end: float, log_path: Path, loop, passed: str,
+                 log=print) -> bool:
+    """Start the server of ``plan`` (``command``, ``port``), run ``loop(base)`` (what failed,
+    a list), always stop the server; True when the list is empty. Nothing runs past ``end``."""
     import shlex
 
     if not plan["plugin_ok"]:
-        log(f"vllm serve check: FAILED before starting: {plan['plugin']}")
+        log(f"{label}: FAILED before starting: {plan['plugin']}")
         return False
     started = time.monotonic()
-    log_path = Path(args.serve_log)
-    log("vllm serve check: " + " ".join(f"{k}={v}" for k, v in plan["env_changes"].items()) + " "
+    log(f"{label}: " + " ".join(f"{k}={v}" for k, v in plan["env_changes"].items()) + " "
         + shlex.join(plan["command"]))
     server = _Server(plan["command"], serve_env(), log_path, plan["port"])
     _ACTIVE_SERVER.append(server)
     try:
         ready = server.wait_ready(min(args.serve_start_timeout, max(end - time.monotonic() - 60, 5)))
         log(f"  server ready in {ready:.0f} s (log: {log_path})")
-        bad = serve_loop(server.base, plan["v1"], plan["trainer"], plan["inference"],
-                         args.timeout, end, log)
+        bad = loop(server.base)
     except ServeFailed as e:
         bad = [str(e)]
     except Exception as e:  # noqa: BLE001 - reported, then the server is stopped
@@ -818,14 +844,284 @@ def run_serve(plan: dict, args, end: float, log=print) -> bool:
         _ACTIVE_SERVER.remove(server)
     took = time.monotonic() - started
     if bad:
-        log(f"vllm serve check: FAILED after {took:.0f} s")
+        log(f"{label}: FAILED after {took:.0f} s")
         for b in bad:
             log(f"  {b}")
         log(f"  server log {log_path}, last lines:\n{server.log_tail(25)}")
         return False
-    log(f"vllm serve check: ok in {took:.0f} s: generation changed after the update and every "
-        "live parameter equals vLLM's own load of v1")
+    log(f"{label}: ok in {took:.0f} s: {passed}")
     return True
+
+
+# --------------------------------------------------------------------------
+# colocated: one GPU shared by a trainer process and vllm serve, through sleep mode
+
+
+#: The colocated loop, in order (``--colocated``): what verl's hybrid engine, NeMo-RL's
+#: colocated mode and TRL's colocate mode do between two rollouts, with m2nkit's ``ipc``
+#: transport for the update (docs/colocated.md).
+COLOCATED_STEPS = (
+    ("generate", "greedy completion of the fixed prompt (v0); vLLM's checksums"),
+    ("sleep", "POST /sleep?level=2: vLLM frees its weights and KV cache (nothing offloaded)"),
+    ("train", "the trainer process loads v0 on the same GPU, takes one AdamW step, saves "
+              "its weights (the reference)"),
+    ("wake weights", "POST /wake_up?tags=weights: fresh memory for the weights, bytes undefined"),
+    ("update", "one m2nkit round replicated:1 -> vllm:tp=1 over the ipc transport: the "
+               "trainer's own CUDA tensors as CUDA IPC handles, copied into the live weights"),
+    ("wake kv_cache", "POST /wake_up?tags=kv_cache: fully awake, scheduling resumes"),
+    ("generate", "the tokens must change; the served version is v1; every checksum changed"),
+    ("fresh load", "vLLM reloads the trainer's saved weights itself (reload_weights): every "
+                   "checksum must equal what the round left, and generation the same tokens"),
+)
+#: The trainer: ``replicated:1`` (its whole model on the shared GPU), one worker.
+COLOCATED_TRAINER, COLOCATED_INFERENCE = "replicated:1", "vllm:tp=1"
+#: vllm serve options of the colocated case on top of :func:`serve_command`'s.
+COLOCATED_SERVE_ARGS = ("--enable-sleep-mode",)
+#: One AdamW step at this learning rate moves every weight of the tiny random model by
+#: about half its scale (Adam's first step is lr * sign(grad)): greedy tokens change.
+COLOCATED_LR = 1e-2
+
+
+def colocated_train_step(model, seed: int = 0) -> float:
+    """One AdamW step of ``model`` (a transformers causal LM) on a fixed random batch; the loss.
+
+    Next-token cross-entropy on 4 sequences of 32 ids from the model's own
+    vocabulary, on the model's device; ``weight_decay=0.01`` also moves the
+    parameters without a gradient. Deterministic for a ``seed``.
+    """
+    import torch
+
+    device = next(model.parameters()).device
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (4, 32), generator=g).to(device)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=COLOCATED_LR, weight_decay=0.01)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    model.eval()
+    return float(loss.detach())
+
+
+def colocated_source(model, checkpoint_dir: str | os.PathLike, trainer: str = COLOCATED_TRAINER):
+    """This trainer's m2nkit source over ``model``'s **own** tensors (rank 0 of ``trainer``).
+
+    The manifest is read from ``checkpoint_dir`` (what ``model`` saved: the
+    wire names are its ``state_dict`` names); each entry's provider returns
+    the live tensor from ``model.state_dict()`` (same storage as the
+    parameter), so the ``ipc`` transport exposes the trainer's own CUDA
+    memory and nothing is copied on the trainer's side.
+
+    Raises:
+        ValueError: a wire tensor of the checkpoint that ``model`` does not hold
+            with that shape and dtype (names it).
+    """
+    from m2nkit.adapters.hf_checkpoint import checkpoint_manifest, read_checkpoint
+    from m2nkit.manifest import M2NManifestEntry, ManifestM2NWeightSource
+
+    live = {n: t.detach() for n, t in model.state_dict().items()}
+    manifest = checkpoint_manifest(read_checkpoint(checkpoint_dir), trainer, 0)
+    for e in manifest.entries:
+        t = live.get(e.name)
+        if t is None or tuple(t.shape) != tuple(e.global_shape) or t.dtype != e.dtype:
+            got = "missing" if t is None else f"{list(t.shape)} {t.dtype}"
+            raise ValueError(f"wire tensor '{e.name}' {list(e.global_shape)} {e.dtype} of "
+                             f"{checkpoint_dir}: the trainer's model holds {got}")
+    entries = [M2NManifestEntry(e.name, e.dtype, e.global_shape, e.source_layout,
+                                lambda n=e.name: live[n]) for e in manifest.entries]
+    return ManifestM2NWeightSource(entries, rank=0)
+
+
+def colocated_trainer_main(v0: str, saved: str, base: str, port: int, timeout_s: float,
+                           results, woken) -> None:
+    """The colocated trainer process: train on the GPU vLLM shares, then send over ``ipc``.
+
+    Loads ``v0`` with transformers onto ``cuda:0`` (bf16), takes one
+    :func:`colocated_train_step`, saves its weights to ``saved`` (the
+    reference vLLM reloads later) and puts ``("trained", 0, loss, None)``;
+    waits for ``woken`` (the driver woke vLLM's weights), then
+    ``trainer_init`` over the ``ipc`` transport with vLLM's
+    ``HTTPVLLMWeightSyncClient`` on ``base`` and ``send_weights("v1")`` from
+    :func:`colocated_source`: ``("round", 0, 1, (bytes, seconds))``, then
+    ``("done", 0, None, None)``; any failure ``("error", 0, text, traceback)``.
+    """
+    from m2nkit.engine.tools.server import exit_with_parent
+
+    exit_with_parent()
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+        from m2nkit.adapters.hf_checkpoint import read_checkpoint
+        from m2nkit.adapters.vllm import vllm_destination
+        from m2nkit.engine.trainer import M2NTrainerEngine, M2NTrainerInitInfo
+
+        hf_logging.set_verbosity_error()
+        model = AutoModelForCausalLM.from_pretrained(v0, dtype=torch.bfloat16).to("cuda:0")
+        loss = colocated_train_step(model)
+        model.save_pretrained(saved)
+        torch.cuda.synchronize()
+        results.put(("trained", 0, loss, None))
+        if not woken.wait(timeout_s):
+            raise TimeoutError(f"the driver did not wake vLLM's weights within {timeout_s:.0f} s")
+        source = colocated_source(model, saved)
+        info = M2NTrainerInitInfo(rank=0, num_trainer_ranks=1,
+                                  destination=vllm_destination(read_checkpoint(v0).config,
+                                                               COLOCATED_INFERENCE),
+                                  master_port=port, timeout_s=timeout_s, transport="ipc")
+        engine = M2NTrainerEngine.trainer_init(
+            info, client=HTTPVLLMWeightSyncClient(base, timeout=timeout_s), source=source)
+        stats = engine.send_weights("v1")
+        results.put(("round", 0, 1, (stats.bytes_sent, stats.seconds)))
+        engine.shutdown()
+        results.put(("done", 0, None, None))
+    except BaseException as e:  # noqa: BLE001 - reported to the driver
+        results.put(("error", 0, f"{type(e).__name__}: {e}", traceback.format_exc()))
+
+
+def _wait_for(results, kinds: tuple[str, ...], end: float, what: str):
+    """The next report of a kind in ``kinds`` from the trainer process; an error is raised."""
+    import queue
+
+    while True:
+        try:
+            kind, _, a, b = results.get(timeout=max(0.1, end - time.monotonic()))
+        except queue.Empty:
+            raise ServeFailed(f"the colocated trainer did not {what} in time") from None
+        if kind == "error":
+            raise ServeFailed(f"the colocated trainer failed: {a}\n{b}")
+        if kind in kinds:
+            return kind, a, b
+
+
+def colocated_loop(base: str, plan: dict, timeout_s: float, end: float, log=print, *,
+                   trainer_main=None, ctx=None) -> list[str]:
+    """:data:`COLOCATED_STEPS` against a ready server at ``base`` started with sleep mode;
+    returns what failed (empty: passed).
+
+    The trainer process (``trainer_main``, default :func:`colocated_trainer_main`,
+    in a process of ``ctx``, default ``spawn``: it initializes CUDA) is started
+    once vLLM sleeps and stopped on every exit.
+    Every call waits at most ``timeout_s``; nothing runs past ``end``.
+
+    Raises:
+        ServeFailed: an HTTP call or the trainer failed (names the step).
+    """
+    import multiprocessing as mp
+
+    def t() -> float:
+        left = end - time.monotonic()
+        if left < 2:
+            raise ServeFailed("--total-timeout passed during the colocated loop")
+        return min(timeout_s, left)
+
+    bad: list[str] = []
+    before = _generate(base, t())
+    sums0 = _checksums(base, t())
+    log(f"  v0: {len(sums0)} parameters; greedy tokens {before['token_ids']}")
+    _post(base, "sleep", params={"level": 2}, timeout=t())
+    if not _get_json(f"{base}/is_sleeping", t()).get("is_sleeping"):
+        bad.append("vLLM does not say it sleeps after POST /sleep?level=2")
+    ctx = ctx or mp.get_context("spawn")
+    results, woken = ctx.Queue(), ctx.Event()
+    trainer = ctx.Process(target=trainer_main or colocated_trainer_main, daemon=True,
+                          name="gpu-check-colocated-trainer",
+                          args=(str(plan["v0"]), str(plan["saved"]), base, free_port(),
+                                timeout_s, results, woken))
+    trainer.start()
+    try:
+        # spawning imports torch and transformers (tens of seconds), then one step
+        _, loss, _ = _wait_for(results, ("trained",), min(time.monotonic() + 2 * timeout_s + 60,
+                                                          end), "train")
+        log(f"  vLLM asleep (level 2); the trainer took one AdamW step on the same GPU "
+            f"(loss {loss:.3f}) and saved its weights")
+        _post(base, "wake_up", params={"tags": "weights"}, timeout=t())
+        woken.set()
+        _, _, (nbytes, seconds) = _wait_for(results, ("round",), time.monotonic() + t(),
+                                            "send the round")
+        log(f"  weights woken; m2nkit ipc round {COLOCATED_TRAINER} -> {COLOCATED_INFERENCE}: "
+            f"{_fmt_bytes(nbytes)} in {_fmt_s(seconds)}")
+        _wait_for(results, ("done",), time.monotonic() + t(), "shut down")
+    finally:
+        trainer.join(10)
+        if trainer.is_alive():          # the process this function started; stop only it
+            trainer.kill()
+            trainer.join(5)
+    woke = _post(base, "wake_up", params={"tags": "kv_cache"}, timeout=t())
+    if woke.get("status") != "awake":
+        bad.append(f"POST /wake_up?tags=kv_cache left vLLM {woke.get('status')!r}, not awake")
+    after = _generate(base, t())
+    log(f"  v1: greedy tokens {after['token_ids']}; weight_versions {after['weight_versions']}")
+    if (after["token_ids"], after["text"]) == (before["token_ids"], before["text"]):
+        bad.append("generation did not change after the train step and the update")
+    served = _get_json(f"{base}/weight_info", t()).get("weight_version")
+    if served != "v1":
+        bad.append(f"the served weight_version is {served!r}, expected 'v1'")
+    sums1 = _checksums(base, t())
+    if set(sums1) != set(sums0):
+        bad.append(f"the parameter set changed: {sorted(set(sums1) ^ set(sums0))[:5]}")
+    unchanged = sorted(n for n in sums1 if sums0.get(n) == sums1[n])
+    if unchanged:
+        bad.append(f"{len(unchanged)} parameters kept their v0 bytes: {unchanged[:5]}")
+    _post(base, "pause", params={"mode": "wait"}, timeout=t())
+    budget = t()
+    _post(base, "collective_rpc", {"method": "reload_weights",
+                                   "kwargs": {"weights_path": str(plan["saved"])},
+                                   "timeout": budget}, timeout=budget + 5)
+    _post(base, "resume", timeout=t())
+    sums2 = _checksums(base, t())
+    differ = sorted(n for n in set(sums1) | set(sums2) if sums1.get(n) != sums2.get(n))
+    if differ:
+        bad.append(f"{len(differ)} parameters differ from vLLM's own load of the trainer's "
+                   f"weights: {differ[:5]}")
+    else:
+        log(f"  all {len(sums2)} live parameters equal vLLM's own load of the trained weights")
+    again = _generate(base, t())
+    if (again["token_ids"], again["text"]) != (after["token_ids"], after["text"]):
+        bad.append(f"generation after vLLM's own load ({again['token_ids']}) differs from "
+                   f"after m2nkit's update ({after['token_ids']})")
+    return bad
+
+
+def prepare_colocated(workdir: Path, args, log=print) -> dict:
+    """Everything of the colocated case that needs no GPU; returns its plan.
+
+    Writes v0 (with the word tokenizer), checks the plugin is installed,
+    plans and byte-checks the round ``replicated:1 -> vllm:tp=1`` in this
+    process (:func:`dry_run` on v0), and builds the server's command line
+    (:func:`serve_command` with ``--enable-sleep-mode``) and environment.
+    Keys: ``v0``, ``saved`` (where the trainer saves its trained weights),
+    ``port``, ``command``, ``env_changes``, ``steps``
+    (:data:`COLOCATED_STEPS`), ``ok``, ``plugin_ok``, ``plugin``.
+    """
+    from m2nkit.adapters.trainer_spec import parse_trainer_spec
+    from m2nkit.adapters.vllm import parse_inference_spec
+
+    root = workdir / "colocated"
+    root.mkdir(parents=True, exist_ok=True)
+    v0, _ = serve_checkpoints(root)
+    tspec, ispec = parse_trainer_spec(COLOCATED_TRAINER), parse_inference_spec(COLOCATED_INFERENCE)
+    plugin_ok, plugin = plugin_status()
+    log(f"colocated check: {SERVE_BASE_MODEL} at head_dim 64 ({v0.name}), trainer {tspec} and "
+        f"{ispec} on one GPU through sleep mode; {plugin}")
+    ok = dry_run(str(v0), [(f"{tspec}/{ispec}", tspec, ispec)], None)
+    port = free_port()
+    return {"v0": v0, "saved": root / "trained", "port": port,
+            "command": serve_command(v0, port, 1, [*COLOCATED_SERVE_ARGS, *(args.serve_arg or [])]),
+            "env_changes": serve_env({}), "steps": COLOCATED_STEPS, "ok": ok,
+            "plugin_ok": plugin_ok, "plugin": plugin}
+
+
+def run_colocated(plan: dict, args, end: float, log=print) -> bool:
+    """Start ``vllm serve --enable-sleep-mode`` (``plan``), run :func:`colocated_loop`, always
+    stop the server and the trainer. Returns True when every check passed."""
+    return _with_server("colocated check", plan, args, end, Path(args.colocated_log),
+                        lambda base: colocated_loop(base, plan, args.timeout, end, log),
+                        "through sleep, a train step and wake, generation changed and every "
+                        "live parameter equals vLLM's own load of the trained weights", log)
 
 
 def _table(title, head, rows) -> None:
@@ -867,6 +1163,14 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--serve-log", default=str(Path(tempfile.gettempdir())
                                               / "m2nkit-gpu-check-vllm-serve.log"),
                    help="where the server's output goes")
+    c = p.add_argument_group("colocated: one GPU shared by a trainer process and vllm serve "
+                             "(generate, sleep, train step, wake, update over ipc, generate)")
+    c.add_argument("--colocated", choices=("no", "also", "only"), default="no",
+                   help="also: after the other checks; only: instead of the scenarios "
+                        "(< 5 minutes alone)")
+    c.add_argument("--colocated-log", default=str(Path(tempfile.gettempdir())
+                                                  / "m2nkit-gpu-check-colocated.log"),
+                   help="where the colocated case's server output goes")
     p.add_argument("--total-timeout", type=float, default=570.0,
                    help="hard bound on the whole GPU run in seconds: nothing starts after it, and "
                         "30 s later a watchdog stops the server and every child and exits 1")
@@ -875,6 +1179,9 @@ def _parser() -> argparse.ArgumentParser:
 
 #: Seconds of --total-timeout kept for the serve check when the scenarios run first.
 SERVE_RESERVE_S = 300.0
+#: Seconds of --total-timeout kept for the colocated case when other checks run first
+#: (raise --total-timeout to run everything: the reserves add up).
+COLOCATED_RESERVE_S = 270.0
 
 
 def _watchdog(total_s: float) -> None:
@@ -916,7 +1223,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.model not in BUILTIN_TINY_MODELS:
         p.error(f"--model {args.model!r} is not a built-in tiny model; choose from "
                 f"{sorted(BUILTIN_TINY_MODELS)}")
-    run_scenarios = args.vllm_serve != "only"
+    run_scenarios = "only" not in (args.vllm_serve, args.colocated)
     try:
         m2n, _ = import_nccl_m2n()
         no_m2n = None
@@ -936,13 +1243,16 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     with tempfile.TemporaryDirectory() as tmp:
-        ok, ckpt, serve = True, None, None
+        ok, ckpt, serve, coloc = True, None, None, None
         if run_scenarios:
             ckpt = str(save_tiny_checkpoint(args.model, Path(tmp) / args.model, seed=0))
             ok = dry_run(ckpt, scenarios, m2n, args.bucket_bytes)
         if args.vllm_serve != "no":
             serve = prepare_serve(Path(tmp), args)
             ok &= serve["ok"]
+        if args.colocated != "no":
+            coloc = prepare_colocated(Path(tmp), args)
+            ok &= coloc["ok"]
         if args.dry_run:
             if run_scenarios:
                 print("skipped (--dry-run): the GPU run (one process per rank, nccl.m2n reshards "
@@ -959,6 +1269,19 @@ def main(argv: list[str] | None = None) -> int:
                       "--vllm-serve on a GPU machine")
                 if not serve["plugin_ok"]:
                     print(f"note: the serve check would fail here: {serve['plugin']}")
+            if coloc is not None:
+                import shlex
+
+                print("colocated plan: " + " ".join(f"{k}={v}" for k, v in
+                                                    coloc["env_changes"].items())
+                      + " " + shlex.join(coloc["command"]))
+                for k, (step, what) in enumerate(coloc["steps"], 1):
+                    print(f"  colocated step {k}: {step}: {what}")
+                print("skipped (--dry-run): colocated (one GPU shared by the trainer process "
+                      f"and vllm serve: {' -> '.join(step for step, _ in coloc['steps'])}); run "
+                      "with --colocated on a GPU machine")
+                if not coloc["plugin_ok"]:
+                    print(f"note: the colocated check would fail here: {coloc['plugin']}")
             if no_m2n:
                 print(f"skipped: the nccl.m2n descriptors, because {no_m2n}")
             print("dry run: every worker byte matches vLLM's loaders" if ok else
@@ -966,15 +1289,18 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_OK if ok else EXIT_FAILED
         end = started + args.total_timeout
         _watchdog(args.total_timeout + 30 - (time.monotonic() - started))
-        if serve is not None:          # SIGTERM: unwind, so the server is stopped
+        if serve is not None or coloc is not None:   # SIGTERM: unwind, so the server is stopped
             import signal
 
             signal.signal(signal.SIGTERM, lambda *_: sys.exit(EXIT_FAILED))
+        coloc_reserve = COLOCATED_RESERVE_S if coloc is not None else 0.0
         if run_scenarios:
-            reserve = SERVE_RESERVE_S if serve is not None else 0.0
+            reserve = (SERVE_RESERVE_S if serve is not None else 0.0) + coloc_reserve
             ok &= gpu_run(ckpt, scenarios, args, end - reserve)
         if serve is not None:
-            ok &= run_serve(serve, args, end)
+            ok &= run_serve(serve, args, end - coloc_reserve)
+        if coloc is not None:
+            ok &= run_colocated(coloc, args, end)
         return EXIT_OK if ok else EXIT_FAILED
 
 

@@ -265,6 +265,23 @@ def _check_target(module: Any, plan: Plan, worker: int,
                              f"{t.dtype}; the plan writes {tuple(p.shape)} {p.dtype}")
 
 
+def _zero_unwritten(storage: Mapping[str, torch.Tensor], plan: Plan, worker: int) -> None:
+    """Write 0 into the regions of ``storage`` no slab writes (the layout's ``zero_boxes``).
+
+    Those are vocab padding: vLLM's loaders fill them with 0 at every load
+    (``VocabParallelEmbedding.weight_loader``: ``param[loaded rows:].fill_(0)``).
+    A round writes them too, so that storage whose bytes were lost since the
+    last round (vLLM's ``sleep(level=2)`` then ``wake_up``: new memory with
+    undefined bytes, docs/colocated.md "Sleep mode") ends the round equal to
+    a fresh load, not only in the elements the wire carries.
+    """
+    with torch.no_grad():
+        for p in plan.destination.params:
+            if p.worker == worker and p.zero_boxes and p.name in storage:
+                for z in p.zero_boxes:
+                    storage[p.name][tuple(slice(a, b) for a, b in z)] = 0
+
+
 class M2NReceiver(WeightTransferEngine):
     """One vLLM worker's receiver, over any transport of the registry (the payload's).
 
@@ -642,6 +659,8 @@ class M2NReceiver(WeightTransferEngine):
         if self.mode == "in_place" and self._reload is None:
             # From the first byte on, the live weights may be partly this round's.
             self._mixed = f"round {update_info.round}"
+        if self._reload is None:        # the reload zeroes each layer it materializes
+            _zero_unwritten(target, self._plan, self.worker)
         try:
             # The trainers post their sends only once every worker joined
             # (control.wait_workers_joined): a refusal above reaches them first.

@@ -28,7 +28,8 @@ TESTS = REPO / "tests"
 
 #: Scripts the fast tests run, and the functions of each allowed to import a
 #: framework stack (they run only against a live vLLM server).
-SCRIPTS = {REPO / "benchmarks" / "gpu_check.py": {"_send_update": {"vllm"}}}
+SCRIPTS = {REPO / "benchmarks" / "gpu_check.py": {"_send_update": {"vllm"},
+                                                   "colocated_trainer_main": {"vllm"}}}
 
 
 def _norm(name: str) -> str:

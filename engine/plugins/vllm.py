@@ -163,7 +163,8 @@ def worker_index_of(vllm_config: Any) -> int:
 
 
 def live_model_problems(model: torch.nn.Module, layout: Any, worker: int,
-                        params: Mapping[str, torch.Tensor] | None = None) -> list[str]:
+                        params: Mapping[str, torch.Tensor] | None = None, *,
+                        undeclared: bool = True) -> list[str]:
     """How a live vLLM model differs from m2nkit's layout for ``worker`` (empty: it fits).
 
     Three checks, each naming the parameter:
@@ -183,6 +184,11 @@ def live_model_problems(model: torch.nn.Module, layout: Any, worker: int,
             (``vllm_reload.checkpoint_params``: what its loaders fill, meta
             tensors); their aliases' storage is then not compared (the
             reload keeps the live model's).
+        undeclared: also list live parameters the layout does not declare
+            (the init's check). The per-round check passes ``False``: after
+            a round the post-load step registers derived parameters of its
+            own (MLA's ``W_UK_T``/``W_UV``, ``replace_parameter`` in
+            ``mla_attention.py``), which no round writes.
     """
     live = dict(params) if params is not None else dict(model.named_parameters(remove_duplicate=False))
     mine = {p.name: p for p in layout.params if p.worker == worker}
@@ -196,7 +202,7 @@ def live_model_problems(model: torch.nn.Module, layout: Any, worker: int,
             out.append(f"parameter '{name}': vLLM's model holds {list(t.shape)} {_dt(t.dtype)}, "
                        f"m2nkit's table declares {list(p.shape)} {_dt(p.dtype)}")
     aliases = {a: t for a, t in layout.aliases.items() if t in mine}
-    for name, t in live.items():
+    for name, t in live.items() if undeclared else ():
         if name not in mine and name not in aliases:
             out.append(f"parameter '{name}' {list(t.shape)} {_dt(t.dtype)} of vLLM's model is "
                        "not in m2nkit's table: it would never be updated")
@@ -490,8 +496,42 @@ class M2NVLLMEngine(WeightTransferEngine):
         return self._receiver
 
     def start_weight_update(self) -> None:
-        """Begin a round (``M2NReceiver.start_weight_update``)."""
-        self._require("start_weight_update").start_weight_update()
+        """Begin a round: the live model is resolved again, then ``M2NReceiver.start_weight_update``.
+
+        vLLM's sleep mode may have re-allocated the weights since the last
+        round (``sleep(level=2)`` discards them, ``wake_up(tags=["weights"])``
+        maps fresh memory, docs/colocated.md "Sleep mode"), and a wake or a
+        reload path may even hand the model new storage. Nothing of an
+        earlier round is kept: the receiver looks the live parameters up
+        again (``model.named_parameters()``) at every round, so the round
+        lands in whatever storage they hold now. Before that, this worker's
+        part of the plan is held against the live model once more
+        (:func:`live_model_problems`: every parameter's local shape and dtype,
+        every tie still shared storage), so a parameter that came back
+        another shape or dtype, or a tie a re-allocation broke, refuses the
+        round before any byte moves; rank 0's trainer aborts the round for
+        every rank with this message. A quantized model is checked by its
+        reload at ``begin`` instead.
+
+        Raises:
+            ValueError: no session; the live model no longer fits the plan
+                (names the parameter, both shapes and dtypes; nothing written).
+        """
+        receiver = self._require("start_weight_update")
+        plan = receiver.plan
+        if plan is not None and self.quantization is None:
+            found = live_model_problems(self.model, plan.destination, self.worker,
+                                        undeclared=False)
+            if found:
+                more = (f" ... and {len(found) - _LIST_AT_MOST} more"
+                        if len(found) > _LIST_AT_MOST else "")
+                raise ValueError(
+                    f"{self.identity}: the live model changed since the session's init (a sleep/"
+                    f"wake or reload re-allocated it unlike m2nkit's layout for "
+                    f"{self.destination.spec}): " + "; ".join(found[:_LIST_AT_MOST]) + more
+                    + "; nothing was written; restore the model's layout or call "
+                    "init_weight_transfer_engine again")
+        receiver.start_weight_update()
 
     def update_weights(self, update_info: Mapping[str, Any]) -> None:
         """Receive this worker's slabs of the round; returns once every rank's verdict is in.

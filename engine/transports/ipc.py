@@ -54,6 +54,7 @@ source of fresh tensors holds at most one bucket of them.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import os
@@ -120,6 +121,30 @@ def _reach(shape, stride) -> int:
     if any(n == 0 for n in shape):
         return 0
     return 1 + sum((n - 1) * s for n, s in zip(shape, stride))
+
+
+#: Trainer, CPU: bytes moved into shared memory between two :func:`return_freed_heap`.
+TRIM_BYTES = 8 << 20
+
+
+def return_freed_heap() -> None:
+    """Give freed heap pages back to the OS (glibc ``malloc_trim(0)``); a no-op elsewhere.
+
+    ``malloc_trim`` releases free pages anywhere in the heap, not only at
+    its top (glibc >= 2.8, ``madvise(MADV_DONTNEED)``).
+    """
+    global _libc
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL("libc.so.6")
+            _libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _libc = False
+    if _libc:
+        _libc.malloc_trim(0)
+
+
+_libc: Any = None
 
 
 def expose(t: torch.Tensor) -> dict:
@@ -495,6 +520,7 @@ class IpcTransport:
         self._staging = torch.empty(0, dtype=torch.uint8)   # shared bounce bytes (trainer)
         #: bytes bounced through the staging buffer in the last round (trainer)
         self.bounced = 0
+        self._moved = 0     # bytes moved into shared memory since the last return_freed_heap
 
     @staticmethod
     def why_unavailable() -> str | None:
@@ -553,22 +579,37 @@ class IpcTransport:
             cache[key] = out
         return cache[key]
 
-    @staticmethod
-    def _share(local: torch.Tensor) -> dict | None:
+    def _share(self, local: torch.Tensor) -> dict | None:
         """A handle of ``local``'s own storage, or ``None`` where it needs a bounce.
 
         A bounce (:meth:`_stage`) where torch cannot share the storage in
         place, and where ``local`` is a small view of a much larger storage
         (more than twice its bytes and over 1 MiB: sharing would move all
         of it, a checkpoint's or a flat buffer's, into shared memory).
+
+        Memory: moving a CPU storage into shared memory copies it, then
+        frees its old bytes; glibc keeps freed heap chunks (below its mmap
+        threshold, which grows to 32 MiB) mapped, so the first round would
+        hold the whole shard twice by its end. Every :data:`TRIM_BYTES`
+        moved, the freed pages go back to the OS (``malloc_trim``), so
+        the first round's extra is the largest storage moved (while it is
+        in both places) plus at most ``TRIM_BYTES``: within one bucket
+        unless one local tensor is larger (docs/colocated.md, "Memory").
         """
         st = local.untyped_storage()
         if st.nbytes() > max(2 * local.numel() * local.element_size(), 1 << 20):
             return None
+        moves = local.device.type == "cpu" and not st.is_shared()
         try:
-            return expose(local)
+            h = expose(local)
         except RuntimeError:
             return None
+        if moves:
+            self._moved += st.nbytes()
+            if self._moved >= TRIM_BYTES:
+                return_freed_heap()
+                self._moved = 0
+        return h
 
     # -- rounds ----------------------------------------------------------
 

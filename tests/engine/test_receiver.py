@@ -234,6 +234,40 @@ def test_full_rounds_bit_exact(ck, session):
         "model.embed_tokens.weight"] is names["model.embed_tokens.weight"]
 
 
+def _lose_the_weights(receiver: M2NReceiver, how: str) -> dict[str, int]:
+    """What vLLM's ``sleep(level=2)`` + ``wake_up`` leaves (docs/colocated.md, "Sleep mode"):
+    ``"in place"`` every byte lost, same storage; ``"new storage"`` every parameter's
+    ``.data`` replaced by new storage of NaN (vocab padding included). Its addresses."""
+    for _, p in receiver.model.named_parameters():
+        if how == "in place":
+            p.data.fill_(float("nan"))
+        else:
+            p.data = torch.full_like(p.data, float("nan"))
+    return {n: t.data_ptr() for n, t in receiver.storage.items()}
+
+
+@pytest.mark.timeout(60)
+def test_rounds_after_the_weights_were_lost_or_reallocated_are_bit_exact(ck, session):
+    """The receiver's side of vLLM's sleep mode: each round resolves the live parameters
+    again and zeroes the vocab padding no slab writes (worker 1's embedding rows 72..127
+    here), so the round after a wake equals reference_load everywhere, in the storage
+    the wake left."""
+    receivers, client, trainers = session
+    tr = Trainers(ck)
+    trainers.append(tr)
+    ok(tr.join(client))
+    assert any(p.zero_boxes for p in tr.plan.destination.params if p.worker == 1)
+    ok(tr.round(client, 1, "v1", 1.0))
+    for k, how in ((2, "new storage"), (3, "in place"), (4, "new storage")):
+        woke = [_lose_the_weights(r, how) for r in receivers]
+        ok(tr.round(client, k, f"v{k}", float(k)))
+        assert client.weight_versions() == [f"v{k}"] * N
+        for r, addresses in zip(receivers, woke):
+            assert_storage(r, reference(ck, float(k), r.worker))
+            moved = [n for n, t in r.storage.items() if t.data_ptr() != addresses[n]]
+            assert moved == [], f"round {k} ({how}): not in the storage the wake left: {moved}"
+
+
 def test_build_vllm_storage_matches_reference_names(ck):
     tr = Trainers(ck)
     module = build_vllm_storage(tr.plan.destination, 1)

@@ -215,3 +215,194 @@ def test_a_server_that_exits_early_is_reported_with_its_log(tmp_path, without_re
             server.wait_ready(60.0)
     finally:
         server.stop()
+
+
+# --------------------------------------------------------------------------
+# the colocated case (--colocated): its CPU parts
+
+
+def test_the_colocated_case_is_planned_in_a_dry_run(capsys):
+    g = _gpu_check_module()
+    assert g["main"](["--dry-run", "--colocated", "only"]) == 0
+    out = capsys.readouterr().out
+    # the round it sends, byte-checked in this process (replicated:1 -> tp=1), and no scenario
+    rows = [line for line in out.splitlines() if " -> vllm:" in line and "|" in line]
+    assert [r.split("|")[0].strip() for r in rows] == ["replicated:1 -> vllm:tp=1,dp=1"], out
+    assert rows[0].split("|")[-1].strip() == "ok", rows
+    (plan,) = [line for line in out.splitlines() if line.startswith("colocated plan: ")]
+    env, command = _split_plan(plan.replace("colocated plan: ", "vllm serve plan: "))
+    assert env["VLLM_SERVER_DEV_MODE"] == "1", env      # the sleep and weight-transfer routes
+    assert "--enable-sleep-mode" in command, command
+    flags = dict(zip(command[command.index("serve") + 2::2], command[command.index("serve") + 3::2]))
+    assert flags["--weight-transfer-config"] == '{"backend": "m2nkit"}', command
+    assert flags["--tensor-parallel-size"] == "1", command
+    # the loop's steps, in the order colocated RL stacks take them
+    steps = [line.split(":", 2)[1].strip() for line in out.splitlines()
+             if line.startswith("  colocated step ")]
+    assert steps == ["generate", "sleep", "train", "wake weights", "update", "wake kv_cache",
+                     "generate", "fresh load"], out
+    assert "skipped (--dry-run): colocated" in out, out
+    assert "skipped (--dry-run): the GPU run" not in out, out     # --colocated only: no scenarios
+
+
+def test_colocated_options_are_checked_and_the_gpu_run_is_refused_without_cuda(capsys):
+    g = _gpu_check_module()
+    with pytest.raises(SystemExit) as e:
+        g["main"](["--colocated", "sometimes"])
+    assert e.value.code == 2 and "--colocated: invalid choice" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert g["main"](["--colocated", "only"]) == 2
+        assert "no CUDA device here: only --dry-run can run" in capsys.readouterr().err
+
+
+def test_the_colocated_trainer_sends_its_own_trained_tensors(tmp_path):
+    """On CPU: one train step changes every parameter, and the source the trainer sends
+    from yields the model's own storage (nothing copied), holding what it saved."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from m2nkit.adapters.tiny import save_tiny_checkpoint, tiny_config
+
+    g = _gpu_check_module()
+    v0 = save_tiny_checkpoint(tiny_config(g["SERVE_BASE_MODEL"], **g["SERVE_SIZES"]),
+                              tmp_path / "v0", seed=0)
+    model = AutoModelForCausalLM.from_pretrained(v0, dtype=torch.bfloat16)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    loss = g["colocated_train_step"](model)
+    assert loss > 0
+    same = [n for n, p in model.named_parameters() if torch.equal(p, before[n])]
+    assert same == [], f"one step left {same[:3]} unchanged"
+    model.save_pretrained(tmp_path / "trained")
+    saved = load_file(str(tmp_path / "trained" / "model.safetensors"))
+    params = dict(model.named_parameters())
+    got = list(g["colocated_source"](model, tmp_path / "trained").iter_local())
+    assert sorted(n for n, _ in got) == sorted(saved), sorted(set(saved) ^ {n for n, _ in got})
+    for name, t in got:
+        assert t.untyped_storage().data_ptr() == params[name].untyped_storage().data_ptr(), name
+        assert torch.equal(t.view(torch.uint8), saved[name].view(torch.uint8)), name
+
+
+class _StubVLLM:
+    """An HTTP stand-in for ``vllm serve --enable-sleep-mode`` with m2nkit's backend: the
+    routes the colocated loop calls, in order, and weights that a level-2 sleep loses, an
+    update (``POST /stub_update``, from the stub trainer) or a reload restores."""
+
+    def __init__(self):
+        import http.server
+        import json
+        import threading
+        import urllib.parse
+
+        self.calls, self.weights, self.version, self.asleep = [], "v0", None, False
+        stub = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _answer(self, body):
+                data = json.dumps(body).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                stub.calls.append(f"GET {self.path}")
+                path = urllib.parse.urlparse(self.path).path
+                self._answer({"is_sleeping": stub.asleep} if path == "/is_sleeping"
+                             else {"weight_version": stub.version})
+
+            def do_POST(self):
+                n = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(n) or b"{}")
+                stub.calls.append(f"POST {self.path}")
+                url = urllib.parse.urlparse(self.path)
+                query = urllib.parse.parse_qs(url.query)
+                w = stub.weights
+                if url.path == "/v1/completions":
+                    ids = [hash((w, i)) % 512 for i in range(body["max_tokens"])]
+                    self._answer({"choices": [{"text": f"text of {w}", "token_ids": ids,
+                                               "weight_versions": [stub.version]}]})
+                    return
+                if url.path == "/weight_checker":
+                    self._answer({"checksums": {f"tp0:p{i}": f"{w}-{i}" for i in range(3)}})
+                    return
+                if url.path == "/sleep":
+                    stub.asleep, stub.weights = True, "lost"       # level 2: nothing kept
+                elif url.path == "/wake_up" and query.get("tags") == ["kv_cache"]:
+                    stub.asleep = False
+                    self._answer({"status": "awake"})
+                    return
+                elif url.path == "/wake_up":
+                    self._answer({"status": "sleeping"})
+                    return
+                elif url.path == "/stub_update":
+                    stub.weights, stub.version = "v1", "v1"
+                elif url.path == "/collective_rpc":
+                    stub.weights = "v1"                              # vLLM's own reload
+                self._answer({})
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.base = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _stub_trainer(v0, saved, base, port, timeout_s, results, woken, update=True):
+    """The colocated trainer's protocol without a GPU: trained, (woken) round, done."""
+    import urllib.request
+
+    results.put(("trained", 0, 2.5, None))
+    if not woken.wait(timeout_s):
+        results.put(("error", 0, "TimeoutError: never woken", ""))
+        return
+    if update:
+        urllib.request.urlopen(urllib.request.Request(f"{base}/stub_update", data=b"{}",
+                                                      method="POST"), timeout=10).read()
+    results.put(("round", 0, 1, (4096, 0.01)))
+    results.put(("done", 0, None, None))
+
+
+def _stub_trainer_without_update(*args):
+    _stub_trainer(*args, update=False)
+
+
+@pytest.mark.parametrize("update", [True, False], ids=["updates", "never-resyncs"])
+def test_the_colocated_loop_takes_its_steps_in_order_and_catches_weights_not_resynced(update):
+    """The loop against a stand-in server: its HTTP calls in COLOCATED_STEPS' order, and a
+    trainer whose round never reaches the woken weights (TRL#5312) fails every check."""
+    import multiprocessing as mp
+
+    g = _gpu_check_module()
+    stub = _StubVLLM()
+    try:
+        bad = g["colocated_loop"](stub.base, {"v0": "/v0", "saved": "/trained"}, 10.0,
+                                  time.monotonic() + 60, log=lambda *a: None,
+                                  trainer_main=_stub_trainer if update
+                                  else _stub_trainer_without_update,
+                                  ctx=mp.get_context("fork"))
+    finally:
+        stub.close()
+    assert stub.calls == [
+        "POST /v1/completions", "POST /weight_checker",                 # generate (v0)
+        "POST /sleep?level=2", "GET /is_sleeping",                      # sleep
+        "POST /wake_up?tags=weights",                                   # (trained) wake weights
+        *(["POST /stub_update"] if update else []),                     # the round
+        "POST /wake_up?tags=kv_cache",                                  # wake kv_cache
+        "POST /v1/completions", "GET /weight_info", "POST /weight_checker",     # generate
+        "POST /pause?mode=wait", "POST /collective_rpc", "POST /resume",        # fresh load
+        "POST /weight_checker", "POST /v1/completions"], stub.calls
+    if update:
+        assert bad == [], bad
+    else:       # the woken weights hold what the sleep left: garbage, served as such
+        assert len(bad) == 3, bad
+        assert bad[0] == "the served weight_version is None, expected 'v1'", bad
+        assert bad[1].startswith("3 parameters differ from vLLM's own load of the trainer's "
+                                 "weights"), bad
+        assert bad[2].startswith("generation after vLLM's own load"), bad
