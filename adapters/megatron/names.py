@@ -20,11 +20,15 @@ a bridge (:mod:`.registry`); these tables are for the dry run and for
 architectures without one (Mixtral), and ``tests/integration/test_megatron_source.py``
 holds them equal to the registry.
 
-Families with a table: Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral, DeepSeek-V3, GLM-4.5 (the
+Families with a table: Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral, DeepSeek-V3, GLM-4.5,
+GLM-4.7-Flash, Qwen3-VL, Qwen3-VL-MoE (the
 families Megatron-Bridge 0.6.2 builds with these names:
 ``LlamaBridge``, ``Qwen2Bridge``, ``Qwen3Bridge``, ``Qwen3MoEBridge``,
 ``MixtralBridge`` ``mapping_registry``; ``tests/integration/test_megatron_names.py``
-holds them against Bridge's registries; ``DeepSeekV3Bridge``). The others
+holds them against Bridge's registries; ``DeepSeekV3Bridge``), and Qwen3-VL / Qwen3-VL-MoE
+(``Qwen3VLBridge``, ``Qwen3VLMoEBridge``: the vision tower and the language model under
+its prefix, :func:`qwen3_vl_names`; tests/integration/test_megatron_qwen3_vl.py holds the
+language model against the registry, the tower only in the dry run). The others
 (GPT-OSS, Gemma 2/3, GLM-4.7-Flash/5, Qwen3-Next/3.5) have none yet: a Megatron trainer of them is refused with a
 message naming the families that have one.
 """
@@ -39,7 +43,7 @@ from .layout import EXPERT_FC1, EXPERT_FC2, GATED_FC1, QKV_CONCAT, MegatronName
 
 __all__ = ["gpt_model_names", "mla_names", "LLAMA", "QWEN2", "QWEN3", "QWEN3_MOE", "MIXTRAL",
            "DEEPSEEK_V3", "GLM4_MOE", "GLM4_MOE_LITE", "glm4_moe_names", "qwen3_vl_names",
-           "QWEN3_VL", "QWEN3_VL_MOE",
+           "QWEN3_VL", "QWEN3_VL_MOE", "tower_wires", "without_tower",
            "MEGATRON_NAMES", "megatron_names", "table_name"]
 
 
@@ -323,6 +327,29 @@ MEGATRON_NAMES: dict[str, tuple[MegatronName, ...]] = {a: globals()[t] for a, t 
 def megatron_names(family: Any) -> tuple[MegatronName, ...]:
     """The Megatron-Core names of ``family`` (a ``Family`` or an architecture); ``()``: none."""
     return MEGATRON_NAMES.get(getattr(family, "architecture", family), ())
+
+
+def without_tower(model: Any) -> bool:
+    """True for a VLM built without its vision tower: Bridge's ``Qwen3VLModel`` with
+    ``add_encoder=False`` (the same on every stage; ``modelling_qwen3_vl/model.py``).
+    ``model``: one model chunk, DDP / ``Float16Module`` wrappers unwrapped here."""
+    while hasattr(model, "module") and hasattr(model.module, "named_parameters"):
+        model = model.module
+    return getattr(model, "add_encoder", True) is False
+
+
+def tower_wires(family: Any, wire_names: Any) -> list[str]:
+    """The wire tensors of ``wire_names`` that ``family``'s vision tower sends (the
+    ``vision_model.`` rows of its table), in order."""
+    from .layout import match_wire
+
+    table = megatron_names(family)
+    out = []
+    for w in wire_names:
+        hit = match_wire(table, w)
+        if hit is not None and hit.entry.megatron[0].startswith("vision_model."):
+            out.append(w)
+    return out
 
 
 def table_name(family: Any) -> str:
