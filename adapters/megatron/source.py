@@ -544,7 +544,8 @@ def _finish(st: _State, kinds: dict, buffers: frozenset) -> MegatronSource:
     s = family.sizes(config)
     sizes = {"nh": mcfg.num_attention_heads, "ng": mcfg.num_query_groups or
              mcfg.num_attention_heads, "hd": mcfg.kv_channels,
-             "Vp": int(getattr(models[0], "vocab_size", 0) or 0),
+             "Vp": int(getattr(models[0], "vocab_size", 0) or  # a VLM's: its language model's
+                       getattr(getattr(models[0], "language_model", None), "vocab_size", 0) or 0),
              "gate": bool(getattr(mcfg, "attention_output_gate", False))}
     zero_centred = bool(getattr(mcfg, "layernorm_zero_centered_gamma", False))
     entries = []

@@ -37,7 +37,13 @@ CASES = [
     ("tp2pp2", DENSE, dict(tp=2, pp=2), ((2, False), (4, False))),
     ("moe-tp2ep2", MOE, dict(tp=2, ep=2), ((1, False), (2, False), (2, True), (4, True))),
     ("moe-tp2ep2etp1", MOE, dict(tp=2, ep=2, etp=1), ((2, True), (4, False))),
+    # a 4-layer tiny Qwen3-VL made here (no dumps: rounds against vLLM's reference loaders)
+    ("pp2vpp2", DENSE, dict(pp=2, vpp=2), None),
 ]
+#: label -> checkpoint directory (the fixture fills it)
+CKPT: dict = {}
+#: rounds of a case without dumps: vLLM layouts checked against reference_load
+REFERENCE_SPECS = ("vllm:tp=1", "vllm:tp=2")
 
 
 def _spec(kw: dict) -> str:
@@ -50,10 +56,21 @@ def _spec(kw: dict) -> str:
 def dumped(tmp_path_factory):
     from _oracle import DATA
 
-    out = tmp_path_factory.mktemp("qwen3vl") / "out"
+    from m2nkit.adapters.tiny import save_tiny_checkpoint, tiny_config
+    from tests.integration.test_megatron_source import _nontrivial_norms
+
+    root = tmp_path_factory.mktemp("qwen3vl")
+    out = root / "out"
     out.mkdir()
-    layouts = [Layout(label, str(DATA / model / "checkpoint"), **kw)
-               for label, model, kw, _ in CASES]
+    for label, model, _, dumps in CASES:
+        CKPT[label] = DATA / model / "checkpoint"
+        if dumps is None:
+            CKPT[label] = root / f"{model}-4"
+            cfg = tiny_config(model)
+            cfg.text_config.num_hidden_layers = 4  # the wrapper's own key is not the model's
+            save_tiny_checkpoint(cfg, CKPT[label], seed=7)
+            _nontrivial_norms(CKPT[label])
+    layouts = [Layout(label, str(CKPT[label]), **kw) for label, _, kw, _ in CASES]
     launch(WORLD, functools.partial(run_layouts, layouts, export=True), out, timeout_s=900)
     return out
 
@@ -62,10 +79,10 @@ def _payloads(out, label):
     return [torch.load(out / f"{label}.r{r}.pt") for r in range(WORLD)]
 
 
-def _ckpt(model):
+def _ckpt(label):
     from m2nkit.adapters.hf_checkpoint import read_checkpoint
 
-    return read_checkpoint(f"tests/data/oracle/{model}/checkpoint")
+    return read_checkpoint(CKPT[label])
 
 
 CASE = {c[0]: c for c in CASES}
@@ -78,7 +95,8 @@ def _check(out, label, name):
 
     from m2nkit.adapters.hf_checkpoint import checkpoint_metas
     from m2nkit.adapters.trainer_spec import parse_trainer_spec
-    from m2nkit.adapters.vllm import destination_layout
+    from m2nkit.adapters.hf_checkpoint import full_checkpoint_tensors
+    from m2nkit.adapters.vllm import destination_layout, reference_load
     from m2nkit.engine.in_process import allocate_storage, bitwise_equal, execute_plan
     from m2nkit.engine.plan import build_plan
     from m2nkit.manifest import manifest_from_json
@@ -86,7 +104,7 @@ def _check(out, label, name):
     from tests.adapters.test_megatron_qwen3_vl import _locals
 
     _, model, kw, dumps = CASE[label]
-    ckpt = _ckpt(model)
+    ckpt = _ckpt(label)
     payloads = _payloads(out, name)
     docs = [p["manifest"] for p in payloads]
     assert all(d == docs[0] for d in docs), f"{name}: metadata differs between ranks"
@@ -113,7 +131,8 @@ def _check(out, label, name):
     dry_locals = _locals(ckpt, dry, WORLD)
     order = {n: i for i, n in enumerate(ckpt.names)}
     both = sorted(metas + dry, key=lambda m: order[m.name])
-    for tp, ep in dumps:
+    tensors = full_checkpoint_tensors(ckpt) if dumps is None else None
+    for tp, ep in dumps or [(int(v.partition("=")[2]), False) for v in REFERENCE_SPECS]:
         vspec = f"vllm:tp={tp}" + (",ep" if ep else "")
         dest = destination_layout(ckpt.config, both, vspec)
         plan = build_plan(both, WORLD, dest)
@@ -123,6 +142,11 @@ def _check(out, label, name):
         storage = {w: allocate_storage(dest, w) for w in range(tp)}
         execute_plan(plan, streams, storage)
         for w in range(tp):
+            if dumps is None:  # vLLM's loaders (reference_load, pinned to real dumps)
+                ref = reference_load(ckpt.config, tensors, vspec, w, fill=float("nan"))
+                for pname, t in storage[w].items():
+                    assert bitwise_equal(t, ref[pname]), (name, vspec, w, pname)
+                continue
             vllm, vmeta = _oracle(model, tp, ep, w)
             assert set(storage[w]) == set(vllm) - set(json.loads(vmeta["aliases"])), (vspec, w)
             for pname, t in storage[w].items():
@@ -133,7 +157,7 @@ def _check(out, label, name):
 def test_megatron_source_pieces_and_rounds_equal_the_checkpoint_and_vllm(dumped, label):
     _check(dumped, label, label)
     p = torch.load(dumped / f"{label}.r0.pt")
-    tower = [n for n in _ckpt(CASE[label][1]).names if n.startswith("model.visual.")]
+    tower = [n for n in _ckpt(label).names if n.startswith("model.visual.")]
     assert p["names_from"] == ("Megatron-Bridge Qwen3VLBridge.mapping_registry()"
                                if CASE[label][1] == DENSE else
                                "Megatron-Bridge Qwen3VLMoEBridge.mapping_registry()")
@@ -153,14 +177,14 @@ def test_bridge_export_equals_the_checkpoint(dumped, label):
     equal the checkpoint bit for bit (the oracle the pieces are held to, too)."""
     from m2nkit.engine.in_process import bitwise_equal
 
-    ckpt = _ckpt(CASE[label][1])
+    ckpt = _ckpt(label)
     exported = stacked_export(torch.load(dumped / f"{label}.r0.pt")["export"])
     for n in ckpt.names:
         if n.startswith("model.visual."):
             continue
         want = ckpt.read_full(n)
-        if n not in exported and n.endswith(".experts.gate_up_proj.weight") or \
-                n.endswith(".experts.down_proj.weight") and n not in exported:
+        packed = n.endswith((".experts.gate_up_proj.weight", ".experts.down_proj.weight"))
+        if packed and n not in exported:
             # Qwen3-VL-MoE: Bridge exports the packed experts as the checkpoint stores
             # them, [E, in, out] under the name without ".weight" (transpose_on_export);
             # the wire is [E, out, in] (families/qwen3_vl_moe.py)
@@ -181,7 +205,7 @@ def test_live_names_equal_the_hand_table(dumped):
     from m2nkit.adapters.megatron.names import megatron_names
 
     for label, model in (("tp2", DENSE), ("moe-tp2ep2", MOE)):
-        arch = json.loads((_ckpt_dir(model) / "config.json").read_text())["architectures"][0]
+        arch = json.loads((CKPT[label] / "config.json").read_text())["architectures"][0]
         hand = {m: (e.rule.name, e.wires) for e in megatron_names(arch) for m in e.megatron}
         p = torch.load(dumped / f"{label}.r0.pt")
         assert p["names"], label
@@ -190,12 +214,6 @@ def test_live_names_equal_the_hand_table(dumped):
             for m in spellings:
                 assert m in hand, f"{label}: Bridge maps {m!r}; names.py lacks it"
                 assert hand[m] == (rule, wires), (label, m, hand[m], (rule, wires))
-
-
-def _ckpt_dir(model):
-    from _oracle import DATA
-
-    return DATA / model / "checkpoint"
 
 
 def test_tied_lm_head_under_the_vlm_prefix_megatron_bridge_4883(dumped):
@@ -214,3 +232,18 @@ def test_tied_lm_head_under_the_vlm_prefix_megatron_bridge_4883(dumped):
     assert {p.rank for p in emb.pieces} == {0, 1}
     assert pay[0]["module_names"]["model.language_model.embed_tokens.weight"] == (
         "chunk0.language_model.embedding.word_embeddings.weight",)
+
+
+def test_pp2vpp2_chunks_publish_global_layers(dumped):
+    """pp2vpp2, 4 layers (dp 2: ranks 0-1 stage 0, 2-3 stage 1): stage 0's chunks hold
+    layers 0 and 2, stage 1's layers 1 and 3, each as its chunk's local layer 0; the
+    wire says the global layer (NeMo-RL#3259)."""
+    from m2nkit.manifest import manifest_from_json
+
+    pay = _payloads(dumped, "pp2vpp2")
+    metas = {m.name: m for m in manifest_from_json(pay[0]["manifest"])[0]}
+    for L, ranks in ((0, {0, 1}), (1, {2, 3}), (2, {0, 1}), (3, {2, 3})):
+        m = metas[f"model.language_model.layers.{L}.self_attn.o_proj.weight"]
+        assert {p.rank for p in m.pieces} == ranks, L
+    assert pay[2]["module_names"]["model.language_model.layers.3.self_attn.o_proj.weight"] == (
+        "chunk1.language_model.decoder.layers.0.self_attention.linear_proj.weight",)
