@@ -640,8 +640,9 @@ def _pieces(rule: Any, part: str | None, shape: tuple[int, ...], par: MegatronPa
             boxes = [(_rows_box(r.start, r.stop, shape), (r.local,) + zero[1:])
                      for r in runs if r.part == part]
         elif rule == QKV_CONCAT:
-            # the wire is [q (nh*hd rows); k (ng*hd); v (ng*hd)]: QKV's runs, offset per part
-            nh, ng = s["vnh"], s.get("vng") or s["vnh"]
+            # the wire is [q (nh*hd rows); k (ng*hd); v (ng*hd)]: QKV's runs, offset per
+            # part; Qwen3-VL's ViT has as many query groups as heads (MHA)
+            nh = ng = s["vnh"]
             hd = _div(shape[0], nh + 2 * ng, f"qkv rows / (heads {nh} + 2 * groups {ng})")
             off = {"q": 0, "k": nh * hd, "v": (nh + ng) * hd}
             boxes = [(_rows_box(off[r.part] + r.start, off[r.part] + r.stop, shape),

@@ -35,6 +35,8 @@ DENSE, MOE = "tiny-qwen3-vl", "tiny-qwen3-vl-moe"
 CASES = [
     ("tp2", DENSE, dict(tp=2), ((1, False), (2, False), (4, False))),
     ("tp2pp2", DENSE, dict(tp=2, pp=2), ((2, False), (4, False))),
+    # 2 KV heads over tp 4: a rank holds part of a query group (num_query_groups < tp)
+    ("tp4", DENSE, dict(tp=4), ((2, False), (4, False))),
     ("moe-tp2ep2", MOE, dict(tp=2, ep=2), ((1, False), (2, False), (2, True), (4, True))),
     ("moe-tp2ep2etp1", MOE, dict(tp=2, ep=2, etp=1), ((2, True), (4, False))),
     # a 4-layer tiny Qwen3-VL made here (no dumps: rounds against vLLM's reference loaders)
