@@ -105,6 +105,7 @@ from ..families import family_for
 from ..families.registry import UnsupportedArchitecture
 from ..families.table import Family
 from .layout import fc1_row_runs, qkv_row_runs
+from .names import tower_wires, without_tower
 
 __all__ = ["BridgeSourceError", "BridgeSource", "bridge_source", "MODES", "KNOWN_MAPPINGS"]
 
@@ -120,6 +121,11 @@ KNOWN_MAPPINGS = {
     "AutoMapping": "auto",
     "QKVMapping": "qkv",
     "GatedMLPMapping": "gated",
+    # one HF tensor [E, ...] <-> per-expert Megatron tensors (Qwen3-VL-MoE's packed
+    # checkpoint experts, qwen/qwen35_bridge.py _moe_routed_expert_mappings): each
+    # task is one local expert, a piece of the stacked wire tensor
+    "FusedGatedExpertMapping": "fused_gated",
+    "FusedExpertMapping": "fused",
 }
 
 _PARAM_MAPPING_MODULE = "megatron.bridge.models.conversion.param_mapping"
@@ -237,7 +243,37 @@ def _rule(task: Any, config: Any) -> str | None:
         return None
     if rule == "qkv" and getattr(config, "attention_output_gate", False):
         return None
+    if rule in ("fused_gated", "fused") and getattr(m, "permute_dims", None):
+        return None
     return rule
+
+
+def _fused_expert_pieces(task: Any, rule: str, names: "_Names"
+                         ) -> tuple[str, int, list[tuple[int, int, Box, tuple[int, ...]]]]:
+    """``(wire, global expert, [(part index, parts, part box, local start)])`` of one
+    ``FusedGatedExpertMapping`` / ``FusedExpertMapping`` task (Bridge
+    ``param_mapping.py``: ``hf_to_megatron`` takes expert
+    ``extract_expert_number_from_param(megatron_param)`` of the HF tensor, then
+    ``GatedMLPMapping``'s ``[gate_r; up_r]`` or ``AutoMapping``'s row split over the expert
+    TP group). The part box is in one expert's gate/up/down tensor, as
+    :meth:`_Names.stacked_box` takes it; the wire is the HF name plus ``.weight``
+    (m2nkit's stacked wire name, ``[E, 2*Im, H]`` / ``[E, H, Im]``: Bridge's
+    ``transpose_on_export`` turns only its export to the on-disk ``[E, in, out]``)."""
+    from megatron.bridge.utils.common_utils import extract_expert_number_from_param
+
+    m, w = task.mapping, task.param_weight
+    e = int(extract_expert_number_from_param(m.megatron_param))
+    hf = str(m.hf_param)
+    wire = hf if hf in names.wires else f"{hf}.weight"
+    shape = tuple(w.shape)
+    zero = (0,) * len(shape)
+    tp, r = m.tp_size, m.tp_rank
+    if rule == "fused_gated":
+        runs = fc1_row_runs(shape[0] * tp // 2, tp, r)
+        return wire, e, [(("gate", "up").index(run.part), 2, _box(shape, 0, run.start, run.stop),
+                          (run.local,) + zero[1:]) for run in runs]
+    n = shape[1]
+    return wire, e, [(0, 1, _box(shape, 1, r * n, (r + 1) * n), zero)]
 
 
 def _resolved(task: Any, rule: str) -> str:
@@ -303,6 +339,17 @@ def _tasks_holding(tasks: Sequence[Any], names: _Names, config: Any, gather: fro
             continue
         w = task.param_weight
         if w is None:  # another pipeline stage holds it
+            continue
+        if rule in ("fused_gated", "fused"):
+            wire, e, parts = _fused_expert_pieces(task, rule, names)
+            names.check(wire, f"Bridge task '{task.global_param_name}'")
+            mine = experts.setdefault(wire, [])
+            if not any(p is w for p in mine):
+                mine.append(w)
+            j = next(i for i, p in enumerate(mine) if p is w)
+            for k, n, box, start in parts:
+                hold.decls.append(_Decl(wire, w.dtype, names.stacked_box(wire, e, k, n, box),
+                                        (j,) + start))
             continue
         for hf_name, box, start in _known_pieces(task, _resolved(task, rule), names):
             ex = names.expert(hf_name)
@@ -430,7 +477,12 @@ class BridgeSource(ManifestM2NWeightSource):
             collectives (``"export"`` mode, fallback tasks); see
             docs/bridge.md for why ``torch_p2p`` interleaves them safely
             and ``nccl_m2n`` cannot (the engine refuses that pairing).
+        left_out: wire tensors of the config not sent because the model was built
+            without them (a VLM's vision tower, Bridge ``Qwen3VLModel`` with
+            ``add_encoder=False``), as ``MegatronSource.left_out``.
     """
+
+    left_out: tuple[str, ...] = ()
 
     def __init__(self, entries, *, rank, mode, gathered, stream, stream_plan, complete_at,
                  assigned):
@@ -611,6 +663,10 @@ def bridge_source(bridge: Any, model_chunks: Any, mode: str = "tasks", *,
 
     chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
     wires = table_wires(family, config)
+    left_out: list[str] = []
+    if chunks and without_tower(chunks[0]):  # Qwen3VLModel(add_encoder=False): no tower
+        left_out = tower_wires(family, [w.name for w in wires])
+        wires = [w for w in wires if w.name not in left_out]
     tied = bool(getattr(config, "tie_word_embeddings", False))
     names = _Names(family, wires, tied)
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -671,7 +727,9 @@ def bridge_source(bridge: Any, model_chunks: Any, mode: str = "tasks", *,
     if errors:
         r, msg = errors[0]
         raise BridgeSourceError(f"rank {r}: {msg}")
-    return _build(everyone, wires, names, mode, rank, chunks, hold, stream, splan)
+    src = _build(everyone, wires, names, mode, rank, chunks, hold, stream, splan)
+    src.left_out = tuple(left_out)
+    return src
 
 
 def _build(everyone, wires, names, mode, rank, chunks, hold, stream, splan) -> BridgeSource:

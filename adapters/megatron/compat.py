@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import typing
 
-__all__ = ["enable_py311", "enable_cpu"]
+__all__ = ["enable_py311", "enable_cpu", "with_mla_stand_in", "vlm_language_model_only"]
 
 
 def enable_py311() -> None:
@@ -183,3 +183,53 @@ def with_mla_stand_in(spec_fn):
     def edit(sub, config):
         sub.core_attention = stand_in
     return _mla_layers(spec_fn, edit, "with_mla_stand_in")
+
+
+# --------------------------------------------------------------------------
+# Qwen3-VL on CPU (tests and demos only): the language model without the tower
+
+def vlm_language_model_only(provider) -> None:
+    """Let Bridge's ``Qwen3VLModelProvider``/``Qwen3VLMoEModelProvider`` build the
+    language model of a ``Qwen3VLModel`` on CPU, without its vision tower (in place).
+
+    Megatron-Bridge 0.6.2 cannot build either part without TransformerEngine:
+
+    * ``provide()`` (``qwen_vl/qwen3_vl_provider.py``) makes the language layer spec
+      with ``get_gpt_layer_with_transformer_engine_spec`` whatever
+      ``transformer_layer_spec`` says, and that fails on ``TESpecProvider()``
+      (``TypeError: 'NoneType' object is not callable``, ``gpt_layer_specs.py``);
+    * ``Qwen3VLModel.__init__`` (``modelling_qwen3_vl/model.py``) builds the tower from
+      ``get_vit_layer_with_transformer_engine_spec()`` and a patch merger of ``TENorm``,
+      ``TEColumnParallelLinear`` and ``TERowParallelLinear``, with no other backend:
+      on CPU the ViT layer's TE ``linear_fc1`` fails to build (``StopIteration when
+      instantiating TransformerLayer``). Those modules own the tower's parameters, so no
+      stand-in is allowed.
+
+    Here ``provide`` builds the same ``Qwen3VLModel`` with megatron-core's local layer
+    spec for the language model (Bridge ``gpt_provider.local_layer_spec``: the spec every
+    other family runs on CPU) and ``add_encoder=False`` (Bridge's own switch: no
+    ``vision_model``) and sequence parallelism off (a scheduling option; the MoE
+    provider's ``finalize`` turns it on with tp > 1 and megatron-core's torch norms
+    refuse it); everything else is Bridge's (its ``freeze`` options, which change no
+    parameter, are not applied). ``megatron_source`` then leaves the
+    tower's wire tensors out (``MegatronSource.left_out``).
+    """
+    from megatron.bridge.models.gpt_provider import local_layer_spec
+    from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.model import Qwen3VLModel
+
+    provider.add_encoder = False
+    # Qwen3VLMoEModelProvider.finalize turns sequence parallelism on with tp > 1, which
+    # megatron-core's torch norms refuse (torch_norm.py); a scheduling option, no
+    # parameter depends on it
+    provider.sequence_parallel = False
+
+    def provide(pre_process=None, post_process=None, vp_stage=None):
+        return Qwen3VLModel(
+            language_transformer_config=provider,
+            language_transformer_layer_spec=local_layer_spec(provider),
+            vision_transformer_config=provider.vision_config,
+            pre_process=pre_process, post_process=post_process,
+            pg_collection=provider._pg_collection, add_encoder=False,
+            add_decoder=provider.add_decoder, vp_stage=vp_stage)
+
+    object.__setattr__(provider, "provide", provide)

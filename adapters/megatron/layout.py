@@ -49,7 +49,8 @@ from m2nkit.manifest.pieces import Box, Piece, PieceLayout
 from ..families.kinds import COLUMN, QKV, REPLICATED, ROW, VOCAB
 
 __all__ = [
-    "MegatronKind", "GATED_FC1", "EXPERT_FC1", "EXPERT_FC2", "RULES", "MegatronName", "Run",
+    "MegatronKind", "GATED_FC1", "EXPERT_FC1", "EXPERT_FC2", "QKV_CONCAT", "RULES", "MegatronName",
+    "Run",
     "qkv_row_runs", "fc1_row_runs", "padded_vocab_size", "vocab_rows", "local_expert_range",
     "stage_layers", "MegatronParallel", "WireRule", "match_wire", "match_megatron", "wire_pieces",
     "wire_stage", "megatron_templates", "MegatronLayoutError",
@@ -94,8 +95,13 @@ EXPERT_FC1 = MegatronKind("expert_fc1")
 #: an expert's ``linear_fc2`` (row-parallel over etp), stacked by global expert
 EXPERT_FC2 = MegatronKind("expert_fc2")
 
+#: a ``linear_qkv`` fed by ONE wire tensor holding ``[q; k; v]`` (all q heads, then all k,
+#: then all v rows: Qwen3-VL's vision ``attn.qkv``), interleaved per query group as
+#: :data:`QKV` (Megatron-Bridge ``ConcatenatedQKVMapping``, ``conversion/param_mapping.py``)
+QKV_CONCAT = MegatronKind("qkv_concat")
+
 #: Every kind a :class:`MegatronName` may name.
-RULES = (REPLICATED, COLUMN, ROW, VOCAB, QKV, GATED_FC1, EXPERT_FC1, EXPERT_FC2)
+RULES = (REPLICATED, COLUMN, ROW, VOCAB, QKV, GATED_FC1, EXPERT_FC1, EXPERT_FC2, QKV_CONCAT)
 
 
 @dataclass(frozen=True)
@@ -109,7 +115,9 @@ class MegatronName:
             ``decoder.layers.{L}.self_attention.linear_qkv.layer_norm_weight``).
             ``{L}`` is the layer index as the module tree numbers it (local
             to the chunk); ``{i}`` a local expert index (SequentialMLP
-            ``local_experts.{i}`` / TEGroupedMLP ``weight{i}``).
+            ``local_experts.{i}`` / TEGroupedMLP ``weight{i}``); ``{B}`` a
+            vision-tower index (block, deepstack merger), the same in both
+            names: the vision tower is not pipelined.
         rule: one of :data:`RULES` (a kind object; ``rule.name`` in messages).
         wire: the wire name template (``{L}`` = the global layer), or for
             ``QKV`` / ``GATED_FC1`` a mapping part -> wire template
@@ -470,7 +478,8 @@ class MegatronParallel:
 
 
 def _template_regex(template: str) -> re.Pattern:
-    out = re.escape(template).replace(r"\{L\}", r"(?P<L>\d+)").replace(r"\{i\}", r"(?P<i>\d+)")
+    out = (re.escape(template).replace(r"\{L\}", r"(?P<L>\d+)").replace(r"\{i\}", r"(?P<i>\d+)")
+           .replace(r"\{B\}", r"(?P<B>\d+)"))
     return re.compile("^" + out + "$")
 
 
@@ -543,7 +552,15 @@ def _stage(par: MegatronParallel, entry: MegatronName, layer: int | None) -> int
     # layer on the last (GPTModel pre_process / post_process). A tied output
     # layer is a replica of the embedding on the last stage: m2nkit sends the
     # first stage's copy only.
-    return 0 if entry.megatron[0].startswith("embedding.") else par.pp - 1
+    # A VLM's (Bridge ``Qwen3VLModel``) tensors carry its module prefix: ``language_model.``
+    # as a GPTModel's; ``vision_model.`` is built on the first stage only, with pp 1
+    # (``modelling_qwen3_vl/model.py``: ``if self.pre_process and self.add_encoder``,
+    # ``megatron_vision_transformer_config.pipeline_model_parallel_size = 1``).
+    first = entry.megatron[0]
+    if first.startswith("vision_model."):
+        return 0
+    first = first.removeprefix("language_model.")
+    return 0 if first.startswith("embedding.") else par.pp - 1
 
 
 def wire_pieces(rule: WireRule, shape: Sequence[int], par: MegatronParallel, *,
@@ -622,6 +639,14 @@ def _pieces(rule: Any, part: str | None, shape: tuple[int, ...], par: MegatronPa
             runs = qkv_row_runs(s["nh"], s["ng"], s["hd"], par.tp, t, gate=bool(s.get("gate")))
             boxes = [(_rows_box(r.start, r.stop, shape), (r.local,) + zero[1:])
                      for r in runs if r.part == part]
+        elif rule == QKV_CONCAT:
+            # the wire is [q (nh*hd rows); k (ng*hd); v (ng*hd)]: QKV's runs, offset per
+            # part; Qwen3-VL's ViT has as many query groups as heads (MHA)
+            nh = ng = s["vnh"]
+            hd = _div(shape[0], nh + 2 * ng, f"qkv rows / (heads {nh} + 2 * groups {ng})")
+            off = {"q": 0, "k": nh * hd, "v": (nh + ng) * hd}
+            boxes = [(_rows_box(off[r.part] + r.start, off[r.part] + r.stop, shape),
+                      (r.local,) + zero[1:]) for r in qkv_row_runs(nh, ng, hd, par.tp, t)]
         elif rule == GATED_FC1:
             runs = fc1_row_runs(shape[0], par.tp, t)
             boxes = [(_rows_box(r.start, r.stop, shape), (r.local,) + zero[1:])

@@ -20,11 +20,15 @@ a bridge (:mod:`.registry`); these tables are for the dry run and for
 architectures without one (Mixtral), and ``tests/integration/test_megatron_source.py``
 holds them equal to the registry.
 
-Families with a table: Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral, DeepSeek-V3, GLM-4.5 (the
+Families with a table: Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral, DeepSeek-V3, GLM-4.5,
+GLM-4.7-Flash, Qwen3-VL, Qwen3-VL-MoE (the
 families Megatron-Bridge 0.6.2 builds with these names:
 ``LlamaBridge``, ``Qwen2Bridge``, ``Qwen3Bridge``, ``Qwen3MoEBridge``,
 ``MixtralBridge`` ``mapping_registry``; ``tests/integration/test_megatron_names.py``
-holds them against Bridge's registries; ``DeepSeekV3Bridge``). The others
+holds them against Bridge's registries; ``DeepSeekV3Bridge``), and Qwen3-VL / Qwen3-VL-MoE
+(``Qwen3VLBridge``, ``Qwen3VLMoEBridge``: the vision tower and the language model under
+its prefix, :func:`qwen3_vl_names`; tests/integration/test_megatron_qwen3_vl.py holds the
+language model against the registry, the tower only in the dry run). The others
 (GPT-OSS, Gemma 2/3, GLM-4.7-Flash/5, Qwen3-Next/3.5) have none yet: a Megatron trainer of them is refused with a
 message naming the families that have one.
 """
@@ -35,10 +39,11 @@ from typing import Any
 
 from ..families.kinds import COLUMN, QKV, REPLICATED, ROW, VOCAB
 from ..families.llama import ATTENTION, MLP
-from .layout import EXPERT_FC1, EXPERT_FC2, GATED_FC1, MegatronName
+from .layout import EXPERT_FC1, EXPERT_FC2, GATED_FC1, QKV_CONCAT, MegatronName
 
 __all__ = ["gpt_model_names", "mla_names", "LLAMA", "QWEN2", "QWEN3", "QWEN3_MOE", "MIXTRAL",
-           "DEEPSEEK_V3", "GLM4_MOE", "GLM4_MOE_LITE", "glm4_moe_names",
+           "DEEPSEEK_V3", "GLM4_MOE", "GLM4_MOE_LITE", "glm4_moe_names", "qwen3_vl_names",
+           "QWEN3_VL", "QWEN3_VL_MOE", "tower_wires", "without_tower",
            "MEGATRON_NAMES", "megatron_names", "table_name"]
 
 
@@ -222,6 +227,85 @@ GLM4_MOE_LITE = DEEPSEEK_V3
 #: GLM-4.5 / GLM-4.6 (Megatron-Bridge ``GLM45Bridge``).
 GLM4_MOE = glm4_moe_names()
 
+def _language_model(table: tuple[MegatronName, ...]) -> tuple[MegatronName, ...]:
+    """A GPTModel table as a VLM's ``language_model`` holds it: Megatron names under
+    ``language_model.`` (Bridge ``Qwen3VLModel.language_model``, a ``Qwen3VLGPTModel``),
+    wire names under the checkpoint's ``model.language_model.`` (``lm_head.`` unchanged;
+    transformers 5 on disk, ``families/qwen3_vl.py`` ``WRAPPER_PREFIXES``)."""
+    def wire(t: str) -> str:
+        return "model.language_model." + t[len("model."):] if t.startswith("model.") else t
+
+    return tuple(MegatronName(tuple("language_model." + m for m in e.megatron), e.rule,
+                              {p: wire(w) for p, w in e.wires.items()} if None not in e.wires
+                              else wire(e.wires[None]), norm=e.norm, buffer=e.buffer)
+                 for e in table)
+
+
+def _vision_merger(megatron: str, wire: str) -> list[MegatronName]:
+    """A Qwen3-VL patch merger (Bridge ``modelling_qwen3_vl/utils.py``: ``patch_norm``,
+    ``linear_fc1`` column-parallel with ``gather_output=False``, ``linear_fc2``
+    row-parallel with ``input_is_parallel=True``, both with biases)."""
+    N = MegatronName
+    return [N(f"{megatron}.patch_norm.weight", REPLICATED, f"{wire}.norm.weight", norm=True),
+            N(f"{megatron}.patch_norm.bias", REPLICATED, f"{wire}.norm.bias"),
+            N(f"{megatron}.linear_fc1.weight", COLUMN, f"{wire}.linear_fc1.weight"),
+            N(f"{megatron}.linear_fc1.bias", COLUMN, f"{wire}.linear_fc1.bias"),
+            N(f"{megatron}.linear_fc2.weight", ROW, f"{wire}.linear_fc2.weight"),
+            N(f"{megatron}.linear_fc2.bias", REPLICATED, f"{wire}.linear_fc2.bias")]
+
+
+def qwen3_vl_names(text: tuple[MegatronName, ...]) -> tuple[MegatronName, ...]:
+    """Qwen3-VL's Megatron names: Bridge ``Qwen3VLModel``'s ``vision_model`` and its
+    ``language_model`` (``text``, a GPTModel table, under the VLM prefixes).
+
+    The vision tower (``Qwen3VLVisionModel``; Megatron-Bridge 0.6.2
+    ``qwen_vl/qwen3_vl_bridge.py`` ``mapping_registry``): ``patch_embed.proj`` (a
+    Conv3d) and ``pos_embed`` replicated (``ReplicatedMapping``); per block ``{B}`` a
+    ViT layer (megatron-core ``models/vision/vit_layer_specs.py``): LayerNorm weight and
+    bias (local spelling ``input_layernorm``/``pre_mlp_layernorm``, TransformerEngine
+    ``linear_qkv.layer_norm_*``/``linear_fc1.layer_norm_*``), ``linear_qkv`` from HF's one
+    ``attn.qkv`` (``ConcatenatedQKVMapping``: :data:`~.layout.QKV_CONCAT`, every head its
+    own query group), ``linear_proj`` row, a non-gated ``linear_fc1`` column (bias
+    split with it) and ``linear_fc2`` row; the merger and the deepstack mergers
+    (:func:`_vision_merger`). The tower lives on the first pipeline stage only
+    (:func:`~.layout.wire_stage`).
+    """
+    N = MegatronName
+    v, w = "vision_model", "model.visual"
+    d, b = f"{v}.decoder.layers.{{B}}", f"{w}.blocks.{{B}}"
+    at = f"{d}.self_attention"
+    out = [
+        N(f"{v}.patch_embed.proj.weight", REPLICATED, f"{w}.patch_embed.proj.weight"),
+        N(f"{v}.patch_embed.proj.bias", REPLICATED, f"{w}.patch_embed.proj.bias"),
+        N(f"{v}.pos_embed.weight", REPLICATED, f"{w}.pos_embed.weight"),
+        N((f"{d}.input_layernorm.weight", f"{at}.linear_qkv.layer_norm_weight"), REPLICATED,
+          f"{b}.norm1.weight", norm=True),
+        N((f"{d}.input_layernorm.bias", f"{at}.linear_qkv.layer_norm_bias"), REPLICATED,
+          f"{b}.norm1.bias"),
+        N(f"{at}.linear_qkv.weight", QKV_CONCAT, f"{b}.attn.qkv.weight"),
+        N(f"{at}.linear_qkv.bias", QKV_CONCAT, f"{b}.attn.qkv.bias"),
+        N(f"{at}.linear_proj.weight", ROW, f"{b}.attn.proj.weight"),
+        N(f"{at}.linear_proj.bias", REPLICATED, f"{b}.attn.proj.bias"),
+        N((f"{d}.pre_mlp_layernorm.weight", f"{d}.mlp.linear_fc1.layer_norm_weight"), REPLICATED,
+          f"{b}.norm2.weight", norm=True),
+        N((f"{d}.pre_mlp_layernorm.bias", f"{d}.mlp.linear_fc1.layer_norm_bias"), REPLICATED,
+          f"{b}.norm2.bias"),
+        N(f"{d}.mlp.linear_fc1.weight", COLUMN, f"{b}.mlp.linear_fc1.weight"),
+        N(f"{d}.mlp.linear_fc1.bias", COLUMN, f"{b}.mlp.linear_fc1.bias"),
+        N(f"{d}.mlp.linear_fc2.weight", ROW, f"{b}.mlp.linear_fc2.weight"),
+        N(f"{d}.mlp.linear_fc2.bias", REPLICATED, f"{b}.mlp.linear_fc2.bias"),
+        *_vision_merger(f"{v}.merger", f"{w}.merger"),
+        *_vision_merger(f"{v}.decoder.deepstack_merger_list.{{B}}",
+                        f"{w}.deepstack_merger_list.{{B}}"),
+    ]
+    return tuple(out) + _language_model(text)
+
+
+#: Qwen3-VL (Megatron-Bridge ``Qwen3VLBridge``): the vision tower and Qwen3's language model.
+QWEN3_VL = qwen3_vl_names(QWEN3)
+#: Qwen3-VL-MoE (``Qwen3VLMoEBridge``): the vision tower and Qwen3-MoE's language model.
+QWEN3_VL_MOE = qwen3_vl_names(QWEN3_MOE)
+
 #: ``config.architectures[0]`` -> the name of its table in this module.
 _TABLES = {
     "LlamaForCausalLM": "LLAMA",
@@ -232,6 +316,8 @@ _TABLES = {
     "DeepseekV3ForCausalLM": "DEEPSEEK_V3",
     "Glm4MoeForCausalLM": "GLM4_MOE",
     "Glm4MoeLiteForCausalLM": "GLM4_MOE_LITE",
+    "Qwen3VLForConditionalGeneration": "QWEN3_VL",
+    "Qwen3VLMoeForConditionalGeneration": "QWEN3_VL_MOE",
 }
 
 #: ``config.architectures[0]`` -> its Megatron-Core names; a family absent has none.
@@ -241,6 +327,29 @@ MEGATRON_NAMES: dict[str, tuple[MegatronName, ...]] = {a: globals()[t] for a, t 
 def megatron_names(family: Any) -> tuple[MegatronName, ...]:
     """The Megatron-Core names of ``family`` (a ``Family`` or an architecture); ``()``: none."""
     return MEGATRON_NAMES.get(getattr(family, "architecture", family), ())
+
+
+def without_tower(model: Any) -> bool:
+    """True for a VLM built without its vision tower: Bridge's ``Qwen3VLModel`` with
+    ``add_encoder=False`` (the same on every stage; ``modelling_qwen3_vl/model.py``).
+    ``model``: one model chunk, DDP / ``Float16Module`` wrappers unwrapped here."""
+    while hasattr(model, "module") and hasattr(model.module, "named_parameters"):
+        model = model.module
+    return getattr(model, "add_encoder", True) is False
+
+
+def tower_wires(family: Any, wire_names: Any) -> list[str]:
+    """The wire tensors of ``wire_names`` that ``family``'s vision tower sends (the
+    ``vision_model.`` rows of its table), in order."""
+    from .layout import match_wire
+
+    table = megatron_names(family)
+    out = []
+    for w in wire_names:
+        hit = match_wire(table, w)
+        if hit is not None and hit.entry.megatron[0].startswith("vision_model."):
+            out.append(w)
+    return out
 
 
 def table_name(family: Any) -> str:

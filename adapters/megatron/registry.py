@@ -292,7 +292,9 @@ def registry_names(table: RegistryTable, kinds: Mapping[str, str], *,
                                  "linear_fc2 (row) only")
             rule = EXPERT_FC2
         elif kind == "column":
-            rule = VOCAB if r.megatron in VOCAB_TENSORS else COLUMN
+            # a VLM's language model (Bridge Qwen3VLModel) under its ``language_model.``
+            rule = VOCAB if r.megatron.removeprefix("language_model.") in VOCAB_TENSORS \
+                else COLUMN
         elif kind == "row":
             rule = ROW
         else:

@@ -65,7 +65,7 @@ from m2nkit.manifest import M2NManifestEntry, ManifestM2NWeightSource, PieceLayo
 from ..families import family_for
 from .layout import (EXPERT_FC1, EXPERT_FC2, MegatronLayoutError, MegatronParallel, WireRule,
                      match_megatron, match_wire, megatron_templates, wire_pieces)
-from .names import megatron_names, table_name
+from .names import megatron_names, table_name, tower_wires, without_tower
 from .registry import RegistryTable, registry_names, registry_rows, resolve_kind
 
 __all__ = ["MegatronSourceError", "MegatronSource", "megatron_source", "chunk_layers"]
@@ -87,10 +87,15 @@ class MegatronSource(ManifestM2NWeightSource):
         names: the name table the pieces follow (:class:`~.layout.MegatronName` rows).
         names_from: where it came from (``Megatron-Bridge Qwen3Bridge.mapping_registry()``,
             or the hand-written table of :mod:`.names` where Bridge has no bridge).
+        left_out: wire tensors of the config this source does not send, because the
+            model was built without them: a VLM's vision tower with Bridge's
+            ``add_encoder=False`` (``Qwen3VLModel``). A vLLM round then needs them from
+            elsewhere: the planner refuses the tower's parameters as written by no wire
+            tensor.
     """
 
     def __init__(self, entries, *, rank, config, parallel, num_trainer_ranks, module_names,
-                 names=(), names_from=""):
+                 names=(), names_from="", left_out=()):
         super().__init__(entries, rank=rank)
         self.config = config
         self.parallel = parallel
@@ -98,6 +103,7 @@ class MegatronSource(ManifestM2NWeightSource):
         self.module_names = module_names
         self.names = tuple(names)
         self.names_from = names_from
+        self.left_out = tuple(left_out)
 
 
 def _unwrap(m: Any) -> Any:
@@ -383,6 +389,8 @@ class _State:
     kinds: dict
     #: Megatron templates whose tensor is a persistent buffer here
     buffers: set
+    #: a VLM built without its vision tower (Bridge ``Qwen3VLModel`` ``add_encoder=False``)
+    no_vision: bool = False
 
 
 def _local(model_chunks, config, dtype, pg_collection, rank) -> _State:
@@ -480,8 +488,11 @@ def _local(model_chunks, config, dtype, pg_collection, rank) -> _State:
                         f"(rank {me}, chunk {v}) with an AutoMapping, which cannot tell the "
                         f"parallelism of its module {type(mod).__name__}")
                 kinds[row.megatron] = kind
+    # Bridge's Qwen3VLModel: ``add_encoder`` is the same on every stage (the tower itself
+    # exists on the first stage only, modelling_qwen3_vl/model.py)
+    no_vision = without_tower(models[0])
     return _State(family, config, dtype, mcfg, models, par, me, g.world, stage, tied, tensors,
-                  registry, kinds, buffers)
+                  registry, kinds, buffers, no_vision)
 
 
 def _finish(st: _State, kinds: dict, buffers: frozenset) -> MegatronSource:
@@ -514,8 +525,10 @@ def _finish(st: _State, kinds: dict, buffers: frozenset) -> MegatronSource:
                 f"in {table}; known names: "
                 f"{', '.join(megatron_templates(names))}")
         entry, local_layer, expert = hit
-        if name == "output_layer.weight" and st.tied:
-            continue  # a replica of the embedding (PP > 1): the first stage sends it
+        if name.removeprefix("language_model.") == "output_layer.weight" and st.tied:
+            # a replica of the embedding (PP > 1): the first stage sends it; a VLM's
+            # (Bridge Qwen3VLModel) under its language_model prefix (Megatron-Bridge#4883)
+            continue
         layer = None
         if local_layer is not None:
             layer = have.get(local_layer)
@@ -531,13 +544,19 @@ def _finish(st: _State, kinds: dict, buffers: frozenset) -> MegatronSource:
     s = family.sizes(config)
     sizes = {"nh": mcfg.num_attention_heads, "ng": mcfg.num_query_groups or
              mcfg.num_attention_heads, "hd": mcfg.kv_channels,
-             "Vp": int(getattr(models[0], "vocab_size", 0) or 0),
+             "Vp": int(getattr(models[0], "vocab_size", 0) or  # a VLM's: its language model's
+                       getattr(getattr(models[0], "language_model", None), "vocab_size", 0) or 0),
              "gate": bool(getattr(mcfg, "attention_output_gate", False))}
     zero_centred = bool(getattr(mcfg, "layernorm_zero_centered_gamma", False))
     entries = []
     module_names: dict[str, tuple[str, ...]] = {}
     used: set = set()
-    for w in table_wires(family, config, s):
+    wires = table_wires(family, config, s)
+    # a VLM built without its tower: the tower's wire tensors (names.py's vision_model rows)
+    left_out = tower_wires(family, [w.name for w in wires]) if st.no_vision else []
+    for w in wires:
+        if w.name in left_out:
+            continue
         rule = match_wire(names, w.name)
         if rule is None:
             raise MegatronSourceError(
@@ -571,7 +590,7 @@ def _finish(st: _State, kinds: dict, buffers: frozenset) -> MegatronSource:
             "model disagree (e.g. biases, q/k norms, dense vs MoE layers)")
     return MegatronSource(entries, rank=me, config=config, parallel=par,
                           num_trainer_ranks=st.world, module_names=module_names, names=names,
-                          names_from=table)
+                          names_from=table, left_out=left_out)
 
 
 def _bridge_installed() -> bool:

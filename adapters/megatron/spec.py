@@ -242,8 +242,11 @@ def megatron_wire_rules(mspec: MegatronSpec, config: Any, label: str):
         par = mspec.layers_for(s.layers)
     except MegatronLayoutError as e:
         raise ValueError(f"trainer spec '{label}': {e}") from None
-    rules = _Rules(par, names, (("nh", s.nh), ("ng", s.nkv), ("hd", s.hd)), fam.architecture,
-                   table_name(fam))
+    sizes = (("nh", s.nh), ("ng", s.nkv), ("hd", s.hd))
+    vision = _cfg(config, "vision_config")
+    if vision is not None:  # a VLM tower's heads (QKV_CONCAT), every head its own group
+        sizes += (("vnh", int(_cfg(vision, "num_heads"))),)
+    rules = _Rules(par, names, sizes, fam.architecture, table_name(fam))
     return lambda name: _WireKey(name, rules)
 
 

@@ -247,6 +247,12 @@ def build_bridge_model(ckpt: str | os.PathLike, tp: int, pp: int, ep: int = 1,
     provider.use_cpu_initialization = True
     provider.pipeline_dtype = torch.bfloat16
     provider.finalize()
+    if type(provider).__name__ in ("Qwen3VLModelProvider", "Qwen3VLMoEModelProvider"):
+        # Bridge builds both parts with TransformerEngine only: the language model on
+        # megatron-core's local spec, no vision tower (compat.vlm_language_model_only)
+        from m2nkit.adapters.megatron.compat import vlm_language_model_only
+
+        vlm_language_model_only(provider)
     model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
     bridge.load_hf_weights(model)
     return bridge, model
@@ -447,6 +453,12 @@ def run_bridge_demo(model: str, trainer: str, inference: str, *, mode: str = "ta
                    "TransformerEngine's fused layer-norm linear (transformer/"
                    "mla_qk_norm_config.py), which cannot be built on CPU and adds a q norm "
                    "the checkpoint does not have (docs/megatron.md, Limits)")
+        if not why and _cfg(config, "vision_config") is not None and str(
+                (_cfg(config, "architectures") or [""])[0]).startswith("Qwen3VL"):
+            why = ("Qwen3-VL: Megatron-Bridge 0.6.2 builds its vision tower with "
+                   "TransformerEngine only (modelling_qwen3_vl/model.py), so a CPU trainer "
+                   "holds the language model alone, which cannot fill vLLM's tower; plan it "
+                   "with m2nkit plan --trainer megatron:... (docs/megatron.md, Limits)")
         if why:
             raise ValueError(f"trainer spec '{trainer}': {why}")
         if mode != "export":

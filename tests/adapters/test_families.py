@@ -72,7 +72,8 @@ NO_TINY = ("KimiK25ForConditionalGeneration",)
 #: Families with Megatron-Core names (adapters/megatron/names.py).
 WITH_MEGATRON_NAMES = ("LlamaForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
                        "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM",
-                       "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM")
+                       "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM",
+                       "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
 ONE_MESSAGE = ("architecture 'PhiForCausalLM' is not supported; supported: "
                f"{', '.join(SUPPORTED)}; an architecture without an m2nkit table is planned from "
                "vLLM's own weight loaders: --layout traced (needs vLLM installed)")

@@ -161,12 +161,17 @@ def test_split_the_model_cannot_take_names_the_value():
     (["--trainer", "megatron:tp=2,pp=2", "--receiver", "vllm"],
      "--trainer megatron:... runs with --receiver stand-in only"),
     (["--trainer", "megatron:tp=2,vpp=2"], "vpp > 1 needs pp > 1"),
+    (["--trainer", "megatron:tp=2", "--model", "tiny-qwen3-vl"],
+     "Qwen3-VL: Megatron-Bridge 0.6.2 builds its vision tower with TransformerEngine only"),
+    (["--trainer", "bridge:tp=2,ep=2", "--model", "tiny-qwen3-vl-moe"],
+     "Qwen3-VL: Megatron-Bridge 0.6.2 builds its vision tower with TransformerEngine only"),
 ])
 def test_megatron_demo_refuses_in_one_line(capsys, extra, match):
     """``m2nkit demo --trainer megatron:...`` refuses before starting anything: exit 2, one line."""
     from m2nkit.engine.tools.cli import main
 
-    code = main(["demo", "--model", "tiny-qwen3", "--inference", "vllm:tp=2", *extra])
+    model = [] if "--model" in extra else ["--model", "tiny-qwen3"]
+    code = main(["demo", *model, "--inference", "vllm:tp=2", *extra])
     err = capsys.readouterr().err.strip()
     assert code == 2, err
     assert match in err and len(err.splitlines()) == 1, err

@@ -69,7 +69,7 @@ def dump_source(c: Layout, rank: int, out: Path, export: bool = False) -> None:
     names = [(sorted(e.megatron), e.rule.name, e.wires, e.norm, e.buffer) for e in src.names]
     payload = {"manifest": manifest_to_json(src.metadata, dist.get_world_size()),
                "locals": local, "names": names, "names_from": src.names_from,
-               "module_names": src.module_names}
+               "module_names": src.module_names, "left_out": list(src.left_out)}
     if export:
         from m2nkit.engine.tools.demo_bridge import exported_tensors
 
