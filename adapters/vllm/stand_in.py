@@ -119,9 +119,35 @@ def worker_config(model_dir: str, spec: Any, worker: int, *, quantization: str |
                               expert_placement_strategy=spec.placement,
                               all2all_backend=spec.all2all)
     extra.setdefault("load_config", LoadConfig(load_format="safetensors"))
+    if getattr(model_config, "use_mla", False) and "attention_config" not in extra:
+        extra["attention_config"] = _reference_cpu_mla()
     return VllmConfig(model_config=model_config, parallel_config=parallel,
                       device_config=DeviceConfig(device="cpu"), **extra)
 
+
+
+def _reference_cpu_mla() -> Any:
+    """vLLM's reference CPU MLA backend, asked for by name (``AttentionConfig.backend``).
+
+    On an x86 host with AMX tiles, ``CpuPlatform.get_attn_backend_cls``
+    (``vllm/platforms/cpu.py``, vLLM 0.33.0) picks ``AMX_MLA`` "unless
+    CPU_MLA was explicitly requested"; ``AMX_MLA``'s post-load step
+    (``v1/attention/backends/mla/amx_mla.py``, ``process_weights_after_loading``)
+    packs ``W_UK``/``W_UV`` with ``torch.ops._C.convert_weight_packed``, an op
+    of vLLM's CPU build that the CUDA wheel installed here lacks, so a
+    DeepSeek-V3 model could not be post-processed on such a host (it is on
+    this one). ``CPU_MLA`` is vLLM's own pure-torch path. Attention backends
+    own no parameters: the parameters, their loaders and the layout stay
+    vLLM's. What a backend derives after loading differs between them
+    (``CPU_MLA`` keeps ``W_UK_T``/``W_UV``, ``AMX_MLA`` packed copies), so a
+    live model and the fresh load it is compared with are both built here.
+    Set only for MLA models (``ModelConfig.use_mla``) and only when the
+    caller gives no ``attention_config``.
+    """
+    from vllm.config import AttentionConfig
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    return AttentionConfig(backend=AttentionBackendEnum.CPU_MLA)
 
 
 class _NoWorkspace:
