@@ -39,3 +39,15 @@ def fill_worker(layout, wire, worker):
                     store[b.param].dtype)
                 count[b.param][dst] += 1
     return store, count
+
+
+def megatron_fused_qkv(q, k, v, ng, gate=None):
+    """Megatron's full ``linear_qkv`` built from HF's q, k, v ``[rows, H]``: per query
+    group ``[q_g; (gate_g;) k_g; v_g]`` (megatron-core ``transformer/attention.py``)."""
+    import torch
+
+    parts = [q.view(ng, -1, q.shape[1])]
+    if gate is not None:
+        parts.append(gate.view(ng, -1, q.shape[1]))
+    parts += [k.view(ng, -1, k.shape[1]), v.view(ng, -1, v.shape[1])]
+    return torch.cat(parts, dim=1).reshape(-1, q.shape[1])

@@ -14,20 +14,13 @@ import time
 import pytest
 import torch
 
+from _layouts import megatron_fused_qkv as _fused_qkv
+
 from m2nkit.adapters.megatron.layout import (MegatronLayoutError, MegatronParallel,
                                              fc1_row_runs, local_expert_range, padded_vocab_size,
                                              qkv_row_runs, stage_layers, vocab_rows)
 
 EXAMPLES = "examples/configs"
-
-
-def _fused_qkv(q, k, v, ng, gate=None):
-    """Megatron's full linear_qkv: per group [q_g; (gate_g;) k_g; v_g] (attention.py)."""
-    parts = [q.view(ng, -1, q.shape[1])]
-    if gate is not None:
-        parts.append(gate.view(ng, -1, q.shape[1]))
-    parts += [k.view(ng, -1, k.shape[1]), v.view(ng, -1, v.shape[1])]
-    return torch.cat(parts, dim=1).reshape(-1, q.shape[1])
 
 
 @pytest.mark.parametrize("nh,ng,hd,tp,gate", [(8, 2, 4, 2, False), (8, 2, 4, 4, False),

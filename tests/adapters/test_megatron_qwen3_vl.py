@@ -22,7 +22,7 @@ import json
 import pytest
 import torch
 
-from tests.adapters.test_megatron_layout import _fused_qkv
+from _layouts import megatron_fused_qkv as _fused_qkv
 
 DENSE, MOE = "tiny-qwen3-vl", "tiny-qwen3-vl-moe"
 
