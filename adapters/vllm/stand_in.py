@@ -135,7 +135,7 @@ def _reference_cpu_mla() -> Any:
     (``v1/attention/backends/mla/amx_mla.py``, ``process_weights_after_loading``)
     packs ``W_UK``/``W_UV`` with ``torch.ops._C.convert_weight_packed``, an op
     of vLLM's CPU build that the CUDA wheel installed here lacks, so a
-    DeepSeek-V3 model could not be post-processed on such a host (it is on
+    MLA model could not be post-processed on such a host (it is on
     this one). ``CPU_MLA`` is vLLM's own pure-torch path. Attention backends
     own no parameters: the parameters, their loaders and the layout stay
     vLLM's. What a backend derives after loading differs between them
