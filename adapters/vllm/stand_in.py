@@ -134,7 +134,7 @@ def _reference_cpu_mla() -> Any:
     CPU_MLA was explicitly requested"; ``AMX_MLA``'s post-load step
     (``v1/attention/backends/mla/amx_mla.py``, ``process_weights_after_loading``)
     packs ``W_UK``/``W_UV`` with ``torch.ops._C.convert_weight_packed``, an op
-    of vLLM's CPU build that the CUDA wheel installed here lacks, so a
+    of vLLM's CPU build that the CUDA wheel installed here lacks, so an
     MLA model could not be post-processed on such a host (it is on
     this one). ``CPU_MLA`` is vLLM's own pure-torch path. Attention backends
     own no parameters: the parameters, their loaders and the layout stay
