@@ -1,0 +1,93 @@
+"""m2nkit's SGLang layout equals SGLang 0.5.23's own loading, bit for bit.
+
+The reference is SGLang itself: ``sglang_oracle.py`` runs under
+``.venv-sglang`` (``scripts/setup.sh``; SGLang's stack cannot share .venv, see
+``docs/sglang.md``) and builds SGLang's real model classes at tp 2 and 4 over
+real gloo groups (SGLang's own parallel state), runs SGLang's own
+``load_weights`` on the tiny ``save_pretrained`` checkpoints of
+``tests/data/oracle`` and dumps every rank's parameters (NaN where SGLang
+wrote nothing). Each worker filled through the bindings of
+``sglang_destination_layout`` from the same checkpoint must equal that dump:
+names, shapes, dtypes, aliases and every byte.
+
+Covered: Qwen3 dense (8 query / 2 KV heads: KV heads < tp at tp 4, replicated
+by SGLang's ``QKVParallelLinear``), the tied Qwen3 (``lm_head`` an alias of
+the embedding), Qwen3-MoE with EP (tp 2 and 4) and with tensor-sharded
+experts (tp 2). DeepSeek-V3 is not: SGLang's CPU rotary embedding
+(``layers/rotary_embedding/factory.py`` ``get_rope_cpu``) asserts a
+``rope_scaling`` the tiny config has not (docs/sglang.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from _oracle import DATA, _model, _oracle, assert_layout_equals_dumps
+from _paths import REPO
+
+pytestmark = pytest.mark.integration
+
+PYTHON = REPO / ".venv-sglang" / "bin" / "python"
+ORACLE_SCRIPT = REPO / "tests" / "integration" / "sglang_oracle.py"
+
+#: (tp, ep) -> the tests/data/oracle models SGLang loads in that layout (one run each)
+RUNS = {
+    (2, False): ("tiny-qwen3", "tiny-qwen3-tied", "tiny-qwen3-moe"),
+    (2, True): ("tiny-qwen3-moe",),
+    (4, False): ("tiny-qwen3", "tiny-qwen3-tied"),
+    (4, True): ("tiny-qwen3-moe",),
+}
+CASES = [pytest.param(m, tp, ep, id=f"{m}-tp{tp}" + ("-ep" if ep else ""))
+         for (tp, ep), models in RUNS.items() for m in models]
+
+
+@pytest.fixture(scope="module")
+def sglang_dumps(tmp_path_factory):
+    """Run SGLang's loaders once per layout; the folder of their dumps."""
+    if not PYTHON.exists():
+        pytest.fail(f"{PYTHON} is missing: scripts/setup.sh installs SGLang's stack there")
+    out = tmp_path_factory.mktemp("sglang_dumps")
+    env = {**os.environ, "PYTHONPATH": ""}
+    for (tp, ep), models in RUNS.items():
+        cmd = [str(PYTHON), str(ORACLE_SCRIPT), "--tp", str(tp), *(["--ep"] if ep else []),
+               "--out", str(out), *(f"{m}={DATA / m / 'checkpoint'}" for m in models)]
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, f"SGLang's loaders failed (tp={tp} ep={ep}):\n{r.stderr[-4000:]}"
+    return out
+
+
+def _metas(wire):
+    from m2nkit.manifest import ParamMeta
+
+    return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in wire.items()]
+
+
+@pytest.mark.parametrize("model,tp,ep", CASES)
+def test_layout_equals_sglang_loaders(sglang_dumps, model, tp, ep):
+    from m2nkit.adapters.sglang import SGLangSpec, sglang_destination_layout
+
+    config, _, wire = _model(model)
+    _, meta = _oracle(model, tp, ep, 0, root=sglang_dumps)
+    assert meta["sglang_version"] == "0.5.23" and int(meta["tp_size"]) == tp
+    assert int(meta["ep_size"]) == (tp if ep else 1)
+    layout = sglang_destination_layout(config, _metas(wire), SGLangSpec(tp, 1, ep))
+    assert layout.spec == f"sglang:tp={tp},dp=1" + (",ep" if ep else "")
+    assert not layout.unknown
+    assert_layout_equals_dumps(layout, wire, model, tp, ep, "linear", "auto", "SGLang ",
+                               root=sglang_dumps)
+
+
+def test_sglang_moe_names_differ_from_vllm(sglang_dumps):
+    """The one naming rule (``rules.NAMES``) is needed: SGLang's and vLLM's expert names differ."""
+    sglang, meta = _oracle("tiny-qwen3-moe", 2, True, 0, root=sglang_dumps)
+    vllm, _ = _oracle("tiny-qwen3-moe", 2, True, 0)
+    prefix = "model.layers.0.mlp.experts."
+    assert {prefix + "w13_weight", prefix + "w2_weight"} <= set(sglang)
+    assert prefix + "routed_experts.w13_weight" in vllm and prefix + "gate.weight" in vllm
+    assert not any(n.startswith(prefix + "routed_experts") or n == prefix + "gate.weight"
+                   for n in sglang)
+    assert json.loads(meta["aliases"]) == {}
