@@ -13,7 +13,7 @@ from typing import Any
 from m2nkit.manifest import ParamMeta
 from m2nkit.manifest.destination import Binding, DestinationLayout, DestinationParam
 
-from . import rules
+from .rules import NAMES, check_architecture, replica_spec, sglang_dtype
 from .spec import SGLangSpec, parse_sglang_spec
 
 __all__ = ["sglang_destination_layout"]
@@ -45,10 +45,13 @@ def sglang_destination_layout(config: Any, wire: Sequence[ParamMeta],
     from m2nkit.adapters.vllm.destination import destination_layout
 
     spec = parse_sglang_spec(spec)
-    rules.check_architecture(architecture_name(config))
-    dtype, dtype_note = rules.sglang_dtype(config, spec.dtype)
-    one = destination_layout(config, wire, rules.replica_spec(spec.tp, spec.ep, dtype),
-                             vllm_version=rules.NAMES)
+    check_architecture(architecture_name(config))
+    dtype, dtype_note = sglang_dtype(config, spec.dtype)
+    replica = replica_spec(spec.tp, spec.ep, dtype)
+    try:
+        one = destination_layout(config, wire, replica, vllm_version=NAMES)
+    except ValueError as e:   # the tables name the spec they were asked for: name SGLang's
+        raise ValueError(str(e).replace(str(replica), str(spec))) from None
     tp = spec.tp
     params = tuple(DestinationParam(k * tp + p.worker, p.name, p.dtype, p.shape, p.zero_boxes)
                    for k in range(spec.dp) for p in one.params)

@@ -45,19 +45,33 @@ CASES = [pytest.param(m, tp, ep, id=f"{m}-tp{tp}" + ("-ep" if ep else ""))
          for (tp, ep), models in RUNS.items() for m in models]
 
 
+#: (tp, ep) -> the folder SGLang's dumps of that run went to
+_DONE: dict = {}
+
+
 @pytest.fixture(scope="module")
-def sglang_dumps(tmp_path_factory):
-    """Run SGLang's loaders once per layout; the folder of their dumps."""
+def dump_root(tmp_path_factory):
     if not PYTHON.exists():
-        pytest.fail(f"{PYTHON} is missing: scripts/setup.sh installs SGLang's stack there")
-    out = tmp_path_factory.mktemp("sglang_dumps")
-    env = {**os.environ, "PYTHONPATH": ""}
-    for (tp, ep), models in RUNS.items():
+        pytest.fail(f"{PYTHON} is missing: scripts/setup.sh installs SGLang's stack there "
+                    "(scripts/side_sglang.sh)")
+    return tmp_path_factory.mktemp("sglang_dumps")
+
+
+def sglang_dumps(root, tp: int, ep: bool):
+    """Run SGLang's loaders for every model of ``RUNS[(tp, ep)]`` once; the dumps' folder.
+
+    One run is one ``sglang_oracle.py`` process and its ``tp`` spawned ranks
+    (about 25 s on an idle 2-core machine, mostly importing SGLang); its
+    deadline kills it, and a failure shows SGLang's stderr.
+    """
+    if (tp, ep) not in _DONE:
         cmd = [str(PYTHON), str(ORACLE_SCRIPT), "--tp", str(tp), *(["--ep"] if ep else []),
-               "--out", str(out), *(f"{m}={DATA / m / 'checkpoint'}" for m in models)]
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+               "--out", str(root), *(f"{m}={DATA / m / 'checkpoint'}" for m in RUNS[(tp, ep)])]
+        r = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": ""}, capture_output=True,
+                           text=True, timeout=400)
         assert r.returncode == 0, f"SGLang's loaders failed (tp={tp} ep={ep}):\n{r.stderr[-4000:]}"
-    return out
+        _DONE[(tp, ep)] = root
+    return _DONE[(tp, ep)]
 
 
 def _metas(wire):
@@ -66,24 +80,27 @@ def _metas(wire):
     return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in wire.items()]
 
 
+@pytest.mark.timeout(480)
 @pytest.mark.parametrize("model,tp,ep", CASES)
-def test_layout_equals_sglang_loaders(sglang_dumps, model, tp, ep):
+def test_layout_equals_sglang_loaders(dump_root, model, tp, ep):
     from m2nkit.adapters.sglang import SGLangSpec, sglang_destination_layout
 
     config, _, wire = _model(model)
-    _, meta = _oracle(model, tp, ep, 0, root=sglang_dumps)
+    root = sglang_dumps(dump_root, tp, ep)
+    _, meta = _oracle(model, tp, ep, 0, root=root)
     assert meta["sglang_version"] == "0.5.23" and int(meta["tp_size"]) == tp
     assert int(meta["ep_size"]) == (tp if ep else 1)
     layout = sglang_destination_layout(config, _metas(wire), SGLangSpec(tp, 1, ep))
     assert layout.spec == f"sglang:tp={tp},dp=1" + (",ep" if ep else "")
     assert not layout.unknown
     assert_layout_equals_dumps(layout, wire, model, tp, ep, "linear", "auto", "SGLang ",
-                               root=sglang_dumps)
+                               root=root)
 
 
-def test_sglang_moe_names_differ_from_vllm(sglang_dumps):
+@pytest.mark.timeout(480)
+def test_sglang_moe_names_differ_from_vllm(dump_root):
     """The one naming rule (``rules.NAMES``) is needed: SGLang's and vLLM's expert names differ."""
-    sglang, meta = _oracle("tiny-qwen3-moe", 2, True, 0, root=sglang_dumps)
+    sglang, meta = _oracle("tiny-qwen3-moe", 2, True, 0, root=sglang_dumps(dump_root, 2, True))
     vllm, _ = _oracle("tiny-qwen3-moe", 2, True, 0)
     prefix = "model.layers.0.mlp.experts."
     assert {prefix + "w13_weight", prefix + "w2_weight"} <= set(sglang)
