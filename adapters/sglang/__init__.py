@@ -8,7 +8,8 @@ differs, each named in ``rules.py`` with the SGLang source it restates:
 
 * ``spec.py``: the spec ``sglang:tp=T[,dp=D][,ep][,dtype=X]``;
 * ``rules.py``: SGLang's names (experts, no router alias), its ``auto``
-  dtype, EP inside one replica, and the architectures checked against
+  dtype, DeepSeek-V3's fused q_a/kv_a name, one alias (a tied lm_head), EP
+  inside one replica, and the architectures checked against
   SGLang's own loaders;
 * ``destination.py``: ``sglang_destination_layout``, a config + a spec ->
   the ``DestinationLayout`` the planner takes.

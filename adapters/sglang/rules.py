@@ -8,6 +8,8 @@ vocab padding and KV-head replication equal vLLM's, proven bit for bit by
 cites the SGLang source it restates (paths under ``sglang/srt/``).
 
 * ``NAMES``: the experts and the router (``expert_names``);
+* ``rename``: DeepSeek-V3's fused ``q_a`` + ``kv_a`` projection (``renames``);
+* ``keeps_alias``: only the tied embedding is an alias (``aliases``);
 * ``sglang_dtype``: SGLang's ``--dtype auto``;
 * ``replica_spec``: one replica per SGLang engine (DP without DP attention),
   MoE split (EP or TP) inside the replica only.
@@ -18,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["NAMES", "SGLANG_VERSION", "SGLANG_ARCHITECTURES", "sglang_dtype", "replica_spec",
-           "check_architecture"]
+__all__ = ["NAMES", "SGLANG_VERSION", "SGLANG_ARCHITECTURES", "RENAMES", "rename", "keeps_alias",
+           "sglang_dtype", "replica_spec", "check_architecture"]
 
 SGLANG_VERSION = "0.5.23"
 
@@ -33,20 +35,53 @@ NAMES = f"sglang-{SGLANG_VERSION}"
 
 #: Architectures whose layout was compared with SGLang's own loaders (the test above);
 #: others are refused rather than assumed to follow vLLM.
-SGLANG_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+SGLANG_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM")
+
+#: Rule ``renames``: architecture -> (vLLM parameter-name ending, SGLang's). DeepSeek-V3:
+#: ``models/deepseek_v2.py`` ``DeepseekV2AttentionMLA.__init__`` holds the fused
+#: ``q_a_proj`` + ``kv_a_proj_with_mqa`` rows (same order and bytes as vLLM's
+#: ``fused_qkv_a_proj``) as ``fused_qkv_a_proj_with_mqa``, when ``q_lora_rank`` is set.
+RENAMES: dict[str, tuple[tuple[str, str], ...]] = {
+    "DeepseekV3ForCausalLM": ((".self_attn.fused_qkv_a_proj.weight",
+                               ".self_attn.fused_qkv_a_proj_with_mqa.weight"),),
+}
 
 
-def check_architecture(architecture: str | None) -> None:
-    """Refuse an architecture not checked against SGLang's loaders.
+def rename(architecture: str | None, name: str) -> str:
+    """SGLang's name of the vLLM parameter ``name`` (rule ``renames``)."""
+    for old, new in RENAMES.get(architecture, ()):
+        if name.endswith(old):
+            return name[: -len(old)] + new
+    return name
+
+
+def keeps_alias(alias: str, target: str) -> bool:
+    """Rule ``aliases``: SGLang registers each module once, so of vLLM's aliases only the
+    tied output embedding stays (``models/qwen3.py`` ``Qwen3ForCausalLM.__init__``:
+    ``self.lm_head = self.model.embed_tokens`` when ``tie_word_embeddings``). vLLM 0.33.0's
+    others (the MLA wrapper's ``mla_attn.*``, ``experts._shared_experts._layer.*``,
+    ``experts.gate.*`` in ``models/deepseek_v2.py``) have no SGLang counterpart."""
+    return alias == "lm_head.weight" and target == "model.embed_tokens.weight"
+
+
+def check_architecture(architecture: str | None, config: Any = None) -> None:
+    """Refuse an architecture (or a DeepSeek-V3 variant) not checked against SGLang's loaders.
 
     Raises:
-        ValueError: names it and lists ``SGLANG_ARCHITECTURES``.
+        ValueError: names it and lists ``SGLANG_ARCHITECTURES``; a DeepSeek-V3
+            config without ``q_lora_rank`` (SGLang then keeps ``q_proj`` and
+            ``kv_a_proj_with_mqa`` apart, not checked here).
     """
     if architecture not in SGLANG_ARCHITECTURES:
         raise ValueError(
             f"architecture {architecture!r}: m2nkit's SGLang {SGLANG_VERSION} layout is checked "
             f"against SGLang's own loaders for {', '.join(SGLANG_ARCHITECTURES)} only "
             "(docs/sglang.md)")
+    q_lora = (config.get("q_lora_rank") if isinstance(config, Mapping)
+              else getattr(config, "q_lora_rank", None)) if config is not None else 0
+    if architecture == "DeepseekV3ForCausalLM" and q_lora is None:
+        raise ValueError("DeepseekV3ForCausalLM without q_lora_rank: SGLang's layout for it "
+                         "is not checked against SGLang's loaders (docs/sglang.md)")
 
 
 def _config_dtype(config: Any) -> str | None:

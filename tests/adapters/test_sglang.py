@@ -62,18 +62,22 @@ def test_auto_dtype_is_sglangs_rule():
 
 
 def _renamed_vllm(model, tp, ep, rank):
-    """A real vLLM 0.33.0 dump under SGLang's names (rules.NAMES), router alias dropped."""
+    """A real vLLM 0.33.0 dump under the names SGLang 0.5.23's own dumps showed
+    (tests/integration/test_sglang_layout.py): experts on ``mlp.experts``, DeepSeek-V3's
+    ``fused_qkv_a_proj_with_mqa``, and no alias but the tied ``lm_head``."""
     dump, meta = _oracle(model, tp, ep, rank)
     aliases = json.loads(meta["aliases"])
-    out = {n.replace(".experts.routed_experts.", ".experts."): t for n, t in dump.items()
-           if n not in aliases or not n.endswith(".experts.gate.weight")}
-    kept = {a: c for a, c in aliases.items() if not a.endswith(".experts.gate.weight")}
+    kept = {a: c for a, c in aliases.items() if a == "lm_head.weight"}
+    out = {n.replace(".experts.routed_experts.", ".experts.")
+            .replace(".fused_qkv_a_proj.", ".fused_qkv_a_proj_with_mqa."): t
+           for n, t in dump.items() if n not in aliases or n in kept}
     return out, {**meta, "aliases": json.dumps(kept)}
 
 
 @pytest.mark.parametrize("model,tp,ep", [("tiny-qwen3", 2, False), ("tiny-qwen3-tied", 2, False),
                                          ("tiny-qwen3-moe", 2, True), ("tiny-qwen3-moe", 4, True),
-                                         ("tiny-qwen3-moe", 2, False)])
+                                         ("tiny-qwen3-moe", 2, False),
+                                         ("tiny-deepseek-v3", 2, True)])
 def test_layout_is_vllms_dump_with_sglangs_names(model, tp, ep, tmp_path):
     from safetensors.torch import save_file
 
@@ -112,6 +116,9 @@ def test_each_replica_holds_replica_zero():
 def test_refuses_unchecked_architecture():
     config, _, wire = _model("tiny-llama")
     with pytest.raises(ValueError, match="LlamaForCausalLM.*Qwen3ForCausalLM"):
+        sglang_destination_layout(config, _metas(wire), "sglang:tp=2")
+    config, _, wire = _model("tiny-deepseek-v3-no-q-lora")
+    with pytest.raises(ValueError, match="without q_lora_rank"):
         sglang_destination_layout(config, _metas(wire), "sglang:tp=2")
 
 

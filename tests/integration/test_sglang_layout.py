@@ -13,9 +13,8 @@ names, shapes, dtypes, aliases and every byte.
 Covered: Qwen3 dense (8 query / 2 KV heads: KV heads < tp at tp 4, replicated
 by SGLang's ``QKVParallelLinear``), the tied Qwen3 (``lm_head`` an alias of
 the embedding), Qwen3-MoE with EP (tp 2 and 4) and with tensor-sharded
-experts (tp 2). DeepSeek-V3 is not: SGLang's CPU rotary embedding
-(``layers/rotary_embedding/factory.py`` ``get_rope_cpu``) asserts a
-``rope_scaling`` the tiny config has not (docs/sglang.md).
+experts (tp 2), DeepSeek-V3 (MLA with q_lora; 8 experts in 2 groups, a shared
+expert, a dense first layer) at tp 2 with and without EP.
 """
 
 from __future__ import annotations
@@ -36,8 +35,8 @@ ORACLE_SCRIPT = REPO / "tests" / "integration" / "sglang_oracle.py"
 
 #: (tp, ep) -> the tests/data/oracle models SGLang loads in that layout (one run each)
 RUNS = {
-    (2, False): ("tiny-qwen3", "tiny-qwen3-tied", "tiny-qwen3-moe"),
-    (2, True): ("tiny-qwen3-moe",),
+    (2, False): ("tiny-qwen3", "tiny-qwen3-tied", "tiny-qwen3-moe", "tiny-deepseek-v3"),
+    (2, True): ("tiny-qwen3-moe", "tiny-deepseek-v3"),
     (4, False): ("tiny-qwen3", "tiny-qwen3-tied"),
     (4, True): ("tiny-qwen3-moe",),
 }
@@ -47,6 +46,35 @@ CASES = [pytest.param(m, tp, ep, id=f"{m}-tp{tp}" + ("-ep" if ep else ""))
 
 #: (tp, ep) -> the folder SGLang's dumps of that run went to
 _DONE: dict = {}
+
+
+#: Config keys SGLang 0.5.23 reads on CPU that the tiny DeepSeek-V3 config lacks (the real
+#: DeepSeek-V3 config.json has both; neither changes a weight): its CPU rotary embedding
+#: asserts a ``rope_scaling`` (``layers/rotary_embedding/factory.py`` ``get_rope_cpu``), and
+#: ``models/deepseek_v2.py`` ``DeepseekV2DecoderLayer`` reads ``moe_layer_freq``.
+DEEPSEEK_CPU_KEYS = {
+    "rope_scaling": {"type": "yarn", "rope_type": "yarn", "factor": 4.0,
+                     "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
+                     "mscale": 1.0, "mscale_all_dim": 1.0},
+    "moe_layer_freq": 1,
+}
+
+
+def _checkpoint(model: str, root) -> str:
+    """The checkpoint SGLang loads for ``model``: tests/data/oracle's, the same weights."""
+    src = DATA / model / "checkpoint"
+    if model != "tiny-deepseek-v3":
+        return str(src)
+    out = root / "checkpoints" / model
+    if not out.exists():
+        out.mkdir(parents=True)
+        config = json.loads((src / "config.json").read_text())
+        config.update(DEEPSEEK_CPU_KEYS)
+        config["rope_parameters"] = {**config.get("rope_parameters", {}),
+                                     **DEEPSEEK_CPU_KEYS["rope_scaling"]}
+        (out / "config.json").write_text(json.dumps(config))
+        (out / "model.safetensors").symlink_to(src / "model.safetensors")
+    return str(out)
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +94,7 @@ def sglang_dumps(root, tp: int, ep: bool):
     """
     if (tp, ep) not in _DONE:
         cmd = [str(PYTHON), str(ORACLE_SCRIPT), "--tp", str(tp), *(["--ep"] if ep else []),
-               "--out", str(root), *(f"{m}={DATA / m / 'checkpoint'}" for m in RUNS[(tp, ep)])]
+               "--out", str(root), *(f"{m}={_checkpoint(m, root)}" for m in RUNS[(tp, ep)])]
         r = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": ""}, capture_output=True,
                            text=True, timeout=400)
         assert r.returncode == 0, f"SGLang's loaders failed (tp={tp} ep={ep}):\n{r.stderr[-4000:]}"
