@@ -35,7 +35,8 @@ NAMES = f"sglang-{SGLANG_VERSION}"
 
 #: Architectures whose layout was compared with SGLang's own loaders (the test above);
 #: others are refused rather than assumed to follow vLLM.
-SGLANG_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM")
+SGLANG_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                        "Qwen3MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM")
 
 #: Rule ``renames``: architecture -> (vLLM parameter-name ending, SGLang's). DeepSeek-V3:
 #: ``models/deepseek_v2.py`` ``DeepseekV2AttentionMLA.__init__`` holds the fused

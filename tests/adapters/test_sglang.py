@@ -77,7 +77,7 @@ def _renamed_vllm(model, tp, ep, rank):
 @pytest.mark.parametrize("model,tp,ep", [("tiny-qwen3", 2, False), ("tiny-qwen3-tied", 2, False),
                                          ("tiny-qwen3-moe", 2, True), ("tiny-qwen3-moe", 4, True),
                                          ("tiny-qwen3-moe", 2, False),
-                                         ("tiny-deepseek-v3", 2, True)])
+                                         ("tiny-deepseek-v3", 2, True), ("tiny-mixtral", 2, True)])
 def test_layout_is_vllms_dump_with_sglangs_names(model, tp, ep, tmp_path):
     from safetensors.torch import save_file
 
@@ -114,8 +114,8 @@ def test_each_replica_holds_replica_zero():
 
 
 def test_refuses_unchecked_architecture():
-    config, _, wire = _model("tiny-llama")
-    with pytest.raises(ValueError, match="LlamaForCausalLM.*Qwen3ForCausalLM"):
+    config, _, wire = _model("tiny-gemma2")
+    with pytest.raises(ValueError, match="Gemma2ForCausalLM.*Qwen3ForCausalLM"):
         sglang_destination_layout(config, _metas(wire), "sglang:tp=2")
     config, _, wire = _model("tiny-deepseek-v3-no-q-lora")
     with pytest.raises(ValueError, match="without q_lora_rank"):

@@ -14,7 +14,8 @@ Covered: Qwen3 dense (8 query / 2 KV heads: KV heads < tp at tp 4, replicated
 by SGLang's ``QKVParallelLinear``), the tied Qwen3 (``lm_head`` an alias of
 the embedding), Qwen3-MoE with EP (tp 2 and 4) and with tensor-sharded
 experts (tp 2), DeepSeek-V3 (MLA with q_lora; 8 experts in 2 groups, a shared
-expert, a dense first layer) at tp 2 with and without EP.
+expert, a dense first layer) at tp 2 with and without EP, and Llama, Qwen2 and
+Mixtral (EP or not) at tp 2.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ ORACLE_SCRIPT = REPO / "tests" / "integration" / "sglang_oracle.py"
 
 #: (tp, ep) -> the tests/data/oracle models SGLang loads in that layout (one run each)
 RUNS = {
-    (2, False): ("tiny-qwen3", "tiny-qwen3-tied", "tiny-qwen3-moe", "tiny-deepseek-v3"),
-    (2, True): ("tiny-qwen3-moe", "tiny-deepseek-v3"),
+    (2, False): ("tiny-qwen3", "tiny-qwen3-tied", "tiny-qwen3-moe", "tiny-deepseek-v3",
+                 "tiny-llama", "tiny-qwen2", "tiny-mixtral"),
+    (2, True): ("tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-mixtral"),
     (4, False): ("tiny-qwen3", "tiny-qwen3-tied"),
     (4, True): ("tiny-qwen3-moe",),
 }
