@@ -3,7 +3,8 @@
 # the integration tests run against: vLLM 0.33.0 (its model classes and
 # weight-transfer clients, on CPU), megatron-core 0.19.2, megatron-bridge
 # 0.6.2 and Ray. Idempotent; a second run only checks.
-#   scripts/setup.sh          everything (what CI and the README use)
+#   scripts/setup.sh          everything (what CI and the README use), and
+#                             .venv-sglang (SGLang 0.5.23: scripts/side_sglang.sh)
 #   scripts/setup.sh --core   m2nkit and its test tools only
 # One venv serves all three stacks: transformers is pinned to 5.12.1, the
 # newest Megatron-Bridge 0.6.2 accepts; vLLM 0.33.0 declares >=5.16.1 but
@@ -25,3 +26,5 @@ PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check -c constrain
 "${PIP[@]}" --no-deps --ignore-requires-python --no-binary megatron-core \
     megatron-core==0.19.2 megatron-bridge==0.6.2
 .venv/bin/python scripts/patch_stacks.py
+# SGLang 0.5.23 in an environment of its own on top of .venv (.venv-sglang; why: the script)
+./scripts/side_sglang.sh

@@ -103,8 +103,8 @@ def _model(model: str):
 
 
 def _oracle(model: str, tp: int, ep: bool, rank: int, placement: str = "linear",
-            dtype: str = "auto"):
-    path = DATA / model / _layout_dir(tp, ep, placement, dtype) / f"rank{rank}.safetensors"
+            dtype: str = "auto", root=None):
+    path = (DATA if root is None else root) / model / _layout_dir(tp, ep, placement, dtype) / f"rank{rank}.safetensors"
     with safe_open(str(path), "pt") as f:
         meta = f.metadata()
     return load_file(str(path)), meta
@@ -123,15 +123,17 @@ def _same(ours: torch.Tensor, vllm: torch.Tensor, what: str) -> None:
 
 
 def assert_layout_equals_dumps(layout, wire, model: str, tp: int, ep: bool, placement: str,
-                               dtype: str, what: str = "") -> None:
+                               dtype: str, what: str = "", root=None) -> None:
     """Every worker filled through ``layout``'s bindings from ``wire`` equals vLLM's dump.
 
     Checks, per rank of the dump: the aliases, the parameter names, that the
     declared zero boxes are zero in vLLM's dump, and every parameter bit for
-    bit (NaN where vLLM wrote nothing must be NaN here too).
+    bit (NaN where vLLM wrote nothing must be NaN here too). ``root``: a
+    folder of dumps in the same format other than ``DATA`` (SGLang's,
+    tests/integration/sglang_oracle.py).
     """
     for rank in range(tp):
-        vllm, meta = _oracle(model, tp, ep, rank, placement, dtype)
+        vllm, meta = _oracle(model, tp, ep, rank, placement, dtype, root)
         assert layout.aliases == json.loads(meta["aliases"])
         store = layout.allocate(rank, fill=float("nan"))
         assert set(store) == set(vllm) - set(layout.aliases)

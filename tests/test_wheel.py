@@ -41,7 +41,7 @@ FOLDERS = {"package": "m2nkit", "manifest": "m2nkit.manifest",
            "adapters": "m2nkit.adapters", "engine": "m2nkit.engine"}
 
 #: not part of a checkout a user builds from; skipped when copying it.
-NOT_SOURCE = {".git", ".venv", ".venv-tf", "venv", "build", "dist", "tests", "out",
+NOT_SOURCE = {".git", ".venv", ".venv-tf", ".venv-sglang", "venv", "build", "dist", "tests", "out",
               ".pytest_cache", ".hypothesis"}
 
 pytestmark = pytest.mark.timeout(180)

@@ -41,6 +41,15 @@ VLLM_NAMES: dict[str, dict[str, str | None]] = {
         "experts": "experts.routed_experts",
         "router_alias": "experts.gate.weight",
     },
+    # Not a vLLM version: SGLang 0.5.23's names for the same placeholders (checked
+    # with its real loaders, tests/integration/test_sglang_layout.py). Its
+    # ``FusedMoE`` holds ``w13_weight``/``w2_weight`` itself
+    # (``sglang/srt/layers/moe/fused_moe_triton/layer.py`` ``FusedMoE.__init__``)
+    # and never re-registers the router. Used by ``m2nkit.adapters.sglang``.
+    "sglang-0.5.23": {
+        "experts": "experts",
+        "router_alias": None,
+    },
 }
 
 DEFAULT_VLLM_VERSION = "0.33.0"

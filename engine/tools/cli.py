@@ -175,7 +175,14 @@ def _precheck(args) -> None:
             .parse_megatron_demo_spec(args.trainer)
         if args.receiver != "stand-in":
             raise UserError("--trainer megatron:... runs with --receiver stand-in only")
-    ispec = importlib.import_module("m2nkit.adapters.vllm.spec").parse_inference_spec(args.inference)
+    if args.command == "plan" and importlib.import_module(
+            "m2nkit.adapters.sglang.spec").is_sglang_spec(args.inference):
+        ispec = importlib.import_module("m2nkit.adapters.sglang.spec").parse_sglang_spec(
+            args.inference)
+        _check_sglang_args(args)
+    else:
+        ispec = importlib.import_module("m2nkit.adapters.vllm.spec").parse_inference_spec(
+            args.inference)
     if args.command == "plan":
         if args.dump is not None and not args.verify:
             raise UserError("--dump writes the storage that --verify fills: add --verify")
@@ -240,14 +247,27 @@ def _build(args):
     from m2nkit.engine.plan import build_plan
     from m2nkit.manifest.serialize import manifest_digest
 
+    from m2nkit.adapters.sglang.spec import is_sglang_spec
+
     tspec = parse_trainer_spec(args.trainer)
-    ispec = parse_inference_spec(args.inference)
+    sglang = is_sglang_spec(args.inference)
+    if sglang:
+        _check_sglang_args(args)
+        from m2nkit.adapters.sglang.spec import parse_sglang_spec
+
+        ispec = parse_sglang_spec(args.inference)
+    else:
+        ispec = parse_inference_spec(args.inference)
     t1 = time.perf_counter()
     ckpt = read_checkpoint(args.checkpoint)
     metas = checkpoint_metas(ckpt, tspec)
     t2 = time.perf_counter()
-    args.layout = resolve_layout(args.layout, ckpt.architecture)
-    if args.layout == "traced":
+    args.layout = "tables" if sglang else resolve_layout(args.layout, ckpt.architecture)
+    if sglang:    # m2nkit's tables with SGLang's rules (m2nkit.adapters.sglang)
+        from m2nkit.adapters.sglang.destination import sglang_destination_layout
+
+        dest = sglang_destination_layout(ckpt.config, metas, ispec)
+    elif args.layout == "traced":
         dest = _traced(ckpt, metas, ispec)
     else:
         dest = destination_layout(ckpt.config, metas, ispec)
@@ -257,8 +277,21 @@ def _build(args):
     digest = manifest_digest(metas, tspec.num_ranks) if args.json or args.dump else ""
     plan = build_plan(metas, tspec.num_ranks, dest, manifest_digest=digest)
     t4 = time.perf_counter()
-    timings = {"imports": t1 - t0, "read": t2 - t1, "vLLM layout": t3 - t2, "plan": t4 - t3}
+    timings = {"imports": t1 - t0, "read": t2 - t1,
+               ("SGLang layout" if sglang else "vLLM layout"): t3 - t2, "plan": t4 - t3}
     return ckpt, tspec, ispec, metas, plan, timings
+
+
+def _check_sglang_args(args) -> None:
+    """What ``m2nkit plan`` does not do for an ``sglang:`` destination yet (docs/sglang.md)."""
+    if args.layout == "traced":
+        raise UserError(f"--inference {args.inference}: --layout traced runs vLLM's loaders; "
+                        "the SGLang layout is m2nkit's tables with SGLang's rules "
+                        "(m2nkit.adapters.sglang), checked against SGLang's loaders by the tests")
+    if args.verify:
+        raise UserError(f"--inference {args.inference}: --verify loads vLLM-style workers; "
+                        "for SGLang the layout is checked against SGLang's own loaders by "
+                        "tests/integration/test_sglang_layout.py (docs/sglang.md)")
 
 
 def _traced(ckpt, metas, ispec):
@@ -617,7 +650,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--inference", required=True,
                       help="vllm:tp=T[,dp=D][,ep][,placement=linear|round_robin][,all2all=B]"
                            "[,dtype=auto|bfloat16|float16|float32]"
-                           "[,quant=fp8_per_block[,wire=bf16|fp8]] (docs/fp8.md)")
+                           "[,quant=fp8_per_block[,wire=bf16|fp8]] (docs/fp8.md), or "
+                           "sglang:tp=T[,dp=D][,ep][,dtype=X] (docs/sglang.md)")
     plan.add_argument("--json", metavar="PATH", help="write the manifest and plan as JSON")
     plan.add_argument("--verify", action="store_true",
                       help="execute in-process on the checkpoint's data and check every worker")

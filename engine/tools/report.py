@@ -92,9 +92,14 @@ def print_summary(console, args, ckpt, metas, plan, timings):
     t.add_row("trainer", f"{args.trainer}: {plan.num_trainer_ranks} ranks")
     t.add_row("inference", f"{args.inference}: {plan.num_workers} workers")
     layout = getattr(args, "layout", "tables")
-    t.add_row("vLLM layout", "traced from vLLM's own weight loaders" if layout == "traced"
-              else "m2nkit's family tables (no vLLM needed)")
-    t.add_row("wire tensors", f"{len(plan.wires)} ({n_skipped} skipped by vLLM), "
+    engine = "SGLang" if plan.destination.spec.startswith("sglang:") else "vLLM"
+    if engine == "SGLang":   # m2nkit.adapters.sglang
+        t.add_row("SGLang layout", "m2nkit's family tables with SGLang 0.5.23's rules "
+                                   "(no SGLang needed)")
+    else:
+        t.add_row("vLLM layout", "traced from vLLM's own weight loaders" if layout == "traced"
+                  else "m2nkit's family tables (no vLLM needed)")
+    t.add_row("wire tensors", f"{len(plan.wires)} ({n_skipped} skipped by {engine}), "
                               f"{fmt_bytes(sum(m.nbytes for m in metas))}")
     t.add_row("slabs", f"{plan.num_slabs:,}")
     ratio = plan.nbytes_moved / plan.nbytes_min if plan.nbytes_min else 1.0

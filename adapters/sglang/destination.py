@@ -1,0 +1,69 @@
+"""``sglang_destination_layout``: what every SGLang 0.5.23 worker holds.
+
+m2nkit's vLLM family tables (``m2nkit.adapters.vllm.destination_layout``)
+with the rules of ``m2nkit.adapters.sglang.rules``: SGLang's names (experts,
+DeepSeek-V3's fused ``q_a``/``kv_a``, aliases), its ``auto`` dtype, and one TP
+group per replica.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from m2nkit.manifest import ParamMeta
+from m2nkit.manifest.destination import Binding, DestinationLayout, DestinationParam
+
+from .rules import NAMES, check_architecture, keeps_alias, rename, replica_spec, sglang_dtype
+from .spec import SGLangSpec, parse_sglang_spec
+
+__all__ = ["sglang_destination_layout"]
+
+
+def sglang_destination_layout(config: Any, wire: Sequence[ParamMeta],
+                              spec: SGLangSpec | str) -> DestinationLayout:
+    """What every SGLang worker holds and where each wire tensor lands.
+
+    Args:
+        config: the HF config (object or ``config.json`` dict).
+        wire: the wire tensors (``ParamMeta``; HF names, experts stacked per
+            layer as for ``m2nkit.adapters.vllm.destination_layout``).
+        spec: ``SGLangSpec`` or ``"sglang:tp=T[,dp=D][,ep][,dtype=X]"``.
+
+    Returns:
+        ``DestinationLayout`` with ``spec`` the canonical SGLang text,
+        ``num_workers = dp * tp`` (dp-major), SGLang's parameter names, local
+        shapes (model dtype by ``rules.sglang_dtype``) and bindings; every
+        replica holds what replica 0 holds.
+
+    Raises:
+        ValueError: a bad spec; an architecture not in
+            ``rules.SGLANG_ARCHITECTURES``; whatever the vLLM tables refuse
+            (a tp the model cannot be split by, a wire shape that disagrees
+            with the config, ...), with their message.
+    """
+    from m2nkit.adapters.families import architecture_name
+    from m2nkit.adapters.vllm.destination import destination_layout
+
+    spec = parse_sglang_spec(spec)
+    arch = architecture_name(config)
+    check_architecture(arch, config)
+    dtype, dtype_note = sglang_dtype(config, spec.dtype)
+    replica = replica_spec(spec.tp, spec.ep, dtype)
+    try:
+        one = destination_layout(config, wire, replica, vllm_version=NAMES)
+    except ValueError as e:   # the tables name the spec they were asked for: name SGLang's
+        raise ValueError(str(e).replace(str(replica), str(spec))) from None
+    tp = spec.tp
+    params = tuple(DestinationParam(k * tp + p.worker, rename(arch, p.name), p.dtype, p.shape,
+                                    p.zero_boxes)
+                   for k in range(spec.dp) for p in one.params)
+    bindings = {n: tuple(Binding(b.name, k * tp + b.worker, b.box, rename(arch, b.param), b.offset)
+                         for k in range(spec.dp) for b in bs)
+                for n, bs in one.bindings.items()}
+    aliases = {rename(arch, a): rename(arch, t) for a, t in one.aliases.items()
+               if keeps_alias(a, t)}
+    notes = ((dtype_note,) if dtype_note else ()) + tuple(one.notes)
+    return DestinationLayout(spec=str(spec), num_workers=spec.num_workers, params=params,
+                             bindings=bindings, skipped=dict(one.skipped),
+                             aliases=aliases, unknown=dict(one.unknown), notes=notes)

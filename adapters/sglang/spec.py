@@ -1,0 +1,142 @@
+"""The SGLang spec: ``sglang:tp=T[,dp=D][,ep][,dtype=X]``.
+
+The sizes are SGLang 0.5.23's server arguments (``sglang/srt/server_args.py``
+``ServerArgs``): ``tp`` is ``--tp-size``, ``dp`` is ``--dp-size`` without
+``--enable-dp-attention`` (separate replicas, each a TP group of its own,
+launched by ``sglang/srt/managers/data_parallel_controller.py``), ``ep`` is
+``--ep-size`` equal to ``--tp-size`` (experts split whole over the TP group
+of one replica) and ``dtype`` is ``--dtype``. Workers are numbered
+dp-major, ``worker = dp_index * tp + tp_rank``. DP attention and an
+``--ep-size`` below ``--tp-size`` are not planned (refused by name).
+
+Checked here without torch, so a typo is refused at once.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+__all__ = ["SGLangSpec", "parse_sglang_spec", "is_sglang_spec", "SPEC_SYNTAX", "DTYPES"]
+
+SPEC_SYNTAX = ("sglang:tp=T[,dp=D][,ep][,dtype=auto|bfloat16|float16|float32] "
+               "(T, D positive ints; e.g. 'sglang:tp=4', 'sglang:tp=2,dp=2,ep')")
+
+#: SGLang 0.5.23 ``--dtype`` values -> the canonical name (``sglang/srt/server_args.py``
+#: ``--dtype`` choices; ``configs/model_config.py`` ``_STR_DTYPE_TO_TORCH_DTYPE``).
+DTYPES = {"auto": "auto", "bfloat16": "bfloat16", "float16": "float16", "half": "float16",
+          "float32": "float32", "float": "float32"}
+
+_INT = re.compile(r"^[0-9]+$")
+#: Largest inference world m2nkit plans for (the vLLM spec's guard).
+MAX_WORKERS = 1 << 14
+
+
+@dataclass(frozen=True)
+class SGLangSpec:
+    """SGLang parallel sizes and dtype.
+
+    Attributes:
+        tp: ``--tp-size`` (one replica's TP group).
+        dp: ``--dp-size`` replicas (no DP attention).
+        ep: ``--ep-size`` = ``tp``: experts split whole over one replica's
+            ``tp`` workers (not over all ``dp * tp``, unlike vLLM).
+        dtype: ``--dtype`` (``auto``: SGLang decides from the config,
+            ``m2nkit.adapters.sglang.rules.sglang_dtype``).
+
+    Raises:
+        ValueError: ``tp``/``dp`` not a positive int, ``ep`` not a bool, or
+            an unknown dtype.
+    """
+
+    tp: int
+    dp: int = 1
+    ep: bool = False
+    dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "dp"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"SGLang spec: {name}={v!r} must be a positive int (>= 1)")
+        if not isinstance(self.ep, bool):
+            raise ValueError(f"SGLang spec: ep={self.ep!r} must be True or False")
+        if self.dtype not in set(DTYPES.values()):
+            raise ValueError(f"SGLang spec: dtype={self.dtype!r} is not one of "
+                             f"{', '.join(dict.fromkeys(DTYPES.values()))}")
+
+    # m2nkit's quantized paths are vLLM's; an SGLang worker gets the model dtype.
+    quant = "none"
+    wire = "bf16"
+
+    @property
+    def num_workers(self) -> int:
+        """``dp * tp``: every worker of every replica."""
+        return self.dp * self.tp
+
+    def __str__(self) -> str:
+        """Canonical text; ``dtype`` left out at ``auto``."""
+        out = f"sglang:tp={self.tp},dp={self.dp}" + (",ep" if self.ep else "")
+        return out + (f",dtype={self.dtype}" if self.dtype != "auto" else "")
+
+
+def is_sglang_spec(text: object) -> bool:
+    """Whether ``text`` is an ``SGLangSpec`` or a spec string naming ``sglang:``."""
+    if isinstance(text, SGLangSpec):
+        return True
+    return isinstance(text, str) and text.strip().lower().startswith("sglang:")
+
+
+def parse_sglang_spec(text: object) -> SGLangSpec:
+    """Parse ``"sglang:tp=T[,dp=D][,ep][,dtype=X]"`` (keys in any order, case-insensitive).
+
+    Raises:
+        ValueError: not a string, another prefix, an empty, repeated or
+            unknown item, a size that is not a positive int, ``ep=N`` other
+            than a flag, more than ``MAX_WORKERS`` workers. The message quotes
+            the offending part and the valid syntax.
+    """
+    if isinstance(text, SGLangSpec):
+        return text
+    if not isinstance(text, str):
+        raise ValueError(f"SGLang spec {text!r} is not a string; expected {SPEC_SYNTAX}")
+    engine, sep, body = text.strip().partition(":")
+    if not sep or engine.strip().lower() != "sglang":
+        raise ValueError(f"inference spec {text!r} must start with 'sglang:'; expected {SPEC_SYNTAX}")
+    values: dict[str, object] = {}
+    for raw in body.split(","):
+        part = raw.strip()
+        if not part:
+            raise ValueError(f"SGLang spec {text!r} has an empty item; expected {SPEC_SYNTAX}")
+        key, eq, value = (x.strip() for x in part.partition("="))
+        key = key.lower()
+        if key in values:
+            raise ValueError(f"SGLang spec {text!r} gives '{key}' twice; expected {SPEC_SYNTAX}")
+        if key in ("tp", "dp"):
+            if not eq or not _INT.match(value) or int(value) <= 0:
+                raise ValueError(f"SGLang spec {text!r}: '{part}' needs a positive int, like "
+                                 f"{key}=2; expected {SPEC_SYNTAX}")
+            values[key] = int(value)
+        elif key == "ep":
+            flag = value.lower() if eq else "true"
+            if flag not in ("1", "0", "true", "false"):
+                raise ValueError(f"SGLang spec {text!r}: '{part}' must be 'ep', 'ep=1' or 'ep=0' "
+                                 "(ep means --ep-size = --tp-size; a smaller --ep-size is "
+                                 "not planned)")
+            values[key] = flag in ("1", "true")
+        elif key == "dtype":
+            if not eq or value.lower() not in DTYPES:
+                raise ValueError(f"SGLang spec {text!r}: '{part}' is not valid; dtype must be "
+                                 f"one of {', '.join(DTYPES)}")
+            values[key] = DTYPES[value.lower()]
+        else:
+            raise ValueError(f"SGLang spec {text!r}: unknown key '{key}'; valid keys are tp, "
+                             "dp, ep, dtype (DP attention and pipeline parallelism are not "
+                             f"planned); expected {SPEC_SYNTAX}")
+    if "tp" not in values:
+        raise ValueError(f"SGLang spec {text!r} has no tp=...; expected {SPEC_SYNTAX}")
+    workers = values["tp"] * values.get("dp", 1)
+    if workers > MAX_WORKERS:
+        raise ValueError(f"SGLang spec {text!r}: tp*dp = {workers} workers is more than m2nkit "
+                         f"plans for ({MAX_WORKERS})")
+    return SGLangSpec(**values)
