@@ -315,6 +315,64 @@ def chain_box(name: str, shape: Sequence[int], ops: Iterable[tuple],
     return tuple((s, s + e) for s, e in zip(start, ext)), cur
 
 
+def rotary_heads(feed: "Feed", ops: Sequence[tuple]) -> tuple[int, int] | None:
+    """``(heads, head_dim)`` when ``ops`` opens with vLLM's rotary reordering of q/k rows.
+
+    vLLM 0.33.0's ``Llama4ForCausalLM.permute_qk_weight_for_rotary``
+    (``model_executor/models/llama4.py``) hands a 2-D q/k weight
+    ``[nh*hd, H]`` on as ``.view(nh, hd/2, 2, H).transpose(1, 2)
+    .reshape(nh*hd, H)``. Exactly that chain, on a whole 2-D wire tensor in
+    its own dim order, with ``hd`` even: anything else (another view, the
+    1-D scale form, a feed that is part of a wire tensor) returns ``None``
+    and :func:`chain_box` refuses it as before. What it does to rows is
+    :func:`rotary_source_row`.
+    """
+    if len(ops) < 3 or len(feed.shape) != 2 or feed.dims != (0, 1) or any(feed.offset):
+        return None
+    (v, vargs, vkw), (t, targs, tkw), (r, rargs, rkw) = ops[:3]
+    rows, cols = feed.shape
+    if v != "view" or t != "transpose" or r != "reshape" or vkw or tkw or rkw:
+        return None
+    shape = tuple(vargs[0]) if len(vargs) == 1 and isinstance(vargs[0], (tuple, list)) \
+        else tuple(vargs)
+    out = tuple(rargs[0]) if len(rargs) == 1 and isinstance(rargs[0], (tuple, list)) \
+        else tuple(rargs)
+    if (len(shape) != 4 or not all(isinstance(x, int) and x > 0 for x in shape)
+            or shape[2] != 2 or shape[3] != cols or shape[0] * shape[1] * 2 != rows
+            or tuple(targs) != (1, 2) or out != (rows, cols)):
+        return None
+    return shape[0], 2 * shape[1]
+
+
+def rotary_source_row(row: int, head_dim: int) -> int:
+    """The wire row that row ``row`` of vLLM's rotary-reordered q/k weight is.
+
+    Row ``h*hd + t*hd/2 + i`` of the reordered tensor is wire row
+    ``h*hd + 2*i + t`` (``t`` in {0, 1}, ``i < hd/2``): within a head, the
+    even wire rows, then the odd ones (``permute_qk_weight_for_rotary``).
+    """
+    h, j = divmod(row, head_dim)
+    t, i = divmod(j, head_dim // 2)
+    return h * head_dim + 2 * i + t
+
+
+def rotary_rows(copy: TracedCopy, heads: int, head_dim: int) -> list[TracedCopy]:
+    """A copy of rows of the rotary-reordered tensor as one copy per wire row.
+
+    ``copy.box`` is in the reordered tensor's rows (:func:`rotary_heads`);
+    each of its rows is one wire row (:func:`rotary_source_row`) landing in
+    one row of ``copy.region``. No two rows adjacent in the reordered
+    tensor are adjacent in the wire within a head, so no fewer boxes carry
+    it; :func:`merge_copies` joins the pairs that are adjacent in both
+    (the last row of a head with the first of the next).
+    """
+    (a, b), cols = copy.box
+    (r, _), rcols = copy.region
+    return [TracedCopy(copy.name, copy.param,
+                       ((w, w + 1), cols), ((r + p - a, r + p - a + 1), rcols))
+            for p in range(a, b) for w in (rotary_source_row(p, head_dim),)]
+
+
 def view_region(param_shape: Sequence[int], offset: int, shape: Sequence[int],
                 stride: Sequence[int]) -> tuple[tuple, list[int]]:
     """Which box of a C-contiguous parameter of ``param_shape`` a strided view covers.
@@ -585,6 +643,9 @@ def trace_worker(model: torch.nn.Module, feeds: Sequence[Feed],
                 continue
             src_name, ops = c.src
             feed = by_name[src_name]
+            rotary = rotary_heads(feed, ops)
+            if rotary is not None:
+                ops = ops[3:]
             box, kept = feed.to_wire(*chain_box(feed.wire.name, feed.shape, ops, feed.dims,
                                                 pname))
             casts = [args[0] for op, args, _ in ops if op == "to"]
@@ -599,7 +660,8 @@ def trace_worker(model: torch.nn.Module, feeds: Sequence[Feed],
             except ValueError as e:
                 raise TraceError(f"wire tensor '{feed.wire.name}' into parameter '{pname}': "
                                  f"{e}") from None
-            out.append(_pair(feed.wire.name, pname, box, kept, region, dims))
+            pair = _pair(feed.wire.name, pname, box, kept, region, dims)
+            out.extend([pair] if rotary is None else rotary_rows(pair, *rotary))
     return out, touched, set(sink.copied_names)
 
 

@@ -224,23 +224,42 @@ def test_the_live_minimax_m2_worker_checks_the_traced_plan_under_checkpoint_name
 # Llama-4: the rotary permutation and the transposed experts are refused; the rest traces
 
 #: the wire tensors vLLM's Llama-4 loaders do not take as boxes (language model only)
-REFUSED = r"^(language_model\.)?model\.layers\.\d+\.(self_attn\.[qk]_proj\.weight|" \
-          r"feed_forward\.experts\.(gate_up|down)_proj)$"
+REFUSED = r"^(language_model\.)?model\.layers\.\d+\.feed_forward\.experts\.(gate_up|down)_proj$"
 
 
-@pytest.mark.parametrize("model", LLAMA4)
-def test_llama4_rotary_permutation_is_refused_naming_tensor_parameter_and_op(model):
-    from m2nkit.adapters.vllm.trace import TraceError
+def _rotary_toy(view):
+    """A toy loader that hands its q weight [nh*hd, H] = [8, 3] on through ``view`` (nh 2, hd 4)."""
+    class Toy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Parameter(torch.empty(4, 3, dtype=torch.bfloat16, device="meta"))
+            self.qkv.weight_loader = lambda p, w: p.data.copy_(view(w).narrow(0, 4, 4))
 
-    lm = "language_model." if model.endswith("vision") else ""
-    q = f"{lm}model.layers.0.self_attn.q_proj.weight"
-    with pytest.raises(TraceError) as e:
-        _trace(model, 2)
-    assert str(e.value) == (
-        f"wire tensor '{q}' into parameter '{lm}model.layers.0.self_attn.qkv_proj.weight': "
-        "vLLM's loader applies view(4, 8, 2, 64) (a reshape that mixes dims) in its op chain "
-        ".view(4, 8, 2, 64).transpose(1, 2).reshape(64, 64).narrow(0, 0, 32); m2nkit carries "
-        "only loaders that take a box of the tensor in its own axis order")
+        def load_weights(self, weights):
+            for name, w in weights:
+                self.qkv.weight_loader(self.qkv, w)
+
+    return Toy()
+
+
+def test_llama4_rotary_chain_is_bound_row_by_row_and_a_near_miss_is_refused():
+    """vLLM's exact chain (``permute_qk_weight_for_rotary``) becomes one copy per wire row
+    (head 1 of 2, hd 4: reordered rows 4..7 are wire rows 4, 6, 5, 7); the same view with
+    another transpose (``transpose(0, 1)``: heads swapped with half-heads) is not that
+    chain and stays refused as a mixing reshape."""
+    from m2nkit.adapters.vllm.trace import Feed, TraceError, trace_worker
+    from m2nkit.manifest import ParamMeta
+
+    feed = Feed.whole(ParamMeta("q_proj.weight", torch.bfloat16, (8, 3)))
+    rotary = _rotary_toy(lambda w: w.view(2, 2, 2, 3).transpose(1, 2).reshape(8, 3))
+    copies, _, _ = trace_worker(rotary, [feed])
+    assert sorted((c.box, c.region) for c in copies) == sorted(
+        (((w, w + 1), (0, 3)), ((r, r + 1), (0, 3))) for r, w in enumerate((4, 6, 5, 7)))
+    swapped = _rotary_toy(lambda w: w.view(2, 2, 2, 3).transpose(0, 1).reshape(8, 3))
+    with pytest.raises(TraceError, match=re.escape(
+            "wire tensor 'q_proj.weight' into parameter 'qkv': vLLM's loader applies "
+            "view(2, 2, 2, 3) (a reshape that mixes dims)")):
+        trace_worker(swapped, [feed])
 
 
 def _row_sources(rows: torch.Tensor, source: torch.Tensor) -> list[int]:
@@ -302,12 +321,7 @@ def test_llama4_routed_experts_are_refused_as_a_transpose():
 def _refused_share(name: str, shape: tuple, config: dict, tp: int) -> torch.Tensor:
     """The elements of a worker parameter that only the refused wire tensors write."""
     hole = torch.zeros(shape, dtype=torch.bool)
-    if re.search(r"(^|\.)model\.layers\.\d+\.self_attn\.qkv_proj\.weight$", name) \
-            and not name.startswith("vision_model."):
-        hd = config["head_dim"]
-        q, kv = config["num_attention_heads"] // tp, max(1, config["num_key_value_heads"] // tp)
-        hole[:(q + kv) * hd] = True
-    elif re.search(r"\.feed_forward\.experts\.routed_experts\.w(13|2)_weight$", name):
+    if re.search(r"\.feed_forward\.experts\.routed_experts\.w(13|2)_weight$", name):
         hole[:] = True
     return hole
 
