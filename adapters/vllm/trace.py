@@ -17,14 +17,16 @@ with their trailing index, and views that only add or drop unit dims); the
 destination view must be a box of the parameter. A chain that is not such a
 box (a transpose, a strided slice, a reshape that mixes dims) is refused
 with :class:`TraceError`, naming the wire tensor, the parameter and the op:
-never a guess. A row permutation is refused too, though it is a union of
-one-row boxes: vLLM's rotary reordering of q/k rows
-(``permute_qk_weight_for_rotary``: ``.view(nh, hd/2, 2, H).transpose(1,
-2).reshape(nh*hd, H)``) moves row ``2i+t`` of each head to row
-``t*hd/2+i``, so within a head no two rows adjacent in the wire stay
-adjacent; as boxes that is one binding per row (about ``(nh + nkv) * hd``
-per layer), a row gather like the strided slices above
-(tests/integration/test_traced_misc.py holds the evidence from vLLM's dumps).
+never a guess. One row permutation is recognized, op for op: vLLM's rotary
+reordering of Llama-4's q/k rows (``permute_qk_weight_for_rotary``:
+``.view(nh, hd/2, 2, H).transpose(1, 2).reshape(nh*hd, H)``, then boxes of
+the result) moves row ``2i+t`` of each head to row ``t*hd/2+i``, so within a
+head no two rows adjacent in the wire stay adjacent; it is bound as one
+copy per row (:func:`rotary_heads`, :func:`rotary_rows`; about
+``(nh + nkv) * hd`` bindings a layer, 293 760 for Llama-4-Scout at tp=8:
+benchmarks/llama4_rotary.py). Any other view/transpose/reshape chain is
+still refused (tests/integration/test_traced_misc.py holds the evidence
+from vLLM's dumps).
 
 Parameters that some loader wrote only in part keep their unwritten
 elements as ``zero_boxes`` (vocab padding: vLLM's ``VocabParallelEmbedding``

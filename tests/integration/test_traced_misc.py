@@ -19,15 +19,15 @@ each family showed, read off the dumps by hand and asserted below:
   into ``qkv_proj`` (``models/transformers/fusers/qkv.py``) and keeps
   ``q_norm``/``k_norm`` full width on every rank.
 * **Llama-4** (text, and the Scout wrapper with its vision tower): everything
-  traces but two loader steps, which are refused, never guessed:
-  ``permute_qk_weight_for_rotary`` (``models/llama4.py``) moves row ``2i+t``
-  of each q/k head to row ``t*hd/2+i``: the dumps show no two rows of a head
-  adjacent in the wire staying adjacent, so as boxes it would be one binding
-  per row (about 6100 a layer for Llama-4-Scout, 290 000 in all); and the
-  routed experts, stacked ``[E, H, 2*I]`` in memory and on disk, are
-  transposed into ``w13_weight [E, 2*I, H]`` (with EP the meta model cannot
-  even answer the loader's ``.item()``). A user gets the ``TraceError`` naming
-  the tensor, the parameter and the op.
+  traces and equals the dumps but the routed experts, which are refused, never
+  guessed: stacked ``[E, H, 2*I]`` in memory and on disk, they are transposed
+  into ``w13_weight [E, 2*I, H]`` (with EP the meta model cannot even answer
+  the loader's ``.item()``). ``permute_qk_weight_for_rotary``
+  (``models/llama4.py``) moves row ``2i+t`` of each q/k head to row
+  ``t*hd/2+i``: the dumps show no two rows of a head adjacent in the wire
+  staying adjacent, and the trace binds exactly that chain one row per
+  binding (about 6100 a layer for Llama-4-Scout, 290 000 in all); any other
+  chain stays refused.
 """
 
 from __future__ import annotations
@@ -271,10 +271,11 @@ def _row_sources(rows: torch.Tensor, source: torch.Tensor) -> list[int]:
 
 @pytest.mark.parametrize("model", LLAMA4)
 def test_llama4_rotary_permutation_moves_every_row_on_its_own(model):
-    """The evidence for the refusal, element by element from vLLM's dumps: within each
-    head, vLLM's q/k rows are the checkpoint's even rows then its odd rows, so within a
-    head no two rows adjacent in the wire stay adjacent (as boxes: one binding per row
-    but at head boundaries, about (nh + nkv) * hd per layer; 6144 for Llama-4-Scout)."""
+    """The evidence for binding it row by row, element by element from vLLM's dumps:
+    within each head, vLLM's q/k rows are the checkpoint's even rows then its odd rows,
+    so within a head no two rows adjacent in the wire stay adjacent (as boxes: one
+    binding per row but at head boundaries, about (nh + nkv) * hd per layer; 6144 for
+    Llama-4-Scout)."""
     wire = _wire(model)
     config = _config(model)
     lm = "language_model." if model.endswith("vision") else ""
@@ -331,10 +332,10 @@ LLAMA4_DUMPS = [p for p in ALL_FIXTURES if p.values[0] in LLAMA4]
 
 @pytest.mark.parametrize("model,tp,ep,placement,dtype", LLAMA4_DUMPS)
 def test_llama4_everything_else_traces_and_equals_the_dumps(model, tp, ep, placement, dtype):
-    """Every wire tensor but the refused ones (q/k of the language model, the routed
-    experts) traced, bit for bit against vLLM's dump; the refused tensors' share of each
-    parameter (q and k rows of ``qkv_proj``, all of ``w13``/``w2``) stays unwritten (a
-    trace without them sees the q/k rows as rows no loader writes: zero boxes)."""
+    """Every wire tensor but the refused routed experts traced (q/k through the rotary
+    reordering, one binding per row), bit for bit against vLLM's dump; the experts'
+    share of each parameter (all of ``w13``/``w2``) stays unwritten (a trace without
+    them sees it as elements no loader writes: zero boxes)."""
     wire = _wire(model)
     layout = _traced(model, tp, ep, REFUSED)
     assert not layout.skipped and not layout.unknown
