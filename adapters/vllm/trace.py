@@ -18,13 +18,13 @@ destination view must be a box of the parameter. A chain that is not such a
 box (a transpose, a strided slice, a reshape that mixes dims) is refused
 with :class:`TraceError`, naming the wire tensor, the parameter and the op:
 never a guess. One row permutation is recognized, op for op: vLLM's rotary
-reordering of Llama-4's q/k rows (``permute_qk_weight_for_rotary``:
+reordering of q/k rows (``permute_qk_weight_for_rotary``:
 ``.view(nh, hd/2, 2, H).transpose(1, 2).reshape(nh*hd, H)``, then boxes of
 the result) moves row ``2i+t`` of each head to row ``t*hd/2+i``, so within a
 head no two rows adjacent in the wire stay adjacent; it is bound as one
 copy per row (:func:`rotary_heads`, :func:`rotary_rows`; about
-``(nh + nkv) * hd`` bindings a layer, 293 760 for Llama-4-Scout at tp=8:
-benchmarks/llama4_rotary.py). Any other view/transpose/reshape chain is
+``(nh + nkv) * hd`` bindings a layer; its cost is measured by
+benchmarks/ (docs/families.md)). Any other view/transpose/reshape chain is
 still refused (tests/integration/test_traced_misc.py holds the evidence
 from vLLM's dumps).
 
@@ -320,8 +320,8 @@ def chain_box(name: str, shape: Sequence[int], ops: Iterable[tuple],
 def rotary_heads(feed: "Feed", ops: Sequence[tuple]) -> tuple[int, int] | None:
     """``(heads, head_dim)`` when ``ops`` opens with vLLM's rotary reordering of q/k rows.
 
-    vLLM 0.33.0's ``Llama4ForCausalLM.permute_qk_weight_for_rotary``
-    (``model_executor/models/llama4.py``) hands a 2-D q/k weight
+    vLLM 0.33.0's ``permute_qk_weight_for_rotary`` (``model_executor/models/``;
+    which model: ``m2nkit.adapters.families``) hands a 2-D q/k weight
     ``[nh*hd, H]`` on as ``.view(nh, hd/2, 2, H).transpose(1, 2)
     .reshape(nh*hd, H)``. Exactly that chain, on a whole 2-D wire tensor in
     its own dim order, with ``hd`` even: anything else (another view, the
@@ -521,6 +521,11 @@ def _fake_class():
     (what a basic-index assignment does), so both reach vLLM's own chain and
     sink.
 
+    An index by a CPU tensor of consecutive integer ids (a ``load_moe_expert_weights``
+    EP loader picking its experts, :func:`_fused_experts_indexed_by_ids`) is
+    recorded as the slice it equals; any other tensor index stays advanced
+    indexing, which :func:`chain_box` refuses.
+
     A cast ``to(dtype)`` (MiniMax-M2's ``MiniMaxM2MoE.ebias_weight_loader``,
     ``models/minimax_m2.py``: ``param.data.copy_(loaded_weight.to(torch.float32))``)
     is recorded as the op ``to`` and gives the child that dtype;
@@ -547,6 +552,14 @@ def _fake_class():
                 if (len(rest) == 1 and isinstance(rest[0], torch.dtype)
                         and set(kwargs) <= {"dtype"}):
                     return args[0]._make_child(args[0].shape, rest[0], ("to", (rest[0],), ()))
+            if (func is torch.Tensor.__getitem__ and len(args) == 2 and isinstance(args[0], cls)
+                    and isinstance(args[1], torch.Tensor) and not isinstance(args[1], cls)
+                    and args[1].device.type == "cpu" and args[1].dim() == 1
+                    and not args[1].dtype.is_floating_point and args[1].dtype != torch.bool
+                    and len(args[1]) > 0):
+                ids = args[1].tolist()
+                if ids == list(range(ids[0], ids[0] + len(ids))):
+                    return args[0][ids[0]:ids[0] + len(ids)]
             if (func is torch.Tensor.__setitem__ and len(args) == 3
                     and isinstance(args[2], cls) and not isinstance(args[0], cls)):
                 dest, index, src = args
@@ -601,8 +614,15 @@ def trace_worker(model: torch.nn.Module, feeds: Sequence[Feed],
         p.weight_loader = stamp
     by_name = {f.name: f for f in feeds}
     fake = _fake_class()
+    # vLLM's load_moe_expert_weights (model_executor/models/) under EP moves its local
+    # expert ids to the fake's device, reads the first back (.item()) and indexes
+    # the fake with them: its stacked experts' fakes say
+    # "cpu" (they hold no data on any device), so the ids stay readable.
+    ids_on_cpu = _fused_experts_indexed_by_ids(model)
     fakes = [(f.name, fake(f.name, torch.Size(f.shape), f.wire.dtype,
-                                    torch.device("meta"), sink=sink)) for f in feeds]
+                           torch.device("cpu" if ids_on_cpu and len(f.shape) == 3
+                                        and f.name.endswith(_STACKED_IN_MEMORY) else "meta"),
+                           sink=sink)) for f in feeds]
     handed: list[str] = []          # the last fake load_weights took (it reads lazily)
 
     def stream():
@@ -686,6 +706,16 @@ def _feeds(wire: Sequence[ParamMeta], experts: dict[str, str], fused: bool,
     """
     names = names or {}
     transposed = model is not None and _fused_experts_read_transposed(model)
+    if model is not None and _fused_experts_indexed_by_ids(model):
+        bad = next((m.name for m in wire if len(m.shape) == 3
+                    and m.name.endswith(_STACKED_IN_MEMORY)), None)
+        if bad is not None:
+            raise TraceError(
+                f"{type(model).__name__}: wire tensor '{bad}' is stacked experts under "
+                "transformers' in-memory name, stored [E, in, out], which vLLM's loader "
+                "transposes into [E, out, in] (load_moe_expert_weights): no box "
+                f"carries that; the wire holds them as '{bad}.weight' [E, out, in] "
+                "(the family's HFNaming.permuted)")
     if fused:
         return [_whole_feed(m, transposed, names.get(m.name)) for m in wire
                 if only is None or m.name in only]
@@ -735,11 +765,16 @@ def _fused_experts_read_transposed(model: torch.nn.Module) -> bool:
     layers pass ``is_fused_checkpoint_transposed=True``, ``models/``), and its
     ``load_weights`` turns such a tensor to ``[E, out, in]`` with
     ``_orient_fused_weight`` (``transpose(-1, -2)``) before it slices it.
+    A model with ``load_moe_expert_weights`` (the only
+    ``load_moe_expert_weights`` in ``models/``) transposes every 3-D fused
+    expert tensor itself, whatever that flag says: it reads them so too.
 
     Raises:
         TraceError: some MoE layers of the model read them transposed and
             others not (which wire tensor feeds which layer is not known here).
     """
+    if _fused_experts_indexed_by_ids(model):
+        return True
     flags = {m.is_fused_checkpoint_transposed for m in model.modules()
              if isinstance(getattr(m, "is_fused_checkpoint_transposed", None), bool)}
     if len(flags) > 1:
@@ -747,6 +782,16 @@ def _fused_experts_read_transposed(model: torch.nn.Module) -> bool:
                          "[E, in, out] and others [E, out, in]; m2nkit cannot tell which "
                          "stacked wire tensor is which (use the family table: --layout tables)")
     return flags == {True}
+
+
+def _fused_experts_indexed_by_ids(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s loader picks this worker's experts out of a stacked tensor by id.
+
+    vLLM 0.33.0's ``load_moe_expert_weights`` (one model of ``models/``),
+    under EP: ``loaded_weight[(expert_map != -1).nonzero().flatten()
+    .to(loaded_weight.device)]``, then ``local_expert_indices[0].item()``.
+    """
+    return any(callable(getattr(m, "load_moe_expert_weights", None)) for m in model.modules())
 
 
 def _whole_feed(meta: ParamMeta, transposed: bool, name: str | None = None) -> Feed:

@@ -64,19 +64,35 @@ def _config(model: str) -> dict:
     return config.get("text_config", config)
 
 
-def _metas(model: str, drop: str | None = None):
+#: Llama-4's stacked experts as transformers keeps them ([E, in, out], no ".weight")
+LLAMA4_EXPERTS = re.compile(r"\.feed_forward\.experts\.(gate_up|down)_proj$")
+
+
+@lru_cache(maxsize=None)
+def _carried(model: str) -> dict[str, torch.Tensor]:
+    """The wire m2nkit carries: transformers' tensors, but Llama-4's stacked experts
+    ``[E, in, out]`` transposed to ``[E, out, in]`` under ``<name>.weight`` (the
+    layout vLLM's ``w13_weight``/``w2_weight`` hold; families/llama4.py)."""
+    return {(n + ".weight" if LLAMA4_EXPERTS.search(n) else n):
+            (t.transpose(1, 2) if LLAMA4_EXPERTS.search(n) else t)
+            for n, t in _wire(model).items()}
+
+
+def _metas(model: str, drop: str | None = None, carried: bool = True):
     from m2nkit.manifest import ParamMeta
 
-    return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in _wire(model).items()
+    wire = _carried(model) if carried else _wire(model)
+    return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in wire.items()
             if drop is None or not re.search(drop, n)]
 
 
-def _trace(model: str, tp: int, ep: bool = False, drop: str | None = None):
+def _trace(model: str, tp: int, ep: bool = False, drop: str | None = None,
+           carried: bool = True):
     from m2nkit.adapters.vllm import InferenceSpec
     from m2nkit.adapters.vllm.trace import trace_destination
 
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    return trace_destination(DATA / model / "checkpoint", _metas(model, drop),
+    return trace_destination(DATA / model / "checkpoint", _metas(model, drop, carried),
                              InferenceSpec(tp, 1, ep))
 
 
@@ -223,10 +239,6 @@ def test_the_live_minimax_m2_worker_checks_the_traced_plan_under_checkpoint_name
 # --------------------------------------------------------------------------
 # Llama-4: the rotary permutation and the transposed experts are refused; the rest traces
 
-#: the wire tensors vLLM's Llama-4 loaders do not take as boxes (language model only)
-REFUSED = r"^(language_model\.)?model\.layers\.\d+\.feed_forward\.experts\.(gate_up|down)_proj$"
-
-
 def _rotary_toy(view):
     """A toy loader that hands its q weight [nh*hd, H] = [8, 3] on through ``view`` (nh 2, hd 4)."""
     class Toy(torch.nn.Module):
@@ -299,75 +311,38 @@ def test_llama4_rotary_permutation_moves_every_row_on_its_own(model):
                 assert runs == len(src) - (len(hs) - 1), (tp, r, part, runs)
 
 
-def test_llama4_routed_experts_are_refused_as_a_transpose():
+def test_llama4_experts_under_transformers_names_are_refused():
+    """transformers' in-memory ``[E, in, out]`` experts, which vLLM's loader transposes,
+    are refused by name (no box carries a transpose); square ones (tiny-llama4's
+    ``gate_up_proj [4, 64, 64]``) would otherwise trace into wrong bindings."""
     from m2nkit.adapters.vllm.trace import TraceError
 
-    qk = r"self_attn\.[qk]_proj\.weight$"
-    with pytest.raises(TraceError) as e:
-        _trace("tiny-llama4", 2, drop=qk)
-    assert str(e.value).startswith(
-        "wire tensor 'model.layers.1.feed_forward.experts.gate_up_proj' into parameter "
-        "'model.layers.1.feed_forward.experts.routed_experts.w13_weight': vLLM's loader applies "
-        "transpose(-1, -2) (a transpose of the tensor's dims) in its op chain "
-        ".transpose(-1, -2).chunk(2, dim=-2)[0]")
-    # with EP, Llama4Model.load_moe_expert_weights asks the meta model's expert map for .item()
-    with pytest.raises(TraceError, match=re.escape(
-            "Llama4ForCausalLM: vLLM's load_weights failed on the fake wire tensors (the last one "
-            "handed to it: wire tensor 'model.layers.1.feed_forward.experts.gate_up_proj') "
-            "(RuntimeError: Tensor.item() cannot be called on meta tensors); m2nkit has no "
-            "family table for it")):
-        _trace("tiny-llama4", 2, True, drop=qk)
-
-
-def _refused_share(name: str, shape: tuple, config: dict, tp: int) -> torch.Tensor:
-    """The elements of a worker parameter that only the refused wire tensors write."""
-    hole = torch.zeros(shape, dtype=torch.bool)
-    if re.search(r"\.feed_forward\.experts\.routed_experts\.w(13|2)_weight$", name):
-        hole[:] = True
-    return hole
+    for ep in (False, True):
+        with pytest.raises(TraceError, match=re.escape(
+                "Llama4ForCausalLM: wire tensor 'model.layers.1.feed_forward.experts."
+                "gate_up_proj' is stacked experts under transformers' in-memory name, stored "
+                "[E, in, out], which vLLM's loader transposes into [E, out, in]")):
+            _trace("tiny-llama4", 2, ep, carried=False)
 
 
 LLAMA4_DUMPS = [p for p in ALL_FIXTURES if p.values[0] in LLAMA4]
 
 
 @pytest.mark.parametrize("model,tp,ep,placement,dtype", LLAMA4_DUMPS)
-def test_llama4_everything_else_traces_and_equals_the_dumps(model, tp, ep, placement, dtype):
-    """Every wire tensor but the refused routed experts traced (q/k through the rotary
-    reordering, one binding per row), bit for bit against vLLM's dump; the experts'
-    share of each parameter (all of ``w13``/``w2``) stays unwritten (a trace without
-    them sees it as elements no loader writes: zero boxes)."""
-    wire = _wire(model)
-    layout = _traced(model, tp, ep, REFUSED)
+def test_llama4_traced_layout_equals_vllm_dumps(model, tp, ep, placement, dtype):
+    """Every wire tensor of Llama-4 (text, and the wrapper with its vision tower) traced,
+    bit for bit against vLLM's dump of every worker: q/k through the rotary reordering
+    (one binding per row), the routed experts carried ``[E, out, in]`` (``_carried``),
+    under EP each worker's own experts."""
+    layout = _traced(model, tp, ep)
     assert not layout.skipped and not layout.unknown
-    config = _config(model)
-    for rank in range(tp):
-        vllm, meta = _oracle(model, tp, ep, rank)
-        assert layout.aliases == json.loads(meta["aliases"])
-        store = layout.allocate(rank, fill=float("nan"))
-        assert set(store) == set(vllm) - set(layout.aliases)
-        for p in layout.params:
-            if p.worker == rank:
-                hole = _refused_share(p.name, p.shape, config, tp)
-                for box in p.zero_boxes:
-                    sl = tuple(slice(a, b) for a, b in box)
-                    if hole[sl].all():
-                        continue
-                    assert not hole[sl].any() and not vllm[p.name][sl].any(), (p.name, box)
-                    store[p.name][sl] = 0
-        for name, bindings in layout.bindings.items():
-            for b in bindings:
-                if b.worker == rank:
-                    dst = tuple(slice(o, o + (c - a)) for o, (a, c) in zip(b.offset, b.box))
-                    store[b.param][dst] = wire[name][tuple(slice(a, c) for a, c in b.box)]
-        for name, t in store.items():
-            want = vllm[name].clone()
-            want[_refused_share(name, tuple(t.shape), config, tp)] = float("nan")
-            _same(t, want, f"{model} tp={tp} ep={ep} rank {rank} {name}")
+    assert_layout_equals_dumps(layout, _carried(model), model, tp, ep, placement, dtype,
+                               "traced ")
 
 
 def test_llama4_vision_tower_and_shared_expert_trace_split_by_tp():
     wire = _wire("tiny-llama4-vision")
-    layout = _traced("tiny-llama4-vision", 2, False, REFUSED)
+    layout = _traced("tiny-llama4-vision", 2, False)
     v = "vision_model.model.layers.1.self_attn"
     qkv = f"{v}.qkv_proj.weight"
     shared = "language_model.model.layers.0.feed_forward.shared_expert.gate_up_proj.weight"
