@@ -42,7 +42,12 @@ under the name transformers 5 keeps them by in memory
 takes whole (``layers/fused_moe/routed_experts.py``, ``load_weights``);
 where that loader reads them ``[E, in, out]`` (``is_fused_checkpoint_transposed``)
 the fake is the wire's transpose, which the loader's own ``transpose(-1, -2)``
-undoes (a transpose that is not undone is refused).
+undoes (a transpose that is not undone is refused). A model whose own
+``load_moe_expert_weights`` transposes every 3-D fused expert tensor is fed
+so too, its wire holding them ``[E, out, in]`` under ``.weight`` names (the
+family's ``HFNaming.permuted``; under transformers' in-memory names they are
+refused), and under EP its index by local expert ids reads as a slice
+(:func:`_fake_class`).
 A model loader that takes only per-expert tensors (several MLA models'
 ``load_weights`` in ``model_executor/models/``, which match expert names
 from ``fused_moe_make_expert_params_mapping``) is fed each expert's gate,

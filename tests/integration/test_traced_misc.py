@@ -19,15 +19,15 @@ each family showed, read off the dumps by hand and asserted below:
   into ``qkv_proj`` (``models/transformers/fusers/qkv.py``) and keeps
   ``q_norm``/``k_norm`` full width on every rank.
 * **Llama-4** (text, and the Scout wrapper with its vision tower): everything
-  traces and equals the dumps but the routed experts, which are refused, never
-  guessed: stacked ``[E, H, 2*I]`` in memory and on disk, they are transposed
-  into ``w13_weight [E, 2*I, H]`` (with EP the meta model cannot even answer
-  the loader's ``.item()``). ``permute_qk_weight_for_rotary``
+  traces and equals the dumps. ``permute_qk_weight_for_rotary``
   (``models/llama4.py``) moves row ``2i+t`` of each q/k head to row
   ``t*hd/2+i``: the dumps show no two rows of a head adjacent in the wire
   staying adjacent, and the trace binds exactly that chain one row per
   binding (about 6100 a layer for Llama-4-Scout, 290 000 in all); any other
-  chain stays refused.
+  chain stays refused. The routed experts, stacked ``[E, H, 2*I]`` in memory
+  and on disk and transposed by the loader into ``w13_weight [E, 2*I, H]``,
+  travel ``[E, out, in]`` under ``<name>.weight`` (``_carried``); under
+  transformers' own names they are refused.
 """
 
 from __future__ import annotations

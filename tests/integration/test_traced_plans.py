@@ -171,16 +171,9 @@ def _tableless_fixtures():
 
 
 #: Shipped tableless checkpoints whose vLLM loaders are no box algebra, and the refusal
-#: plan prints (Llama-4's rotary q/k permutation; tests/integration/test_traced_misc.py).
-REFUSED = {
-    # traced with EP: Llama4Model.load_moe_expert_weights asks the meta model for .item()
-    "tiny-llama4": "Llama4ForCausalLM: vLLM's load_weights failed on the fake wire tensors "
-                   "(the last one handed to it: wire tensor "
-                   "'model.layers.1.feed_forward.experts.gate_up_proj')",
-    "tiny-llama4-vision": "wire tensor 'language_model.model.layers.0.self_attn.q_proj.weight' "
-                          "into parameter 'language_model.model.layers.0.self_attn.qkv_proj."
-                          "weight': vLLM's loader applies view(",
-}
+#: plan prints (none since Llama-4's rotary rows and transposed experts trace:
+#: tests/integration/test_traced_misc.py).
+REFUSED: dict[str, str] = {}
 
 
 #: Checkpoints planned in a process of their own: vLLM serves them through its generic
