@@ -13,7 +13,10 @@ transformers knows, read at run time rather than restated:
   experts as ``...mlp.experts.gate_up_proj [E, 2*I, H]``, no ``.weight``);
   vLLM 0.33.0's loaders take those names (``layers/fused_moe/routed_experts.py``);
 * which of them are persistent buffers (whole on every FSDP2 rank:
-  ``fully_shard`` shards parameters only).
+  ``fully_shard`` shards parameters only);
+* one restated fact: Llama-4's routed experts travel transposed, ``[E, out,
+  in]`` (``families/llama4.py``: transformers stores them ``[E, in, out]``,
+  which no binding can carry into vLLM's ``w13_weight``/``w2_weight``).
 
 :func:`tableless_family` packs that into a :class:`~.table.Family` with no
 vLLM table (``params`` empty): the checkpoint reader, the FSDP2 source and
@@ -142,8 +145,20 @@ def _family(architecture: str, config_json: str) -> Family:
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     buffers = tuple(f"^{re.escape(n)}$" for n in model.state_dict(keep_vars=True)
                     if n not in params)
-    return Family(architecture=architecture, hf=HFNaming(buffers=buffers), params=(),
+    return Family(architecture=architecture,
+                  hf=HFNaming(buffers=buffers, permuted=_permuted(architecture)), params=(),
                   sizes=functools.partial(_no_table, architecture), module=TABLELESS_MODULE)
+
+
+def _permuted(architecture: str) -> dict:
+    """``HFNaming.permuted`` of an architecture whose wire is not transformers' dim order.
+
+    Only Llama-4's routed experts (``families/llama4.py``: stored ``[E, in,
+    out]``, carried ``[E, out, in]`` as vLLM holds them).
+    """
+    from . import llama4
+
+    return dict(llama4.PERMUTED) if architecture in llama4.ARCHITECTURES else {}
 
 
 def _no_table(architecture: str, config: Any):

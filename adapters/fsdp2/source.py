@@ -266,8 +266,17 @@ def fsdp2_source(
         return weight_layout(x, root, num_trainer_ranks)
 
     # Without a table every parameter is a wire tensor under its own name
-    # (families.tableless); the traced layout says which ones vLLM takes.
-    known = known_wire_names(family, config) if family.params else {x.clean for x in params}
+    # (families.tableless), or its permuted wire name (HFNaming.permuted); the
+    # traced layout says which ones vLLM takes.
+    if family.params:
+        known = known_wire_names(family, config)
+    else:
+        hf = family.hf
+        known = {x.clean for x in params}
+        for x in params:
+            leaf = hf.permuted_leaf(x.clean)
+            if leaf is not None:
+                known.add(x.clean[: -len(leaf)] + hf.permuted[leaf][0])
     merge = None
     if merge_lora:  # before the names: a LoRA target vLLM cannot take gets its own message
         merge = plan_lora_merge(model, params, family, known, lambda x: layout_of(x)[0])

@@ -170,7 +170,8 @@ class Checkpoint:
             return torch.empty(extents, dtype=meta.dtype)
         src = self._sources[name]
         if isinstance(src, torch.Tensor):     # held in memory (an architecture without a table)
-            return src[tuple(slice(a, b) for a, b in box)].clone()
+            return src[tuple(slice(a, b) for a, b in box)].clone(
+                memory_format=torch.contiguous_format)
         if isinstance(src, StackedExperts):
             return src.read_box(box, self._read_slice)
         if isinstance(src, Permuted):
@@ -350,8 +351,10 @@ def _tableless(path: Path, root: Path, config_path: Path, config: Any, arch: str
 
     The wire tensors are transformers' own: the model class's
     ``named_parameters()`` and persistent buffers, under their in-memory
-    names, tied duplicates once (``m2nkit.adapters.families.tableless``).
-    Config-only: built on the meta device (no data). With files: loaded by
+    names, tied duplicates once (``m2nkit.adapters.families.tableless``), but
+    a tensor the tableless family carries in another dim order
+    (``HFNaming.permuted``, see families.tableless), which is the in-memory tensor
+    permuted (a view, read box by box). Config-only: built on the meta device (no data). With files: loaded by
     ``from_pretrained`` (transformers' own on-disk conversion: experts
     stacked, prefixes renamed, dtypes as the checkpoint stores them), and
     kept in memory; boxes are read from those tensors. That holds the whole
@@ -384,6 +387,9 @@ def _tableless(path: Path, root: Path, config_path: Path, config: Any, arch: str
         finally:
             if bars:
                 hf_logging.enable_progress_bar()
+    from ..families.tableless import tableless_family
+
+    hf = tableless_family(config).hf
     seen: set[int] = set()
     params: list[ParamMeta] = []
     tensors: dict[str, torch.Tensor] = {}
@@ -391,6 +397,10 @@ def _tableless(path: Path, root: Path, config_path: Path, config: Any, arch: str
         if id(t) in seen:      # a tied duplicate (lm_head.weight of tied embeddings)
             continue
         seen.add(id(t))
+        leaf = hf.permuted_leaf(name)
+        if leaf is not None:   # carried in another dim order: a view
+            wire_leaf, order = hf.permuted[leaf]
+            name, t = name[: -len(leaf)] + wire_leaf, t.permute(tuple(order))
         params.append(ParamMeta(name, t.dtype, tuple(t.shape)))
         if kind != "config":
             tensors[name] = t.detach()

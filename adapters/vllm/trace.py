@@ -17,14 +17,16 @@ with their trailing index, and views that only add or drop unit dims); the
 destination view must be a box of the parameter. A chain that is not such a
 box (a transpose, a strided slice, a reshape that mixes dims) is refused
 with :class:`TraceError`, naming the wire tensor, the parameter and the op:
-never a guess. A row permutation is refused too, though it is a union of
-one-row boxes: vLLM's rotary reordering of q/k rows
-(``permute_qk_weight_for_rotary``: ``.view(nh, hd/2, 2, H).transpose(1,
-2).reshape(nh*hd, H)``) moves row ``2i+t`` of each head to row
-``t*hd/2+i``, so within a head no two rows adjacent in the wire stay
-adjacent; as boxes that is one binding per row (about ``(nh + nkv) * hd``
-per layer), a row gather like the strided slices above
-(tests/integration/test_traced_misc.py holds the evidence from vLLM's dumps).
+never a guess. One row permutation is recognized, op for op: vLLM's rotary
+reordering of q/k rows (``permute_qk_weight_for_rotary``:
+``.view(nh, hd/2, 2, H).transpose(1, 2).reshape(nh*hd, H)``, then boxes of
+the result) moves row ``2i+t`` of each head to row ``t*hd/2+i``, so within a
+head no two rows adjacent in the wire stay adjacent; it is bound as one
+copy per row (:func:`rotary_heads`, :func:`rotary_rows`; about
+``(nh + nkv) * hd`` bindings a layer; its cost is measured by
+benchmarks/ (docs/families.md)). Any other view/transpose/reshape chain is
+still refused (tests/integration/test_traced_misc.py holds the evidence
+from vLLM's dumps).
 
 Parameters that some loader wrote only in part keep their unwritten
 elements as ``zero_boxes`` (vocab padding: vLLM's ``VocabParallelEmbedding``
@@ -40,7 +42,12 @@ under the name transformers 5 keeps them by in memory
 takes whole (``layers/fused_moe/routed_experts.py``, ``load_weights``);
 where that loader reads them ``[E, in, out]`` (``is_fused_checkpoint_transposed``)
 the fake is the wire's transpose, which the loader's own ``transpose(-1, -2)``
-undoes (a transpose that is not undone is refused).
+undoes (a transpose that is not undone is refused). A model whose own
+``load_moe_expert_weights`` transposes every 3-D fused expert tensor is fed
+so too, its wire holding them ``[E, out, in]`` under ``.weight`` names (the
+family's ``HFNaming.permuted``; under transformers' in-memory names they are
+refused), and under EP its index by local expert ids reads as a slice
+(:func:`_fake_class`).
 A model loader that takes only per-expert tensors (several MLA models'
 ``load_weights`` in ``model_executor/models/``, which match expert names
 from ``fused_moe_make_expert_params_mapping``) is fed each expert's gate,
@@ -315,6 +322,64 @@ def chain_box(name: str, shape: Sequence[int], ops: Iterable[tuple],
     return tuple((s, s + e) for s, e in zip(start, ext)), cur
 
 
+def rotary_heads(feed: "Feed", ops: Sequence[tuple]) -> tuple[int, int] | None:
+    """``(heads, head_dim)`` when ``ops`` opens with vLLM's rotary reordering of q/k rows.
+
+    vLLM 0.33.0's ``permute_qk_weight_for_rotary`` (``model_executor/models/``;
+    which model: ``m2nkit.adapters.families``) hands a 2-D q/k weight
+    ``[nh*hd, H]`` on as ``.view(nh, hd/2, 2, H).transpose(1, 2)
+    .reshape(nh*hd, H)``. Exactly that chain, on a whole 2-D wire tensor in
+    its own dim order, with ``hd`` even: anything else (another view, the
+    1-D scale form, a feed that is part of a wire tensor) returns ``None``
+    and :func:`chain_box` refuses it as before. What it does to rows is
+    :func:`rotary_source_row`.
+    """
+    if len(ops) < 3 or len(feed.shape) != 2 or feed.dims != (0, 1) or any(feed.offset):
+        return None
+    (v, vargs, vkw), (t, targs, tkw), (r, rargs, rkw) = ops[:3]
+    rows, cols = feed.shape
+    if v != "view" or t != "transpose" or r != "reshape" or vkw or tkw or rkw:
+        return None
+    shape = tuple(vargs[0]) if len(vargs) == 1 and isinstance(vargs[0], (tuple, list)) \
+        else tuple(vargs)
+    out = tuple(rargs[0]) if len(rargs) == 1 and isinstance(rargs[0], (tuple, list)) \
+        else tuple(rargs)
+    if (len(shape) != 4 or not all(isinstance(x, int) and x > 0 for x in shape)
+            or shape[2] != 2 or shape[3] != cols or shape[0] * shape[1] * 2 != rows
+            or tuple(targs) != (1, 2) or out != (rows, cols)):
+        return None
+    return shape[0], 2 * shape[1]
+
+
+def rotary_source_row(row: int, head_dim: int) -> int:
+    """The wire row that row ``row`` of vLLM's rotary-reordered q/k weight is.
+
+    Row ``h*hd + t*hd/2 + i`` of the reordered tensor is wire row
+    ``h*hd + 2*i + t`` (``t`` in {0, 1}, ``i < hd/2``): within a head, the
+    even wire rows, then the odd ones (``permute_qk_weight_for_rotary``).
+    """
+    h, j = divmod(row, head_dim)
+    t, i = divmod(j, head_dim // 2)
+    return h * head_dim + 2 * i + t
+
+
+def rotary_rows(copy: TracedCopy, heads: int, head_dim: int) -> list[TracedCopy]:
+    """A copy of rows of the rotary-reordered tensor as one copy per wire row.
+
+    ``copy.box`` is in the reordered tensor's rows (:func:`rotary_heads`);
+    each of its rows is one wire row (:func:`rotary_source_row`) landing in
+    one row of ``copy.region``. No two rows adjacent in the reordered
+    tensor are adjacent in the wire within a head, so no fewer boxes carry
+    it; :func:`merge_copies` joins the pairs that are adjacent in both
+    (the last row of a head with the first of the next).
+    """
+    (a, b), cols = copy.box
+    (r, _), rcols = copy.region
+    return [TracedCopy(copy.name, copy.param,
+                       ((w, w + 1), cols), ((r + p - a, r + p - a + 1), rcols))
+            for p in range(a, b) for w in (rotary_source_row(p, head_dim),)]
+
+
 def view_region(param_shape: Sequence[int], offset: int, shape: Sequence[int],
                 stride: Sequence[int]) -> tuple[tuple, list[int]]:
     """Which box of a C-contiguous parameter of ``param_shape`` a strided view covers.
@@ -461,6 +526,11 @@ def _fake_class():
     (what a basic-index assignment does), so both reach vLLM's own chain and
     sink.
 
+    An index by a CPU tensor of consecutive integer ids (a ``load_moe_expert_weights``
+    EP loader picking its experts, :func:`_fused_experts_indexed_by_ids`) is
+    recorded as the slice it equals; any other tensor index stays advanced
+    indexing, which :func:`chain_box` refuses.
+
     A cast ``to(dtype)`` (MiniMax-M2's ``MiniMaxM2MoE.ebias_weight_loader``,
     ``models/minimax_m2.py``: ``param.data.copy_(loaded_weight.to(torch.float32))``)
     is recorded as the op ``to`` and gives the child that dtype;
@@ -487,6 +557,14 @@ def _fake_class():
                 if (len(rest) == 1 and isinstance(rest[0], torch.dtype)
                         and set(kwargs) <= {"dtype"}):
                     return args[0]._make_child(args[0].shape, rest[0], ("to", (rest[0],), ()))
+            if (func is torch.Tensor.__getitem__ and len(args) == 2 and isinstance(args[0], cls)
+                    and isinstance(args[1], torch.Tensor) and not isinstance(args[1], cls)
+                    and args[1].device.type == "cpu" and args[1].dim() == 1
+                    and not args[1].dtype.is_floating_point and args[1].dtype != torch.bool
+                    and len(args[1]) > 0):
+                ids = args[1].tolist()
+                if ids == list(range(ids[0], ids[0] + len(ids))):
+                    return args[0][ids[0]:ids[0] + len(ids)]
             if (func is torch.Tensor.__setitem__ and len(args) == 3
                     and isinstance(args[2], cls) and not isinstance(args[0], cls)):
                 dest, index, src = args
@@ -541,8 +619,15 @@ def trace_worker(model: torch.nn.Module, feeds: Sequence[Feed],
         p.weight_loader = stamp
     by_name = {f.name: f for f in feeds}
     fake = _fake_class()
+    # vLLM's load_moe_expert_weights (model_executor/models/) under EP moves its local
+    # expert ids to the fake's device, reads the first back (.item()) and indexes
+    # the fake with them: its stacked experts' fakes say
+    # "cpu" (they hold no data on any device), so the ids stay readable.
+    ids_on_cpu = _fused_experts_indexed_by_ids(model)
     fakes = [(f.name, fake(f.name, torch.Size(f.shape), f.wire.dtype,
-                                    torch.device("meta"), sink=sink)) for f in feeds]
+                           torch.device("cpu" if ids_on_cpu and len(f.shape) == 3
+                                        and f.name.endswith(_STACKED_IN_MEMORY) else "meta"),
+                           sink=sink)) for f in feeds]
     handed: list[str] = []          # the last fake load_weights took (it reads lazily)
 
     def stream():
@@ -585,6 +670,9 @@ def trace_worker(model: torch.nn.Module, feeds: Sequence[Feed],
                 continue
             src_name, ops = c.src
             feed = by_name[src_name]
+            rotary = rotary_heads(feed, ops)
+            if rotary is not None:
+                ops = ops[3:]
             box, kept = feed.to_wire(*chain_box(feed.wire.name, feed.shape, ops, feed.dims,
                                                 pname))
             casts = [args[0] for op, args, _ in ops if op == "to"]
@@ -599,7 +687,8 @@ def trace_worker(model: torch.nn.Module, feeds: Sequence[Feed],
             except ValueError as e:
                 raise TraceError(f"wire tensor '{feed.wire.name}' into parameter '{pname}': "
                                  f"{e}") from None
-            out.append(_pair(feed.wire.name, pname, box, kept, region, dims))
+            pair = _pair(feed.wire.name, pname, box, kept, region, dims)
+            out.extend([pair] if rotary is None else rotary_rows(pair, *rotary))
     return out, touched, set(sink.copied_names)
 
 
@@ -622,6 +711,16 @@ def _feeds(wire: Sequence[ParamMeta], experts: dict[str, str], fused: bool,
     """
     names = names or {}
     transposed = model is not None and _fused_experts_read_transposed(model)
+    if model is not None and _fused_experts_indexed_by_ids(model):
+        bad = next((m.name for m in wire if len(m.shape) == 3
+                    and m.name.endswith(_STACKED_IN_MEMORY)), None)
+        if bad is not None:
+            raise TraceError(
+                f"{type(model).__name__}: wire tensor '{bad}' is stacked experts under "
+                "transformers' in-memory name, stored [E, in, out], which vLLM's loader "
+                "transposes into [E, out, in] (load_moe_expert_weights): no box "
+                f"carries that; the wire holds them as '{bad}.weight' [E, out, in] "
+                "(the family's HFNaming.permuted)")
     if fused:
         return [_whole_feed(m, transposed, names.get(m.name)) for m in wire
                 if only is None or m.name in only]
@@ -671,11 +770,16 @@ def _fused_experts_read_transposed(model: torch.nn.Module) -> bool:
     layers pass ``is_fused_checkpoint_transposed=True``, ``models/``), and its
     ``load_weights`` turns such a tensor to ``[E, out, in]`` with
     ``_orient_fused_weight`` (``transpose(-1, -2)``) before it slices it.
+    A model with ``load_moe_expert_weights`` (the only
+    ``load_moe_expert_weights`` in ``models/``) transposes every 3-D fused
+    expert tensor itself, whatever that flag says: it reads them so too.
 
     Raises:
         TraceError: some MoE layers of the model read them transposed and
             others not (which wire tensor feeds which layer is not known here).
     """
+    if _fused_experts_indexed_by_ids(model):
+        return True
     flags = {m.is_fused_checkpoint_transposed for m in model.modules()
              if isinstance(getattr(m, "is_fused_checkpoint_transposed", None), bool)}
     if len(flags) > 1:
@@ -683,6 +787,16 @@ def _fused_experts_read_transposed(model: torch.nn.Module) -> bool:
                          "[E, in, out] and others [E, out, in]; m2nkit cannot tell which "
                          "stacked wire tensor is which (use the family table: --layout tables)")
     return flags == {True}
+
+
+def _fused_experts_indexed_by_ids(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s loader picks this worker's experts out of a stacked tensor by id.
+
+    vLLM 0.33.0's ``load_moe_expert_weights`` (one model of ``models/``),
+    under EP: ``loaded_weight[(expert_map != -1).nonzero().flatten()
+    .to(loaded_weight.device)]``, then ``local_expert_indices[0].item()``.
+    """
+    return any(callable(getattr(m, "load_moe_expert_weights", None)) for m in model.modules())
 
 
 def _whole_feed(meta: ParamMeta, transposed: bool, name: str | None = None) -> Feed:

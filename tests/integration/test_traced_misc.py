@@ -19,15 +19,15 @@ each family showed, read off the dumps by hand and asserted below:
   into ``qkv_proj`` (``models/transformers/fusers/qkv.py``) and keeps
   ``q_norm``/``k_norm`` full width on every rank.
 * **Llama-4** (text, and the Scout wrapper with its vision tower): everything
-  traces but two loader steps, which are refused, never guessed:
-  ``permute_qk_weight_for_rotary`` (``models/llama4.py``) moves row ``2i+t``
-  of each q/k head to row ``t*hd/2+i``: the dumps show no two rows of a head
-  adjacent in the wire staying adjacent, so as boxes it would be one binding
-  per row (about 6100 a layer for Llama-4-Scout, 290 000 in all); and the
-  routed experts, stacked ``[E, H, 2*I]`` in memory and on disk, are
-  transposed into ``w13_weight [E, 2*I, H]`` (with EP the meta model cannot
-  even answer the loader's ``.item()``). A user gets the ``TraceError`` naming
-  the tensor, the parameter and the op.
+  traces and equals the dumps. ``permute_qk_weight_for_rotary``
+  (``models/llama4.py``) moves row ``2i+t`` of each q/k head to row
+  ``t*hd/2+i``: the dumps show no two rows of a head adjacent in the wire
+  staying adjacent, and the trace binds exactly that chain one row per
+  binding (about 6100 a layer for Llama-4-Scout, 290 000 in all); any other
+  chain stays refused. The routed experts, stacked ``[E, H, 2*I]`` in memory
+  and on disk and transposed by the loader into ``w13_weight [E, 2*I, H]``,
+  travel ``[E, out, in]`` under ``<name>.weight`` (``_carried``); under
+  transformers' own names they are refused.
 """
 
 from __future__ import annotations
@@ -64,19 +64,35 @@ def _config(model: str) -> dict:
     return config.get("text_config", config)
 
 
-def _metas(model: str, drop: str | None = None):
+#: Llama-4's stacked experts as transformers keeps them ([E, in, out], no ".weight")
+LLAMA4_EXPERTS = re.compile(r"\.feed_forward\.experts\.(gate_up|down)_proj$")
+
+
+@lru_cache(maxsize=None)
+def _carried(model: str) -> dict[str, torch.Tensor]:
+    """The wire m2nkit carries: transformers' tensors, but Llama-4's stacked experts
+    ``[E, in, out]`` transposed to ``[E, out, in]`` under ``<name>.weight`` (the
+    layout vLLM's ``w13_weight``/``w2_weight`` hold; families/llama4.py)."""
+    return {(n + ".weight" if LLAMA4_EXPERTS.search(n) else n):
+            (t.transpose(1, 2) if LLAMA4_EXPERTS.search(n) else t)
+            for n, t in _wire(model).items()}
+
+
+def _metas(model: str, drop: str | None = None, carried: bool = True):
     from m2nkit.manifest import ParamMeta
 
-    return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in _wire(model).items()
+    wire = _carried(model) if carried else _wire(model)
+    return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in wire.items()
             if drop is None or not re.search(drop, n)]
 
 
-def _trace(model: str, tp: int, ep: bool = False, drop: str | None = None):
+def _trace(model: str, tp: int, ep: bool = False, drop: str | None = None,
+           carried: bool = True):
     from m2nkit.adapters.vllm import InferenceSpec
     from m2nkit.adapters.vllm.trace import trace_destination
 
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    return trace_destination(DATA / model / "checkpoint", _metas(model, drop),
+    return trace_destination(DATA / model / "checkpoint", _metas(model, drop, carried),
                              InferenceSpec(tp, 1, ep))
 
 
@@ -223,24 +239,39 @@ def test_the_live_minimax_m2_worker_checks_the_traced_plan_under_checkpoint_name
 # --------------------------------------------------------------------------
 # Llama-4: the rotary permutation and the transposed experts are refused; the rest traces
 
-#: the wire tensors vLLM's Llama-4 loaders do not take as boxes (language model only)
-REFUSED = r"^(language_model\.)?model\.layers\.\d+\.(self_attn\.[qk]_proj\.weight|" \
-          r"feed_forward\.experts\.(gate_up|down)_proj)$"
+def _rotary_toy(view):
+    """A toy loader that hands its q weight [nh*hd, H] = [8, 3] on through ``view`` (nh 2, hd 4)."""
+    class Toy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Parameter(torch.empty(4, 3, dtype=torch.bfloat16, device="meta"))
+            self.qkv.weight_loader = lambda p, w: p.data.copy_(view(w).narrow(0, 4, 4))
+
+        def load_weights(self, weights):
+            for name, w in weights:
+                self.qkv.weight_loader(self.qkv, w)
+
+    return Toy()
 
 
-@pytest.mark.parametrize("model", LLAMA4)
-def test_llama4_rotary_permutation_is_refused_naming_tensor_parameter_and_op(model):
-    from m2nkit.adapters.vllm.trace import TraceError
+def test_llama4_rotary_chain_is_bound_row_by_row_and_a_near_miss_is_refused():
+    """vLLM's exact chain (``permute_qk_weight_for_rotary``) becomes one copy per wire row
+    (head 1 of 2, hd 4: reordered rows 4..7 are wire rows 4, 6, 5, 7); the same view with
+    another transpose (``transpose(0, 1)``: heads swapped with half-heads) is not that
+    chain and stays refused as a mixing reshape."""
+    from m2nkit.adapters.vllm.trace import Feed, TraceError, trace_worker
+    from m2nkit.manifest import ParamMeta
 
-    lm = "language_model." if model.endswith("vision") else ""
-    q = f"{lm}model.layers.0.self_attn.q_proj.weight"
-    with pytest.raises(TraceError) as e:
-        _trace(model, 2)
-    assert str(e.value) == (
-        f"wire tensor '{q}' into parameter '{lm}model.layers.0.self_attn.qkv_proj.weight': "
-        "vLLM's loader applies view(4, 8, 2, 64) (a reshape that mixes dims) in its op chain "
-        ".view(4, 8, 2, 64).transpose(1, 2).reshape(64, 64).narrow(0, 0, 32); m2nkit carries "
-        "only loaders that take a box of the tensor in its own axis order")
+    feed = Feed.whole(ParamMeta("q_proj.weight", torch.bfloat16, (8, 3)))
+    rotary = _rotary_toy(lambda w: w.view(2, 2, 2, 3).transpose(1, 2).reshape(8, 3))
+    copies, _, _ = trace_worker(rotary, [feed])
+    assert sorted((c.box, c.region) for c in copies) == sorted(
+        (((w, w + 1), (0, 3)), ((r, r + 1), (0, 3))) for r, w in enumerate((4, 6, 5, 7)))
+    swapped = _rotary_toy(lambda w: w.view(2, 2, 2, 3).transpose(0, 1).reshape(8, 3))
+    with pytest.raises(TraceError, match=re.escape(
+            "wire tensor 'q_proj.weight' into parameter 'qkv': vLLM's loader applies "
+            "view(2, 2, 2, 3) (a reshape that mixes dims)")):
+        trace_worker(swapped, [feed])
 
 
 def _row_sources(rows: torch.Tensor, source: torch.Tensor) -> list[int]:
@@ -252,10 +283,11 @@ def _row_sources(rows: torch.Tensor, source: torch.Tensor) -> list[int]:
 
 @pytest.mark.parametrize("model", LLAMA4)
 def test_llama4_rotary_permutation_moves_every_row_on_its_own(model):
-    """The evidence for the refusal, element by element from vLLM's dumps: within each
-    head, vLLM's q/k rows are the checkpoint's even rows then its odd rows, so within a
-    head no two rows adjacent in the wire stay adjacent (as boxes: one binding per row
-    but at head boundaries, about (nh + nkv) * hd per layer; 6144 for Llama-4-Scout)."""
+    """The evidence for binding it row by row, element by element from vLLM's dumps:
+    within each head, vLLM's q/k rows are the checkpoint's even rows then its odd rows,
+    so within a head no two rows adjacent in the wire stay adjacent (as boxes: one
+    binding per row but at head boundaries, about (nh + nkv) * hd per layer; 6144 for
+    Llama-4-Scout)."""
     wire = _wire(model)
     config = _config(model)
     lm = "language_model." if model.endswith("vision") else ""
@@ -279,80 +311,38 @@ def test_llama4_rotary_permutation_moves_every_row_on_its_own(model):
                 assert runs == len(src) - (len(hs) - 1), (tp, r, part, runs)
 
 
-def test_llama4_routed_experts_are_refused_as_a_transpose():
+def test_llama4_experts_under_transformers_names_are_refused():
+    """transformers' in-memory ``[E, in, out]`` experts, which vLLM's loader transposes,
+    are refused by name (no box carries a transpose); square ones (tiny-llama4's
+    ``gate_up_proj [4, 64, 64]``) would otherwise trace into wrong bindings."""
     from m2nkit.adapters.vllm.trace import TraceError
 
-    qk = r"self_attn\.[qk]_proj\.weight$"
-    with pytest.raises(TraceError) as e:
-        _trace("tiny-llama4", 2, drop=qk)
-    assert str(e.value).startswith(
-        "wire tensor 'model.layers.1.feed_forward.experts.gate_up_proj' into parameter "
-        "'model.layers.1.feed_forward.experts.routed_experts.w13_weight': vLLM's loader applies "
-        "transpose(-1, -2) (a transpose of the tensor's dims) in its op chain "
-        ".transpose(-1, -2).chunk(2, dim=-2)[0]")
-    # with EP, Llama4Model.load_moe_expert_weights asks the meta model's expert map for .item()
-    with pytest.raises(TraceError, match=re.escape(
-            "Llama4ForCausalLM: vLLM's load_weights failed on the fake wire tensors (the last one "
-            "handed to it: wire tensor 'model.layers.1.feed_forward.experts.gate_up_proj') "
-            "(RuntimeError: Tensor.item() cannot be called on meta tensors); m2nkit has no "
-            "family table for it")):
-        _trace("tiny-llama4", 2, True, drop=qk)
-
-
-def _refused_share(name: str, shape: tuple, config: dict, tp: int) -> torch.Tensor:
-    """The elements of a worker parameter that only the refused wire tensors write."""
-    hole = torch.zeros(shape, dtype=torch.bool)
-    if re.search(r"(^|\.)model\.layers\.\d+\.self_attn\.qkv_proj\.weight$", name) \
-            and not name.startswith("vision_model."):
-        hd = config["head_dim"]
-        q, kv = config["num_attention_heads"] // tp, max(1, config["num_key_value_heads"] // tp)
-        hole[:(q + kv) * hd] = True
-    elif re.search(r"\.feed_forward\.experts\.routed_experts\.w(13|2)_weight$", name):
-        hole[:] = True
-    return hole
+    for ep in (False, True):
+        with pytest.raises(TraceError, match=re.escape(
+                "Llama4ForCausalLM: wire tensor 'model.layers.1.feed_forward.experts."
+                "gate_up_proj' is stacked experts under transformers' in-memory name, stored "
+                "[E, in, out], which vLLM's loader transposes into [E, out, in]")):
+            _trace("tiny-llama4", 2, ep, carried=False)
 
 
 LLAMA4_DUMPS = [p for p in ALL_FIXTURES if p.values[0] in LLAMA4]
 
 
 @pytest.mark.parametrize("model,tp,ep,placement,dtype", LLAMA4_DUMPS)
-def test_llama4_everything_else_traces_and_equals_the_dumps(model, tp, ep, placement, dtype):
-    """Every wire tensor but the refused ones (q/k of the language model, the routed
-    experts) traced, bit for bit against vLLM's dump; the refused tensors' share of each
-    parameter (q and k rows of ``qkv_proj``, all of ``w13``/``w2``) stays unwritten (a
-    trace without them sees the q/k rows as rows no loader writes: zero boxes)."""
-    wire = _wire(model)
-    layout = _traced(model, tp, ep, REFUSED)
+def test_llama4_traced_layout_equals_vllm_dumps(model, tp, ep, placement, dtype):
+    """Every wire tensor of Llama-4 (text, and the wrapper with its vision tower) traced,
+    bit for bit against vLLM's dump of every worker: q/k through the rotary reordering
+    (one binding per row), the routed experts carried ``[E, out, in]`` (``_carried``),
+    under EP each worker's own experts."""
+    layout = _traced(model, tp, ep)
     assert not layout.skipped and not layout.unknown
-    config = _config(model)
-    for rank in range(tp):
-        vllm, meta = _oracle(model, tp, ep, rank)
-        assert layout.aliases == json.loads(meta["aliases"])
-        store = layout.allocate(rank, fill=float("nan"))
-        assert set(store) == set(vllm) - set(layout.aliases)
-        for p in layout.params:
-            if p.worker == rank:
-                hole = _refused_share(p.name, p.shape, config, tp)
-                for box in p.zero_boxes:
-                    sl = tuple(slice(a, b) for a, b in box)
-                    if hole[sl].all():
-                        continue
-                    assert not hole[sl].any() and not vllm[p.name][sl].any(), (p.name, box)
-                    store[p.name][sl] = 0
-        for name, bindings in layout.bindings.items():
-            for b in bindings:
-                if b.worker == rank:
-                    dst = tuple(slice(o, o + (c - a)) for o, (a, c) in zip(b.offset, b.box))
-                    store[b.param][dst] = wire[name][tuple(slice(a, c) for a, c in b.box)]
-        for name, t in store.items():
-            want = vllm[name].clone()
-            want[_refused_share(name, tuple(t.shape), config, tp)] = float("nan")
-            _same(t, want, f"{model} tp={tp} ep={ep} rank {rank} {name}")
+    assert_layout_equals_dumps(layout, _carried(model), model, tp, ep, placement, dtype,
+                               "traced ")
 
 
 def test_llama4_vision_tower_and_shared_expert_trace_split_by_tp():
     wire = _wire("tiny-llama4-vision")
-    layout = _traced("tiny-llama4-vision", 2, False, REFUSED)
+    layout = _traced("tiny-llama4-vision", 2, False)
     v = "vision_model.model.layers.1.self_attn"
     qkv = f"{v}.qkv_proj.weight"
     shared = "language_model.model.layers.0.feed_forward.shared_expert.gate_up_proj.weight"

@@ -109,6 +109,8 @@ TABLELESS_CONFIGS = {
     # has a table now (families/glm4_moe_lite.py): kept, the trace taking the table's wire names
     "zai-org__GLM-4.7-Flash": "vllm:tp=2,ep",
     "zai-org__GLM-5": "vllm:tp=2,ep",
+    # no table: rotary q/k rows one binding per row, experts carried [E, out, in]
+    "meta-llama__Llama-4-Scout-17B-16E-Instruct": "vllm:tp=2,ep",
 }
 
 
@@ -142,6 +144,9 @@ def test_config_only_traced_plans_write_every_element_once(model):
     # vision towers travel too
     if "VL" in model or "3.5" in model:
         assert any(".visual." in n for n in layout.bindings), "no vision-tower tensor is bound"
+    if "Llama-4" in model:
+        assert any(n.startswith("vision_model.") for n in layout.bindings), \
+            "no vision-tower tensor is bound"
 
 
 def wire_bytes_of(param, layout, wire_bytes) -> int:
@@ -171,16 +176,9 @@ def _tableless_fixtures():
 
 
 #: Shipped tableless checkpoints whose vLLM loaders are no box algebra, and the refusal
-#: plan prints (Llama-4's rotary q/k permutation; tests/integration/test_traced_misc.py).
-REFUSED = {
-    # traced with EP: Llama4Model.load_moe_expert_weights asks the meta model for .item()
-    "tiny-llama4": "Llama4ForCausalLM: vLLM's load_weights failed on the fake wire tensors "
-                   "(the last one handed to it: wire tensor "
-                   "'model.layers.1.feed_forward.experts.gate_up_proj')",
-    "tiny-llama4-vision": "wire tensor 'language_model.model.layers.0.self_attn.q_proj.weight' "
-                          "into parameter 'language_model.model.layers.0.self_attn.qkv_proj."
-                          "weight': vLLM's loader applies view(",
-}
+#: plan prints (none since Llama-4's rotary rows and transposed experts trace:
+#: tests/integration/test_traced_misc.py).
+REFUSED: dict[str, str] = {}
 
 
 #: Checkpoints planned in a process of their own: vLLM serves them through its generic
