@@ -288,3 +288,74 @@ def test_schemes_m2nkit_does_not_carry_are_named_with_the_supported_ones(tmp_pat
     fp8_checkpoint = ORACLE / "tiny-deepseek-v3-fp8" / "checkpoint"
     assert quantization_mode(worker_config(str(fp8_checkpoint),
                                            parse_inference_spec("vllm:tp=1"), 0)) == "fp8"
+
+
+def _quantized_layers_took_the_wire(state) -> dict:
+    """Mode 2: the layers vLLM serves with ``Fp8PerBlockOnlineLinearMethod`` (read from the
+    live model) against those the last round processed with the trainers' e4m3 bytes and
+    scales in place of vLLM's ``per_block_cast_to_fp8`` (``LayerwiseReload._process``)."""
+    from vllm.model_executor.layers.quantization.online.fp8 import Fp8PerBlockOnlineLinearMethod
+
+    reload = state["engine"]._receiver._reload
+    quantized = {n for n, m in state["model"].named_modules()
+                 if isinstance(getattr(m, "quant_method", None), Fp8PerBlockOnlineLinearMethod)}
+    took = {n for n, m in state["model"].named_modules() if id(m) in reload.prequantized_ids}
+    return {"quantized": sorted(quantized), "not_from_wire": sorted(quantized - took),
+            "other": sorted(took - quantized)}
+
+
+#: (checkpoint, the trainers' spec, the workers' vLLM layout, what it covers)
+WIRE_CASES = [
+    ("qwen3-h192", "vllm:tp=2,quant=fp8_per_block,wire=fp8", "vllm:tp=2",
+     "mode 2, dense: hidden 192; blocks across q/k and gate/up rows (two wire tensors), "
+     "o_proj/down_proj blocks across the two FSDP2 shards (the amax exchange)"),
+]
+
+
+@pytest.mark.parametrize("name,inference,served,covers", WIRE_CASES, ids=[c[0] for c in WIRE_CASES])
+def test_fp8_wire_round_from_fsdp2_equals_fresh_fp8_load(host, checkpoints, name, inference,
+                                                          served, covers):
+    """Mode 2 live: two FSDP2 trainer ranks quantize what they send in each worker's own
+    128 x 128 grid (partial maxima exchanged between them), send e4m3 bytes + float32 scales
+    over torch_p2p, and the workers (vLLM, ``quantization="fp8_per_block"``) hand them to
+    vLLM's online method in place of its own quantization. Every served parameter must then
+    equal a fresh vLLM ``fp8_per_block`` load of v1 bit for bit, in the same memory."""
+    v0, v1 = checkpoints(name)
+    _fp8_wire_preconditions(v1, inference)
+    started = host.start_workers(v0, served, "auto", "fp8_per_block")
+    assert {s["engine"] for s in started} == {"m2nkit.engine.plugins.vllm.M2NVLLMEngine"}
+    outcome = _run_fsdp2_trainers(host.client, v1, inference)
+    assert outcome == {0: "done", 1: "done"}, outcome
+    for w, r in enumerate(host.client.collective_rpc(_quantized_layers_took_the_wire)):
+        assert r["quantized"] and r["not_from_wire"] == [] and r["other"] == [], (w, r)
+    for w, n in enumerate(host.client.collective_rpc(_layers_processed)):
+        assert n["not_streamed"] == [] and n["streamed"] == n["layers"] > 0, (w, n)
+    reports = host.client.verify(v1)
+    assert len(reports) == len(started)
+    for w, r in enumerate(reports):
+        assert r["compared"] == started[w]["parameters"] > 0
+        assert (r["names_only_live"], r["names_only_fresh"]) == ([], []), (w, r)
+        assert r["differ"] == [], f"worker {w}: differs from vLLM's fresh fp8 load of v1: {r['differ']}"
+        assert r["unchanged_since_start"] == [], f"worker {w}: still v0: {r['unchanged_since_start']}"
+        assert r["moved"] == [], f"worker {w}: parameters re-allocated: {r['moved']}"
+        assert r["version"] == "v1"
+
+
+def _fp8_wire_preconditions(checkpoint, inference) -> None:
+    """The case covers what it says: m2nkit's plan for two FSDP2 ranks (the checkpoint read
+    as ``fsdp2:dp_shard=2`` shards it) has blocks fed by two wire tensors and blocks fed by
+    both trainer ranks (so the exchange runs)."""
+    from m2nkit.adapters.hf_checkpoint import checkpoint_metas, read_checkpoint
+    from m2nkit.adapters.trainer_spec import parse_trainer_spec
+    from m2nkit.adapters.vllm import vllm_destination
+    from m2nkit.engine.fp8_wire import fp8_wire_plan
+    from m2nkit.engine.plan import build_plan
+
+    ckpt = read_checkpoint(checkpoint)
+    tspec = parse_trainer_spec(FSDP2)
+    metas = checkpoint_metas(ckpt, tspec)
+    builder = vllm_destination(ckpt.config, inference)
+    plan = build_plan(metas, tspec.num_ranks, builder(metas))
+    assert not plan.problems
+    fp8 = fp8_wire_plan(builder, plan)
+    assert fp8.shared_blocks > 0 and fp8.multi_wire_blocks > 0, fp8.to_json()
