@@ -33,9 +33,11 @@ receiver commits only after every wire tensor landed and every rank agreed
 (``engine.receiver``), as for the BF16 wire.
 
 Only 2-D quantized parameters (linear ``weight``) are carried on the fp8
-wire so far; a plan whose targets include stacked experts (vLLM pads their
-dims to whole blocks, ``Fp8PerBlockOnlineMoEMethod.maybe_roundup_sizes``) is
-refused before any traffic, naming the parameter.
+wire so far: a plan whose targets include stacked experts is refused before
+any traffic, naming the parameter. (The trainer side and the receiver's
+stand-in handle one grid per expert, but no Qwen3-MoE round could be run
+here: the CPU harness's fp8 Qwen3-MoE workers fail to start in this
+environment, mode 1's case too; see docs/fp8.md.)
 """
 
 from __future__ import annotations
@@ -87,10 +89,10 @@ def fp8_wire_plan(destination: Any, plan: Plan) -> Fp8Plan | None:
             return None
         targets = [Fp8Target(*r) for r in rows]
         for t in targets:
-            if len(t.shape) != 2 or t.fp8_shape != t.shape:
+            if len(t.shape) != 2:
                 raise ValueError(
                     f"wire=fp8: '{t.param}' (worker {t.worker}) is stacked experts of shape "
-                    f"{t.shape}, which vLLM quantizes as {t.fp8_shape}; the fp8 wire carries "
+                    f"{t.shape} (vLLM quantizes them as {t.fp8_shape}); the fp8 wire carries "
                     "2-D linear weights only so far: serve this model with wire=bf16 (vLLM "
                     "quantizes what lands)")
         cache["fp8"] = plan_fp8(plan, targets, with_leaders=True)

@@ -333,11 +333,15 @@ class LayerwiseReload:
         its GEMM); the reload then copies the result into the kept kernel
         tensors. On the fp8 wire the trainers did the quantization, so for
         this one call that function gives the received e4m3 bytes and scales:
-        every other step is vLLM's. The stand-in refuses (``RuntimeError``,
-        the round fails, nothing commits) unless it is called exactly once,
-        on this layer's own ``weight``, in 128 x 128 blocks without UE8M0,
-        with shapes that match: a vLLM whose method works otherwise is
-        caught, not fed wrong bytes.
+        every other step is vLLM's. ``Fp8PerBlockOnlineMoEMethod`` calls it
+        once per local expert on ``w13_weight[e]`` and ``w2_weight[e]``, then
+        hands the results to its kernel setup (``_setup_kernel``); the
+        stand-in answers each with that expert's slice. It refuses
+        (``RuntimeError``: the round fails, nothing commits) unless every
+        call is on this layer's own weight (one expert's view of it), in
+        128 x 128 blocks without UE8M0, with shapes that match, once each,
+        and every weight (expert) was asked for: a vLLM whose method works
+        otherwise is caught, not fed wrong bytes.
         """
         from vllm.model_executor.model_loader.reload.layerwise import _layerwise_process
 
@@ -349,24 +353,50 @@ class LayerwiseReload:
 
         method = getattr(layer, "quant_method", None)
         what = f"{type(layer).__name__} with {type(method).__name__}"
-        if not isinstance(method, online_fp8.Fp8PerBlockOnlineLinearMethod) or set(given) != {"weight"}:
-            raise RuntimeError(f"wire=fp8: {what} got the trainers' e4m3 {sorted(given)}; only a "
-                               "linear layer with Fp8PerBlockOnlineLinearMethod takes them")
-        q, scale = given["weight"]
-        calls = []
+        if isinstance(method, online_fp8.Fp8PerBlockOnlineLinearMethod):
+            want, per_call = {"weight"}, 1
+        elif isinstance(method, online_fp8.Fp8PerBlockOnlineMoEMethod):
+            want, per_call = {"w13_weight", "w2_weight"}, 0
+        else:
+            want = set()
+        if set(given) != want:
+            raise RuntimeError(f"wire=fp8: {what} got the trainers' e4m3 {sorted(given)}; "
+                               "only Fp8PerBlockOnlineLinearMethod (weight) and "
+                               "Fp8PerBlockOnlineMoEMethod (w13_weight, w2_weight) take them")
+        calls: list[tuple[str, int]] = []
         original = online_fp8.per_block_cast_to_fp8
 
+        def which(x):
+            """``(attr, expert or -1)`` of the layer tensor ``x`` is (a view of one expert)."""
+            for attr in sorted(given):
+                base = getattr(layer, attr, None)
+                if base is None:
+                    continue
+                if x is base:
+                    return attr, -1
+                if base.dim() == 3 and x.dim() == 2 and tuple(x.shape) == tuple(base.shape[1:]) \
+                        and x.stride() == base.stride()[1:]:
+                    step = base.stride(0) * base.element_size()
+                    off = x.data_ptr() - base.data_ptr()
+                    if off % step == 0 and 0 <= off // step < base.shape[0]:
+                        return attr, off // step
+            return None, -1
+
         def given_cast(x, block_size=None, use_ue8m0=False):
+            attr, expert = which(x)
+            q, scale = given.get(attr, (None, None))
+            if q is not None and expert >= 0:
+                q, scale = q[expert], scale[expert]
             grid = tuple(-(-n // 128) for n in x.shape)
-            if calls or x is not getattr(layer, "weight", None) or list(block_size or ()) != [
-                    128, 128] or use_ue8m0 or tuple(x.shape) != tuple(q.shape) \
+            if attr is None or (attr, expert) in calls or list(block_size or ()) != [128, 128] \
+                    or use_ue8m0 or tuple(x.shape) != tuple(q.shape) \
                     or tuple(scale.shape) != grid:
                 raise RuntimeError(
-                    f"wire=fp8: {what} quantized otherwise than m2nkit's trainers did (call "
-                    f"{len(calls) + 1}, block {block_size}, use_ue8m0={use_ue8m0}, shape "
-                    f"{tuple(x.shape)} vs {tuple(q.shape)}, scales {tuple(scale.shape)} vs "
-                    f"{grid}); this vLLM cannot take the fp8 wire: use wire=bf16")
-            calls.append(1)
+                    f"wire=fp8: {what} quantized otherwise than m2nkit's trainers did (a tensor "
+                    f"of shape {tuple(x.shape)}: {attr or 'not the layer weight'}"
+                    f"{'' if expert < 0 else f' expert {expert}'}, block {block_size}, "
+                    f"use_ue8m0={use_ue8m0}); this vLLM cannot take the fp8 wire: use wire=bf16")
+            calls.append((attr, expert))
             return q, scale
 
         online_fp8.per_block_cast_to_fp8 = given_cast
@@ -374,9 +404,11 @@ class LayerwiseReload:
             _layerwise_process(layer, info)
         finally:
             online_fp8.per_block_cast_to_fp8 = original
-        if not calls:
-            raise RuntimeError(f"wire=fp8: {what} never called per_block_cast_to_fp8; this vLLM "
-                               "cannot take the fp8 wire: use wire=bf16")
+        expected = per_call or sum(given[a][0].shape[0] for a in given)
+        if len(calls) != expected:
+            raise RuntimeError(f"wire=fp8: {what} called per_block_cast_to_fp8 {len(calls)} times, "
+                               f"not {expected} (one per weight, or per expert and weight); this "
+                               "vLLM cannot take the fp8 wire: use wire=bf16")
         self.prequantized_ids.add(id(layer))
 
     def commit(self) -> None:

@@ -309,6 +309,8 @@ WIRE_CASES = [
     ("qwen3-h192", "vllm:tp=2,quant=fp8_per_block,wire=fp8", "vllm:tp=2",
      "mode 2, dense: hidden 192; blocks across q/k and gate/up rows (two wire tensors), "
      "o_proj/down_proj blocks across the two FSDP2 shards (the amax exchange)"),
+    # Qwen3-MoE (stacked experts) is refused on the fp8 wire so far
+    # (fp8_wire.fp8_wire_plan; test_fp8_wire.py in the fast suite)
 ]
 
 
