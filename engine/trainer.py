@@ -67,6 +67,7 @@ from .control import (
     wait_workers_joined,
 )
 from .deadline import REPORT_GRACE_S, Deadline
+from .fp8_wire import Fp8WireSender, fp8_wire_plan
 from .session import DestinationBuilder, InitPayload, check_destination, plan_from_manifest
 from .transports.registry import TRANSPORTS, check_transport, open_transport
 from .transports.torch_p2p import BucketSchedule
@@ -129,8 +130,6 @@ def _fp8_wire_of(info: M2NTrainerInitInfo, plan):
         ValueError: ``wire=fp8`` over a transport other than ``torch_p2p``,
             or a model the fp8 wire does not carry (``fp8_wire.fp8_wire_plan``).
     """
-    from .fp8_wire import fp8_wire_plan
-
     if plan.problems:
         return None
     fp8 = fp8_wire_plan(info.destination, plan)
@@ -302,8 +301,6 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
             raise ValueError(f"trainer rank {info.rank}: the plan has {len(plan.problems)} problem(s), "
                              f"nothing can be sent: {listed}")
         if fp8 is not None:
-            from .fp8_wire import Fp8WireSender
-
             transport = Fp8WireSender(transport, plan, fp8, source)
         return cls(init_info=info, client=client, source=source, plan=plan, payload=payload,
                    group=group, store=store, transport=transport)
