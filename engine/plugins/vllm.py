@@ -48,6 +48,13 @@ docs/fp8.md): the plan is checked against the checkpoint-format layout vLLM
 recorded before the first load, slabs land in the layers the reload restores,
 and vLLM quantizes each layer once it is complete. Any other scheme is
 refused by name at every init, on every rank (``vllm_reload.quantization_mode``).
+A worker serving ``fp8_per_block`` also accepts trainers whose spec is its own
+plus ``quant=fp8_per_block`` (``_destination_for``); with ``wire=fp8`` (mode 2,
+dense models) the trainers send e4m3 bytes and scales (``engine.fp8_wire``) and
+its transport is wrapped in ``Fp8WireReceiver``, which hands them to the
+reload in place of vLLM's own ``per_block_cast_to_fp8``
+(``LayerwiseReload._process``), after the live model was held against the
+trainers' targets (``_fp8_wire_problems``).
 
 It sits above the runtime it drives (receiver, session, control plane),
 like the tools, and below them: nothing of the runtime imports it, and it

@@ -47,6 +47,12 @@ vLLM 0.33.0's path for reloading a live model
   ``live_changed`` tells the receiver, which then reports the weights as
   mixed (as in its ``in_place`` mode) until a complete round commits.
 
+On the fp8 wire (mode 2, ``engine/fp8_wire.py``) a quantized linear layer's
+``weight`` arrives as the trainers' e4m3 bytes with their block scales
+(:meth:`~LayerwiseReload.prequantize`); the layer is processed the same way,
+vLLM's ``per_block_cast_to_fp8`` answering, for that one call, with what
+arrived (:meth:`~LayerwiseReload._process` says why and what it checks).
+
 What is processed is exactly what vLLM's own loader would quantize: the
 bytes the plan wrote where vLLM's loaders write (the plan's layout is the
 checkpoint format, checked against :meth:`~LayerwiseReload.params` and traced
