@@ -361,3 +361,43 @@ def _fp8_wire_preconditions(checkpoint, inference) -> None:
     assert not plan.problems
     fp8 = fp8_wire_plan(builder, plan)
     assert fp8.shared_blocks > 0 and fp8.multi_wire_blocks > 0, fp8.to_json()
+
+
+def _scales_cut_short(state, on: bool) -> bool:
+    """Worker side of the failed-round test: with ``on``, every scale grid the fp8 wire hands
+    the reload loses its last column (``LayerwiseReload.prequantize``), as a vLLM whose
+    method quantized in another grid would see it; ``on=False`` undoes it."""
+    from m2nkit.engine.plugins.vllm_reload import LayerwiseReload
+
+    original = getattr(LayerwiseReload, "_m2nkit_test_original", None)
+    if on and original is None:
+        original = LayerwiseReload._m2nkit_test_original = LayerwiseReload.prequantize
+
+        def cut(self, name, weight, scale):
+            return original(self, name, weight, scale[:, :-1])
+
+        LayerwiseReload.prequantize = cut
+    elif not on and original is not None:
+        LayerwiseReload.prequantize = original
+        del LayerwiseReload._m2nkit_test_original
+    return True
+
+
+def test_fp8_wire_round_that_vllm_cannot_take_fails_everywhere_and_commits_nothing(
+        host, checkpoints):
+    """The stand-in for ``per_block_cast_to_fp8`` refuses scales that are not in the grid
+    vLLM asks for: the round fails on every trainer rank, naming the layer and the check,
+    and no worker commits v1 (each keeps the version it had)."""
+    v0, v1 = checkpoints("qwen3-h192")
+    host.start_workers(v0, "vllm:tp=2", "auto", "fp8_per_block")
+    before = host.client.weight_versions()
+    assert host.client.collective_rpc(_scales_cut_short, True) == [True, True]
+    try:
+        outcome = _run_fsdp2_trainers(host.client, v1, "vllm:tp=2,quant=fp8_per_block,wire=fp8")
+    finally:
+        host.client.collective_rpc(_scales_cut_short, False)
+    assert sorted(outcome) == [0, 1] and all(v != "done" for v in outcome.values()), outcome
+    assert any("quantized otherwise than m2nkit's trainers did" in v for v in outcome.values()), \
+        outcome
+    after = host.client.weight_versions()
+    assert after == before and "v1" not in after, (before, after)
