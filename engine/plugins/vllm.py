@@ -418,8 +418,9 @@ class M2NVLLMEngine(WeightTransferEngine):
         for name, t in sorted(mine.items()):
             p, s = live.get(name), live.get(t.scale)
             if p is None or p.dtype != torch.float8_e4m3fn or tuple(p.shape) != t.fp8_shape:
-                found.append(f"'{name}' is served as {None if p is None else (p.dtype, tuple(p.shape))}"
-                             f", the fp8 wire sends float8_e4m3fn {t.fp8_shape}")
+                served = None if p is None else (p.dtype, tuple(p.shape))
+                found.append(f"'{name}' is served as {served}, the fp8 wire sends "
+                             f"float8_e4m3fn {t.fp8_shape}")
             elif s is None or s.dtype != torch.float32 or tuple(s.shape) != t.grid:
                 found.append(f"'{t.scale}' is served as "
                              f"{None if s is None else (s.dtype, tuple(s.shape))}, the fp8 wire "

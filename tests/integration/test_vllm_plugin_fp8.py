@@ -337,8 +337,8 @@ def test_fp8_wire_round_from_fsdp2_equals_fresh_fp8_load(host, checkpoints, name
     for w, r in enumerate(reports):
         assert r["compared"] == started[w]["parameters"] > 0
         assert (r["names_only_live"], r["names_only_fresh"]) == ([], []), (w, r)
-        assert r["differ"] == [], f"worker {w}: differs from vLLM's fresh fp8 load of v1: {r['differ']}"
-        assert r["unchanged_since_start"] == [], f"worker {w}: still v0: {r['unchanged_since_start']}"
+        assert r["differ"] == [], f"worker {w}: differs from a fresh fp8 load of v1: {r['differ']}"
+        assert r["unchanged_since_start"] == [], (w, "still v0", r["unchanged_since_start"])
         assert r["moved"] == [], f"worker {w}: parameters re-allocated: {r['moved']}"
         assert r["version"] == "v1"
 
