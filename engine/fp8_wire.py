@@ -32,12 +32,11 @@ peer is a ``TransferError`` naming it. The receive commits nothing: the
 receiver commits only after every wire tensor landed and every rank agreed
 (``engine.receiver``), as for the BF16 wire.
 
-Only 2-D quantized parameters (linear ``weight``) are carried on the fp8
-wire so far: a plan whose targets include stacked experts is refused before
-any traffic, naming the parameter. (The trainer side and the receiver's
-stand-in handle one grid per expert, but no Qwen3-MoE round could be run
-here: the CPU harness's fp8 Qwen3-MoE workers fail to start in this
-environment, mode 1's case too; see docs/fp8.md.)
+Linear ``weight`` and stacked experts (``w13_weight``/``w2_weight``, one
+grid per expert) are carried; experts whose hidden or local intermediate
+dim is not a whole number of 128-blocks (vLLM pads those,
+``Fp8PerBlockOnlineMoEMethod.maybe_roundup_sizes``) are refused before any
+traffic, naming the parameter.
 """
 
 from __future__ import annotations
@@ -75,8 +74,8 @@ def fp8_wire_plan(destination: Any, plan: Plan) -> Fp8Plan | None:
     Cached on ``plan``.
 
     Raises:
-        ValueError: a target that is not a 2-D linear weight (stacked
-            experts: not carried on the fp8 wire yet), or the builder's own.
+        ValueError: stacked experts that vLLM pads to whole 128-blocks (not
+            carried on the fp8 wire yet), or the builder's own.
     """
     targets_of = getattr(destination, "fp8_wire_targets", None)
     if targets_of is None:
@@ -89,12 +88,13 @@ def fp8_wire_plan(destination: Any, plan: Plan) -> Fp8Plan | None:
             return None
         targets = [Fp8Target(*r) for r in rows]
         for t in targets:
-            if len(t.shape) != 2:
+            if t.fp8_shape != t.shape:
                 raise ValueError(
                     f"wire=fp8: '{t.param}' (worker {t.worker}) is stacked experts of shape "
-                    f"{t.shape} (vLLM quantizes them as {t.fp8_shape}); the fp8 wire carries "
-                    "2-D linear weights only so far: serve this model with wire=bf16 (vLLM "
-                    "quantizes what lands)")
+                    f"{t.shape}, which vLLM pads to whole 128-blocks as {t.fp8_shape} "
+                    "(Fp8PerBlockOnlineMoEMethod.maybe_roundup_sizes); the fp8 wire carries "
+                    "experts whose hidden and local intermediate dims are whole blocks only "
+                    "so far: serve this model with wire=bf16 (vLLM quantizes what lands)")
         cache["fp8"] = plan_fp8(plan, targets, with_leaders=True)
     return cache["fp8"]
 

@@ -291,14 +291,17 @@ def test_schemes_m2nkit_does_not_carry_are_named_with_the_supported_ones(tmp_pat
 
 
 def _quantized_layers_took_the_wire(state) -> dict:
-    """Mode 2: the layers vLLM serves with ``Fp8PerBlockOnlineLinearMethod`` (read from the
-    live model) against those the last round processed with the trainers' e4m3 bytes and
-    scales in place of vLLM's ``per_block_cast_to_fp8`` (``LayerwiseReload._process``)."""
-    from vllm.model_executor.layers.quantization.online.fp8 import Fp8PerBlockOnlineLinearMethod
+    """Mode 2: the layers vLLM serves with ``Fp8PerBlockOnlineLinearMethod`` or
+    ``Fp8PerBlockOnlineMoEMethod`` (read from the live model) against those the last round
+    processed with the trainers' e4m3 bytes and scales in place of vLLM's
+    ``per_block_cast_to_fp8`` (``LayerwiseReload._process``)."""
+    from vllm.model_executor.layers.quantization.online.fp8 import (
+        Fp8PerBlockOnlineLinearMethod, Fp8PerBlockOnlineMoEMethod)
 
     reload = state["engine"]._receiver._reload
+    methods = (Fp8PerBlockOnlineLinearMethod, Fp8PerBlockOnlineMoEMethod)
     quantized = {n for n, m in state["model"].named_modules()
-                 if isinstance(getattr(m, "quant_method", None), Fp8PerBlockOnlineLinearMethod)}
+                 if isinstance(getattr(m, "quant_method", None), methods)}
     took = {n for n, m in state["model"].named_modules() if id(m) in reload.prequantized_ids}
     return {"quantized": sorted(quantized), "not_from_wire": sorted(quantized - took),
             "other": sorted(took - quantized)}
@@ -309,8 +312,10 @@ WIRE_CASES = [
     ("qwen3-h192", "vllm:tp=2,quant=fp8_per_block,wire=fp8", "vllm:tp=2",
      "mode 2, dense: hidden 192; blocks across q/k and gate/up rows (two wire tensors), "
      "o_proj/down_proj blocks across the two FSDP2 shards (the amax exchange)"),
-    # Qwen3-MoE (stacked experts) is refused on the fp8 wire so far
-    # (fp8_wire.fp8_wire_plan; test_fp8_wire.py in the fast suite)
+    # expert dims whole 128 blocks: vLLM pads others (refused on the fp8 wire so far)
+    ("qwen3-moe-h256", "vllm:tp=2,ep,quant=fp8_per_block,wire=fp8", "vllm:tp=2,ep",
+     "mode 2, MoE with EP: whole experts per worker, one grid per expert (gate and up rows "
+     "of w13 from two wire tensors); the fp8 router; qkv blocks across q/k"),
 ]
 
 
