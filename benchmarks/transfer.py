@@ -25,8 +25,8 @@ With ``--wire fp8`` a fourth method runs beside them, in the same processes:
   weights, scales and other parameters are compared bit for bit with
   m2nkit's in-process mode 2 (``execute_fp8_in_process``, itself held against
   vLLM's own ``fp8_per_block`` load in ``tests/integration/test_fp8_plan.py``).
-  A dense model only (``--model tiny-qwen3``): stacked experts are refused
-  on the fp8 wire so far.
+  Experts whose dims vLLM pads to whole 128-blocks are refused on the fp8
+  wire so far (the bench sizes' are whole blocks at ``tp=2``).
 
 The methods run **interleaved**, round by round: m2nkit and the floor in
 every round (alternating which goes first), gather-then-broadcast last in
@@ -700,8 +700,8 @@ def main() -> None:
     p.add_argument("--wire", choices=("bf16", "fp8"), default="bf16",
                    help="fp8: also run m2nkit on the fp8 wire (mode 2: the trainers quantize "
                         "in each worker's 128x128 grid, e4m3 + fp32 scales) beside the BF16 "
-                        "round, into workers serving quant=fp8_per_block; a dense model "
-                        "(--model tiny-qwen3: stacked experts are not on the fp8 wire yet)")
+                        "round, into workers serving quant=fp8_per_block (experts whose dims "
+                        "vLLM pads to 128-blocks are not on the fp8 wire yet)")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
     args = p.parse_args()
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
