@@ -14,6 +14,20 @@ their own for the baseline's all-gather):
 * ``floor``    — ``raw_floor_round``: the plan's bytes per (trainer, worker)
   link as one raw message each, from buffers filled in advance.
 
+With ``--wire fp8`` a fourth method runs beside them, in the same processes:
+
+* ``fp8``      — m2nkit on the fp8 wire (mode 2, ``engine/fp8_wire.py``): the
+  same checkpoint into workers serving ``quant=fp8_per_block``; the trainer
+  ranks take per-block partial maxima, exchange the shared blocks' maxima,
+  send the scales and then e4m3 bytes through the same ``TorchP2PTransport``.
+  Reported: its bytes (checked against ``plan_fp8``'s), round time, and the
+  trainers' quantization time per GB of BF16 quantized; each worker's e4m3
+  weights, scales and other parameters are compared bit for bit with
+  m2nkit's in-process mode 2 (``execute_fp8_in_process``, itself held against
+  vLLM's own ``fp8_per_block`` load in ``tests/integration/test_fp8_plan.py``).
+  Experts whose dims vLLM pads to whole 128-blocks are refused on the fp8
+  wire so far (the bench sizes' are whole blocks at ``tp=2``).
+
 The methods run **interleaved**, round by round: m2nkit and the floor in
 every round (alternating which goes first), gather-then-broadcast last in
 the first ``--gather-rounds`` rounds, after ``--warmup`` unrecorded rounds.
@@ -34,7 +48,8 @@ independent restatement of vLLM's loaders, computed once); a method that
 moves wrong bytes fails the benchmark.
 
     python benchmarks/transfer.py [--model tiny-qwen3-moe|DIR] [--trainer fsdp:4]
-        [--inference vllm:tp=2] [--rounds 5] [--scale N] [--cases all] [--json PATH]
+        [--inference vllm:tp=2] [--rounds 5] [--scale N] [--cases all] [--wire fp8]
+        [--json PATH]
 
 ``--model NAME`` (a built-in tiny architecture) builds, once, a larger
 randomly initialised checkpoint of that architecture (``BENCH_SIZES``,
@@ -63,6 +78,7 @@ from m2nkit.engine.tools.procs import collect_ranks, free_port, peak_kib, reset_
 METHODS = ("m2nkit", "gather", "floor")
 LABELS = {
     "m2nkit": "m2nkit torch_p2p",
+    "fp8": "m2nkit fp8 wire",
     "gather": "gather-then-broadcast",
     "floor": "raw gloo floor",
 }
@@ -157,6 +173,13 @@ def _run_rank(rank: int, cfg: dict) -> dict:
     # The transport a session runs (its staging pool kept across rounds).
     p2p = TorchP2PTransport(group, rank=rank, timeout_s=timeout_s,
                             bucket_bytes=cfg["bucket_bytes"])
+    plan8 = fp8 = None
+    if "fp8" in methods:    # --wire fp8: the same checkpoint into fp8_per_block workers
+        from m2nkit.engine.fp8_wire import fp8_wire_plan
+
+        builder8 = vllm_destination(ck.config, cfg["inference_fp8"])
+        plan8, _ = plan_from_manifest(manifest, builder8)
+        fp8 = fp8_wire_plan(builder8, plan8)
     rss_idle = rss_kib()  # imports, checkpoint headers, plan, groups: an idle process
 
     # Everything every method needs, resident before the first round.
@@ -178,6 +201,15 @@ def _run_rank(rank: int, cfg: dict) -> dict:
         # storage is compared with it bit for bit.
         ref = reference_load(ck.config, full_checkpoint_tensors(ck), cfg["inference"], rank - T)
         ref = {name: ref[name].clone() for name in storage}
+        if fp8 is not None:
+            # the fp8 wire's reference: m2nkit's in-process mode 2 (held bit for bit against
+            # vLLM's own fp8_per_block load in tests/integration/test_fp8_plan.py)
+            from m2nkit.engine.quant_fp8 import execute_fp8_in_process
+
+            ref8 = dict(ref)
+            execute_fp8_in_process(plan8, fp8, lambda r: checkpoint_manifest(ck, tspec, r)
+                                   .iter_local(), {w: ref8 if w == rank - T else {}
+                                                   for w in range(N)})
     ck.close()  # drop the safetensors memory maps: only the shard stays resident
     gc.collect()
 
@@ -219,6 +251,18 @@ def _run_rank(rank: int, cfg: dict) -> dict:
                     _, rep = p2p.recv_round(plan, rank - T, storage)
                     n = rep.nbytes
                     c = {"sent": 0, "received": n, "gathered": 0}
+            elif method == "fp8":
+                if is_trainer:
+                    sender = _Fp8Sender(p2p, plan8, fp8, local)
+                    n = sender.send_round(plan8, rank, iter(local)).nbytes
+                    c = {"sent": n, "received": 0, "gathered": 0,
+                         "quantize_s": sender.quantize_seconds}
+                else:
+                    got = _Fp8Got()
+                    _, rep = _Fp8Receiver(p2p, plan8, fp8, got).recv_round(plan8, rank - T,
+                                                                            storage)
+                    n = rep.nbytes
+                    c = {"sent": 0, "received": n, "gathered": 0}
             elif method == "gather":
                 r = gather_then_broadcast_round(group, tgroup, plan, rank,
                                                 stream=iter(local) if is_trainer else None,
@@ -230,18 +274,57 @@ def _run_rank(rank: int, cfg: dict) -> dict:
             barrier(f"after {method} round {k}")
             dt, dc = time.perf_counter() - t0, cpu_s() - c0
             exact = None  # the floor moves filler bytes: nothing to check
-            if storage is not None and method != "floor":
+            if storage is not None and method == "fp8":
+                held = {**storage, **got.held}
+                bad = [name for name in ref8 if not bitwise_equal(held[name], ref8[name])]
+                exact = {"ok": not bad, "params": len(ref8), "bad": bad[:3]}
+            elif storage is not None and method != "floor":
                 bad = [name for name in storage if not bitwise_equal(storage[name], ref[name])]
                 exact = {"ok": not bad, "params": len(storage), "bad": bad[:3]}
             if k < 0:
                 continue
+            quantize_s = c.pop("quantize_s", 0.0)
             slots.append({"method": method, "round": k, "time": dt, "cpu": dc,
                           "counts": c, "rss_ready": rss_ready, "peak": peak_kib(),
-                          "exact": exact})
+                          "exact": exact, "quantize_s": quantize_s})
     # torch_p2p's staging pool, kept across rounds (grown in the first one): what the
     # transport holds between rounds, on top of each round's Δ ready.
     pool = p2p._pool.nbytes if p2p._pool is not None else 0
     return {"slots": slots, "rss_idle": rss_idle, "peak_reset": peak_reset, "pool": pool}
+
+
+class _LocalSource:
+    """A trainer rank's shard as an ``M2NWeightSource`` for the fp8 wire (read twice a round)."""
+
+    def __init__(self, local) -> None:
+        self.local = local
+
+    def iter_local(self):
+        return iter(self.local)
+
+
+def _Fp8Sender(p2p, plan8, fp8, local):
+    from m2nkit.engine.fp8_wire import Fp8WireSender
+
+    return Fp8WireSender(p2p, plan8, fp8, _LocalSource(local))
+
+
+def _Fp8Receiver(p2p, plan8, fp8, got):
+    from m2nkit.engine.fp8_wire import Fp8WireReceiver
+
+    return Fp8WireReceiver(p2p, plan8, fp8, got)
+
+
+class _Fp8Got:
+    """Stands in for vLLM's reload on a benchmark worker: keeps what the fp8 wire hands it
+    (``LayerwiseReload.prequantize``: the e4m3 weight and its scales, under vLLM's names)."""
+
+    def __init__(self) -> None:
+        self.held = {}
+
+    def prequantize(self, name, weight, scale) -> None:
+        self.held[name] = weight
+        self.held[name + "_scale_inv"] = scale
 
 
 # --------------------------------------------------------------------------
@@ -443,9 +526,27 @@ def run_one(args, methods: list[str], trainer: str, inference: str, scale: int) 
         torch_p2p.RUN_PIECE_BYTES = RUNS_PIECE_BYTES
     messages = {"m2nkit": message_count(plan, BucketSchedule.build(plan, bucket_bytes)),
                 "floor": len(plan.link_bytes)}
+    fp8 = None
+    inference_fp8 = f"{inference},quant=fp8_per_block,wire=fp8"
+    if "fp8" in methods:
+        from m2nkit.engine.fp8_wire import fp8_wire_plan, wire_plan
+
+        try:
+            builder8 = vllm_destination(ck.config, inference_fp8)
+            plan8, _ = plan_from_manifest(manifest_to_json(checkpoint_metas(ck, tspec),
+                                                           tspec.num_ranks), builder8)
+            fp8 = fp8_wire_plan(builder8, plan8)
+        except ValueError as e:
+            sys.exit(f"error: --wire fp8: {e}")
+        wp8 = wire_plan(plan8, fp8)
+        # BF16 bytes the trainers quantize a round (the wire tensors carried as e4m3)
+        quantized_bf16 = sum(a.nbytes_moved for a, b in zip(plan8.wires, wp8.wires)
+                             if b.meta.dtype != a.meta.dtype)
+        messages["fp8"] = message_count(wp8, BucketSchedule.build(wp8, bucket_bytes))
     ck.close()  # the children reopen the files; the handles do not pickle
     gather_rounds = min(args.rounds, args.gather_rounds)
     cfg = {"checkpoint": ck, "trainer": str(tspec), "inference": inference, "methods": methods,
+           "inference_fp8": inference_fp8,
            "T": T, "N": N, "rounds": args.rounds, "gather_rounds": gather_rounds,
            "warmup": args.warmup, "runs": args.runs,
            "bucket_bytes": bucket_bytes, "timeout_s": args.timeout}
@@ -472,6 +573,17 @@ def run_one(args, methods: list[str], trainer: str, inference: str, scale: int) 
               f" s, bit-exact {row['exact']}", file=sys.stderr, flush=True)
 
     failures = check_bytes(rows, payload, model_bytes, N)
+    for row in rows:
+        if row["method"] == "fp8":
+            # the transport's own counts against plan_fp8's (e4m3 + scales + exchange)
+            want = (int(fp8.send_bytes.sum()), int(fp8.recv_bytes.sum()))
+            if (row["sent_total"], row["recv_total"]) != want:
+                failures.append(f"fp8 wire sent {row['sent_total']} / received "
+                                f"{row['recv_total']} bytes; plan_fp8 says {want}")
+            per_round = [sum(s["quantize_s"] for r in range(T) for s in reports[r]["slots"]
+                             if s["method"] == "fp8" and s["round"] == k) for k in row["rounds"]]
+            row["quantize_s"] = statistics.median(per_round)
+            row["quantize_s_per_gb"] = row["quantize_s"] / (quantized_bf16 / 1e9)
     print_tables(rows)
     print()
     floor_ratio = ratios(rows, "m2nkit", "floor")
@@ -499,6 +611,16 @@ def run_one(args, methods: list[str], trainer: str, inference: str, scale: int) 
             notes.append(f"m2nkit: trainers sent {r['sent_total']:,} B and workers received "
                          f"{r['recv_total']:,} B in {plan.num_slabs:,} slabs; == plan.nbytes_min: "
                          f"{r['sent_total'] == r['recv_total'] == payload}")
+        if r["method"] == "fp8":
+            notes.append(f"fp8 wire ({inference_fp8}): trainers sent {r['sent_total']:,} B "
+                         f"(BF16 wire: {payload:,} B; {fp8.exchange_bytes:,} B of it the amax "
+                         f"exchange between trainer ranks, {fp8.shared_blocks:,} shared of "
+                         f"{fp8.blocks:,} blocks); trainer quantization (partial maxima + e4m3) "
+                         f"{r['quantize_s']:.3f} s a round, all ranks, = "
+                         f"{r['quantize_s_per_gb']:.2f} s per GB of BF16 quantized "
+                         f"({quantized_bf16:,} B); bit-exact against m2nkit's in-process "
+                         "mode 2 (itself held against vLLM's fp8_per_block load, "
+                         "tests/integration/test_fp8_plan.py)")
         if r["method"] == "gather":
             notes.append(f"gather-then-broadcast: rank 0 sent {r['p2p_sent'][0]:,} B to workers "
                          f"(= {N} x model: {r['p2p_sent'][0] == N * model_bytes}); all-gather "
@@ -521,7 +643,8 @@ def run_one(args, methods: list[str], trainer: str, inference: str, scale: int) 
         print(textwrap.fill(note, width=100, subsequent_indent="  "))
     if built:
         print(f"(model built in {t_build:.0f} s, kept for the next run)")
-    names = {"m2nkit": "m2nkit", "gather": "gather_broadcast", "floor": "floor"}
+    names = {"m2nkit": "m2nkit", "gather": "gather_broadcast", "floor": "floor",
+             "fp8": "m2nkit_fp8_wire"}
     doc = {"methods": {names[r["method"]]: {
         "round_s": r["round_s"], "rounds_s": r["rounds_s"], "cpu_s": r["cpu_s"],
         "bytes_sent_total": r["sent_total"], "bytes_received_total": r["recv_total"],
@@ -529,6 +652,8 @@ def run_one(args, methods: list[str], trainer: str, inference: str, scale: int) 
         "trainer_pool_mib": r["t_pool"] / 2**20, "worker_pool_mib": r["w_pool"] / 2**20,
         "bit_exact": {"yes": True, "NO": False}.get(r["exact"]),
         **({"messages": messages[r["method"]]} if r["method"] in messages else {}),
+        **({"trainer_quantize_s": r["quantize_s"], "trainer_quantize_s_per_gb":
+            r["quantize_s_per_gb"]} if r["method"] == "fp8" else {}),
     } for r in rows}, "load_average": [load_start[0], load_end[0]],
         "model": str(checkpoint), "trainer": str(tspec), "inference": inference,
         "scale": scale, "bucket_mib": args.bucket_mb, "rounds": args.rounds,
@@ -572,12 +697,19 @@ def main() -> None:
                    help="torch_p2p with run messages (torch_p2p.RUN_PIECE_BYTES = 4 MiB; off "
                         "by default): a pair's slabs adjacent in a worker parameter as one "
                         "message, for comparison")
+    p.add_argument("--wire", choices=("bf16", "fp8"), default="bf16",
+                   help="fp8: also run m2nkit on the fp8 wire (mode 2: the trainers quantize "
+                        "in each worker's 128x128 grid, e4m3 + fp32 scales) beside the BF16 "
+                        "round, into workers serving quant=fp8_per_block (experts whose dims "
+                        "vLLM pads to 128-blocks are not on the fp8 wire yet)")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
     args = p.parse_args()
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
         sys.exit(f"--methods: unknown {unknown}; choose from {', '.join(METHODS)}")
+    if args.wire == "fp8":
+        methods.insert(methods.index("gather") if "gather" in methods else len(methods), "fp8")
     if args.rounds < 1:
         sys.exit(f"--rounds must be >= 1, got {args.rounds}")
     if args.warmup < 0:

@@ -51,7 +51,7 @@ import torch
 from m2nkit.engine.plan_types import Plan, SlabTable
 
 __all__ = ["BLOCK", "FP8_DTYPE", "FP8_MAX", "AMAX_MIN", "SCALE_BYTES", "Fp8Target",
-           "Fp8Plan", "plan_fp8", "block_partial_amax", "scale_of_amax",
+           "Fp8Plan", "plan_fp8", "block_partial_amax", "scale_of_amax", "piece_of",
            "quantize_region", "execute_fp8_in_process"]
 
 #: vLLM online ``fp8_per_block``: ``weight_block_size = [128, 128]`` (online/fp8.py).
@@ -192,6 +192,18 @@ def quantize_region(x: torch.Tensor, region: tuple[tuple[int, int], ...],
     return (x * sub).to(FP8_DTYPE)
 
 
+def piece_of(x: torch.Tensor, region: tuple[tuple[int, int], ...],
+             sub: tuple[tuple[int, int], ...], t: Fp8Target) -> torch.Tensor:
+    """The part of ``x`` (lying at ``region`` of ``t``'s BF16 parameter) that
+    ``t.map_region`` moved to ``sub`` (a view; row shards split a box)."""
+    if t.row_shards == 1:
+        return x
+    r, R = t.shape[-2] // t.row_shards, t.fp8_shape[-2] // t.row_shards
+    s = sub[-2][0] // R
+    start = sub[-2][0] - s * R + s * r - region[-2][0]
+    return x.narrow(x.dim() - 2, start, sub[-2][1] - sub[-2][0])
+
+
 @dataclass
 class Fp8Plan:
     """The mode-2 (fp8 wire) overlay of a ``Plan``: which blocks each rank feeds, what moves.
@@ -209,6 +221,13 @@ class Fp8Plan:
         leaders: ``{(worker, param): int64 array of grid shape}``: the rank
             that sends each block's scale (its lowest feeder), only kept
             when planned ``with_leaders``.
+        feeders: ``{(worker, param): int64 [n, 2]}``: ``(flat block, rank)`` of
+            every feeder of every shared block (sorted by block, then rank;
+            flat over ``grids[param]``), only kept ``with_leaders``: the
+            exchange's plan (``engine.fp8_wire``).
+        grids: ``{param: grid}`` the flat block indices of ``feeders`` run
+            over (a target's own ``grid``; experts: the most ``E_local`` of
+            any worker in dim 0).
         send_bytes / recv_bytes: ``[T]`` / ``[N]`` bytes per trainer rank /
             worker on the fp8 wire (e4m3 for quantized slabs, the wire dtype
             for the rest, plus scales; trainer sends include the exchange).
@@ -222,6 +241,8 @@ class Fp8Plan:
     multi_wire_blocks: int = 0
     exchange_scalars: int = 0
     leaders: dict[tuple[int, str], np.ndarray] = field(default_factory=dict)
+    feeders: dict[tuple[int, str], np.ndarray] = field(default_factory=dict)
+    grids: dict[str, tuple[int, ...]] = field(default_factory=dict)
     send_bytes: np.ndarray | None = None
     recv_bytes: np.ndarray | None = None
     trainer_recv_bytes: np.ndarray | None = None
@@ -340,6 +361,7 @@ def plan_fp8(plan: Plan, targets: Iterable[Fp8Target], *, with_leaders: bool = F
     edges: dict[str, list[np.ndarray]] = {}     # param -> [(worker, flat block, src, wire)]
     wire_ids: dict[str, dict[int, int]] = {}
     interior_leaders: dict[str, list[np.ndarray]] = {}
+    shared_rows: dict[str, list[np.ndarray]] = {}
     last_wire: dict[str, int] = {}                 # param -> the last wire feeding it
     for wi, wp in enumerate(plan.wires):
         if not wp.skipped and len(wp.table):
@@ -380,6 +402,9 @@ def plan_fp8(plan: Plan, targets: Iterable[Fp8Target], *, with_leaders: bool = F
         if with_leaders:
             interior_leaders.setdefault(pname, []).append(
                 np.stack([kw, keys % NB, leader], axis=1))
+            fed = np.repeat(shared, counts)
+            shared_rows.setdefault(pname, []).append(
+                np.stack([wb[fed] // NB, wb[fed] % NB, src[fed]], axis=1))
 
     for wi, wp in enumerate(plan.wires):
         if wp.skipped or not len(wp.table):
@@ -449,6 +474,12 @@ def plan_fp8(plan: Plan, targets: Iterable[Fp8Target], *, with_leaders: bool = F
                 grid[rows[m, 1]] = rows[m, 2]
                 out.leaders[(w, pname)] = grid.reshape(grid0[pname])[:t.grid[0]] \
                     if len(t.grid) == 3 else grid.reshape(t.grid)
+        out.grids = {p: tuple(g) for p, g in grid0.items()}
+        for pname, chunks in shared_rows.items():
+            rows = np.concatenate(chunks)
+            for w in np.unique(rows[:, 0]).tolist():
+                m = rows[:, 0] == w
+                out.feeders[(w, pname)] = rows[m, 1:]
     out.fp8_bytes = int(recv.sum())
     out.send_bytes, out.recv_bytes, out.trainer_recv_bytes = send, recv, trecv
     return out
@@ -515,14 +546,7 @@ def execute_fp8_in_process(
                 for sub in t.map_region(region):
                     yield t, x, region, sub
 
-    def piece(x, region, sub, t):
-        # the part of x that maps to sub (row shards split a box)
-        if t.row_shards == 1:
-            return x
-        r, R = t.shape[-2] // t.row_shards, t.fp8_shape[-2] // t.row_shards
-        s = sub[-2][0] // R
-        start = sub[-2][0] - s * R + s * r - region[-2][0]
-        return x.narrow(x.dim() - 2, start, sub[-2][1] - sub[-2][0])
+    piece = piece_of
 
     for rank in range(plan.num_trainer_ranks):
         for t, x, region, sub in slabs_of(rank):

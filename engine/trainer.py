@@ -67,6 +67,7 @@ from .control import (
     wait_workers_joined,
 )
 from .deadline import REPORT_GRACE_S, Deadline
+from .fp8_wire import Fp8WireSender, fp8_wire_plan
 from .session import DestinationBuilder, InitPayload, check_destination, plan_from_manifest
 from .transports.registry import TRANSPORTS, check_transport, open_transport
 from .transports.torch_p2p import BucketSchedule
@@ -120,6 +121,22 @@ class M2NTrainerInitInfo(TrainerInitInfo):
         check_destination(self.destination, "M2NTrainerInitInfo.destination")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+
+
+def _fp8_wire_of(info: M2NTrainerInitInfo, plan):
+    """The ``Fp8Plan`` of a ``wire=fp8`` session (``engine.fp8_wire``), else ``None``.
+
+    Raises:
+        ValueError: ``wire=fp8`` over a transport other than ``torch_p2p``,
+            or a model the fp8 wire does not carry (``fp8_wire.fp8_wire_plan``).
+    """
+    if plan.problems:
+        return None
+    fp8 = fp8_wire_plan(info.destination, plan)
+    if fp8 is not None and info.transport != "torch_p2p":
+        raise ValueError(f"trainer rank {info.rank}: wire=fp8 runs over the torch_p2p transport "
+                         f"only, not {info.transport!r}")
+    return fp8
 
 
 @dataclass
@@ -221,6 +238,7 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
         metas = list(source.metadata)
         manifest = manifest_to_json(metas, info.num_trainer_ranks)
         plan, digest = plan_from_manifest(manifest, info.destination)
+        fp8 = _fp8_wire_of(info, plan)      # wire=fp8: refused here, before any rendezvous
         payload = InitPayload(
             master_address=info.master_address, master_port=info.master_port,
             rank_offset=info.num_trainer_ranks,
@@ -282,6 +300,8 @@ class M2NTrainerEngine(TrainerWeightTransferEngine[M2NTrainerInitInfo]):
             listed = "; ".join(str(p) for p in plan.problems[:5])
             raise ValueError(f"trainer rank {info.rank}: the plan has {len(plan.problems)} problem(s), "
                              f"nothing can be sent: {listed}")
+        if fp8 is not None:
+            transport = Fp8WireSender(transport, plan, fp8, source)
         return cls(init_info=info, client=client, source=source, plan=plan, payload=payload,
                    group=group, store=store, transport=transport)
 

@@ -80,6 +80,24 @@ class VLLMDestination:
 
         return destination_layout(self.config, metas, self.spec)
 
+    def fp8_wire_targets(self, layout: Any) -> list | None:
+        """``wire=fp8`` (mode 2): the parameters the trainers quantize, else ``None``.
+
+        ``layout`` is the ``DestinationLayout`` this builder gave; the
+        answer is ``adapters.vllm.fp8.online_fp8_params`` of it (the fields
+        of ``engine.quant_fp8.Fp8Target``).
+
+        Raises:
+            ValueError: as ``online_fp8_params`` (a config with a
+                ``quantization_config``, an architecture without a rule).
+        """
+        from m2nkit.adapters.vllm.fp8 import online_fp8_params
+        from m2nkit.adapters.vllm.spec import parse_inference_spec
+
+        if parse_inference_spec(self.spec).wire != "fp8":
+            return None
+        return online_fp8_params(self.config, layout)
+
 
 def vllm_destination(config: Any, spec: Any, layout: str = "auto") -> VLLMDestination:
     """The ``DestinationBuilder`` of vLLM workers serving ``config`` with ``spec``.

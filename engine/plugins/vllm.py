@@ -48,6 +48,13 @@ docs/fp8.md): the plan is checked against the checkpoint-format layout vLLM
 recorded before the first load, slabs land in the layers the reload restores,
 and vLLM quantizes each layer once it is complete. Any other scheme is
 refused by name at every init, on every rank (``vllm_reload.quantization_mode``).
+A worker serving ``fp8_per_block`` also accepts trainers whose spec is its own
+plus ``quant=fp8_per_block`` (``_destination_for``); with ``wire=fp8`` (mode 2,
+dense models) the trainers send e4m3 bytes and scales (``engine.fp8_wire``) and
+its transport is wrapped in ``Fp8WireReceiver``, which hands them to the
+reload in place of vLLM's own ``per_block_cast_to_fp8``
+(``LayerwiseReload._process``), after the live model was held against the
+trainers' targets (``_fp8_wire_problems``).
 
 It sits above the runtime it drives (receiver, session, control plane),
 like the tools, and below them: nothing of the runtime imports it, and it
@@ -343,14 +350,20 @@ class M2NVLLMEngine(WeightTransferEngine):
         """Why this worker refuses ``payload`` before any byte moves (empty: it accepts)."""
         if self._quantization_refusal is not None:
             return [self._quantization_refusal]
-        if payload.inference != self.destination.spec:
+        builder = self._destination_for(payload)
+        if payload.inference != builder.spec:
             return []       # the receiver refuses it, naming both specs
         try:
-            destination = session_destination(payload, self.destination, str(self.identity))
+            destination = session_destination(payload, builder, str(self.identity))
             plan, digest = plan_from_manifest(payload.manifest, destination)
         except ValueError:
             return []       # the receiver refuses it with its own message
         self._planned = (payload, plan, digest)
+        if getattr(builder, "fp8_wire_targets", None) is not None and \
+                builder.fp8_wire_targets(plan.destination) is not None:
+            found = self._fp8_wire_problems(payload, builder, plan)
+            if found:
+                return found
         quantized = self.quantization is not None
         found = live_model_problems(self.model, plan.destination, self.worker,
                                     checkpoint_params(self.model) if quantized else None)
@@ -367,6 +380,64 @@ class M2NVLLMEngine(WeightTransferEngine):
             more = f" ... and {len(found) - _LIST_AT_MOST} more" if len(found) > _LIST_AT_MOST else ""
             return [f"vLLM's {type(self.model).__name__} does not match m2nkit's layout for "
                     f"{self.destination.spec}: " + "; ".join(found[:_LIST_AT_MOST]) + more]
+        return []
+
+    def _destination_for(self, payload: InitPayload):
+        """The destination builder for ``payload``'s spec: this worker's own, or, on a
+        worker serving ``quantization="fp8_per_block"``, the same layout with
+        ``quant=fp8_per_block`` (``wire=bf16``: mode 1 by name; ``wire=fp8``: mode 2)."""
+        from dataclasses import replace
+
+        from m2nkit.adapters.vllm.spec import parse_inference_spec
+
+        if payload.inference == self.destination.spec or self.quantization != "fp8_per_block":
+            return self.destination
+        try:
+            theirs = parse_inference_spec(payload.inference)
+        except ValueError:
+            return self.destination
+        if theirs.quant != "fp8_per_block" or str(
+                replace(theirs, quant="none", wire="bf16")) != self.destination.spec:
+            return self.destination
+        return vllm_destination(self.model_config.hf_config, theirs, self.destination.layout)
+
+    def _fp8_wire_problems(self, payload: InitPayload, builder, plan) -> list[str]:
+        """Why this worker cannot take ``wire=fp8`` (mode 2) rounds of ``plan`` (empty: it can).
+
+        The trainers' targets (``fp8_wire_targets``: m2nkit's table of what
+        vLLM quantizes) are held against this live model: every target's
+        served ``weight`` must be e4m3 of its shape with a float32
+        ``weight_scale_inv`` of ``ceil(shape / 128)``, and every e4m3
+        parameter the model serves must be a target.
+        """
+        from m2nkit.engine.fp8_wire import fp8_wire_plan
+
+        if payload.transport != "torch_p2p":
+            return [f"wire=fp8 runs over the torch_p2p transport only, not {payload.transport!r}"]
+        try:
+            fp8 = fp8_wire_plan(builder, plan)
+        except ValueError as e:
+            return [str(e)]
+        live = dict(self.model.named_parameters())
+        mine = {t.param: t for (w, _), t in fp8.targets.items() if w == self.worker}
+        found = []
+        for name, t in sorted(mine.items()):
+            p, s = live.get(name), live.get(t.scale)
+            if p is None or p.dtype != torch.float8_e4m3fn or tuple(p.shape) != t.fp8_shape:
+                served = None if p is None else (p.dtype, tuple(p.shape))
+                found.append(f"'{name}' is served as {served}, the fp8 wire sends "
+                             f"float8_e4m3fn {t.fp8_shape}")
+            elif s is None or s.dtype != torch.float32 or tuple(s.shape) != t.grid:
+                found.append(f"'{t.scale}' is served as "
+                             f"{None if s is None else (s.dtype, tuple(s.shape))}, the fp8 wire "
+                             f"sends float32 {t.grid}")
+        for name, p in sorted(live.items()):
+            if p.dtype == torch.float8_e4m3fn and name not in mine:
+                found.append(f"'{name}' is served in float8_e4m3fn but the fp8 wire does not "
+                             "quantize it")
+        if found:
+            return [f"vLLM's {type(self.model).__name__} does not match m2nkit's fp8 wire for "
+                    f"{payload.inference}: " + "; ".join(found[:_LIST_AT_MOST])]
         return []
 
     def _traced_problems(self, plan) -> list[str]:
@@ -460,8 +531,10 @@ class M2NVLLMEngine(WeightTransferEngine):
             self._refuse_everywhere(payload, message)
             raise PlanMismatchError(f"{message}; nothing was sent")
         device = _buffer_device(payload, self.device)
+        builder = self._destination_for(payload)
         receiver = self._receiver
-        if receiver is None or receiver.device != device:
+        if receiver is None or receiver.device != device or receiver.destination is not builder \
+                and receiver.destination.spec != builder.spec:
             if receiver is not None:        # another group backend: new receive buffers
                 self._version = self.weight_version
                 receiver.shutdown()
@@ -469,9 +542,17 @@ class M2NVLLMEngine(WeightTransferEngine):
             if self.quantization is not None:      # vLLM's layerwise reload, always in place
                 reload = LayerwiseReload(self.model, self.model_config, self.vllm_config)
             receiver = self._receiver = M2NReceiver(
-                self.destination, self.worker, target=self.model, device=device,
+                builder, self.worker, target=self.model, device=device,
                 mode="in_place" if reload is not None else self.mode, reload=reload)
         receiver.init_transfer_engine(payload, planned=planned)
+        from m2nkit.engine.fp8_wire import Fp8WireReceiver, fp8_wire_plan
+
+        fp8 = fp8_wire_plan(builder, receiver.plan)
+        if fp8 is not None:
+            # mode 2: the scales, then the e4m3 bytes, handed to vLLM's own quantization step
+            # (LayerwiseReload._process); the round commits as any other
+            receiver._transport = Fp8WireReceiver(receiver._transport, receiver.plan, fp8,
+                                                  receiver._reload)
 
     def _refuse_everywhere(self, payload: InitPayload, message: str) -> None:
         """Join the payload's group only to tell every rank why this worker refuses."""

@@ -47,6 +47,12 @@ vLLM 0.33.0's path for reloading a live model
   ``live_changed`` tells the receiver, which then reports the weights as
   mixed (as in its ``in_place`` mode) until a complete round commits.
 
+On the fp8 wire (mode 2, ``engine/fp8_wire.py``) a quantized linear layer's
+``weight`` arrives as the trainers' e4m3 bytes with their block scales
+(:meth:`~LayerwiseReload.prequantize`); the layer is processed the same way,
+vLLM's ``per_block_cast_to_fp8`` answering, for that one call, with what
+arrived (:meth:`~LayerwiseReload._process` says why and what it checks).
+
 What is processed is exactly what vLLM's own loader would quantize: the
 bytes the plan wrote where vLLM's loaders write (the plan's layout is the
 checkpoint format, checked against :meth:`~LayerwiseReload.params` and traced
@@ -194,6 +200,8 @@ class LayerwiseReload:
         self._seen: set[int] = set()
         self._waiting: dict[int, set[str]] = {}        # id(layer) -> wire tensors not yet in
         self._shadow: dict[str, tuple[torch.nn.Module, str, torch.Tensor]] = {}
+        #: mode 2: id(layer) -> {attr: (e4m3, fp32 scales)} the trainers quantized
+        self._given: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._layer_of: dict[int, torch.nn.Module] = {}
         self._wires_of: dict[str, set[int]] = {}       # wire tensor -> ids of layers it feeds
         self.active = False
@@ -204,6 +212,8 @@ class LayerwiseReload:
         #: count, their ids)
         self.streamed = 0
         self.streamed_ids: set[int] = set()
+        #: mode 2: the layers this round processed with the trainers' e4m3 bytes and scales
+        self.prequantized_ids: set[int] = set()
 
     def params(self) -> dict[str, torch.Tensor]:
         """The checkpoint-format layout (:func:`checkpoint_params`)."""
@@ -226,9 +236,11 @@ class LayerwiseReload:
         self._written, self._seen = [], set()
         self._waiting, self._layer_of, self._wires_of = {}, {}, {}
         self._shadow = {}
+        self._given = {}
         self.live_changed = False
         self.streamed = 0
         self.streamed_ids = set()
+        self.prequantized_ids = set()
         if plan is not None:
             for wire, bindings in plan.destination.bindings.items():
                 for b in bindings:
@@ -244,10 +256,7 @@ class LayerwiseReload:
         """Process each layer whose wire tensors all arrived (``_layerwise_process``)."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.layers.attention import is_deferred_attention_layer
-        from vllm.model_executor.model_loader.reload.layerwise import (
-            _layerwise_process,
-            get_layerwise_info,
-        )
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
         ready = []
         for wire in names:
@@ -267,7 +276,7 @@ class LayerwiseReload:
                         and not is_deferred_attention_layer(layer):
                     self.live_changed = True
                     self._flush_shadows(layer)
-                    _layerwise_process(layer, info)
+                    self._process(layer, info)
                     self.streamed += 1
                     self.streamed_ids.add(id(layer))
 
@@ -306,15 +315,114 @@ class LayerwiseReload:
                 getattr(module, attr).data.copy_(value)
                 del self._shadow[name]
 
+    def prequantize(self, name: str, weight: torch.Tensor, scale: torch.Tensor) -> None:
+        """Mode 2: the trainers' e4m3 ``weight`` and float32 block ``scale`` of ``name``.
+
+        When its layer is processed, vLLM's online method gets these as the
+        result of its ``per_block_cast_to_fp8`` of the layer's worker-local
+        weight (:meth:`_process`); ``weight`` is written by the round.
+        """
+        if not self.active:
+            raise RuntimeError(f"parameter '{name}' prequantized outside a reload round")
+        module, attr = self._where[name]
+        self._given.setdefault(id(module), {})[attr] = (weight, scale)
+
+    def _process(self, layer: torch.nn.Module, info: Any) -> None:
+        """vLLM's ``_layerwise_process`` of ``layer``; mode 2: with the trainers' quantization.
+
+        vLLM 0.33.0's ``Fp8PerBlockOnlineLinearMethod.process_weights_after_loading``
+        (``layers/quantization/online/fp8.py``) quantizes the layer's local
+        BF16 ``weight`` with ``per_block_cast_to_fp8(weight, [128, 128],
+        use_ue8m0=False)``, then ``replace_parameter``s ``weight`` and
+        ``weight_scale_inv`` and runs its kernel's own
+        ``process_weights_after_loading`` (which may re-lay the scales for
+        its GEMM); the reload then copies the result into the kept kernel
+        tensors. On the fp8 wire the trainers did the quantization, so for
+        this one call that function gives the received e4m3 bytes and scales:
+        every other step is vLLM's. ``Fp8PerBlockOnlineMoEMethod`` calls it
+        once per local expert on ``w13_weight[e]`` and ``w2_weight[e]``, then
+        hands the results to its kernel setup (``_setup_kernel``); the
+        stand-in answers each with that expert's slice. It refuses
+        (``RuntimeError``: the round fails, nothing commits) unless every
+        call is on this layer's own weight (one expert's view of it), in
+        128 x 128 blocks without UE8M0, with shapes that match, once each,
+        and every weight (expert) was asked for: a vLLM whose method works
+        otherwise is caught, not fed wrong bytes.
+        """
+        from vllm.model_executor.model_loader.reload.layerwise import _layerwise_process
+
+        given = self._given.pop(id(layer), None)
+        if not given:
+            _layerwise_process(layer, info)
+            return
+        import vllm.model_executor.layers.quantization.online.fp8 as online_fp8
+
+        method = getattr(layer, "quant_method", None)
+        what = f"{type(layer).__name__} with {type(method).__name__}"
+        if isinstance(method, online_fp8.Fp8PerBlockOnlineLinearMethod):
+            want, per_call = {"weight"}, 1
+        elif isinstance(method, online_fp8.Fp8PerBlockOnlineMoEMethod):
+            want, per_call = {"w13_weight", "w2_weight"}, 0
+        else:
+            want = set()
+        if set(given) != want:
+            raise RuntimeError(f"wire=fp8: {what} got the trainers' e4m3 {sorted(given)}; "
+                               "only Fp8PerBlockOnlineLinearMethod (weight) and "
+                               "Fp8PerBlockOnlineMoEMethod (w13_weight, w2_weight) take them")
+        calls: list[tuple[str, int]] = []
+        original = online_fp8.per_block_cast_to_fp8
+
+        def which(x):
+            """``(attr, expert or -1)`` of the layer tensor ``x`` is (a view of one expert)."""
+            for attr in sorted(given):
+                base = getattr(layer, attr, None)
+                if base is None:
+                    continue
+                if x is base:
+                    return attr, -1
+                if base.dim() == 3 and x.dim() == 2 and tuple(x.shape) == tuple(base.shape[1:]) \
+                        and x.stride() == base.stride()[1:]:
+                    step = base.stride(0) * base.element_size()
+                    off = x.data_ptr() - base.data_ptr()
+                    if off % step == 0 and 0 <= off // step < base.shape[0]:
+                        return attr, off // step
+            return None, -1
+
+        def given_cast(x, block_size=None, use_ue8m0=False):
+            attr, expert = which(x)
+            q, scale = given.get(attr, (None, None))
+            if q is not None and expert >= 0:
+                q, scale = q[expert], scale[expert]
+            grid = tuple(-(-n // 128) for n in x.shape)
+            if attr is None or (attr, expert) in calls or list(block_size or ()) != [128, 128] \
+                    or use_ue8m0 or tuple(x.shape) != tuple(q.shape) \
+                    or tuple(scale.shape) != grid:
+                raise RuntimeError(
+                    f"wire=fp8: {what} quantized otherwise than m2nkit's trainers did (a tensor "
+                    f"of shape {tuple(x.shape)}: {attr or 'not the layer weight'}"
+                    f"{'' if expert < 0 else f' expert {expert}'}, block {block_size}, "
+                    f"use_ue8m0={use_ue8m0}); this vLLM cannot take the fp8 wire: use wire=bf16")
+            calls.append((attr, expert))
+            return q, scale
+
+        online_fp8.per_block_cast_to_fp8 = given_cast
+        try:
+            _layerwise_process(layer, info)
+        finally:
+            online_fp8.per_block_cast_to_fp8 = original
+        expected = per_call or sum(given[a][0].shape[0] for a in given)
+        if len(calls) != expected:
+            raise RuntimeError(f"wire=fp8: {what} called per_block_cast_to_fp8 {len(calls)} times, "
+                               f"not {expected} (one per weight, or per expert and weight); this "
+                               "vLLM cannot take the fp8 wire: use wire=bf16")
+        self.prequantized_ids.add(id(layer))
+
     def commit(self) -> None:
         """Process every written layer as vLLM's reload does, then ``finalize_layerwise_reload``."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.layers.attention import is_deferred_attention_layer
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-        from vllm.model_executor.model_loader.reload.layerwise import (
-            _layerwise_process,
-            get_layerwise_info,
-        )
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
         written = {id(m) for m in self._written}
         self.active = False
@@ -324,7 +432,7 @@ class LayerwiseReload:
                 info = get_layerwise_info(module)
                 if id(module) in written and info.can_load() \
                         and not is_deferred_attention_layer(module):
-                    _layerwise_process(module, info)
+                    self._process(module, info)
             finalize_layerwise_reload(self.model, self.model_config)
         self._written, self._seen = [], set()
 
@@ -338,6 +446,7 @@ class LayerwiseReload:
 
         self.active = False
         self._shadow = {}
+        self._given = {}
         for _, module in _modules(self.model):
             info = get_layerwise_info(module)
             if info.can_load():

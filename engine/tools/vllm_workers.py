@@ -60,7 +60,10 @@ def cpu_quantized_kernels() -> None:
       finds no CPU backend without AMX and answers ``NONE``, which
       ``convert_to_fp8_moe_kernel_format`` refuses; here ``NONE`` becomes
       ``TRITON`` (a CUDA/ROCm choice), whose kernel format is the weights
-      as vLLM quantized them (no layout change in that function);
+      as vLLM quantized them (no layout change in that function). With AMX
+      it answers ``CPU``/``CPU_W8A8``, whose packing needs vLLM's compiled
+      CPU ops; where those are missing (``torch.ops._C`` without
+      ``convert_weight_packed``) that becomes ``TRITON`` too;
     * unquantized linear and embedding layers on CPU pack their weight for the
       oneDNN GEMM and drop it (``UnquantizedLinearMethod.process_weights_after_loading``,
       ``layers/utils.py`` ``dispatch_cpu_unquantized_gemm``); here they take
@@ -87,9 +90,16 @@ def cpu_quantized_kernels() -> None:
     def plain_linear(layer, remove_weight=False):
         layer.cpu_linear = torch.nn.functional.linear
 
+    cpu_moe = {moe_oracle.Fp8MoeBackend.CPU, moe_oracle.Fp8MoeBackend.CPU_W8A8}
+
     def select_moe_on_cpu(*args, **kwargs):
         backend, experts = select_moe(*args, **kwargs)
-        if backend == moe_oracle.Fp8MoeBackend.NONE:
+        # A CPU with AMX gets vLLM's CPU fp8 MoE backends, whose weight packing needs
+        # vLLM's compiled CPU ops (``torch.ops._C.convert_weight_packed``,
+        # ``fused_moe/experts/cpu_moe.py`` ``prepare_fp8_moe_layer_for_cpu``), which a
+        # vLLM installed without its CPU build lacks: the same Triton choice then.
+        if backend == moe_oracle.Fp8MoeBackend.NONE or (
+                backend in cpu_moe and not hasattr(torch.ops._C, "convert_weight_packed")):
             triton = moe_oracle.Fp8MoeBackend.TRITON
             return triton, moe_oracle.backend_to_kernel_cls(triton)[0]
         return backend, experts

@@ -288,3 +288,121 @@ def test_schemes_m2nkit_does_not_carry_are_named_with_the_supported_ones(tmp_pat
     fp8_checkpoint = ORACLE / "tiny-deepseek-v3-fp8" / "checkpoint"
     assert quantization_mode(worker_config(str(fp8_checkpoint),
                                            parse_inference_spec("vllm:tp=1"), 0)) == "fp8"
+
+
+def _quantized_layers_took_the_wire(state) -> dict:
+    """Mode 2: the layers vLLM serves with ``Fp8PerBlockOnlineLinearMethod`` or
+    ``Fp8PerBlockOnlineMoEMethod`` (read from the live model) against those the last round
+    processed with the trainers' e4m3 bytes and scales in place of vLLM's
+    ``per_block_cast_to_fp8`` (``LayerwiseReload._process``)."""
+    from vllm.model_executor.layers.quantization.online.fp8 import (
+        Fp8PerBlockOnlineLinearMethod, Fp8PerBlockOnlineMoEMethod)
+
+    reload = state["engine"]._receiver._reload
+    methods = (Fp8PerBlockOnlineLinearMethod, Fp8PerBlockOnlineMoEMethod)
+    quantized = {n for n, m in state["model"].named_modules()
+                 if isinstance(getattr(m, "quant_method", None), methods)}
+    took = {n for n, m in state["model"].named_modules() if id(m) in reload.prequantized_ids}
+    return {"quantized": sorted(quantized), "not_from_wire": sorted(quantized - took),
+            "other": sorted(took - quantized)}
+
+
+#: (checkpoint, the trainers' spec, the workers' vLLM layout, what it covers)
+WIRE_CASES = [
+    ("qwen3-h192", "vllm:tp=2,quant=fp8_per_block,wire=fp8", "vllm:tp=2",
+     "mode 2, dense: hidden 192; blocks across q/k and gate/up rows (two wire tensors), "
+     "o_proj/down_proj blocks across the two FSDP2 shards (the amax exchange)"),
+    # expert dims whole 128 blocks: vLLM pads others (refused on the fp8 wire so far)
+    ("qwen3-moe-h256", "vllm:tp=2,ep,quant=fp8_per_block,wire=fp8", "vllm:tp=2,ep",
+     "mode 2, MoE with EP: whole experts per worker, one grid per expert (gate and up rows "
+     "of w13 from two wire tensors); the fp8 router; qkv blocks across q/k"),
+]
+
+
+@pytest.mark.parametrize("name,inference,served,covers", WIRE_CASES, ids=[c[0] for c in WIRE_CASES])
+def test_fp8_wire_round_from_fsdp2_equals_fresh_fp8_load(host, checkpoints, name, inference,
+                                                          served, covers):
+    """Mode 2 live: two FSDP2 trainer ranks quantize what they send in each worker's own
+    128 x 128 grid (partial maxima exchanged between them), send e4m3 bytes + float32 scales
+    over torch_p2p, and the workers (vLLM, ``quantization="fp8_per_block"``) hand them to
+    vLLM's online method in place of its own quantization. Every served parameter must then
+    equal a fresh vLLM ``fp8_per_block`` load of v1 bit for bit, in the same memory."""
+    v0, v1 = checkpoints(name)
+    _fp8_wire_preconditions(v1, inference)
+    started = host.start_workers(v0, served, "auto", "fp8_per_block")
+    assert {s["engine"] for s in started} == {"m2nkit.engine.plugins.vllm.M2NVLLMEngine"}
+    outcome = _run_fsdp2_trainers(host.client, v1, inference)
+    assert outcome == {0: "done", 1: "done"}, outcome
+    for w, r in enumerate(host.client.collective_rpc(_quantized_layers_took_the_wire)):
+        assert r["quantized"] and r["not_from_wire"] == [] and r["other"] == [], (w, r)
+    for w, n in enumerate(host.client.collective_rpc(_layers_processed)):
+        assert n["not_streamed"] == [] and n["streamed"] == n["layers"] > 0, (w, n)
+    reports = host.client.verify(v1)
+    assert len(reports) == len(started)
+    for w, r in enumerate(reports):
+        assert r["compared"] == started[w]["parameters"] > 0
+        assert (r["names_only_live"], r["names_only_fresh"]) == ([], []), (w, r)
+        assert r["differ"] == [], f"worker {w}: differs from a fresh fp8 load of v1: {r['differ']}"
+        assert r["unchanged_since_start"] == [], (w, "still v0", r["unchanged_since_start"])
+        assert r["moved"] == [], f"worker {w}: parameters re-allocated: {r['moved']}"
+        assert r["version"] == "v1"
+
+
+def _fp8_wire_preconditions(checkpoint, inference) -> None:
+    """The case covers what it says: m2nkit's plan for two FSDP2 ranks (the checkpoint read
+    as ``fsdp2:dp_shard=2`` shards it) has blocks fed by two wire tensors and blocks fed by
+    both trainer ranks (so the exchange runs)."""
+    from m2nkit.adapters.hf_checkpoint import checkpoint_metas, read_checkpoint
+    from m2nkit.adapters.trainer_spec import parse_trainer_spec
+    from m2nkit.adapters.vllm import vllm_destination
+    from m2nkit.engine.fp8_wire import fp8_wire_plan
+    from m2nkit.engine.plan import build_plan
+
+    ckpt = read_checkpoint(checkpoint)
+    tspec = parse_trainer_spec(FSDP2)
+    metas = checkpoint_metas(ckpt, tspec)
+    builder = vllm_destination(ckpt.config, inference)
+    plan = build_plan(metas, tspec.num_ranks, builder(metas))
+    assert not plan.problems
+    fp8 = fp8_wire_plan(builder, plan)
+    assert fp8.shared_blocks > 0 and fp8.multi_wire_blocks > 0, fp8.to_json()
+
+
+def _scales_cut_short(state, on: bool) -> bool:
+    """Worker side of the failed-round test: with ``on``, every scale grid the fp8 wire hands
+    the reload loses its last column (``LayerwiseReload.prequantize``), as a vLLM whose
+    method quantized in another grid would see it; ``on=False`` undoes it."""
+    from m2nkit.engine.plugins.vllm_reload import LayerwiseReload
+
+    original = getattr(LayerwiseReload, "_m2nkit_test_original", None)
+    if on and original is None:
+        original = LayerwiseReload._m2nkit_test_original = LayerwiseReload.prequantize
+
+        def cut(self, name, weight, scale):
+            return original(self, name, weight, scale[:, :-1])
+
+        LayerwiseReload.prequantize = cut
+    elif not on and original is not None:
+        LayerwiseReload.prequantize = original
+        del LayerwiseReload._m2nkit_test_original
+    return True
+
+
+def test_fp8_wire_round_that_vllm_cannot_take_fails_everywhere_and_commits_nothing(
+        host, checkpoints):
+    """The stand-in for ``per_block_cast_to_fp8`` refuses scales that are not in the grid
+    vLLM asks for: the round fails on every trainer rank, naming the layer and the check,
+    and no worker commits v1 (each keeps the version it had)."""
+    v0, v1 = checkpoints("qwen3-h192")
+    host.start_workers(v0, "vllm:tp=2", "auto", "fp8_per_block")
+    before = host.client.weight_versions()
+    assert host.client.collective_rpc(_scales_cut_short, True) == [True, True]
+    try:
+        outcome = _run_fsdp2_trainers(host.client, v1, "vllm:tp=2,quant=fp8_per_block,wire=fp8")
+    finally:
+        host.client.collective_rpc(_scales_cut_short, False)
+    assert sorted(outcome) == [0, 1] and all(v != "done" for v in outcome.values()), outcome
+    assert any("quantized otherwise than m2nkit's trainers did" in v for v in outcome.values()), \
+        outcome
+    after = host.client.weight_versions()
+    assert after == before and "v1" not in after, (before, after)
