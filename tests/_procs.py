@@ -156,13 +156,16 @@ def join_ranks(ctx, timeout_s: float, label: str = "") -> float:
     return time.monotonic() - start
 
 
-def trainer_outcomes(ctx, target, args_of, num_ranks: int, timeout_s: float) -> dict[int, str]:
+def trainer_outcomes(ctx, target, args_of, num_ranks: int, timeout_s: float, *,
+                     wait_s: float | None = None, on_report=None) -> dict[int, str]:
     """Run ``target(*args_of(rank, results))`` in ``num_ranks`` daemon processes of ``ctx``
     and collect what each reports on ``results`` (``demo_vllm.trainer_main``'s protocol):
-    rank -> ``"done"`` or its error text.
+    rank -> ``"done"`` or its error text. Every other report ``(kind, rank, a, b)`` goes
+    to ``on_report(kind, rank, a)`` when given (in this process, as it arrives).
 
     Fails the test (``AssertionError``) when some rank reported neither within
-    ``3 * timeout_s + 30`` s (a hang); joins, and kills what still runs, on the way out.
+    ``wait_s`` s (default ``3 * timeout_s + 30``: a hang); joins, and kills what still
+    runs, on the way out.
     """
     import queue
     import time
@@ -173,7 +176,7 @@ def trainer_outcomes(ctx, target, args_of, num_ranks: int, timeout_s: float) -> 
     for p in procs:
         p.start()
     outcome: dict[int, str] = {}
-    deadline = time.monotonic() + 3 * timeout_s + 30
+    deadline = time.monotonic() + (3 * timeout_s + 30 if wait_s is None else wait_s)
     try:
         while len(outcome) < num_ranks:
             try:
@@ -182,9 +185,26 @@ def trainer_outcomes(ctx, target, args_of, num_ranks: int, timeout_s: float) -> 
                 raise AssertionError(f"trainers hung: outcomes so far {outcome}") from None
             if kind in ("done", "error"):
                 outcome[rank] = "done" if kind == "done" else a
+            elif on_report is not None:
+                on_report(kind, rank, a)
     finally:
         for p in procs:
             p.join(10)
             if p.is_alive():
                 p.kill()
     return outcome
+
+
+def vllm_workers(timeout_s: float = 400.0):
+    """The body of a module fixture: ``demo_vllm.VLLMWorkers`` started (after
+    :func:`ensure_forkserver`), yielded, and stopped however the module ends.
+    Use ``yield from vllm_workers()``."""
+    from m2nkit.engine.tools.demo_vllm import VLLMWorkers
+
+    ensure_forkserver()
+    h = VLLMWorkers(timeout_s=timeout_s).start()
+    try:
+        yield h
+    finally:
+        h.stop()
+
