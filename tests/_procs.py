@@ -21,6 +21,7 @@ server has the test session's ``sys.path``).
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import threading
 
@@ -208,3 +209,38 @@ def vllm_workers(timeout_s: float = 400.0):
     finally:
         h.stop()
 
+
+@contextlib.contextmanager
+def gloo_rank(rank: int, world: int, port: int, timeout_s: float):
+    """This process as rank ``rank`` of a gloo process group of ``world`` over
+    ``tcp://127.0.0.1:port`` (``GLOO_SOCKET_IFNAME=lo`` unless set, one torch thread,
+    ``timeout_s`` per collective) for the body; a barrier when the body returns, and the
+    group destroyed however it ends."""
+    import os
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=timeout_s))
+    try:
+        yield
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def save_source(src, world: int, path) -> None:
+    """What a trainer rank hands the test's parent: ``src``'s manifest
+    (``manifest_to_json(src.metadata, world)``) and a copy of every ``(name, tensor)``
+    its ``iter_local()`` yields, ``torch.save``d to ``path`` as
+    ``{"manifest": ..., "locals": [...]}``."""
+    import torch
+
+    from m2nkit.manifest import manifest_to_json
+
+    torch.save({"manifest": manifest_to_json(src.metadata, world),
+                "locals": [(n, t.clone()) for n, t in src.iter_local()]}, path)
