@@ -696,6 +696,71 @@ def _send_update(base: str, v1: Path, trainer: str, inference: str, timeout_s: f
     return lines
 
 
+def _deadline(end: float, timeout_s: float, during: str):
+    """A function giving the seconds the next HTTP call may wait: ``timeout_s``, or what
+    is left before ``end`` (``time.monotonic``) when less.
+
+    Raises:
+        ServeFailed: (from the function) under 2 s are left; names ``during``.
+    """
+    def t() -> float:
+        left = end - time.monotonic()
+        if left < 2:
+            raise ServeFailed(f"--total-timeout passed during {during}")
+        return min(timeout_s, left)
+    return t
+
+
+def _check_updated(base: str, before: dict, sums0: dict[str, str], t, bad: list[str], log,
+                   update: str) -> tuple[dict, dict[str, str]]:
+    """After a round (``update`` says what came since ``before``): generate, and the
+    generation must differ from ``before``, the served version be ``v1``, every
+    parameter of ``sums0`` (vLLM's checksums of v0) be there and have changed. Appends
+    what failed to ``bad``; returns the generation and the checksums (``t``: the
+    :func:`_deadline` of each call)."""
+    after = _generate(base, t())
+    log(f"  v1: greedy tokens {after['token_ids']}; weight_versions {after['weight_versions']}")
+    if (after["token_ids"], after["text"]) == (before["token_ids"], before["text"]):
+        bad.append(f"generation did not change after {update}")
+    served = _get_json(f"{base}/weight_info", t()).get("weight_version")
+    if served != "v1":
+        bad.append(f"the served weight_version is {served!r}, expected 'v1'")
+    sums1 = _checksums(base, t())
+    if set(sums1) != set(sums0):
+        bad.append(f"the parameter set changed: {sorted(set(sums1) ^ set(sums0))[:5]}")
+    unchanged = sorted(n for n in sums1 if sums0.get(n) == sums1[n])
+    if unchanged:
+        bad.append(f"{len(unchanged)} parameters kept their v0 bytes: {unchanged[:5]}")
+    return after, sums1
+
+
+def _check_own_load(base: str, weights, load: str, after: dict, sums1: dict[str, str], t,
+                    bad: list[str], log) -> None:
+    """vLLM reloads ``weights`` (a checkpoint folder; ``load`` names it in messages)
+    itself (``/pause``, ``/collective_rpc`` ``reload_weights`` with ``weights_path``:
+    its own loader, in place, ``model_loader/reload/inplace.py``; ``/resume``): every
+    checksum must equal ``sums1`` (those m2nkit's round left) and generation give
+    ``after``'s tokens. Appends what failed to ``bad``."""
+    _post(base, "pause", params={"mode": "wait"}, timeout=t())
+    budget = t()
+    _post(base, "collective_rpc", {"method": "reload_weights",
+                                   "kwargs": {"weights_path": str(weights)},
+                                   "timeout": budget}, timeout=budget + 5)
+    _post(base, "resume", timeout=t())
+    sums2 = _checksums(base, t())
+    differ = sorted(n for n in set(sums1) | set(sums2) if sums1.get(n) != sums2.get(n))
+    if differ:
+        bad.append(f"{len(differ)} parameters differ from vLLM's own load of {load}: "
+                   f"{differ[:5]}")
+    else:
+        log(f"  all {len(sums2)} parameters equal vLLM's own load of {load} "
+            "(sha256 per parameter)")
+    again = _generate(base, t())
+    if (again["token_ids"], again["text"]) != (after["token_ids"], after["text"]):
+        bad.append(f"generation after vLLM's own load of {load} ({again['token_ids']}) "
+                   f"differs from after m2nkit's update ({after['token_ids']})")
+
+
 def serve_loop(base: str, v1: Path, trainer: str, inference: str, timeout_s: float,
                end: float, log=print) -> list[str]:
     """The RL-style loop against a ready server at ``base``; returns what failed (empty: passed).
@@ -716,12 +781,7 @@ def serve_loop(base: str, v1: Path, trainer: str, inference: str, timeout_s: flo
     Raises:
         ServeFailed: an HTTP call failed (route, status, body) or ``end`` passed.
     """
-    def t() -> float:
-        left = end - time.monotonic()
-        if left < 2:
-            raise ServeFailed("--total-timeout passed during the vllm serve loop")
-        return min(timeout_s, left)
-
+    t = _deadline(end, timeout_s, "the vllm serve loop")
     bad: list[str] = []
     before = _generate(base, t())
     sums0 = _checksums(base, t())
@@ -733,34 +793,8 @@ def serve_loop(base: str, v1: Path, trainer: str, inference: str, timeout_s: flo
     log(f"  m2nkit round v0 -> v1 from {trainer} in {time.perf_counter() - t0:.1f} s "
         "(trainer start included)")
     _post(base, "resume", timeout=t())
-    after = _generate(base, t())
-    log(f"  v1: greedy tokens {after['token_ids']}; weight_versions {after['weight_versions']}")
-    if (after["token_ids"], after["text"]) == (before["token_ids"], before["text"]):
-        bad.append("generation did not change after the update")
-    served = _get_json(f"{base}/weight_info", t()).get("weight_version")
-    if served != "v1":
-        bad.append(f"the served weight_version is {served!r}, expected 'v1'")
-    sums1 = _checksums(base, t())
-    if set(sums1) != set(sums0):
-        bad.append(f"the parameter set changed: {sorted(set(sums1) ^ set(sums0))[:5]}")
-    unchanged = sorted(n for n in sums1 if sums0.get(n) == sums1[n])
-    if unchanged:
-        bad.append(f"{len(unchanged)} parameters kept their v0 bytes: {unchanged[:5]}")
-    _post(base, "pause", params={"mode": "wait"}, timeout=t())
-    budget = t()
-    _post(base, "collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(v1)},
-                                   "timeout": budget}, timeout=budget + 5)
-    _post(base, "resume", timeout=t())
-    sums2 = _checksums(base, t())
-    differ = sorted(n for n in set(sums1) | set(sums2) if sums1.get(n) != sums2.get(n))
-    if differ:
-        bad.append(f"{len(differ)} parameters differ from vLLM's own load of v1: {differ[:5]}")
-    else:
-        log(f"  all {len(sums2)} parameters equal vLLM's own load of v1 (sha256 per parameter)")
-    again = _generate(base, t())
-    if (again["token_ids"], again["text"]) != (after["token_ids"], after["text"]):
-        bad.append(f"generation after vLLM's own load of v1 ({again['token_ids']}) differs from "
-                   f"after m2nkit's update ({after['token_ids']})")
+    after, sums1 = _check_updated(base, before, sums0, t, bad, log, "the update")
+    _check_own_load(base, v1, "v1", after, sums1, t, bad, log)
     return bad
 
 
@@ -1012,12 +1046,7 @@ def colocated_loop(base: str, plan: dict, timeout_s: float, end: float, log=prin
     """
     import multiprocessing as mp
 
-    def t() -> float:
-        left = end - time.monotonic()
-        if left < 2:
-            raise ServeFailed("--total-timeout passed during the colocated loop")
-        return min(timeout_s, left)
-
+    t = _deadline(end, timeout_s, "the colocated loop")
     bad: list[str] = []
     before = _generate(base, t())
     sums0 = _checksums(base, t())
@@ -1053,36 +1082,9 @@ def colocated_loop(base: str, plan: dict, timeout_s: float, end: float, log=prin
     woke = _post(base, "wake_up", params={"tags": "kv_cache"}, timeout=t())
     if woke.get("status") != "awake":
         bad.append(f"POST /wake_up?tags=kv_cache left vLLM {woke.get('status')!r}, not awake")
-    after = _generate(base, t())
-    log(f"  v1: greedy tokens {after['token_ids']}; weight_versions {after['weight_versions']}")
-    if (after["token_ids"], after["text"]) == (before["token_ids"], before["text"]):
-        bad.append("generation did not change after the train step and the update")
-    served = _get_json(f"{base}/weight_info", t()).get("weight_version")
-    if served != "v1":
-        bad.append(f"the served weight_version is {served!r}, expected 'v1'")
-    sums1 = _checksums(base, t())
-    if set(sums1) != set(sums0):
-        bad.append(f"the parameter set changed: {sorted(set(sums1) ^ set(sums0))[:5]}")
-    unchanged = sorted(n for n in sums1 if sums0.get(n) == sums1[n])
-    if unchanged:
-        bad.append(f"{len(unchanged)} parameters kept their v0 bytes: {unchanged[:5]}")
-    _post(base, "pause", params={"mode": "wait"}, timeout=t())
-    budget = t()
-    _post(base, "collective_rpc", {"method": "reload_weights",
-                                   "kwargs": {"weights_path": str(plan["saved"])},
-                                   "timeout": budget}, timeout=budget + 5)
-    _post(base, "resume", timeout=t())
-    sums2 = _checksums(base, t())
-    differ = sorted(n for n in set(sums1) | set(sums2) if sums1.get(n) != sums2.get(n))
-    if differ:
-        bad.append(f"{len(differ)} parameters differ from vLLM's own load of the trainer's "
-                   f"weights: {differ[:5]}")
-    else:
-        log(f"  all {len(sums2)} live parameters equal vLLM's own load of the trained weights")
-    again = _generate(base, t())
-    if (again["token_ids"], again["text"]) != (after["token_ids"], after["text"]):
-        bad.append(f"generation after vLLM's own load ({again['token_ids']}) differs from "
-                   f"after m2nkit's update ({after['token_ids']})")
+    after, sums1 = _check_updated(base, before, sums0, t, bad, log,
+                                  "the train step and the update")
+    _check_own_load(base, plan["saved"], "the trainer's weights", after, sums1, t, bad, log)
     return bad
 
 

@@ -21,6 +21,7 @@ server has the test session's ``sys.path``).
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import threading
 
@@ -156,13 +157,16 @@ def join_ranks(ctx, timeout_s: float, label: str = "") -> float:
     return time.monotonic() - start
 
 
-def trainer_outcomes(ctx, target, args_of, num_ranks: int, timeout_s: float) -> dict[int, str]:
+def trainer_outcomes(ctx, target, args_of, num_ranks: int, timeout_s: float, *,
+                     wait_s: float | None = None, on_report=None) -> dict[int, str]:
     """Run ``target(*args_of(rank, results))`` in ``num_ranks`` daemon processes of ``ctx``
     and collect what each reports on ``results`` (``demo_vllm.trainer_main``'s protocol):
-    rank -> ``"done"`` or its error text.
+    rank -> ``"done"`` or its error text. Every other report ``(kind, rank, a, b)`` goes
+    to ``on_report(kind, rank, a)`` when given (in this process, as it arrives).
 
     Fails the test (``AssertionError``) when some rank reported neither within
-    ``3 * timeout_s + 30`` s (a hang); joins, and kills what still runs, on the way out.
+    ``wait_s`` s (default ``3 * timeout_s + 30``: a hang); joins, and kills what still
+    runs, on the way out.
     """
     import queue
     import time
@@ -173,7 +177,7 @@ def trainer_outcomes(ctx, target, args_of, num_ranks: int, timeout_s: float) -> 
     for p in procs:
         p.start()
     outcome: dict[int, str] = {}
-    deadline = time.monotonic() + 3 * timeout_s + 30
+    deadline = time.monotonic() + (3 * timeout_s + 30 if wait_s is None else wait_s)
     try:
         while len(outcome) < num_ranks:
             try:
@@ -182,9 +186,61 @@ def trainer_outcomes(ctx, target, args_of, num_ranks: int, timeout_s: float) -> 
                 raise AssertionError(f"trainers hung: outcomes so far {outcome}") from None
             if kind in ("done", "error"):
                 outcome[rank] = "done" if kind == "done" else a
+            elif on_report is not None:
+                on_report(kind, rank, a)
     finally:
         for p in procs:
             p.join(10)
             if p.is_alive():
                 p.kill()
     return outcome
+
+
+def vllm_workers(timeout_s: float = 400.0):
+    """The body of a module fixture: ``demo_vllm.VLLMWorkers`` started (after
+    :func:`ensure_forkserver`), yielded, and stopped however the module ends.
+    Use ``yield from vllm_workers()``."""
+    from m2nkit.engine.tools.demo_vllm import VLLMWorkers
+
+    ensure_forkserver()
+    h = VLLMWorkers(timeout_s=timeout_s).start()
+    try:
+        yield h
+    finally:
+        h.stop()
+
+
+@contextlib.contextmanager
+def gloo_rank(rank: int, world: int, port: int, timeout_s: float):
+    """This process as rank ``rank`` of a gloo process group of ``world`` over
+    ``tcp://127.0.0.1:port`` (``GLOO_SOCKET_IFNAME=lo`` unless set, one torch thread,
+    ``timeout_s`` per collective) for the body; a barrier when the body returns, and the
+    group destroyed however it ends."""
+    import os
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=timeout_s))
+    try:
+        yield
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def save_source(src, world: int, path) -> None:
+    """What a trainer rank hands the test's parent: ``src``'s manifest
+    (``manifest_to_json(src.metadata, world)``) and a copy of every ``(name, tensor)``
+    its ``iter_local()`` yields, ``torch.save``d to ``path`` as
+    ``{"manifest": ..., "locals": [...]}``."""
+    import torch
+
+    from m2nkit.manifest import manifest_to_json
+
+    torch.save({"manifest": manifest_to_json(src.metadata, world),
+                "locals": [(n, t.clone()) for n, t in src.iter_local()]}, path)

@@ -254,6 +254,24 @@ def _vision_merger(megatron: str, wire: str) -> list[MegatronName]:
             N(f"{megatron}.linear_fc2.bias", REPLICATED, f"{wire}.linear_fc2.bias")]
 
 
+def _vit_sublayer(norm: str, first: str, layout, second: str, hf_norm: str, hf_first: str,
+                  hf_second: str) -> list[MegatronName]:
+    """One half of a ViT layer (megatron-core ``models/vision/vit_layer_specs.py``), the
+    attention or the MLP: a LayerNorm, weight and bias (local spelling ``norm``,
+    TransformerEngine's fused ``first.layer_norm_*``), the ``first`` linear split by
+    ``layout`` (weight and bias alike), the row-parallel ``second`` linear (its bias
+    replicated: megatron-core ``RowParallelLinear`` adds it after the reduction). ``hf_*``:
+    the wire (HF) prefixes."""
+    N = MegatronName
+    return [N((f"{norm}.weight", f"{first}.layer_norm_weight"), REPLICATED,
+              f"{hf_norm}.weight", norm=True),
+            N((f"{norm}.bias", f"{first}.layer_norm_bias"), REPLICATED, f"{hf_norm}.bias"),
+            N(f"{first}.weight", layout, f"{hf_first}.weight"),
+            N(f"{first}.bias", layout, f"{hf_first}.bias"),
+            N(f"{second}.weight", ROW, f"{hf_second}.weight"),
+            N(f"{second}.bias", REPLICATED, f"{hf_second}.bias")]
+
+
 def qwen3_vl_names(text: tuple[MegatronName, ...]) -> tuple[MegatronName, ...]:
     """Qwen3-VL's Megatron names: Bridge ``Qwen3VLModel``'s ``vision_model`` and its
     ``language_model`` (``text``, a GPTModel table, under the VLM prefixes).
@@ -266,7 +284,7 @@ def qwen3_vl_names(text: tuple[MegatronName, ...]) -> tuple[MegatronName, ...]:
     ``linear_qkv.layer_norm_*``/``linear_fc1.layer_norm_*``), ``linear_qkv`` from HF's one
     ``attn.qkv`` (``ConcatenatedQKVMapping``: :data:`~.layout.QKV_CONCAT`, every head its
     own query group), ``linear_proj`` row, a non-gated ``linear_fc1`` column (bias
-    split with it) and ``linear_fc2`` row; the merger and the deepstack mergers
+    split with it) and ``linear_fc2`` row (:func:`_vit_sublayer`); the merger and the deepstack mergers
     (:func:`_vision_merger`). The tower lives on the first pipeline stage only
     (:func:`~.layout.wire_stage`).
     """
@@ -278,22 +296,11 @@ def qwen3_vl_names(text: tuple[MegatronName, ...]) -> tuple[MegatronName, ...]:
         N(f"{v}.patch_embed.proj.weight", REPLICATED, f"{w}.patch_embed.proj.weight"),
         N(f"{v}.patch_embed.proj.bias", REPLICATED, f"{w}.patch_embed.proj.bias"),
         N(f"{v}.pos_embed.weight", REPLICATED, f"{w}.pos_embed.weight"),
-        N((f"{d}.input_layernorm.weight", f"{at}.linear_qkv.layer_norm_weight"), REPLICATED,
-          f"{b}.norm1.weight", norm=True),
-        N((f"{d}.input_layernorm.bias", f"{at}.linear_qkv.layer_norm_bias"), REPLICATED,
-          f"{b}.norm1.bias"),
-        N(f"{at}.linear_qkv.weight", QKV_CONCAT, f"{b}.attn.qkv.weight"),
-        N(f"{at}.linear_qkv.bias", QKV_CONCAT, f"{b}.attn.qkv.bias"),
-        N(f"{at}.linear_proj.weight", ROW, f"{b}.attn.proj.weight"),
-        N(f"{at}.linear_proj.bias", REPLICATED, f"{b}.attn.proj.bias"),
-        N((f"{d}.pre_mlp_layernorm.weight", f"{d}.mlp.linear_fc1.layer_norm_weight"), REPLICATED,
-          f"{b}.norm2.weight", norm=True),
-        N((f"{d}.pre_mlp_layernorm.bias", f"{d}.mlp.linear_fc1.layer_norm_bias"), REPLICATED,
-          f"{b}.norm2.bias"),
-        N(f"{d}.mlp.linear_fc1.weight", COLUMN, f"{b}.mlp.linear_fc1.weight"),
-        N(f"{d}.mlp.linear_fc1.bias", COLUMN, f"{b}.mlp.linear_fc1.bias"),
-        N(f"{d}.mlp.linear_fc2.weight", ROW, f"{b}.mlp.linear_fc2.weight"),
-        N(f"{d}.mlp.linear_fc2.bias", REPLICATED, f"{b}.mlp.linear_fc2.bias"),
+        *_vit_sublayer(f"{d}.input_layernorm", f"{at}.linear_qkv", QKV_CONCAT,
+                       f"{at}.linear_proj", f"{b}.norm1", f"{b}.attn.qkv", f"{b}.attn.proj"),
+        *_vit_sublayer(f"{d}.pre_mlp_layernorm", f"{d}.mlp.linear_fc1", COLUMN,
+                       f"{d}.mlp.linear_fc2", f"{b}.norm2", f"{b}.mlp.linear_fc1",
+                       f"{b}.mlp.linear_fc2"),
         *_vision_merger(f"{v}.merger", f"{w}.merger"),
         *_vision_merger(f"{v}.decoder.deepstack_merger_list.{{B}}",
                         f"{w}.deepstack_merger_list.{{B}}"),

@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import time
-from datetime import timedelta
 from functools import lru_cache
 from pathlib import Path
 
@@ -42,7 +40,7 @@ import torch.multiprocessing as mp
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from _procs import join_ranks
+from _procs import gloo_rank, join_ranks, save_source
 from test_fsdp2 import Case, _mesh, _shard
 
 from m2nkit.adapters.fsdp2 import fsdp2_source
@@ -51,7 +49,7 @@ from m2nkit.adapters.vllm import destination_layout, parse_inference_spec, refer
 from m2nkit.engine.in_process import allocate_storage, bitwise_equal, execute_plan
 from m2nkit.engine.plan import build_plan
 from m2nkit.engine.tools.procs import free_port
-from m2nkit.manifest import manifest_from_json, manifest_to_json
+from m2nkit.manifest import manifest_from_json
 
 WORLD = 4
 TIMEOUT_S = 150
@@ -71,13 +69,7 @@ def _families(kind: str) -> tuple[str, ...]:
 
 
 def _rank_main(rank, world, port, models, out):
-    import torch.distributed as dist
-
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=TIMEOUT_S // 2))
-    try:
+    with gloo_rank(rank, world, port, TIMEOUT_S // 2):
         for kind in KINDS:
             mesh = _mesh(kind, world)
             for name in _families(kind):
@@ -85,13 +77,7 @@ def _rank_main(rank, world, port, models, out):
                 if kind == "hsdp":
                     model = model.float()  # fp32 masters; _shard adds the bf16 policy
                 sharded = _shard(kind, Case(name, model, Path(), None, ()), mesh)
-                src = fsdp2_source(sharded)
-                torch.save({"manifest": manifest_to_json(src.metadata, world),
-                            "locals": [(n, t.clone()) for n, t in src.iter_local()]},
-                           Path(out) / f"{kind}.{name}.r{rank}.pt")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+                save_source(fsdp2_source(sharded), world, Path(out) / f"{kind}.{name}.r{rank}.pt")
 
 
 @lru_cache(maxsize=None)

@@ -19,15 +19,14 @@ forcing it for the same model (``PATHS``), so both wire namings trace.
 
 from __future__ import annotations
 
-import os
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from _procs import join_ranks
+from _procs import gloo_rank, join_ranks, save_source
+from tests.integration._fsdp2 import check_vllm_loads, load_sources, shard_layers
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -66,46 +65,21 @@ def _tableless_names(model):
 
 
 def _rank_main(rank, world, port, ckpt, out):
-    import torch.distributed as dist
     import transformers
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     from m2nkit.adapters.fsdp2 import fsdp2_source
-    from m2nkit.manifest import manifest_to_json
 
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=TIMEOUT_S // 2))
-    try:
+    with gloo_rank(rank, world, port, TIMEOUT_S // 2):
         for kind in KINDS:
-            mesh = (init_device_mesh("cpu", (2, world // 2),
-                                     mesh_dim_names=("dp_replicate", "dp_shard"))
-                    if kind == "hsdp" else
-                    init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",)))
-            model = transformers.Qwen3_5MoeForCausalLM.from_pretrained(ckpt)
-            for layer in model.model.layers:
-                fully_shard(layer, mesh=mesh)
-            fully_shard(model, mesh=mesh)
+            model = shard_layers(transformers.Qwen3_5MoeForCausalLM.from_pretrained(ckpt), kind,
+                                 world)
             for path in PATHS:
                 src = fsdp2_source(model) if path == "table" else _tableless_names(model)
-                torch.save({"manifest": manifest_to_json(src.metadata, world),
-                            "locals": [(n, t.clone()) for n, t in src.iter_local()]},
-                           Path(out) / f"{kind}.{path}.r{rank}.pt")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+                save_source(src, world, Path(out) / f"{kind}.{path}.r{rank}.pt")
 
 
 def test_fsdp2_meshes_into_traced_layouts_equal_vllm_loads(tmp_path):
-    from m2nkit.adapters.vllm import parse_inference_spec
-    from m2nkit.adapters.vllm.trace import trace_destination
-    from m2nkit.engine.in_process import allocate_storage, bitwise_equal, execute_plan
-    from m2nkit.engine.plan import build_plan
     from m2nkit.engine.tools.procs import free_port
-    from m2nkit.engine.tools.vllm_workers import fresh_load
-    from m2nkit.manifest import manifest_from_json
 
     ckpt = _tiny(tmp_path / "ckpt")
     out = tmp_path / "out"
@@ -116,27 +90,9 @@ def test_fsdp2_meshes_into_traced_layouts_equal_vllm_loads(tmp_path):
     wire_names = {}
     for kind in KINDS:
         for path in PATHS:
-            payloads = [torch.load(out / f"{kind}.{path}.r{r}.pt") for r in range(WORLD)]
-            metas, _ = manifest_from_json(payloads[0]["manifest"])
+            metas, payloads = load_sources(out, f"{kind}.{path}", WORLD)
             wire_names[path] = {m.name for m in metas}
-            for text in SPECS:
-                spec = parse_inference_spec(text)
-                layout = trace_destination(ckpt, metas, spec)
-                plan = build_plan(metas, WORLD, layout)
-                assert not plan.problems, plan.problems[:3]
-                storage = {w: allocate_storage(layout, w, fill=float("nan"))
-                           for w in range(spec.num_workers)}
-                execute_plan(plan, {r: iter(p["locals"]) for r, p in enumerate(payloads)},
-                             storage)
-                for w in range(spec.num_workers):
-                    if (text, w) not in loads:
-                        loads[text, w] = fresh_load(ckpt, spec, w)
-                    vllm = loads[text, w]
-                    names = set(vllm) - set(layout.aliases)
-                    assert set(storage[w]) == names, (kind, path, text, w)
-                    bad = sorted(n for n in names if not bitwise_equal(storage[w][n], vllm[n]))
-                    assert not bad, (f"{kind} ({path} names) -> {text} worker {w}: differ from "
-                                     f"vLLM's load {bad[:5]}")
+            check_vllm_loads(ckpt, metas, payloads, SPECS, loads, f"{kind} ({path} names)")
     experts = "model.layers.0.mlp.experts.gate_up_proj"
     assert experts + ".weight" in wire_names["table"] and experts not in wire_names["table"]
     assert experts in wire_names["tableless"]

@@ -32,7 +32,7 @@ from __future__ import annotations
 import pytest
 
 from _paths import ORACLE
-from _procs import CTX, ensure_forkserver, trainer_outcomes
+from _procs import CTX, trainer_outcomes, vllm_workers
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -85,14 +85,7 @@ ROUND_TIMEOUT_S = 90.0
 
 @pytest.fixture(scope="module")
 def host():
-    from m2nkit.engine.tools.demo_vllm import VLLMWorkers
-
-    ensure_forkserver()
-    h = VLLMWorkers(timeout_s=400.0).start()
-    try:
-        yield h
-    finally:
-        h.stop()
+    yield from vllm_workers()
 
 
 @pytest.fixture(scope="module")

@@ -39,12 +39,9 @@ the live bytes stay.
 
 from __future__ import annotations
 
-import queue
-import time
-
 import pytest
 
-from _procs import CTX, ensure_forkserver
+from _procs import CTX, trainer_outcomes, vllm_workers
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -60,14 +57,7 @@ CYCLES = {1: "new storage", 2: "cumem", 3: "new storage"}
 
 @pytest.fixture(scope="module")
 def host():
-    from m2nkit.engine.tools.demo_vllm import VLLMWorkers
-
-    ensure_forkserver()
-    h = VLLMWorkers(timeout_s=400.0).start()
-    try:
-        yield h
-    finally:
-        h.stop()
+    yield from vllm_workers()
 
 
 @pytest.fixture(scope="module")
@@ -172,36 +162,21 @@ def _rounds(host, checkpoints, inference, transport, after_round, timeout_s=ROUN
     from m2nkit.engine.tools.demo_vllm import trainer_main
     from m2nkit.engine.tools.procs import free_port
 
-    results, checked, port = CTX.Queue(), CTX.Semaphore(0), free_port()
-    procs = [CTX.Process(target=trainer_main, daemon=True, args=(
-        r, 2, [str(c) for c in checkpoints], TRAINER, inference,
-        host.client if r == 0 else None, port, timeout_s, results, "auto", transport, checked))
-        for r in range(2)]
-    for p in procs:
-        p.start()
-    outcome: dict[int, str] = {}
+    checked, port = CTX.Semaphore(0), free_port()
     per_round: dict[int, set] = {}
-    deadline = time.monotonic() + (len(checkpoints) + 2) * 2 * timeout_s
-    try:
-        while len(outcome) < 2:
-            try:
-                kind, rank, a, _ = results.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                raise AssertionError(f"trainers hung: outcomes so far {outcome}") from None
-            if kind == "round":
-                per_round.setdefault(a, set()).add(rank)
-                if len(per_round[a]) == 2:
-                    after_round(a)
-                    checked.release()
-                    checked.release()
-            elif kind in ("done", "error"):
-                outcome[rank] = "done" if kind == "done" else a
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-    return outcome
+
+    def on_report(kind, rank, k):
+        if kind == "round":
+            per_round.setdefault(k, set()).add(rank)
+            if len(per_round[k]) == 2:
+                after_round(k)
+                checked.release()
+                checked.release()
+
+    return trainer_outcomes(CTX, trainer_main, lambda r, results: (
+        r, 2, [str(c) for c in checkpoints], TRAINER, inference,
+        host.client if r == 0 else None, port, timeout_s, results, "auto", transport, checked),
+        2, timeout_s, wait_s=(len(checkpoints) + 2) * 2 * timeout_s, on_report=on_report)
 
 
 def _assert_fresh_load(host, checkpoint, k, started):
