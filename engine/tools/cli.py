@@ -175,8 +175,15 @@ def _precheck(args) -> None:
             .parse_megatron_demo_spec(args.trainer)
         if args.receiver != "stand-in":
             raise UserError("--trainer megatron:... runs with --receiver stand-in only")
-    if args.command == "plan" and importlib.import_module(
-            "m2nkit.adapters.sglang.spec").is_sglang_spec(args.inference):
+    sglang = importlib.import_module("m2nkit.adapters.sglang.spec").is_sglang_spec(
+        args.inference)
+    if sglang and args.command != "plan":
+        # SGLang is a destination layout only so far (docs/sglang.md): no receiver to run
+        raise UserError(f"--inference {args.inference}: m2nkit demo has no SGLang receiver "
+                        "yet (docs/sglang.md, Not done yet); plan into SGLang workers with "
+                        f"m2nkit plan CHECKPOINT --trainer SPEC --inference {args.inference}, "
+                        "or run the demo into vLLM workers (--inference vllm:tp=T[,dp=D][,ep])")
+    if args.command == "plan" and sglang:
         ispec = importlib.import_module("m2nkit.adapters.sglang.spec").parse_sglang_spec(
             args.inference)
         _check_sglang_args(args)

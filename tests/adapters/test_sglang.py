@@ -135,3 +135,35 @@ def test_cli_plan_sglang(capsys):
     assert main(["plan", str(ckpt), "--trainer", "fsdp:2", "--inference", "sglang:tp=2",
                  "--verify"]) == 2
     assert "--verify" in capsys.readouterr().err
+
+
+def test_cli_sglang_size_error_speaks_of_sglang_replicas(capsys):
+    """A bad tp under sglang:...,dp=2 named vLLM's dp=1 replica ("valid tp with dp=1",
+    "MoE tensor-parallel size dp*tp=3"), which a user who gave dp=2 cannot act on (a
+    trial). SGLang's replicas are their own TP groups: the valid tp hold for any dp."""
+    from _paths import ORACLE
+
+    ckpt = ORACLE / "tiny-qwen3-moe" / "checkpoint" / "config.json"
+    assert main(["plan", str(ckpt), "--trainer", "fsdp:2", "--inference", "sglang:tp=3,dp=2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot be laid out as sglang:tp=3,dp=2:" in err, err
+    assert ("valid tp (for any dp: each SGLang replica is its own TP group): [1, 2, 4, 8]"
+            in err), err
+    assert "MoE tensor-parallel size tp=3" in err and "dp=1" not in err and "dp*tp" not in err
+    assert main(["plan", str(ckpt), "--trainer", "fsdp:2", "--inference",
+                 "sglang:tp=16,dp=2,ep"]) == 2
+    assert "valid tp with ep (for any dp: each SGLang replica is its own TP group): [1, 2, 4, 8]" \
+        in capsys.readouterr().err
+
+
+def test_demo_refuses_sglang_naming_what_exists(capsys):
+    """``m2nkit demo --inference sglang:tp=2`` said "must start with 'vllm:'" (a trial):
+    the demo has no SGLang receiver; the refusal says so and points at m2nkit plan."""
+    code = main(["demo", "--inference", "sglang:tp=2", "--rounds", "1", "--no-baseline"])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == "", captured
+    assert captured.err.splitlines() == [
+        "m2nkit: error: --inference sglang:tp=2: m2nkit demo has no SGLang receiver yet "
+        "(docs/sglang.md, Not done yet); plan into SGLang workers with m2nkit plan CHECKPOINT "
+        "--trainer SPEC --inference sglang:tp=2, or run the demo into vLLM workers "
+        "(--inference vllm:tp=T[,dp=D][,ep])"]
