@@ -17,7 +17,7 @@ import pytest
 
 from _oracle import _model, _oracle, assert_layout_equals_dumps
 from m2nkit.adapters.sglang import SGLangSpec, parse_sglang_spec, sglang_destination_layout
-from m2nkit.adapters.sglang.rules import sglang_dtype
+from m2nkit.adapters.sglang.rules import check_architecture, sglang_dtype
 from m2nkit.engine.tools.cli import main
 from m2nkit.manifest import ParamMeta
 
@@ -167,3 +167,25 @@ def test_demo_refuses_sglang_naming_what_exists(capsys):
         "(docs/sglang.md, Not done yet); plan into SGLang workers with m2nkit plan CHECKPOINT "
         "--trainer SPEC --inference sglang:tp=2, or run the demo into vLLM workers "
         "(--inference vllm:tp=T[,dp=D][,ep])"]
+
+
+def test_quantized_checkpoint_is_refused_not_half_renamed(capsys):
+    """An fp8 DeepSeek-V3 checkpoint planned into SGLang named its fused q_a/kv_a weight
+    SGLang's way (fused_qkv_a_proj_with_mqa.weight) and its scale vLLM's way
+    (fused_qkv_a_proj.weight_scale_inv), with exit 0 (a trial); no quantized checkpoint
+    is compared with SGLang's loaders, so it is refused, naming the way out."""
+    from _paths import ORACLE
+
+    ckpt = ORACLE / "tiny-deepseek-v3-fp8" / "checkpoint"
+    assert main(["plan", str(ckpt), "--trainer", "fsdp:2", "--inference", "sglang:tp=2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert ("DeepseekV3ForCausalLM with a quantization_config (quant_method 'fp8'): SGLang's "
+            "layout of a quantized checkpoint") in err, err
+    assert "the same config without quantization_config" in err, err
+    # the published config's form, and the same config without it passes
+    cfg = json.loads((ckpt / "config.json").read_text())
+    with pytest.raises(ValueError, match="with a quantization_config"):
+        check_architecture("DeepseekV3ForCausalLM", cfg)
+    cfg.pop("quantization_config")
+    check_architecture("DeepseekV3ForCausalLM", cfg)
