@@ -1268,7 +1268,7 @@ def main(argv: list[str] | None = None) -> int:
                 print("skipped (--dry-run): vllm serve (start it, generate, pause, m2nkit round "
                       f"{serve['trainer']} -> {serve['inference']} through HTTPVLLMWeightSyncClient, "
                       "resume, generate, compare with vLLM's own load of v1); run with "
-                      "--vllm-serve on a GPU machine")
+                      f"--vllm-serve {args.vllm_serve} on a GPU machine")
                 if not serve["plugin_ok"]:
                     print(f"note: the serve check would fail here: {serve['plugin']}")
             if coloc is not None:
@@ -1281,7 +1281,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  colocated step {k}: {step}: {what}")
                 print("skipped (--dry-run): colocated (one GPU shared by the trainer process "
                       f"and vllm serve: {' -> '.join(step for step, _ in coloc['steps'])}); run "
-                      "with --colocated on a GPU machine")
+                      f"with --colocated {args.colocated} on a GPU machine")
                 if not coloc["plugin_ok"]:
                     print(f"note: the colocated check would fail here: {coloc['plugin']}")
             if no_m2n:

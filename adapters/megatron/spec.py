@@ -135,9 +135,21 @@ def megatron_size_problem(par: MegatronParallel, config: Any, *, loader: str = "
       :meth:`MegatronSpec.layers_for`'s (``m2nkit plan`` picks first=/last= when
       the split is uneven, which the demo, ``loader="bridge"``, does not).
 
+    * expert parallelism needs experts: ``ep > 1`` on a model without them is
+      refused (``TransformerConfig.__post_init__``: "num_moe_experts must be non
+      None to use expert-parallel.").
+
+    A multimodal config (Qwen3-VL, Qwen3.5) is read from its ``text_config``,
+    where its language model's sizes are (the vision tower's are the wire
+    rules' of ``megatron_wire_rules``).
+
     ``loader``: ``"plan"`` (the dry run) or ``"bridge"`` (the demo's trainers,
     built by Megatron-Bridge's provider with even stages).
     """
+    text = _cfg(config, "text_config")
+    if text is not None:
+        config = text
+
     def num(*keys: str) -> int:
         for key in keys:
             value = _cfg(config, key)
@@ -161,6 +173,11 @@ def megatron_size_problem(par: MegatronParallel, config: Any, *, loader: str = "
     if dense and ffn and ffn % tp:
         return (f"intermediate_size ({ffn}, megatron-core's ffn_hidden_size) must be divisible "
                 f"by tp ({tp}) (megatron-core ColumnParallelLinear/RowParallelLinear)")
+    if ep > 1 and not experts:
+        return (f"ep={ep} needs experts, and this model has none (no num_experts, "
+                "num_local_experts or n_routed_experts): megatron-core refuses expert "
+                "parallelism without them (TransformerConfig: num_moe_experts must be non None "
+                "to use expert-parallel); drop ep")
     if experts:
         if experts % ep:
             return (f"the number of experts ({experts}) must be divisible by ep ({ep}) "

@@ -53,7 +53,7 @@ def sglang_destination_layout(config: Any, wire: Sequence[ParamMeta],
     try:
         one = destination_layout(config, wire, replica, vllm_version=NAMES)
     except ValueError as e:   # the tables name the spec they were asked for: name SGLang's
-        raise ValueError(str(e).replace(str(replica), str(spec))) from None
+        raise ValueError(_sglang_words(str(e), str(replica), spec)) from None
     tp = spec.tp
     params = tuple(DestinationParam(k * tp + p.worker, rename(arch, p.name), p.dtype, p.shape,
                                     p.zero_boxes)
@@ -67,3 +67,20 @@ def sglang_destination_layout(config: Any, wire: Sequence[ParamMeta],
     return DestinationLayout(spec=str(spec), num_workers=spec.num_workers, params=params,
                              bindings=bindings, skipped=dict(one.skipped),
                              aliases=aliases, unknown=dict(one.unknown), notes=notes)
+
+
+def _sglang_words(message: str, replica: str, spec: SGLangSpec) -> str:
+    """A vLLM-table refusal of ``replica`` (vLLM's ``tp=T,dp=1`` spec) in SGLang's terms.
+
+    The tables speak of vLLM, whose MoE layers split over ``dp * tp`` and whose valid tp
+    depend on ``dp``; one SGLang replica is its own TP group (rule ``replica``), so the
+    MoE split is ``tp`` and the valid tp hold for any ``dp``. Without this a user's
+    ``sglang:tp=3,dp=2`` read "valid tp with dp=1" and "dp*tp=3".
+    """
+    ep = ", ep" if spec.ep else ""
+    return (message.replace(replica, str(spec))
+            .replace(f"valid tp with dp=1{ep}:", f"valid tp{' with ep' if spec.ep else ''} "
+                     "(for any dp: each SGLang replica is its own TP group):")
+            .replace(f"no tp works with dp=1{ep}; change dp or ep",
+                     f"no tp works{' with ep' if spec.ep else ''} (for any dp); change ep")
+            .replace("the MoE tensor-parallel size dp*tp=", "the MoE tensor-parallel size tp="))

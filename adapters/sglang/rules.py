@@ -71,7 +71,11 @@ def check_architecture(architecture: str | None, config: Any = None) -> None:
     Raises:
         ValueError: names it and lists ``SGLANG_ARCHITECTURES``; a DeepSeek-V3
             config without ``q_lora_rank`` (SGLang then keeps ``q_proj`` and
-            ``kv_a_proj_with_mqa`` apart, not checked here).
+            ``kv_a_proj_with_mqa`` apart, not checked here); a config with a
+            ``quantization_config`` (the published DeepSeek-V3 and Kimi-K2 fp8
+            checkpoints: their scales were laid out under vLLM's names, e.g.
+            ``fused_qkv_a_proj.weight_scale_inv`` beside SGLang's
+            ``fused_qkv_a_proj_with_mqa.weight``, and never compared with SGLang).
     """
     if architecture not in SGLANG_ARCHITECTURES:
         raise ValueError(
@@ -83,6 +87,17 @@ def check_architecture(architecture: str | None, config: Any = None) -> None:
     if architecture == "DeepseekV3ForCausalLM" and q_lora is None:
         raise ValueError("DeepseekV3ForCausalLM without q_lora_rank: SGLang's layout for it "
                          "is not checked against SGLang's loaders (docs/sglang.md)")
+    quant = (config.get("quantization_config") if isinstance(config, Mapping)
+             else getattr(config, "quantization_config", None)) if config is not None else None
+    if quant:
+        method = (quant.get("quant_method") if isinstance(quant, Mapping)
+                  else getattr(quant, "quant_method", None))
+        raise ValueError(
+            f"{architecture} with a quantization_config (quant_method {method!r}): SGLang's "
+            "layout of a quantized checkpoint (fp8 weight + weight_scale_inv, ...) is not "
+            "checked against SGLang's loaders (the test loads unquantized checkpoints; "
+            "docs/sglang.md); supported: the unquantized (bf16) form, the same config "
+            "without quantization_config")
 
 
 def _config_dtype(config: Any) -> str | None:

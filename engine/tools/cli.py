@@ -175,8 +175,15 @@ def _precheck(args) -> None:
             .parse_megatron_demo_spec(args.trainer)
         if args.receiver != "stand-in":
             raise UserError("--trainer megatron:... runs with --receiver stand-in only")
-    if args.command == "plan" and importlib.import_module(
-            "m2nkit.adapters.sglang.spec").is_sglang_spec(args.inference):
+    sglang = importlib.import_module("m2nkit.adapters.sglang.spec").is_sglang_spec(
+        args.inference)
+    if sglang and args.command != "plan":
+        # SGLang is a destination layout only so far (docs/sglang.md): no receiver to run
+        raise UserError(f"--inference {args.inference}: m2nkit demo has no SGLang receiver "
+                        "yet (docs/sglang.md, Not done yet); plan into SGLang workers with "
+                        f"m2nkit plan CHECKPOINT --trainer SPEC --inference {args.inference}, "
+                        "or run the demo into vLLM workers (--inference vllm:tp=T[,dp=D][,ep])")
+    if args.command == "plan" and sglang:
         ispec = importlib.import_module("m2nkit.adapters.sglang.spec").parse_sglang_spec(
             args.inference)
         _check_sglang_args(args)
@@ -189,6 +196,10 @@ def _precheck(args) -> None:
         if not Path(args.checkpoint).exists():
             raise UserError(f"checkpoint {args.checkpoint}: no such file or directory (give a "
                             "checkpoint directory or its config.json)")
+        if args.verify and _config_only(Path(args.checkpoint)):
+            # before the layout: a traced one (Llama-4) takes minutes to build
+            raise UserError(f"--verify needs tensor data, but {args.checkpoint} has only a "
+                            "config (no model.safetensors or model.safetensors.index.json)")
         _check_architecture(args.checkpoint, "checkpoint", args.layout)
         if getattr(tspec, "megatron", None) is not None:
             _check_megatron_sizes(args, tspec.megatron, _read_config(args.checkpoint), "plan")
@@ -280,6 +291,15 @@ def _build(args):
     timings = {"imports": t1 - t0, "read": t2 - t1,
                ("SGLang layout" if sglang else "vLLM layout"): t3 - t2, "plan": t4 - t3}
     return ckpt, tspec, ispec, metas, plan, timings
+
+
+def _config_only(path: Path) -> bool:
+    """Whether ``path`` is a config-only checkpoint (no tensor data), as
+    ``adapters.hf_checkpoint.files.resolve_path`` reads it, without importing torch."""
+    if path.is_file():
+        return path.suffix == ".json" and path.name != "model.safetensors.index.json"
+    return (path.is_dir() and not (path / "model.safetensors.index.json").is_file()
+            and not (path / "model.safetensors").is_file())
 
 
 def _check_sglang_args(args) -> None:

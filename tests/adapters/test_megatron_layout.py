@@ -187,6 +187,8 @@ def test_an_empty_pipeline_stage_is_refused():
     # the workers' side: a tp the family's vLLM layout refuses (was found only inside
     # every trainer, once all were started: a fresh-user trial)
     ("megatron:tp=2", "vllm:tp=3", "cannot be laid out as vllm:tp=3", "in-process"),
+    # expert parallelism on a dense model (was: every trainer failed after ~50 s, exit 1)
+    ("megatron:ep=2", "vllm:tp=2", "ep=2 needs experts, and this model has none", "in-process"),
 ])
 def test_megatron_demo_checks_the_model_before_starting_trainers(capsys, trainer, inference,
                                                                   match, how):
@@ -251,6 +253,16 @@ _MOE = {**_LLAMA, "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 8,
     ({**_LLAMA, "vocab_size": 202}, {"tp": 4}, "bridge",
      "vocab_size (202) must be divisible by tp (4)"),
     (_LLAMA, {"tp": 1, "pp": 3}, "bridge", "4 layers do not split over pp*vpp=3"),
+    # megatron-core: "num_moe_experts must be non None to use expert-parallel." (a trial:
+    # plan accepted it and the demo failed inside every trainer after ~50 s, exit 1)
+    (_LLAMA, {"tp": 2, "ep": 2}, "plan", "ep=2 needs experts, and this model has none"),
+    # a multimodal config: the language model's sizes are under text_config
+    ({"architectures": ["Qwen3VLForConditionalGeneration"], "text_config": _LLAMA,
+      "vision_config": {"num_heads": 16}}, {"tp": 1, "ep": 2}, "plan",
+     "ep=2 needs experts"),
+    ({"architectures": ["Qwen3VLMoeForConditionalGeneration"],
+      "text_config": {**_MOE, "num_attention_heads": 6}, "vision_config": {"num_heads": 16}},
+     {"tp": 4}, "plan", "num_attention_heads (6) must be a multiple of tp (4)"),
 ])
 def test_megatron_size_rules_name_the_value(config, sizes, loader, says):
     from m2nkit.adapters.megatron.spec import megatron_size_problem
@@ -265,6 +277,9 @@ def test_megatron_size_rules_name_the_value(config, sizes, loader, says):
     (_LLAMA, {"tp": 2, "pp": 2}),
     (_MOE, {"tp": 2, "ep": 2}),                  # all layers MoE: the dense FFN (90) is never built
     ({**_LLAMA, "vocab_size": 202}, {"tp": 4}),  # plan: Megatron-LM pads the vocabulary
+    # a multimodal MoE: its experts are under text_config (not "no experts")
+    ({"architectures": ["Qwen3VLMoeForConditionalGeneration"], "text_config": _MOE,
+      "vision_config": {"num_heads": 16}}, {"tp": 2, "ep": 2}),
 ])
 def test_megatron_size_rules_accept_what_megatron_core_builds(config, sizes):
     from m2nkit.adapters.megatron.spec import megatron_size_problem

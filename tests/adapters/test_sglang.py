@@ -17,7 +17,7 @@ import pytest
 
 from _oracle import _model, _oracle, assert_layout_equals_dumps
 from m2nkit.adapters.sglang import SGLangSpec, parse_sglang_spec, sglang_destination_layout
-from m2nkit.adapters.sglang.rules import sglang_dtype
+from m2nkit.adapters.sglang.rules import check_architecture, sglang_dtype
 from m2nkit.engine.tools.cli import main
 from m2nkit.manifest import ParamMeta
 
@@ -135,3 +135,57 @@ def test_cli_plan_sglang(capsys):
     assert main(["plan", str(ckpt), "--trainer", "fsdp:2", "--inference", "sglang:tp=2",
                  "--verify"]) == 2
     assert "--verify" in capsys.readouterr().err
+
+
+def test_cli_sglang_size_error_speaks_of_sglang_replicas(capsys):
+    """A bad tp under sglang:...,dp=2 named vLLM's dp=1 replica ("valid tp with dp=1",
+    "MoE tensor-parallel size dp*tp=3"), which a user who gave dp=2 cannot act on (a
+    trial). SGLang's replicas are their own TP groups: the valid tp hold for any dp."""
+    from _paths import ORACLE
+
+    ckpt = ORACLE / "tiny-qwen3-moe" / "checkpoint" / "config.json"
+    assert main(["plan", str(ckpt), "--trainer", "fsdp:2", "--inference", "sglang:tp=3,dp=2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot be laid out as sglang:tp=3,dp=2:" in err, err
+    assert ("valid tp (for any dp: each SGLang replica is its own TP group): [1, 2, 4, 8]"
+            in err), err
+    assert "MoE tensor-parallel size tp=3" in err and "dp=1" not in err and "dp*tp" not in err
+    assert main(["plan", str(ckpt), "--trainer", "fsdp:2", "--inference",
+                 "sglang:tp=16,dp=2,ep"]) == 2
+    assert "valid tp with ep (for any dp: each SGLang replica is its own TP group): [1, 2, 4, 8]" \
+        in capsys.readouterr().err
+
+
+def test_demo_refuses_sglang_naming_what_exists(capsys):
+    """``m2nkit demo --inference sglang:tp=2`` said "must start with 'vllm:'" (a trial):
+    the demo has no SGLang receiver; the refusal says so and points at m2nkit plan."""
+    code = main(["demo", "--inference", "sglang:tp=2", "--rounds", "1", "--no-baseline"])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == "", captured
+    assert captured.err.splitlines() == [
+        "m2nkit: error: --inference sglang:tp=2: m2nkit demo has no SGLang receiver yet "
+        "(docs/sglang.md, Not done yet); plan into SGLang workers with m2nkit plan CHECKPOINT "
+        "--trainer SPEC --inference sglang:tp=2, or run the demo into vLLM workers "
+        "(--inference vllm:tp=T[,dp=D][,ep])"]
+
+
+def test_quantized_checkpoint_is_refused_not_half_renamed(capsys):
+    """An fp8 DeepSeek-V3 checkpoint planned into SGLang named its fused q_a/kv_a weight
+    SGLang's way (fused_qkv_a_proj_with_mqa.weight) and its scale vLLM's way
+    (fused_qkv_a_proj.weight_scale_inv), with exit 0 (a trial); no quantized checkpoint
+    is compared with SGLang's loaders, so it is refused, naming the way out."""
+    from _paths import ORACLE
+
+    ckpt = ORACLE / "tiny-deepseek-v3-fp8" / "checkpoint"
+    assert main(["plan", str(ckpt), "--trainer", "fsdp:2", "--inference", "sglang:tp=2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert ("DeepseekV3ForCausalLM with a quantization_config (quant_method 'fp8'): SGLang's "
+            "layout of a quantized checkpoint") in err, err
+    assert "the same config without quantization_config" in err, err
+    # the published config's form, and the same config without it passes
+    cfg = json.loads((ckpt / "config.json").read_text())
+    with pytest.raises(ValueError, match="with a quantization_config"):
+        check_architecture("DeepseekV3ForCausalLM", cfg)
+    cfg.pop("quantization_config")
+    check_architecture("DeepseekV3ForCausalLM", cfg)

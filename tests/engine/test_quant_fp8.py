@@ -194,3 +194,21 @@ def test_verify_with_the_bf16_wire_says_what_it_does_not_check(capsys):
     assert ("verify: wire=bf16 checks the BF16 weights vLLM's loaders take (checkpoint format); "
             "vLLM quantizes them after loading, which is not run here (wire=fp8 runs the "
             "quantization)") in out
+
+
+def test_plan_says_the_live_fp8_wire_refuses_padded_experts(capsys):
+    """tiny-qwen3-moe's expert FFN (32) is not a whole 128-block:
+    the dry run models vLLM's padding, but live trainers refuse them on the fp8 wire
+    (engine.fp8_wire). The plan said nothing and looked like a round that runs (a trial);
+    now the fp8 table says so, naming a parameter; the BF16 wire and whole-block models
+    get no such row."""
+    moe = ORACLE / "tiny-qwen3-moe" / "checkpoint" / "config.json"
+    assert main(["plan", str(moe), "--trainer", "fsdp:2", "--inference",
+                 "vllm:tp=2,ep,quant=fp8_per_block,wire=fp8"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "live fp8 wire" in out, out
+    assert "model.layers.0.mlp.experts.routed_experts.w13_weight [4, 64, 128]" in out, out
+    assert "live trainers refuse them before any traffic" in out, out
+    assert main(["plan", str(moe), "--trainer", "fsdp:2", "--inference",
+                 "vllm:tp=2,ep,quant=fp8_per_block,wire=bf16"]) == 0
+    assert "live fp8 wire" not in capsys.readouterr().out

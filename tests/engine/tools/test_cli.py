@@ -408,3 +408,21 @@ def test_plan_nodes_reports_the_ipc_transports_bytes_each_way(tmp_path, capsys):
                               "vllm:tp=2,quant=fp8_per_block,wire=fp8", "--nodes", "2")
     assert code == 2 and out == ""
     assert "the ipc transport carries the BF16 wire only" in err
+
+
+@pytest.mark.parametrize("path", ["meta-llama__Llama-4-Scout-17B-16E-Instruct",
+                                  "meta-llama__Llama-4-Scout-17B-16E-Instruct/config.json"])
+def test_verify_on_a_config_is_refused_before_the_layout_is_built(capsys, monkeypatch, path):
+    """``m2nkit plan <Llama-4 config> --verify`` traced vLLM's loaders for about 10 minutes
+    on 2 busy cores, then said --verify needs tensor data (a trial). Refused first now."""
+    from m2nkit.engine.tools import cli
+
+    def built(*_):
+        raise AssertionError("the layout was built before --verify was refused")
+
+    monkeypatch.setattr(cli, "_build", built)
+    code = main(["plan", str(CONFIGS / path), "--trainer", "fsdp:2", "--inference", "vllm:tp=2",
+                 "--verify"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert "--verify needs tensor data, but" in err and "has only a config" in err, err

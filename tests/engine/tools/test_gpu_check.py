@@ -242,6 +242,8 @@ def test_the_colocated_case_is_planned_in_a_dry_run(capsys):
     assert steps == ["generate", "sleep", "train", "wake weights", "update", "wake kv_cache",
                      "generate", "fresh load"], out
     assert "skipped (--dry-run): colocated" in out, out
+    # the command to run it names --colocated's value (a bare --colocated is an argparse error)
+    assert "run with --colocated only on a GPU machine" in out, out
     assert "skipped (--dry-run): the GPU run" not in out, out     # --colocated only: no scenarios
 
 
