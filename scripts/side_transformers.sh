@@ -2,7 +2,7 @@
 # Create (or refresh) .venv-tf: .venv with another transformers in front of it,
 # so CI runs the fast suite under the newest transformers pyproject.toml's range
 # admits as well as under the pinned one (constraints.txt).
-#   scripts/side_transformers.sh            the newest version the range admits
+#   scripts/side_transformers.sh            the newest version the range admits (and the index can install)
 #   scripts/side_transformers.sh 5.24.0     that version (must be in the range)
 # Prints the version it installed. Needs scripts/setup.sh first (.venv).
 #
@@ -30,13 +30,38 @@ deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
 print(next(d for d in deps if re.match(r"transformers\b", d)).replace(" ", ""))
 EOF
 )
-WANT=${1:+transformers==$1}
+# The versions to try, newest first: the one asked for, else every release in
+# the range (pip's index listing), of which the first whose dependencies the
+# index can satisfy wins. A release can need a package the index does not have
+# yet (transformers 5.25.0 needs kernels>=0.19.1, not yet published): that
+# release is skipped with a message instead of failing CI.
+if [ -n "${1:-}" ]; then
+    CANDIDATES=("$1")
+else
+    LISTED=$("$MAIN" -m pip index versions transformers 2>/dev/null |
+             sed -n 's/^Available versions: //p')
+    mapfile -t CANDIDATES < <("$SIDE/bin/python" - "$RANGE" "$LISTED" <<'EOF'
+import sys
+from packaging.requirements import Requirement
+from packaging.version import Version
+spec = Requirement(sys.argv[1]).specifier
+found = sorted({Version(v.strip()) for v in sys.argv[2].split(",") if v.strip()}, reverse=True)
+print("\n".join(str(v) for v in found if spec.contains(v)))
+EOF
+)
+    # No listing (an index without the JSON API): the range alone, newest first.
+    [ ${#CANDIDATES[@]} -gt 0 ] && [ -n "${CANDIDATES[0]}" ] || CANDIDATES=("")
+fi
 # pip from .venv, aimed at .venv-tf's site-packages; never at .venv.
 PIP=("$MAIN" -m pip install -q --disable-pip-version-check --no-deps --ignore-installed
      --target "$SIDE_SITE" --upgrade --no-compile)
-"${PIP[@]}" "$RANGE" ${WANT:+"$WANT"}
-# Dependencies of that transformers which .venv + .venv-tf do not satisfy.
-MISSING=$("$SIDE/bin/python" - <<'EOF'
+installed=""
+for v in "${CANDIDATES[@]:0:5}"; do
+    # A release tried before leaves its dist-info beside the next one's: clear it.
+    rm -rf "$SIDE_SITE"/transformers "$SIDE_SITE"/transformers-*.dist-info
+    "${PIP[@]}" "$RANGE" ${v:+"transformers==$v"}
+    # Dependencies of that transformers which .venv + .venv-tf do not satisfy.
+    MISSING=$("$SIDE/bin/python" - <<'EOF'
 from importlib.metadata import PackageNotFoundError, distribution, version
 from packaging.requirements import Requirement
 out = []
@@ -53,10 +78,19 @@ for text in distribution("transformers").requires or []:
 print("\n".join(out))
 EOF
 )
-if [ -n "$MISSING" ]; then
-    mapfile -t REQS <<<"$MISSING"
-    "${PIP[@]}" "${REQS[@]}"
-fi
+    if [ -n "$MISSING" ]; then
+        mapfile -t REQS <<<"$MISSING"
+        if ! "${PIP[@]}" "${REQS[@]}"; then
+            echo "side_transformers: transformers ${v:-(newest)} needs ${REQS[*]}, which the" \
+                 "package index cannot provide; trying the next older release" >&2
+            continue
+        fi
+    fi
+    installed=yes
+    break
+done
+[ -n "$installed" ] || { echo "side_transformers: no transformers release in $RANGE installs" \
+                              "(tried: ${CANDIDATES[*]:0:5})" >&2; exit 1; }
 "$SIDE/bin/python" - "$RANGE" <<'EOF'
 import sys
 from importlib.metadata import version
