@@ -75,6 +75,7 @@ def _unsupported(tmp_path: Path, arch: str = "PhiForCausalLM") -> Path:
     ("demo_arch", "architecture 'PhiForCausalLM' is not supported; supported: "),
     ("demo_processes", "needs 42 processes"),
     ("demo_inference", "must start with 'vllm:'"),
+    ("demo_sglang", "m2nkit demo has no SGLang receiver yet"),
     # issue 21 item 8: refused before torch, as bad specs are
     ("plan_missing_checkpoint", "no such file or directory"),
     ("demo_misspelt_tiny", "--model 'tiny-lama' is neither a built-in tiny model (tiny-deepseek-v3"),
@@ -104,7 +105,8 @@ def test_refusals_come_before_torch_is_imported(tmp_path, case, needle):
         "dump_without_verify": lambda: [*plan, "--dump", tmp_path / "dump"],
         "demo_arch": lambda: ["demo", "--model", _unsupported(tmp_path)],
         "demo_processes": lambda: ["demo", "--trainer", "fsdp:40", "--inference", "vllm:tp=2"],
-        "demo_inference": lambda: ["demo", "--inference", "sglang:tp=2"],
+        "demo_inference": lambda: ["demo", "--inference", "tgi:tp=2"],
+        "demo_sglang": lambda: ["demo", "--inference", "sglang:tp=2"],
         "plan_missing_checkpoint": lambda: ["plan", tmp_path / "no-such-dir", "--trainer", "fsdp:2",
                                             "--inference", "vllm:tp=2"],
         "demo_misspelt_tiny": lambda: ["demo", "--model", "tiny-lama"],
