@@ -198,6 +198,19 @@ def _served_dtypes(state) -> dict:
             for n, p in state["model"].named_parameters()}
 
 
+def _assert_equals_fresh_fp8_load(reports, started) -> None:
+    """Every worker's ``verify`` report: all its parameters compared with a fresh vLLM fp8
+    load of v1, same names, no byte different, none left at v0 or re-allocated, at v1."""
+    assert len(reports) == len(started)
+    for w, r in enumerate(reports):
+        assert r["compared"] == started[w]["parameters"] > 0
+        assert (r["names_only_live"], r["names_only_fresh"]) == ([], []), (w, r)
+        assert r["differ"] == [], f"worker {w}: differs from vLLM's fresh fp8 load of v1: {r['differ']}"
+        assert r["unchanged_since_start"] == [], f"worker {w}: still v0: {r['unchanged_since_start']}"
+        assert r["moved"] == [], f"worker {w}: parameters re-allocated: {r['moved']}"
+        assert r["version"] == "v1"
+
+
 @pytest.mark.parametrize("name,inference,quantization,covers", CASES, ids=[c[0] for c in CASES])
 def test_round_into_fp8_served_vllm_equals_fresh_fp8_load(host, checkpoints, name, inference,
                                                           quantization, covers):
@@ -224,15 +237,7 @@ def test_round_into_fp8_served_vllm_equals_fresh_fp8_load(host, checkpoints, nam
     # the trainer's layer order), none was left for the commit
     for w, n in enumerate(host.client.collective_rpc(_layers_processed)):
         assert n["not_streamed"] == [] and n["streamed"] == n["layers"] > 0, (w, n)
-    reports = host.client.verify(v1)
-    assert len(reports) == len(started)
-    for w, r in enumerate(reports):
-        assert r["compared"] == started[w]["parameters"] > 0
-        assert (r["names_only_live"], r["names_only_fresh"]) == ([], []), (w, r)
-        assert r["differ"] == [], f"worker {w}: differs from vLLM's fresh fp8 load of v1: {r['differ']}"
-        assert r["unchanged_since_start"] == [], f"worker {w}: still v0: {r['unchanged_since_start']}"
-        assert r["moved"] == [], f"worker {w}: parameters re-allocated: {r['moved']}"
-        assert r["version"] == "v1"
+    _assert_equals_fresh_fp8_load(host.client.verify(v1), started)
     if "tied" in name:      # still one tensor under both names
         assert host.client.collective_rpc(_tied_storage) == [True] * len(started)
     for w, r in enumerate(host.client.collective_rpc(_aborted_reload_leaves_the_served_weights)):
@@ -337,15 +342,7 @@ def test_fp8_wire_round_from_fsdp2_equals_fresh_fp8_load(host, checkpoints, name
         assert r["quantized"] and r["not_from_wire"] == [] and r["other"] == [], (w, r)
     for w, n in enumerate(host.client.collective_rpc(_layers_processed)):
         assert n["not_streamed"] == [] and n["streamed"] == n["layers"] > 0, (w, n)
-    reports = host.client.verify(v1)
-    assert len(reports) == len(started)
-    for w, r in enumerate(reports):
-        assert r["compared"] == started[w]["parameters"] > 0
-        assert (r["names_only_live"], r["names_only_fresh"]) == ([], []), (w, r)
-        assert r["differ"] == [], f"worker {w}: differs from a fresh fp8 load of v1: {r['differ']}"
-        assert r["unchanged_since_start"] == [], (w, "still v0", r["unchanged_since_start"])
-        assert r["moved"] == [], f"worker {w}: parameters re-allocated: {r['moved']}"
-        assert r["version"] == "v1"
+    _assert_equals_fresh_fp8_load(host.client.verify(v1), started)
 
 
 def _fp8_wire_preconditions(checkpoint, inference) -> None:
