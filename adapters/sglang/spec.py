@@ -84,7 +84,8 @@ def is_sglang_spec(text: object) -> bool:
     """Whether ``text`` is an ``SGLangSpec`` or a spec string naming ``sglang:``."""
     if isinstance(text, SGLangSpec):
         return True
-    return isinstance(text, str) and text.strip().lower().startswith("sglang:")
+    # "sglang" alone is SGLang's too: its parser then asks for the settings
+    return isinstance(text, str) and text.strip().partition(":")[0].strip().lower() == "sglang"
 
 
 def parse_sglang_spec(text: object) -> SGLangSpec:
@@ -101,6 +102,9 @@ def parse_sglang_spec(text: object) -> SGLangSpec:
     if not isinstance(text, str):
         raise ValueError(f"SGLang spec {text!r} is not a string; expected {SPEC_SYNTAX}")
     engine, sep, body = text.strip().partition(":")
+    if not sep and engine.strip().lower() == "sglang":
+        raise ValueError(f"inference spec {text!r} has no settings: write them after 'sglang:', "
+                         f"like sglang:tp=2; expected {SPEC_SYNTAX}")
     if not sep or engine.strip().lower() != "sglang":
         raise ValueError(f"inference spec {text!r} must start with 'sglang:'; expected {SPEC_SYNTAX}")
     values: dict[str, object] = {}

@@ -195,6 +195,9 @@ def parse_inference_spec(text: str) -> InferenceSpec:
         raise ValueError(f"vLLM spec {text!r} is not a string; expected {SPEC_SYNTAX}")
     s = text.strip()
     engine, sep, body = s.partition(":")
+    if not sep and engine.strip().lower() == "vllm":
+        raise ValueError(f"inference spec {text!r} has no settings: write them after 'vllm:', "
+                         f"like vllm:tp=2; expected {SPEC_SYNTAX}")
     if not sep or engine.strip().lower() != "vllm":
         raise ValueError(f"inference spec {text!r} must start with 'vllm:'; expected {SPEC_SYNTAX}")
     values: dict[str, object] = {}

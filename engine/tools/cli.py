@@ -681,7 +681,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--link-gbps", type=float, default=400.0,
                       help="per-rank link bandwidth for the time estimate (default 400)")
     plan.add_argument("--bindings", action="store_true",
-                      help="print where each wire tensor (HF name) lands: vLLM parameter, "
+                      help="print where each wire tensor (HF name) lands: vLLM (or SGLang) parameter, "
                            "rows/cols/experts, workers")
     plan.add_argument("--layout", choices=("tables", "traced", "auto"), default="auto",
                       help="where the vLLM layout comes from: m2nkit's family tables (no vLLM "

@@ -16,7 +16,7 @@ import sys
 from collections import Counter
 
 __all__ = ["fmt_bytes", "fmt_seconds", "console_for_stdout", "print_summary", "print_tensors",
-           "binding_rows", "print_bindings", "print_demo_table"]
+           "engine_name", "binding_rows", "print_bindings", "print_demo_table"]
 
 
 def fmt_bytes(n: float) -> str:
@@ -194,17 +194,23 @@ def _describe_workers(workers) -> str:
     return f"worker{'s' if len(ws) > 1 else ''} {text}"
 
 
-def binding_rows(plan) -> list[tuple[str, str, str, str, str]]:
-    """One row per (wire tensor, vLLM parameter, region): where each wire tensor lands.
+def engine_name(plan) -> str:
+    """The inference engine the plan's destination is: ``"SGLang"`` for an
+    ``sglang:`` layout (``sglang_destination_layout``), else ``"vLLM"``."""
+    return "SGLang" if str(plan.destination.spec).startswith("sglang:") else "vLLM"
 
-    Returns ``(wire tensor, vLLM parameter, region of the parameter, workers,
+
+def binding_rows(plan) -> list[tuple[str, str, str, str, str]]:
+    """One row per (wire tensor, inference parameter, region): where each wire tensor lands.
+
+    Returns ``(wire tensor, parameter of the vLLM or SGLang worker, region of the parameter, workers,
     part of the wire tensor they take)``, in wire order. Workers taking the
     same region of the same parameter share a row; when they take different
     parts of the wire tensor (tensor-parallel shards), the last column says
     which worker takes which. Regions and parts are in local coordinates of
     the parameter and global coordinates of the wire tensor
-    (:func:`_describe_box`). Skipped wire tensors, and those no vLLM
-    parameter takes, get one row saying why.
+    (:func:`_describe_box`). Skipped wire tensors, and those no vLLM (or
+    SGLang) parameter takes, get one row saying why.
     """
     dest = plan.destination
     params = dest.param_index()
@@ -216,7 +222,7 @@ def binding_rows(plan) -> list[tuple[str, str, str, str, str]]:
             continue
         bindings = dest.bindings.get(name, ())
         if not bindings:
-            why = dest.unknown.get(name, "no vLLM parameter takes it")
+            why = dest.unknown.get(name, f"no {engine_name(plan)} parameter takes it")
             rows.append((name, "-", "-", "-", f"not taken: {why}"))
             continue
         groups: dict[tuple, list] = {}
@@ -242,15 +248,16 @@ def print_bindings(console, plan):
     """``--bindings``: the rows of :func:`binding_rows`, then the tied parameters."""
     from rich.table import Table
 
-    t = Table(title="where each wire tensor lands (HF name -> vLLM parameter)",
+    engine = engine_name(plan)
+    t = Table(title=f"where each wire tensor lands (HF name -> {engine} parameter)",
               title_justify="left")
-    for col in ("wire tensor", "vLLM parameter", "region", "workers", "takes"):
+    for col in ("wire tensor", f"{engine} parameter", "region", "workers", "takes"):
         t.add_column(col, overflow="fold")
     for row in binding_rows(plan):
         t.add_row(*row)
     console.print(t)
     for alias, target in sorted(plan.destination.aliases.items()):
-        console.print(f"vLLM parameter {alias} is the storage of {target} (tied; filled through it)",
+        console.print(f"{engine} parameter {alias} is the storage of {target} (tied; filled through it)",
                       markup=False, highlight=False)
 
 

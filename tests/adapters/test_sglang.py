@@ -38,6 +38,7 @@ def test_spec_parses(text, want):
 
 @pytest.mark.parametrize("text,words", [
     ("vllm:tp=2", "must start with 'sglang:'"),
+    ("sglang", "has no settings: write them after 'sglang:', like sglang:tp=2"),
     ("sglang:dp=2", "has no tp"),
     ("sglang:tp=0", "'tp=0' needs a positive int"),
     ("sglang:tp=2,tp=4", "gives 'tp' twice"),

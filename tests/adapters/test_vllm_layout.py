@@ -415,6 +415,8 @@ def test_wire_shape_mismatch_raises_and_params_keep_the_model_dtype():
 @pytest.mark.parametrize("text,match", [
     ("", "must start with 'vllm:'"),
     ("sglang:tp=2", "must start with 'vllm:'"),
+    ("vllm", r"has no settings: write them after 'vllm:', like vllm:tp=2"),
+    (" VLLM ", r"has no settings: write them after 'vllm:'"),
     ("vllm:", "empty item"),
     ("vllm:tp=0", r"tp=0 must be a positive int"),
     ("vllm:tp=-2", r"'tp=-2' needs a positive int"),

@@ -76,6 +76,8 @@ def _unsupported(tmp_path: Path, arch: str = "PhiForCausalLM") -> Path:
     ("demo_processes", "needs 42 processes"),
     ("demo_inference", "must start with 'vllm:'"),
     ("demo_sglang", "m2nkit demo has no SGLang receiver yet"),
+    # "sglang" without its colon was answered "must start with 'vllm:'" (a trial)
+    ("plan_sglang_bare", "inference spec 'sglang' has no settings: write them after 'sglang:'"),
     # issue 21 item 8: refused before torch, as bad specs are
     ("plan_missing_checkpoint", "no such file or directory"),
     ("demo_misspelt_tiny", "--model 'tiny-lama' is neither a built-in tiny model (tiny-deepseek-v3"),
@@ -107,6 +109,7 @@ def test_refusals_come_before_torch_is_imported(tmp_path, case, needle):
         "demo_processes": lambda: ["demo", "--trainer", "fsdp:40", "--inference", "vllm:tp=2"],
         "demo_inference": lambda: ["demo", "--inference", "tgi:tp=2"],
         "demo_sglang": lambda: ["demo", "--inference", "sglang:tp=2"],
+        "plan_sglang_bare": lambda: ["plan", EXAMPLE, "--trainer", "fsdp:2", "--inference", "sglang"],
         "plan_missing_checkpoint": lambda: ["plan", tmp_path / "no-such-dir", "--trainer", "fsdp:2",
                                             "--inference", "vllm:tp=2"],
         "demo_misspelt_tiny": lambda: ["demo", "--model", "tiny-lama"],
@@ -332,15 +335,20 @@ def test_bindings_ep_names_experts_and_dp_replicas(capsys, monkeypatch):
          f"rows 0:{kv} (workers 0, 2); rows {kv}:{2 * kv} (workers 1, 3)")]
 
 
-def test_bindings_name_the_tied_head(tiny_checkpoints, capsys, monkeypatch):
-    # tie_word_embeddings: vLLM's lm_head.weight is embed_tokens' storage; the
-    # checkpoint has no lm_head tensor, so the table says where it comes from.
+@pytest.mark.parametrize("engine,spec", [("vLLM", "vllm:tp=2"), ("SGLang", "sglang:tp=2")])
+def test_bindings_name_the_tied_head(tiny_checkpoints, capsys, monkeypatch, engine, spec):
+    # tie_word_embeddings: the engine's lm_head.weight is embed_tokens' storage; the
+    # checkpoint has no lm_head tensor, so the table says where it comes from, in the
+    # destination engine's name (an SGLang plan said "vLLM parameter": a trial).
     monkeypatch.setenv("COLUMNS", "400")
     assert main(["plan", str(tiny_checkpoints("tiny-qwen3-tied")), "--trainer", "fsdp:2",
-                 "--inference", "vllm:tp=2", "--bindings"]) == 0
+                 "--inference", spec, "--bindings"]) == 0
     out = capsys.readouterr().out
-    assert ("vLLM parameter lm_head.weight is the storage of model.embed_tokens.weight "
+    assert (f"{engine} parameter lm_head.weight is the storage of model.embed_tokens.weight "
             "(tied; filled through it)") in out
+    assert f"HF name -> {engine} parameter" in out
+    other = {"vLLM": "SGLang", "SGLang": "vLLM"}[engine]
+    assert f"{other} parameter" not in out
 
 
 # --------------------------------------------------------------------------

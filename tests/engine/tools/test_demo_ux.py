@@ -6,6 +6,13 @@ every descendant inherits, so "nothing left behind" is checked directly: no
 live process carrying the marker, nothing of the demo's in ``TMPDIR``. Waits are deadlines
 on output lines, never sleeps. The smallest layouts keep the process count
 (and the time on a 2-core machine) down.
+
+The three runs that start trainers and workers carry the ``integration``
+marker: they need no framework stack, but each spawns up to six fresh
+processes that import torch and transformers (30-37 s on 2 cores), which put
+the fast suite over its 5-minute budget with one core busy (6 min 05 s,
+docs/benchmarks.md); they run in the integration run, as the multi-process
+``ipc`` tests do. Ctrl-C while torch loads stays in the fast suite.
 """
 
 from __future__ import annotations
@@ -112,6 +119,7 @@ class Demo:
             == [], "files left in TMPDIR"
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(420)
 def test_demo_reports_progress_and_announces_the_baseline(tmp_path):
     demo = Demo(tmp_path, "--model", "tiny-llama", "--trainer", "fsdp:1",
@@ -134,6 +142,7 @@ def test_demo_reports_progress_and_announces_the_baseline(tmp_path):
     demo.assert_nothing_left()
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(600)
 def test_the_fsdp2_tp_demo_prints_only_m2nkits_lines(tmp_path):
     """FSDP2 + TP trainers: torch's DTensor note that the (dp_shard, tp) mesh is not
@@ -151,6 +160,7 @@ def test_the_fsdp2_tp_demo_prints_only_m2nkits_lines(tmp_path):
     demo.assert_nothing_left()
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_ctrl_c_stops_the_demo_with_one_line_and_status_130(tmp_path):
     demo = Demo(tmp_path, "--model", "tiny-llama", "--trainer", "fsdp:2",
