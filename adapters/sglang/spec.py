@@ -14,8 +14,9 @@ Checked here without torch, so a typo is refused at once.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
+
+from ..spec_text import check_sizes, flag, positive_size, spec_items
 
 __all__ = ["SGLangSpec", "parse_sglang_spec", "is_sglang_spec", "SPEC_SYNTAX", "DTYPES"]
 
@@ -27,9 +28,6 @@ SPEC_SYNTAX = ("sglang:tp=T[,dp=D][,ep][,dtype=auto|bfloat16|float16|float32] "
 DTYPES = {"auto": "auto", "bfloat16": "bfloat16", "float16": "float16", "half": "float16",
           "float32": "float32", "float": "float32"}
 
-_INT = re.compile(r"^[0-9]+$")
-#: Largest inference world m2nkit plans for (the vLLM spec's guard).
-MAX_WORKERS = 1 << 14
 
 
 @dataclass(frozen=True)
@@ -94,53 +92,27 @@ def parse_sglang_spec(text: object) -> SGLangSpec:
     Raises:
         ValueError: not a string, another prefix, an empty, repeated or
             unknown item, a size that is not a positive int, ``ep=N`` other
-            than a flag, more than ``MAX_WORKERS`` workers. The message quotes
+            than a flag, more than ``spec_text.MAX_WORKERS`` workers. The message quotes
             the offending part and the valid syntax.
     """
     if isinstance(text, SGLangSpec):
         return text
-    if not isinstance(text, str):
-        raise ValueError(f"SGLang spec {text!r} is not a string; expected {SPEC_SYNTAX}")
-    engine, sep, body = text.strip().partition(":")
-    if not sep and engine.strip().lower() == "sglang":
-        raise ValueError(f"inference spec {text!r} has no settings: write them after 'sglang:', "
-                         f"like sglang:tp=2; expected {SPEC_SYNTAX}")
-    if not sep or engine.strip().lower() != "sglang":
-        raise ValueError(f"inference spec {text!r} must start with 'sglang:'; expected {SPEC_SYNTAX}")
+    label = "SGLang spec"
     values: dict[str, object] = {}
-    for raw in body.split(","):
-        part = raw.strip()
-        if not part:
-            raise ValueError(f"SGLang spec {text!r} has an empty item; expected {SPEC_SYNTAX}")
-        key, eq, value = (x.strip() for x in part.partition("="))
-        key = key.lower()
-        if key in values:
-            raise ValueError(f"SGLang spec {text!r} gives '{key}' twice; expected {SPEC_SYNTAX}")
-        if key in ("tp", "dp"):
-            if not eq or not _INT.match(value) or int(value) <= 0:
-                raise ValueError(f"SGLang spec {text!r}: '{part}' needs a positive int, like "
-                                 f"{key}=2; expected {SPEC_SYNTAX}")
-            values[key] = int(value)
-        elif key == "ep":
-            flag = value.lower() if eq else "true"
-            if flag not in ("1", "0", "true", "false"):
-                raise ValueError(f"SGLang spec {text!r}: '{part}' must be 'ep', 'ep=1' or 'ep=0' "
-                                 "(ep means --ep-size = --tp-size; a smaller --ep-size is "
-                                 "not planned)")
-            values[key] = flag in ("1", "true")
-        elif key == "dtype":
-            if not eq or value.lower() not in DTYPES:
-                raise ValueError(f"SGLang spec {text!r}: '{part}' is not valid; dtype must be "
+    for item in spec_items(text, "sglang", label, SPEC_SYNTAX):
+        if item.key in ("tp", "dp"):
+            values[item.key] = positive_size(item, text, label, SPEC_SYNTAX)
+        elif item.key == "ep":
+            values["ep"] = flag(item, text, label, "ep means --ep-size = --tp-size; a smaller "
+                                                   "--ep-size is not planned")
+        elif item.key == "dtype":
+            if not item.has_value or item.value.lower() not in DTYPES:
+                raise ValueError(f"{label} {text!r}: '{item.part}' is not valid; dtype must be "
                                  f"one of {', '.join(DTYPES)}")
-            values[key] = DTYPES[value.lower()]
+            values["dtype"] = DTYPES[item.value.lower()]
         else:
-            raise ValueError(f"SGLang spec {text!r}: unknown key '{key}'; valid keys are tp, "
+            raise ValueError(f"{label} {text!r}: unknown key '{item.key}'; valid keys are tp, "
                              "dp, ep, dtype (DP attention and pipeline parallelism are not "
                              f"planned); expected {SPEC_SYNTAX}")
-    if "tp" not in values:
-        raise ValueError(f"SGLang spec {text!r} has no tp=...; expected {SPEC_SYNTAX}")
-    workers = values["tp"] * values.get("dp", 1)
-    if workers > MAX_WORKERS:
-        raise ValueError(f"SGLang spec {text!r}: tp*dp = {workers} workers is more than m2nkit "
-                         f"plans for ({MAX_WORKERS})")
+    check_sizes(values, text, label, SPEC_SYNTAX)
     return SGLangSpec(**values)

@@ -25,8 +25,9 @@ quantizes its slabs in the worker's 128 x 128 grid, mode 2,
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
+
+from ..spec_text import check_sizes, flag, positive_size, spec_items
 
 __all__ = ["InferenceSpec", "parse_inference_spec", "SPEC_SYNTAX", "PLACEMENTS",
            "ALL2ALL_BACKENDS", "DTYPES", "QUANTS", "REFUSED_QUANTS", "WIRES"]
@@ -65,9 +66,6 @@ REFUSED_QUANTS = ("fp8_per_tensor", "fp8_per_channel", "mxfp8", "mxfp4",
 #: What the trainer sends into an fp8_per_block worker: BF16 (vLLM quantizes) or e4m3 + scales.
 WIRES = ("bf16", "fp8")
 
-_INT = re.compile(r"^[0-9]+$")
-#: Largest inference world m2nkit plans for (a guard against typos like dp=100000).
-MAX_WORKERS = 1 << 14
 
 
 def _check_size(name: str, value: object) -> int:
@@ -191,70 +189,31 @@ def parse_inference_spec(text: str) -> InferenceSpec:
     """
     if isinstance(text, InferenceSpec):
         return text
-    if not isinstance(text, str):
-        raise ValueError(f"vLLM spec {text!r} is not a string; expected {SPEC_SYNTAX}")
-    s = text.strip()
-    engine, sep, body = s.partition(":")
-    if not sep and engine.strip().lower() == "vllm":
-        raise ValueError(f"inference spec {text!r} has no settings: write them after 'vllm:', "
-                         f"like vllm:tp=2; expected {SPEC_SYNTAX}")
-    if not sep or engine.strip().lower() != "vllm":
-        raise ValueError(f"inference spec {text!r} must start with 'vllm:'; expected {SPEC_SYNTAX}")
+    label = "vLLM spec"
     values: dict[str, object] = {}
-    for raw in body.split(","):
-        part = raw.strip()
-        if not part:
-            raise ValueError(f"vLLM spec {text!r} has an empty item; expected {SPEC_SYNTAX}")
-        key, eq, value = (x.strip() for x in part.partition("="))
-        key = key.lower()
-        if key in values:
-            raise ValueError(f"vLLM spec {text!r} gives '{key}' twice; expected {SPEC_SYNTAX}")
+    for item in spec_items(text, "vllm", label, SPEC_SYNTAX):
+        key, value, part = item.key, item.value, item.part
         if key in ("tp", "dp"):
-            if not eq or not _INT.match(value):
-                raise ValueError(
-                    f"vLLM spec {text!r}: '{part}' needs a positive int, like {key}=2; "
-                    f"expected {SPEC_SYNTAX}"
-                )
-            n = int(value)
-            if n <= 0:
-                raise ValueError(
-                    f"vLLM spec {text!r}: {key}={n} must be a positive int (>= 1)"
-                )
-            values[key] = n
+            values[key] = positive_size(item, text, label, SPEC_SYNTAX)
         elif key == "ep":
-            flag = value.lower() if eq else "true"
-            if flag not in ("1", "0", "true", "false"):
-                raise ValueError(
-                    f"vLLM spec {text!r}: '{part}' must be 'ep', 'ep=1' or 'ep=0'"
-                )
-            values[key] = flag in ("1", "true")
+            values[key] = flag(item, text, label)
         elif key == "quant":
-            if not eq or not value:
-                raise ValueError(f"vLLM spec {text!r}: '{part}' needs a scheme, like "
+            if not item.has_value or not value:
+                raise ValueError(f"{label} {text!r}: '{part}' needs a scheme, like "
                                  "quant=fp8_per_block")
             _check_quant(value.lower())
             values[key] = value.lower()
         elif key in _CHOICES:
             choices, names = _CHOICES[key]
-            if not eq or value.lower() not in choices:
-                raise ValueError(
-                    f"vLLM spec {text!r}: '{part}' is not valid; {key} must be one of "
-                    f"{', '.join(names)}"
-                )
+            if not item.has_value or value.lower() not in choices:
+                raise ValueError(f"{label} {text!r}: '{part}' is not valid; {key} must be one "
+                                 f"of {', '.join(names)}")
             values[key] = choices[value.lower()]
         else:
-            raise ValueError(
-                f"vLLM spec {text!r}: unknown key '{key}'; valid keys are tp, dp, ep, "
-                f"placement, all2all, dtype, quant, wire (pipeline parallelism is not "
-                f"supported); "
-                f"expected {SPEC_SYNTAX}"
-            )
-    if "tp" not in values:
-        raise ValueError(f"vLLM spec {text!r} has no tp=...; expected {SPEC_SYNTAX}")
-    workers = values["tp"] * values.get("dp", 1)
-    if workers > MAX_WORKERS:
-        raise ValueError(f"vLLM spec {text!r}: tp*dp = {workers} workers is more than m2nkit "
-                         f"plans for ({MAX_WORKERS})")
+            raise ValueError(f"{label} {text!r}: unknown key '{key}'; valid keys are tp, dp, ep, "
+                             "placement, all2all, dtype, quant, wire (pipeline parallelism is "
+                             f"not supported); expected {SPEC_SYNTAX}")
+    check_sizes(values, text, label, SPEC_SYNTAX)
     return InferenceSpec(**values)
 
 

@@ -418,7 +418,7 @@ def test_wire_shape_mismatch_raises_and_params_keep_the_model_dtype():
     ("vllm", r"has no settings: write them after 'vllm:', like vllm:tp=2"),
     (" VLLM ", r"has no settings: write them after 'vllm:'"),
     ("vllm:", "empty item"),
-    ("vllm:tp=0", r"tp=0 must be a positive int"),
+    ("vllm:tp=0", r"'tp=0' needs a positive int \(>= 1\)"),
     ("vllm:tp=-2", r"'tp=-2' needs a positive int"),
     ("vllm:tp=two", r"'tp=two' needs a positive int"),
     ("vllm:dp=2", "has no tp"),
