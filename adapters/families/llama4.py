@@ -173,8 +173,7 @@ def sizes(config: Any):
 TINY_MODELS = {
     "tiny-llama4": TinyModel("llama4_text", {
         "intermediate_size": 32, "intermediate_size_mlp": 64, "num_local_experts": 4,
-        "num_experts_per_tok": 1, "interleave_moe_layer_step": 2, "moe_layers": None,
-        "no_rope_layers": None, "layer_types": None}),
+        "num_experts_per_tok": 1, "interleave_moe_layer_step": 2}),
 }
 
 FAMILY = Family(
