@@ -129,6 +129,14 @@ MATRIX += [("tiny-qwen3.5-vl", s) for s in ("vllm:tp=1", "vllm:tp=2", "vllm:tp=4
                                                 "vllm:tp=2,dp=2,ep")]
 
 
+#: Llama-4 (families/llama4.py, llama4_vl.py): rotary q/k rows, shared beside routed experts
+#: stored stacked [E, in, out], the Scout wrapper's vision tower; 4 query heads (tp 8 is
+#: refused by both).
+MATRIX += [(m, s) for m in ("tiny-llama4", "tiny-llama4-vision")
+           for s in ("vllm:tp=1", "vllm:tp=2", "vllm:tp=4", "vllm:tp=8", "vllm:tp=2,ep",
+                     "vllm:tp=4,ep", "vllm:tp=2,dp=2", "vllm:tp=2,dp=2,ep")]
+
+
 @pytest.mark.parametrize("model,spec", MATRIX, ids=[f"{m}-{s[5:]}" for m, s in MATRIX])
 def test_family_tables_equal_the_trace(model, spec):
     from m2nkit.adapters.vllm import destination_layout, parse_inference_spec
