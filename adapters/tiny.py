@@ -60,6 +60,13 @@ _DERIVED: dict[str, Mapping[str, Callable]]
 BUILTIN_TINY_MODELS, _DERIVED = _builtin()
 
 
+#: Per-layer lists a config class derives from ``num_hidden_layers`` when they are unset,
+#: dropped so that the shrunk config derives them again (DSA configs: the MLP and indexer
+#: type of each layer, from first_k_dense_replace and index_topk_freq; Llama-4: its MoE and
+#: NoPE layers, from interleave_moe_layer_step and no_rope_layer_interval).
+_PER_LAYER = ("layer_types", "mlp_layer_types", "indexer_types", "moe_layers", "no_rope_layers")
+
+
 def shrink_config(config, *, derived: Mapping[str, Callable] | None = None, **overrides):
     """Return a copy of a transformers ``config`` with ``TINY_SIZES`` applied.
 
@@ -71,9 +78,7 @@ def shrink_config(config, *, derived: Mapping[str, Callable] | None = None, **ov
     has one. Token ids are cleared so they fit the tiny vocab.
     """
     data = config.to_dict()
-    # per-layer lists, derived from num_hidden_layers on rebuild (DSA configs: the MLP
-    # and indexer type of each layer, from first_k_dense_replace and index_topk_freq)
-    for key in ("layer_types", "mlp_layer_types", "indexer_types"):
+    for key in _PER_LAYER:
         data.pop(key, None)
     # A multimodal wrapper's sub-configs (text_config, vision_config) shrink too;
     # a dict override of one is merged into it, after the shared sizes.
@@ -83,7 +88,8 @@ def shrink_config(config, *, derived: Mapping[str, Callable] | None = None, **ov
         if key in overrides or key in data:
             data[key] = value
     for sub in subs:
-        data[sub].pop("layer_types", None)
+        for key in _PER_LAYER:
+            data[sub].pop(key, None)
         for key, value in TINY_SIZES.items():
             if key in data[sub]:
                 data[sub][key] = value

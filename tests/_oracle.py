@@ -88,12 +88,14 @@ def _model(model: str):
             [torch.cat([per[e]["gate_proj"], per[e]["up_proj"]]) for e in range(len(per))])
         wire[f"{prefix}.down_proj.weight_scale_inv"] = torch.stack(
             [per[e]["down_proj"] for e in range(len(per))])
-    if config["architectures"][0] == "GptOssForCausalLM":
-        # GPT-OSS stores its stacked experts [E, in, out] (gate/up interleaved on the
-        # last dim); the wire carries them [E, out, in] (families/gpt_oss.py)
-        wire = {n: (t.transpose(1, 2) if _STACKED.match(n) else t) for n, t in wire.items()}
-    order = family(config["architectures"][0]).hf.stacked_order if config["architectures"][
-        0] in supported_architectures() else ()
+    hf = family(config["architectures"][0]).hf if config["architectures"][
+        0] in supported_architectures() else None
+    if hf is not None and hf.permuted:
+        # stored in another dim order than the wire's (HFNaming.permuted): GPT-OSS's and
+        # Llama-4's stacked experts [E, in, out] travel [E, out, in]
+        wire = {n: (t.permute(hf.permuted[leaf][1]) if (leaf := hf.permuted_leaf(n)) else t)
+                for n, t in wire.items()}
+    order = hf.stacked_order if hf is not None else ()
     if order:
         # stored stacked [E, in, out] (Qwen3-VL-MoE, HFNaming.stacked_order); the wire [E, out, in]
         wire = {n: (t.permute(order) if _STACKED.match(n) else t) for n, t in wire.items()}

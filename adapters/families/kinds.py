@@ -1030,3 +1030,85 @@ GDN_CONV = Sections("gdn_conv", ("kd", "kd", "vd"),
                     "(QwenGatedDeltaNetAttention.conv1d)")
 KINDS.update({k.name: k for k in (QKV_GATED, GDN_QKVZ, GDN_CONV)})
 __all__ += ["GatedQkv", "Sections", "QKV_GATED", "GDN_QKVZ", "GDN_CONV"]
+
+
+# --------------------------------------------------------------------------
+# Llama-4's q/k rows, reordered for vLLM's rotary embedding
+
+
+def rotary_source_row(row: int, head_dim: int) -> int:
+    """The wire row that row ``row`` of vLLM's rotary-reordered q/k weight is.
+
+    vLLM 0.33.0 hands a Llama-4 q/k weight ``[n*hd, H]`` to its loaders as
+    ``.view(n, hd/2, 2, H).transpose(1, 2).reshape(n*hd, H)``
+    (``models/llama4.py``, ``Llama4ForCausalLM.permute_qk_weight_for_rotary``):
+    row ``h*hd + t*hd/2 + i`` of what it loads is wire row ``h*hd + 2*i + t``
+    (``t`` in {0, 1}, ``i < hd/2``): within a head, the even wire rows, then
+    the odd ones.
+    """
+    h, j = divmod(row, head_dim)
+    t, i = divmod(j, head_dim // 2)
+    return h * head_dim + 2 * i + t
+
+
+def rotary_row_runs(lo: int, hi: int, head_dim: int) -> list[tuple[int, int, int]]:
+    """Rows ``[lo, hi)`` of the rotary-reordered tensor as ``(wire row, reordered row, rows)`` runs.
+
+    Each run is rows adjacent in both the wire and the reordered tensor
+    (:func:`rotary_source_row`): within a head no two are, except for
+    ``head_dim`` 2 (the reordering is then the identity); a head's last row
+    and the next head's first are. So a range of whole heads is about one
+    run per row: the fewest boxes that carry it.
+    """
+    runs: list[list[int]] = []
+    for p in range(lo, hi):
+        w = rotary_source_row(p, head_dim)
+        if runs and runs[-1][0] + runs[-1][2] == w:
+            runs[-1][2] += 1
+        else:
+            runs.append([w, p, 1])
+    return [tuple(r) for r in runs]
+
+
+class RotaryQkv(Qkv):
+    """QKV parallel with q and k rows reordered per head for the rotary embedding (Llama-4).
+
+    The shard of each part is :class:`Qkv`'s (whole heads per rank, KV heads
+    replicated past ``nkv``), but vLLM 0.33.0 slices it out of the
+    *reordered* q and k weights (``models/llama4.py``,
+    ``Llama4ForCausalLM.load_weights`` -> ``permute_qk_weight_for_rotary``,
+    every layer, rope or not; then ``QKVParallelLinear.weight_loader``): local
+    q/k row ``at + j`` is wire row ``rotary_source_row(s*n + j, hd)`` of the
+    shard ``s`` of ``n`` rows (:func:`rotary_source_row`). No two wire rows
+    of a head stay adjacent, so a rank's q (or k) share is one box per row,
+    joined only across heads (:func:`rotary_row_runs`): about ``(nh/tp +
+    2*nkv_local) * hd`` boxes per layer and worker, the bindings vLLM's
+    traced loaders give (``adapters/vllm/trace.py``, ``rotary_rows``). v is
+    plain :class:`Qkv`. Only weights: the rule is the loader's for a 2-D
+    ``weight``, and Llama-4's attention has no bias.
+    """
+
+    name = "qkv_rotary"
+    source = ("vllm models/llama4.py Llama4ForCausalLM.permute_qk_weight_for_rotary; "
+              "layers/linear.py QKVParallelLinear.weight_loader")
+
+    def boxes(self, shape, part, g):
+        if part == "v":
+            return super().boxes(shape, part, g)
+        at, n, shard = self._slot(part, g)
+        cols = _full(shape[1:])
+        zeros = (0,) * (len(shape) - 1)
+        return [(((w, w + k), *cols), (at + p - shard * n, *zeros))
+                for w, p, k in rotary_row_runs(shard * n, (shard + 1) * n, g.hd)]
+
+    def load(self, param, wire, part, g):
+        if part != "v":
+            rows, cols = wire.shape
+            wire = (wire.view(rows // g.hd, g.hd // 2, 2, cols).transpose(1, 2)
+                    .reshape(rows, cols))
+        super().load(param, wire, part, g)
+
+
+ROTARY_QKV = RotaryQkv()
+KINDS[ROTARY_QKV.name] = ROTARY_QKV
+__all__ += ["rotary_source_row", "rotary_row_runs", "RotaryQkv", "ROTARY_QKV"]

@@ -57,6 +57,8 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
     "Qwen3_5ForConditionalGeneration": "qwen3_5_vl",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe_vl",
+    "Llama4ForCausalLM": "llama4",
+    "Llama4ForConditionalGeneration": "llama4_vl",
 }
 
 
@@ -88,6 +90,8 @@ TINY_MODEL_ARCHITECTURES: dict[str, str] = {
     "tiny-qwen3.5-moe": "Qwen3_5MoeForCausalLM",
     "tiny-qwen3.5-vl": "Qwen3_5ForConditionalGeneration",
     "tiny-qwen3.5-moe-vl": "Qwen3_5MoeForConditionalGeneration",
+    "tiny-llama4": "Llama4ForCausalLM",
+    "tiny-llama4-vision": "Llama4ForConditionalGeneration",
 }
 
 

@@ -81,6 +81,8 @@ import torch
 
 from m2nkit.manifest import Binding, DestinationLayout, DestinationParam, ParamMeta
 
+from ..families.kinds import rotary_source_row
+
 from .spec import InferenceSpec, parse_inference_spec
 
 __all__ = ["TraceError", "TracedCopy", "Feed", "per_expert_feeds", "trace_worker", "traced_problems", "experts_on_disk", "transformers_experts_on_disk", "trace_destination", "chain_box",
@@ -349,18 +351,6 @@ def rotary_heads(feed: "Feed", ops: Sequence[tuple]) -> tuple[int, int] | None:
             or tuple(targs) != (1, 2) or out != (rows, cols)):
         return None
     return shape[0], 2 * shape[1]
-
-
-def rotary_source_row(row: int, head_dim: int) -> int:
-    """The wire row that row ``row`` of vLLM's rotary-reordered q/k weight is.
-
-    Row ``h*hd + t*hd/2 + i`` of the reordered tensor is wire row
-    ``h*hd + 2*i + t`` (``t`` in {0, 1}, ``i < hd/2``): within a head, the
-    even wire rows, then the odd ones (``permute_qk_weight_for_rotary``).
-    """
-    h, j = divmod(row, head_dim)
-    t, i = divmod(j, head_dim // 2)
-    return h * head_dim + 2 * i + t
 
 
 def rotary_rows(copy: TracedCopy, heads: int, head_dim: int) -> list[TracedCopy]:

@@ -116,6 +116,13 @@ VARIANTS += [
                           "full_attention_interval": 2}, False),
     ("tiny-qwen3.5-moe", {"tie_word_embeddings": True}, False),
 ]
+# Llama-4 (families/llama4.py): every layer MoE (Scout), tied; transformers' moe_layers
+# against vLLM's interleave_moe_layer_step rule (layer 0 MoE for transformers, 1 for vLLM)
+VARIANTS += [
+    ("tiny-llama4", {"interleave_moe_layer_step": 1, "moe_layers": [0, 1]}, False),
+    ("tiny-llama4", {"tie_word_embeddings": True}, False),
+    ("tiny-llama4", {"moe_layers": [0]}, True),
+]
 
 
 def _listing(ckpt) -> list[tuple[str, tuple[int, ...], torch.dtype]]:

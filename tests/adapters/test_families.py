@@ -65,6 +65,7 @@ SUPPORTED += ["DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"]
 SUPPORTED += ["Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM"]
 SUPPORTED += ["Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"]
 SUPPORTED += ["Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"]
+SUPPORTED += ["Llama4ForCausalLM", "Llama4ForConditionalGeneration"]
 SUPPORTED.sort()
 #: Families without a tiny model m2nkit builds: transformers 5.12.1 has no class for
 #: them (their tiny checkpoints are written by tests/data/oracle/regenerate.py).
@@ -114,7 +115,7 @@ def test_every_architecture_resolves_to_a_module_with_every_piece(arch):
     vllm_file = {"deepseek_v3": "deepseek_v2", "deepseek_v32": "deepseek_v2",
                  "glm_moe_dsa": "deepseek_v2",
                  "qwen3_5_moe": "qwen3_5", "qwen3_5_vl": "qwen3_5",
-                 "qwen3_5_moe_vl": "qwen3_5"}.get(ARCHITECTURES[arch], ARCHITECTURES[arch])
+                 "qwen3_5_moe_vl": "qwen3_5", "llama4_vl": "mllama4"}.get(ARCHITECTURES[arch], ARCHITECTURES[arch])
     assert fam.vllm_source == f"vllm/model_executor/models/{vllm_file}.py"
     # tiny test models
     assert fam.tiny == module.TINY_MODELS and (bool(fam.tiny) != (arch in NO_TINY))
@@ -147,7 +148,8 @@ def test_tiny_models_come_from_the_families():
                                          "tiny-qwen3-vl-moe", "tiny-glm4-moe",
                                          "tiny-glm4-moe-lite",
                                          "tiny-qwen3-next", "tiny-qwen3.5", "tiny-qwen3.5-moe",
-                                         "tiny-qwen3.5-vl", "tiny-qwen3.5-moe-vl"]
+                                         "tiny-qwen3.5-vl", "tiny-qwen3.5-moe-vl",
+                                         "tiny-llama4", "tiny-llama4-vision"]
 
 
 def test_unsupported_architecture_one_message_everywhere():

@@ -396,7 +396,9 @@ def _shard(kind: str, case: Case, mesh):
     if kind == "tp":
         _tensor_parallel(model, mesh["tp"])
         mesh = mesh["dp_shard"]
-    base = model.model   # a multimodal wrapper's decoder layers are its language model's
+    # a multimodal wrapper's decoder layers are its language model's (Llama-4's wrapper
+    # holds a whole Llama4ForCausalLM as language_model)
+    base = model.model if hasattr(model, "model") else model.language_model.model
     layers = base.layers if hasattr(base, "layers") else base.language_model.layers
     if case.wrap:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper

@@ -10,16 +10,14 @@ not covered by the oracle (it builds one TP group) and rests on the rules.
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from functools import lru_cache
-from pathlib import Path
 
+from _oracle import _model
 from _paths import ORACLE
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from m2nkit.adapters.vllm import (
     InferenceSpec,
@@ -38,9 +36,11 @@ MOE = ["tiny-qwen3-moe", "tiny-mixtral"]
 GPT_OSS_LAYOUTS = [(1, 1, False), (2, 1, False), (4, 1, False), (1, 2, False), (2, 2, False),
                    (4, 2, False), (2, 1, True), (4, 1, True), (1, 2, True), (2, 2, True),
                    (1, 4, True)]
+#: Llama-4 (4 query heads: tp 8 is refused; families/llama4.py, llama4_vl.py)
+LLAMA4 = ["tiny-llama4", "tiny-llama4-vision"]
+
+
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
-#: GPT-OSS's stacked experts, stored [E, in, out]; the wire carries them [E, out, in].
-_STACKED_IN_OUT = re.compile(r"^(.*\.experts\.(?:gate_up_proj|down_proj))$")
 
 
 def stack_experts(ckpt: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -67,14 +67,9 @@ def stack_experts(ckpt: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 @lru_cache(maxsize=None)
 def load_model(model: str):
-    """(config dict, on-disk tensors, wire tensors, wire ParamMetas) of a shipped checkpoint."""
-    ckpt_dir = DATA / model / "checkpoint"
-    config = json.loads((ckpt_dir / "config.json").read_text())
-    ckpt = load_file(str(ckpt_dir / "model.safetensors"))
-    wire = stack_experts(ckpt)
-    if config["architectures"][0] == "GptOssForCausalLM":
-        wire = {(n + ".weight" if _STACKED_IN_OUT.match(n) else n):
-                (t.transpose(1, 2) if _STACKED_IN_OUT.match(n) else t) for n, t in wire.items()}
+    """(config dict, on-disk tensors, wire tensors, wire ParamMetas) of a shipped checkpoint
+    (``_oracle._model``: experts stacked, stored [E, in, out] ones permuted to the wire's)."""
+    config, ckpt, wire = _model(model)
     metas = [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in wire.items()]
     return config, ckpt, wire, metas
 
@@ -111,6 +106,11 @@ def _cases():
         for tp in (1, 2, 4, 8):
             for dp in (1, 2):
                 for ep in ((False, True) if model in MOE else (False,)):
+                    yield pytest.param(model, tp, dp, ep, id=f"{model}-tp{tp}-dp{dp}{'-ep' if ep else ''}")
+    for model in LLAMA4:
+        for tp in (1, 2, 4):
+            for dp in (1, 2):
+                for ep in (False, True):
                     yield pytest.param(model, tp, dp, ep, id=f"{model}-tp{tp}-dp{dp}{'-ep' if ep else ''}")
     for tp, dp, ep in GPT_OSS_LAYOUTS:
         yield pytest.param("tiny-gpt-oss", tp, dp, ep,

@@ -4,7 +4,7 @@ The trainer is transformers' ``Llama4ForCausalLM`` of the shipped tiny checkpoin
 (tests/data/oracle/tiny-llama4: 2 layers, the second MoE with 4 routed experts and
 a shared expert), loaded with ``from_pretrained`` and sharded by FSDP2 in 4 spawned
 gloo ranks (``fully_shard`` per decoder layer, then the root, on a 1-D mesh and on
-an HSDP mesh ``(2, 2)``). Llama-4 has no table: ``fsdp2_source`` sends
+an HSDP mesh ``(2, 2)``). ``fsdp2_source`` sends
 transformers' tensors, but the routed experts ``[E, in, out]`` transposed to
 ``...experts.gate_up_proj.weight [E, 2*I, H]`` (``families/llama4.py``), each
 rank's piece its local box transposed. The reference is vLLM itself: each

@@ -1,6 +1,7 @@
 """Traced layouts of Llama-4, MiniMax-M2 and Olmo3 against vLLM 0.33.0's own loaders.
 
-None of these architectures has an m2nkit family table, so the wire is
+MiniMax-M2 and Olmo3 have no m2nkit family table (Llama-4 has one since,
+families/llama4.py, llama4_vl.py; it is traced here as before), so the wire is
 transformers 5's in-memory model: ``from_pretrained`` of the shipped
 checkpoint (``tests/data/oracle/tiny-{llama4,llama4-vision,minimax-m2,olmo3}``,
 written by transformers' own ``save_pretrained``), its ``state_dict()`` under

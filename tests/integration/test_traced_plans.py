@@ -109,7 +109,8 @@ TABLELESS_CONFIGS = {
     # has a table now (families/glm4_moe_lite.py): kept, the trace taking the table's wire names
     "zai-org__GLM-4.7-Flash": "vllm:tp=2,ep",
     "zai-org__GLM-5": "vllm:tp=2,ep",
-    # no table: rotary q/k rows one binding per row, experts carried [E, out, in]
+    # has a table now (families/llama4.py, llama4_vl.py): kept, traced from its wire names
+    # (rotary q/k rows one binding per row, experts carried [E, out, in])
     "meta-llama__Llama-4-Scout-17B-16E-Instruct": "vllm:tp=2,ep",
 }
 

@@ -129,6 +129,14 @@ MATRIX += [("tiny-qwen3.5-vl", s) for s in ("vllm:tp=1", "vllm:tp=2", "vllm:tp=4
                                                 "vllm:tp=2,dp=2,ep")]
 
 
+#: Llama-4 (families/llama4.py, llama4_vl.py): rotary q/k rows, shared beside routed experts
+#: stored stacked [E, in, out], the Scout wrapper's vision tower; 4 query heads (tp 8 is
+#: refused by both).
+MATRIX += [(m, s) for m in ("tiny-llama4", "tiny-llama4-vision")
+           for s in ("vllm:tp=1", "vllm:tp=2", "vllm:tp=4", "vllm:tp=8", "vllm:tp=2,ep",
+                     "vllm:tp=4,ep", "vllm:tp=2,dp=2", "vllm:tp=2,dp=2,ep")]
+
+
 @pytest.mark.parametrize("model,spec", MATRIX, ids=[f"{m}-{s[5:]}" for m, s in MATRIX])
 def test_family_tables_equal_the_trace(model, spec):
     from m2nkit.adapters.vllm import destination_layout, parse_inference_spec
@@ -491,3 +499,37 @@ def test_the_plugin_plans_each_init_once_and_the_receiver_still_checks_that_plan
                                                 r"'plan_digest' is 0000000000000000\.\.\. but"):
         engine.init_transfer_engine(replace(payload, plan_digest="0" * 64))
     assert len(built) == 1, built
+
+
+@pytest.mark.parametrize("spec", ["vllm:tp=8,ep", "vllm:tp=4,dp=2,ep"])
+def test_llama4_scout_table_equals_the_trace_at_its_published_sizes(tmp_path, spec):
+    """Llama-4-Scout's published config (examples/configs) cut to 2 text layers and 1 vision
+    layer, every size else as published (40 heads of 128 over 8 KV heads, 16 experts, the
+    vision tower of 16 heads): the table equals vLLM's traced loaders with EP, dp replicas
+    included (sequence-parallel MoE: the shared expert whole), rotary rows and all."""
+    import json
+
+    from m2nkit.adapters.hf_checkpoint import checkpoint_metas, read_checkpoint
+    from m2nkit.adapters.vllm import destination_layout, parse_inference_spec
+    from m2nkit.adapters.vllm.trace import trace_destination
+
+    from _paths import CONFIGS
+
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    config = json.loads((CONFIGS / "meta-llama__Llama-4-Scout-17B-16E-Instruct"
+                         / "config.json").read_text())
+    text = config["text_config"]
+    text["num_hidden_layers"] = 2
+    for key in ("no_rope_layers", "moe_layers", "layer_types"):
+        if key in text:
+            text[key] = text[key][:2]
+    config["vision_config"]["num_hidden_layers"] = 1
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    ckpt = read_checkpoint(tmp_path / "config.json")
+    metas = checkpoint_metas(ckpt, "fsdp:8")
+    inference = parse_inference_spec(spec)
+    table = _canonical(destination_layout(ckpt.config, metas, inference))
+    traced = _canonical(trace_destination(tmp_path, metas, inference))
+    assert traced[0] == table[0], sorted(set(traced[0].items()) ^ set(table[0].items()))[:4]
+    assert traced[1] == table[1], (sorted(traced[1] - table[1])[:3], sorted(table[1] - traced[1])[:3])
+    assert traced[2:] == table[2:]
