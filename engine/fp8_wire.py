@@ -33,10 +33,12 @@ receiver commits only after every wire tensor landed and every rank agreed
 (``engine.receiver``), as for the BF16 wire.
 
 Linear ``weight`` and stacked experts (``w13_weight``/``w2_weight``, one
-grid per expert) are carried; experts whose hidden or local intermediate
-dim is not a whole number of 128-blocks (vLLM pads those,
-``Fp8PerBlockOnlineMoEMethod.maybe_roundup_sizes``) are refused before any
-traffic, naming the parameter.
+grid per expert) are carried. Experts whose hidden or local intermediate
+dim is not a whole number of 128-blocks are quantized in vLLM's padded grid
+(``Fp8PerBlockOnlineMoEMethod.maybe_roundup_sizes``: ``Fp8Target.fp8_shape``,
+the padding zero, as ``per_block_cast_to_fp8`` sees it); the e4m3 bytes
+travel in the wire's unpadded shape and the worker lays them into vLLM's
+padded one (``LayerwiseReload._process``, ``quant_fp8.pad_experts``).
 """
 
 from __future__ import annotations
@@ -74,8 +76,7 @@ def fp8_wire_plan(destination: Any, plan: Plan) -> Fp8Plan | None:
     Cached on ``plan``.
 
     Raises:
-        ValueError: stacked experts that vLLM pads to whole 128-blocks (not
-            carried on the fp8 wire yet), or the builder's own.
+        ValueError: the builder's own (``online_fp8_params``).
     """
     targets_of = getattr(destination, "fp8_wire_targets", None)
     if targets_of is None:
@@ -87,14 +88,6 @@ def fp8_wire_plan(destination: Any, plan: Plan) -> Fp8Plan | None:
             cache["fp8"] = None
             return None
         targets = [Fp8Target(*r) for r in rows]
-        for t in targets:
-            if t.fp8_shape != t.shape:
-                raise ValueError(
-                    f"wire=fp8: '{t.param}' (worker {t.worker}) is stacked experts of shape "
-                    f"{t.shape}, which vLLM pads to whole 128-blocks as {t.fp8_shape} "
-                    "(Fp8PerBlockOnlineMoEMethod.maybe_roundup_sizes); the fp8 wire carries "
-                    "experts whose hidden and local intermediate dims are whole blocks only "
-                    "so far: serve this model with wire=bf16 (vLLM quantizes what lands)")
         cache["fp8"] = plan_fp8(plan, targets, with_leaders=True)
     return cache["fp8"]
 

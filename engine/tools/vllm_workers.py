@@ -131,9 +131,10 @@ def build_cpu_worker(checkpoint: str | os.PathLike, spec: InferenceSpec, worker:
 
     ``quantization``: vLLM's ``--quantization`` (e.g. ``"fp8_per_block"``);
     a quantized model (that, or a checkpoint with a ``quantization_config``)
-    is post-processed as vLLM's loader does (``process_weights_after_loading``
-    of ``model_loader/utils.py``; online fp8 quantizes each layer while it
-    loads), with :func:`cpu_quantized_kernels`: what it serves is then kernel
+    is post-processed as vLLM's loader does (``BaseModelLoader.load_model``:
+    ``finalize_layerwise_processing`` for online quantization, which quantizes
+    each layer while it loads and the padded ones at the end, then
+    ``process_weights_after_loading`` of ``model_loader/utils.py``), with :func:`cpu_quantized_kernels`: what it serves is then kernel
     format (e4m3 ``weight`` + ``weight_scale_inv``).
 
     Requires ``VLLM_TARGET_DEVICE=cpu`` before vLLM is first imported (set
@@ -161,9 +162,16 @@ def build_cpu_worker(checkpoint: str | os.PathLike, spec: InferenceSpec, worker:
     if load:
         load_checkpoint(model, vllm_config, path)
         if quantized:
+            from vllm.model_executor.model_loader.base_loader import _has_online_quant
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_processing
             from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
+            # as BaseModelLoader.load_model: online quantization first finishes the layers
+            # whose last element never lands (padding vLLM added: experts rounded up to
+            # whole 128-blocks), then every layer's post-load step
             with set_current_vllm_config(vllm_config), torch.no_grad():
+                if _has_online_quant(model):
+                    finalize_layerwise_processing(model, model_config)
                 process_weights_after_loading(model, model_config, torch.device("cpu"))
     return model, vllm_config
 
