@@ -12,9 +12,9 @@ the same quantization holds, in the same memory: the expected values are
 vLLM's own quantization of v1 (mode 1: ``quantization="fp8_per_block"``, BF16
 v1) or vLLM's load of the v1 fp8 checkpoint (mode 3), never m2nkit's.
 
-On this CPU (no AMX) only vLLM's choice of kernel is replaced
-(``m2nkit.engine.tools.vllm_workers.cpu_quantized_kernels``), never its weight
-processing.
+On a CPU only vLLM's choice of kernel is replaced
+(``m2nkit.engine.tools.vllm_workers.cpu_quantized_kernels``: its CPU fp8 kernels
+need AMX and vLLM's compiled CPU ops), never its weight processing.
 
 Sizes: Qwen3 with hidden 192 (not a multiple of 128) at tp=2: each worker's
 ``qkv_proj`` holds 192 q rows then 64 k and 64 v rows, so its second 128-row
@@ -428,3 +428,64 @@ def test_fp8_wire_round_that_vllm_cannot_take_fails_everywhere_and_commits_nothi
         outcome
     after = host.client.weight_versions()
     assert after == before and "v1" not in after, (before, after)
+
+
+def _run_megatron_trainers(client, checkpoint, trainer, inference,
+                           timeout_s=4 * ROUND_TIMEOUT_S) -> dict:
+    """Megatron-Core trainer processes (``trainer``'s world), each building ``checkpoint``
+    through Megatron-Bridge and sending its live shards through ``megatron_source`` as round
+    v1 (``demo_bridge.megatron_trainer_main``); returns rank -> "done" or the error."""
+    from m2nkit.engine.tools.demo_bridge import megatron_trainer_main, parse_megatron_demo_spec
+    from m2nkit.engine.tools.procs import free_port
+
+    world = parse_megatron_demo_spec(trainer).num_ranks
+    port, dist_port = free_port(), free_port()
+    return trainer_outcomes(CTX, megatron_trainer_main, lambda r, results: (
+        r, world, str(checkpoint), trainer, inference, client if r == 0 else None, port,
+        dist_port, timeout_s, results), world, timeout_s)
+
+
+#: (checkpoint, Megatron-Core layout, the trainers' spec, what it covers); the workers serve
+#: vllm:tp=2 with quantization="fp8_per_block"
+MEGATRON_CASES = [
+    ("qwen3-h192", "megatron:tp=2", "vllm:tp=2",
+     "mode 1: fused QKV and [gate; up] shards of Megatron-Core's TP into vLLM's online fp8"),
+    ("qwen3-h192", "megatron:tp=2,dp=2", "vllm:tp=2,quant=fp8_per_block,wire=fp8",
+     "mode 2: the trainers quantize Megatron-Core shards; blocks across q/k and gate/up "
+     "(two wire tensors) and blocks fed by two replicas' ranks (the exchange runs)"),
+]
+
+
+@pytest.mark.parametrize("name,trainer,inference,covers", MEGATRON_CASES,
+                         ids=[f"{c[0]}-{c[1].replace(':', '-').replace(',', '-')}"
+                              for c in MEGATRON_CASES])
+def test_round_from_megatron_core_equals_fresh_fp8_load(host, checkpoints, name, trainer,
+                                                         inference, covers):
+    """A Megatron-Core trainer (built and loaded through Megatron-Bridge, read by
+    ``megatron_source``) into vLLM workers serving ``fp8_per_block``: every served parameter
+    equals a fresh vLLM ``fp8_per_block`` load of v1 bit for bit, in the same memory; on the
+    fp8 wire every quantized layer took the trainers' bytes and the plan has both kinds of
+    shared block."""
+    from m2nkit.adapters.hf_checkpoint import checkpoint_metas, read_checkpoint
+    from m2nkit.adapters.trainer_spec import parse_trainer_spec
+    from m2nkit.adapters.vllm import vllm_destination
+    from m2nkit.engine.fp8_wire import fp8_wire_plan
+    from m2nkit.engine.plan import build_plan
+
+    v0, v1 = checkpoints(name)
+    if "wire=fp8" in inference:
+        ckpt = read_checkpoint(v1)
+        tspec = parse_trainer_spec(trainer)
+        metas = checkpoint_metas(ckpt, tspec)
+        builder = vllm_destination(ckpt.config, inference)
+        fp8 = fp8_wire_plan(builder, build_plan(metas, tspec.num_ranks, builder(metas)))
+        assert fp8.shared_blocks > 0 and fp8.multi_wire_blocks > 0, fp8.to_json()
+    started = host.start_workers(v0, "vllm:tp=2", "auto", "fp8_per_block")
+    outcome = _run_megatron_trainers(host.client, v1, trainer, inference)
+    assert set(outcome.values()) == {"done"}, outcome
+    if "wire=fp8" in inference:
+        for w, r in enumerate(host.client.collective_rpc(_quantized_layers_took_the_wire)):
+            assert r["quantized"] and r["not_from_wire"] == [] and r["other"] == [], (w, r)
+    for w, n in enumerate(host.client.collective_rpc(_layers_processed)):
+        assert n["not_streamed"] == [] and n["streamed"] == n["layers"] > 0, (w, n)
+    _assert_equals_fresh_fp8_load(host.client.verify(v1), started)
