@@ -115,11 +115,22 @@ def wire_plan(plan: Plan, fp8: Fp8Plan) -> Plan:
                              f"{yes.worker}) and unquantized '{no.param}' (worker {no.worker}); "
                              "one wire tensor carries one dtype")
         if any(q) and not wp.skipped:
-            wp = dataclasses.replace(wp, meta=dataclasses.replace(wp.meta, dtype=FP8_DTYPE),
+            wp = dataclasses.replace(wp, meta=_as_e4m3(wp.meta),
                                      _moved=None, _min=None, _local_shapes={})
         wires.append(wp)
     cache["plan"] = dataclasses.replace(plan, wires=wires)
     return cache["plan"]
+
+
+def _as_e4m3(meta):
+    """``meta`` (a ``ParamMeta``) carried as e4m3: same name, shape and source layout.
+
+    A meta given by explicit pieces (``megatron_source``'s) holds the owners
+    its pieces imply, which ``ParamMeta`` refuses beside ``pieces``.
+    """
+    if meta.pieces is not None:
+        return dataclasses.replace(meta, dtype=FP8_DTYPE, owners=None)
+    return dataclasses.replace(meta, dtype=FP8_DTYPE)
 
 
 def _rank_slabs(plan: Plan, fp8: Fp8Plan, rank: int) -> dict[str, list]:

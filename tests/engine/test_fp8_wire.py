@@ -90,6 +90,22 @@ def test_fp8_wire_plans_experts_vllm_pads(tiny_checkpoints):
     assert (experts.dtype, tuple(experts.shape)) == (torch.float8_e4m3fn, (8, 64, 128))
 
 
+def test_fp8_wire_plan_of_a_megatron_layout_keeps_its_pieces(tiny_checkpoints):
+    """Megatron-Core's manifest gives its fused QKV and [gate; up] shards as explicit pieces
+    (``megatron_source``); the fp8 wire carries the same pieces in e4m3 (a live
+    megatron:tp=2,dp=2 round failed here, naming q_proj: 'give either pieces or owners')."""
+    from m2nkit.engine.fp8_wire import fp8_wire_plan, wire_plan
+
+    builder, plan = _plan(tiny_checkpoints, "tiny-qwen3", "megatron:tp=2,dp=2",
+                          "vllm:tp=2,quant=fp8_per_block,wire=fp8")
+    q = next(w for w in plan.wires if w.name == "model.layers.0.self_attn.q_proj.weight")
+    assert q.meta.pieces is not None
+    carried = {w.name: w.meta for w in wire_plan(plan, fp8_wire_plan(builder, plan)).wires}
+    e4m3 = carried["model.layers.0.self_attn.q_proj.weight"]
+    assert (e4m3.dtype, e4m3.pieces, e4m3.shape) == (torch.float8_e4m3fn, q.meta.pieces,
+                                                     q.meta.shape)
+
+
 def test_pad_experts_puts_each_row_shard_where_vllms_loaders_do():
     """w13 [E, 2*r, c] into [E, 2*R, C]: gate rows at 0, up rows at R, columns from 0, zero
     elsewhere (RoutedExperts._load_w13 narrows each shard on its own)."""

@@ -1,12 +1,13 @@
-"""m2nkit rounds into FP8-served vLLM models through vLLM's layerwise reload (issue 18, modes 1, 3).
+"""m2nkit rounds into FP8-served vLLM models through vLLM's layerwise reload (issue 18, modes 1, 2, 3).
 
 As ``test_vllm_plugin.py``: each worker is a process holding vLLM's own model
 class, built as its tp/ep rank builds it, loaded by vLLM's ``DefaultModelLoader``
 from checkpoint v0 and post-processed as vLLM's loader does, so it serves
 kernel-format fp8 (e4m3 ``weight``, fp32 ``weight_scale_inv``, MoE
 ``w13``/``w2`` and their scales); the engine is made by vLLM's
-``WeightTransferEngineFactory``. Two FSDP2 trainer processes hold v1 and send
-one round. Afterwards every parameter of every worker (and MLA's derived
+``WeightTransferEngineFactory``. Trainer processes hold v1 and send one round:
+two FSDP2 ranks (or checkpoint readers for the fp8 checkpoint), or Megatron-Core
+ranks built through Megatron-Bridge. Afterwards every parameter of every worker (and MLA's derived
 ``W_UK_T``/``W_UV``) must equal, bit for bit, what a fresh vLLM load of v1 with
 the same quantization holds, in the same memory: the expected values are
 vLLM's own quantization of v1 (mode 1: ``quantization="fp8_per_block"``, BF16
