@@ -307,10 +307,15 @@ class Fp8WireSender:
     def _quantized(self, rank: int, stream, scales) -> Iterator[tuple[str, torch.Tensor]]:
         slabs = _rank_slabs(self.plan, self.fp8, rank)
         dtype = {(p.worker, p.name): p.dtype for p in self.plan.destination.params}
+        e4m3 = {w.name for w in wire_plan(self.plan, self.fp8).wires if w.meta.dtype == FP8_DTYPE}
         for name, local in stream:
             items = slabs.get(name)
             if not items:
-                yield name, local
+                # a wire tensor carried as e4m3 that this rank holds but sends none of (a
+                # data-parallel replica whose twin sends it): its local tensor in the
+                # manifest's dtype, nothing of it moves
+                yield name, (torch.zeros(local.shape, dtype=FP8_DTYPE) if name in e4m3
+                             else local)
                 continue
             t0 = time.perf_counter()
             q = torch.zeros(local.shape, dtype=FP8_DTYPE)
