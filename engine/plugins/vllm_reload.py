@@ -53,6 +53,12 @@ On the fp8 wire (mode 2, ``engine/fp8_wire.py``) a quantized linear layer's
 vLLM's ``per_block_cast_to_fp8`` answering, for that one call, with what
 arrived (:meth:`~LayerwiseReload._process` says why and what it checks).
 
+Expert weights vLLM pads to whole blocks (``padded_experts``, read from
+the live layers' ``moe_config``) are written in the wire's unpadded shape
+and laid into vLLM's padded tensor where its loaders put them
+(``quant_fp8.pad_experts``) just before their layer is processed; on the
+fp8 wire the trainers' e4m3 bytes are laid out the same way.
+
 What is processed is exactly what vLLM's own loader would quantize: the
 bytes the plan wrote where vLLM's loaders write (the plan's layout is the
 checkpoint format, checked against :meth:`~LayerwiseReload.params` and traced
