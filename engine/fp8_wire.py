@@ -33,10 +33,12 @@ receiver commits only after every wire tensor landed and every rank agreed
 (``engine.receiver``), as for the BF16 wire.
 
 Linear ``weight`` and stacked experts (``w13_weight``/``w2_weight``, one
-grid per expert) are carried; experts whose hidden or local intermediate
-dim is not a whole number of 128-blocks (vLLM pads those,
-``Fp8PerBlockOnlineMoEMethod.maybe_roundup_sizes``) are refused before any
-traffic, naming the parameter.
+grid per expert) are carried. Experts whose hidden or local intermediate
+dim is not a whole number of 128-blocks are quantized in vLLM's padded grid
+(``Fp8PerBlockOnlineMoEMethod.maybe_roundup_sizes``: ``Fp8Target.fp8_shape``,
+the padding zero, as ``per_block_cast_to_fp8`` sees it); the e4m3 bytes
+travel in the wire's unpadded shape and the worker lays them into vLLM's
+padded one (``LayerwiseReload._process``, ``quant_fp8.pad_experts``).
 """
 
 from __future__ import annotations
@@ -74,8 +76,7 @@ def fp8_wire_plan(destination: Any, plan: Plan) -> Fp8Plan | None:
     Cached on ``plan``.
 
     Raises:
-        ValueError: stacked experts that vLLM pads to whole 128-blocks (not
-            carried on the fp8 wire yet), or the builder's own.
+        ValueError: the builder's own (``online_fp8_params``).
     """
     targets_of = getattr(destination, "fp8_wire_targets", None)
     if targets_of is None:
@@ -87,14 +88,6 @@ def fp8_wire_plan(destination: Any, plan: Plan) -> Fp8Plan | None:
             cache["fp8"] = None
             return None
         targets = [Fp8Target(*r) for r in rows]
-        for t in targets:
-            if t.fp8_shape != t.shape:
-                raise ValueError(
-                    f"wire=fp8: '{t.param}' (worker {t.worker}) is stacked experts of shape "
-                    f"{t.shape}, which vLLM pads to whole 128-blocks as {t.fp8_shape} "
-                    "(Fp8PerBlockOnlineMoEMethod.maybe_roundup_sizes); the fp8 wire carries "
-                    "experts whose hidden and local intermediate dims are whole blocks only "
-                    "so far: serve this model with wire=bf16 (vLLM quantizes what lands)")
         cache["fp8"] = plan_fp8(plan, targets, with_leaders=True)
     return cache["fp8"]
 
@@ -122,11 +115,22 @@ def wire_plan(plan: Plan, fp8: Fp8Plan) -> Plan:
                              f"{yes.worker}) and unquantized '{no.param}' (worker {no.worker}); "
                              "one wire tensor carries one dtype")
         if any(q) and not wp.skipped:
-            wp = dataclasses.replace(wp, meta=dataclasses.replace(wp.meta, dtype=FP8_DTYPE),
+            wp = dataclasses.replace(wp, meta=_as_e4m3(wp.meta),
                                      _moved=None, _min=None, _local_shapes={})
         wires.append(wp)
     cache["plan"] = dataclasses.replace(plan, wires=wires)
     return cache["plan"]
+
+
+def _as_e4m3(meta):
+    """``meta`` (a ``ParamMeta``) carried as e4m3: same name, shape and source layout.
+
+    A meta given by explicit pieces (``megatron_source``'s) holds the owners
+    its pieces imply, which ``ParamMeta`` refuses beside ``pieces``.
+    """
+    if meta.pieces is not None:
+        return dataclasses.replace(meta, dtype=FP8_DTYPE, owners=None)
+    return dataclasses.replace(meta, dtype=FP8_DTYPE)
 
 
 def _rank_slabs(plan: Plan, fp8: Fp8Plan, rank: int) -> dict[str, list]:
@@ -303,10 +307,15 @@ class Fp8WireSender:
     def _quantized(self, rank: int, stream, scales) -> Iterator[tuple[str, torch.Tensor]]:
         slabs = _rank_slabs(self.plan, self.fp8, rank)
         dtype = {(p.worker, p.name): p.dtype for p in self.plan.destination.params}
+        e4m3 = {w.name for w in wire_plan(self.plan, self.fp8).wires if w.meta.dtype == FP8_DTYPE}
         for name, local in stream:
             items = slabs.get(name)
             if not items:
-                yield name, local
+                # a wire tensor carried as e4m3 that this rank holds but sends none of (a
+                # data-parallel replica whose twin sends it): its local tensor in the
+                # manifest's dtype, nothing of it moves
+                yield name, (torch.zeros(local.shape, dtype=FP8_DTYPE) if name in e4m3
+                             else local)
                 continue
             t0 = time.perf_counter()
             q = torch.zeros(local.shape, dtype=FP8_DTYPE)

@@ -52,7 +52,7 @@ from m2nkit.engine.plan_types import Plan, SlabTable
 
 __all__ = ["BLOCK", "FP8_DTYPE", "FP8_MAX", "AMAX_MIN", "SCALE_BYTES", "Fp8Target",
            "Fp8Plan", "plan_fp8", "block_partial_amax", "scale_of_amax", "piece_of",
-           "quantize_region", "execute_fp8_in_process"]
+           "quantize_region", "pad_experts", "execute_fp8_in_process"]
 
 #: vLLM online ``fp8_per_block``: ``weight_block_size = [128, 128]`` (online/fp8.py).
 BLOCK = (128, 128)
@@ -140,6 +140,37 @@ class Fp8Target:
                 moved = (a - s * r + s * R, b - s * r + s * R)
                 out.append((*region[:-2], moved, region[-1]))
         return out
+
+
+def pad_experts(x: torch.Tensor, padded_shape: tuple[int, ...], row_shards: int = 1,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` laid out in vLLM's padded expert shape, zeros elsewhere.
+
+    Rows ``[s*r, (s+1)*r)`` of shard ``s`` (``r = x.shape[-2] / row_shards``)
+    land at ``[s*R, s*R + r)`` (``R = padded_shape[-2] / row_shards``), the
+    columns at ``[0, x.shape[-1])``: where vLLM's expert loaders write an
+    unpadded checkpoint tensor into the padded parameter
+    (``RoutedExperts._load_w13`` / ``_load_w2``: gate rows then up rows,
+    each narrowed on its own, ``_narrow_expert_data_for_padding``) and what
+    ``OnlineMoEMethodBase.get_weights_for_quantization``'s ``pad_moe_weights``
+    computes. ``out`` (``padded_shape``, ``x``'s dtype) is written in place
+    (not zeroed first); else a new zero tensor is returned.
+
+    Raises:
+        ValueError: ``padded_shape`` smaller than ``x`` in some dim, of
+            another rank, or rows that do not split into ``row_shards``.
+    """
+    shape = tuple(x.shape)
+    if len(shape) != len(padded_shape) or any(a > b for a, b in zip(shape, padded_shape)) \
+            or shape[-2] % row_shards or padded_shape[-2] % row_shards:
+        raise ValueError(f"cannot pad a {list(shape)} tensor to {list(padded_shape)} in "
+                         f"{row_shards} row shards")
+    if out is None:
+        out = torch.zeros(padded_shape, dtype=x.dtype, device=x.device)
+    r, R = shape[-2] // row_shards, padded_shape[-2] // row_shards
+    for s in range(row_shards):
+        out[..., s * R:s * R + r, :shape[-1]] = x[..., s * r:(s + 1) * r, :]
+    return out
 
 
 def block_partial_amax(x: torch.Tensor, region: tuple[tuple[int, int], ...],

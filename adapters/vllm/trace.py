@@ -73,9 +73,9 @@ import math
 import os
 import tempfile
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
@@ -1566,10 +1566,23 @@ def trace_destination(config: Any, wire: Sequence[ParamMeta],
                              notes=("layout traced from vLLM's own weight loaders",))
 
 
+def _unpadded_region(region: tuple, padding) -> tuple:
+    """A region of a padded expert tensor in its unpadded coordinates (see ``traced_problems``)."""
+    if padding is None:
+        return region
+    shape, padded_shape, shards = padding
+    r, R = shape[-2] // shards, padded_shape[-2] // shards
+    lo, hi = region[-2]
+    s = lo // R
+    return (*region[:-2], (lo - s * (R - r), hi - s * (R - r)), region[-1])
+
+
 def traced_problems(model: torch.nn.Module, layout: DestinationLayout, worker: int,
                     wire: Sequence[ParamMeta], vllm_config: Any = None,
                     experts_on_disk: dict[str, str] | None = None,
-                    at_most: int = 8, names: dict[str, str] | None = None) -> list[str]:
+                    at_most: int = 8, names: dict[str, str] | None = None,
+                    padded: Mapping[str, tuple[tuple[int, ...], tuple[int, ...], int]] | None = None,
+                    ) -> list[str]:
     """How ``layout``'s bindings for ``worker`` differ from what the live model's loaders do.
 
     For a vLLM worker (the plugin) holding its live ``model``: its own
@@ -1582,6 +1595,11 @@ def traced_problems(model: torch.nn.Module, layout: DestinationLayout, worker: i
     (wire tensor, parameter, box, region). Empty: the layout is what vLLM
     does. ``names``: the wire's checkpoint names where they differ, for an
     architecture without a family table (:func:`checkpoint_names`).
+    ``padded``: ``{param: (unpadded shape, padded shape, row shards)}`` of
+    expert weights the loaders write into a padded tensor
+    (``engine.plugins.vllm_reload.padded_experts``); their traced regions
+    are read back in the unpadded coordinates the layout declares (row
+    shard ``s`` at ``s * R`` is ``s * r``).
 
     Raises:
         TraceError: the loaders cannot be traced (the caller decides whether
@@ -1589,6 +1607,9 @@ def traced_problems(model: torch.nn.Module, layout: DestinationLayout, worker: i
     """
     copies, _, _ = trace_worker(model, _feeds(wire, experts_on_disk or {}, False, model, names),
                                 vllm_config)
+    if padded:
+        copies = [replace(c, region=_unpadded_region(c.region, padded[c.param]))
+                  if c.param in padded else c for c in copies]
     traced = {(c.name, c.param, c.box, c.region) for c in merge_copies(copies)}
     declared = [TracedCopy(b.name, b.param, b.box,
                            tuple((o, o + hi - lo) for o, (lo, hi) in zip(b.offset, b.box)))

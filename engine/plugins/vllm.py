@@ -85,7 +85,8 @@ from m2nkit.adapters.vllm.dtype import model_dtype
 from m2nkit.adapters.vllm.spec import ALL2ALL_BACKENDS, InferenceSpec
 from m2nkit.engine.control import PlanMismatchError, agree_on_plan, create_group, release_group
 from m2nkit.engine.deadline import Deadline
-from m2nkit.engine.plugins.vllm_reload import LayerwiseReload, checkpoint_params, quantization_mode
+from m2nkit.engine.plugins.vllm_reload import (LayerwiseReload, checkpoint_params, padded_experts,
+                                               quantization_mode)
 from m2nkit.engine.receiver import M2NReceiver, M2NUpdateInfo, refuse_unparsed_payload
 from m2nkit.engine.session import InitPayload, plan_from_manifest, session_destination
 
@@ -440,7 +441,7 @@ class M2NVLLMEngine(WeightTransferEngine):
                     f"{payload.inference}: " + "; ".join(found[:_LIST_AT_MOST])]
         return []
 
-    def _traced_problems(self, plan) -> list[str]:
+    def _traced_problems(self, plan, padded=None) -> list[str]:
         """The plan's bindings for this worker against this worker's own loaders, traced.
 
         The live model's ``load_weights`` runs on fake wire tensors
@@ -448,7 +449,9 @@ class M2NVLLMEngine(WeightTransferEngine):
         so the layout the tables declare is checked against what this vLLM
         build does with each wire tensor before any byte moves. Loaders
         that cannot be traced leave the tables' word standing (logged).
-        ``M2NKIT_TRACE_CHECK=0`` skips the check.
+        ``M2NKIT_TRACE_CHECK=0`` skips the check. ``padded``: the expert
+        weights vLLM pads (``vllm_reload.padded_experts``), whose traced
+        regions are read in the wire's unpadded coordinates.
         """
         from m2nkit.adapters.families import UnsupportedArchitecture, family_for
         from m2nkit.adapters.vllm.trace import (TraceError, checkpoint_names, experts_on_disk,
@@ -471,7 +474,8 @@ class M2NVLLMEngine(WeightTransferEngine):
             found = traced_problems(self.model, plan.destination, self.worker, wire,
                                     self.vllm_config, experts_on_disk(self.model_config.hf_config),
                                     names=checkpoint_names(self.model_config.hf_config,
-                                                           [m.name for m in wire]))
+                                                           [m.name for m in wire]),
+                                    padded=padded)
             self.traced_own_loaders = True
             return found
         except TraceError as e:
@@ -500,7 +504,7 @@ class M2NVLLMEngine(WeightTransferEngine):
                 for t in get_layer_tensors(module).values():
                     if hasattr(t, "weight_loader"):
                         t.weight_loader = _get_original_loader(t)
-            return self._traced_problems(plan)
+            return self._traced_problems(plan, padded_experts(self.model))
         finally:
             reload.abort()
 

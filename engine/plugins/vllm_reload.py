@@ -53,6 +53,12 @@ On the fp8 wire (mode 2, ``engine/fp8_wire.py``) a quantized linear layer's
 vLLM's ``per_block_cast_to_fp8`` answering, for that one call, with what
 arrived (:meth:`~LayerwiseReload._process` says why and what it checks).
 
+Expert weights vLLM pads to whole blocks (``padded_experts``, read from
+the live layers' ``moe_config``) are written in the wire's unpadded shape
+and laid into vLLM's padded tensor where its loaders put them
+(``quant_fp8.pad_experts``) just before their layer is processed; on the
+fp8 wire the trainers' e4m3 bytes are laid out the same way.
+
 What is processed is exactly what vLLM's own loader would quantize: the
 bytes the plan wrote where vLLM's loaders write (the plan's layout is the
 checkpoint format, checked against :meth:`~LayerwiseReload.params` and traced
@@ -66,7 +72,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["LayerwiseReload", "checkpoint_params", "quantization_mode", "SUPPORTED_QUANTIZATION"]
+__all__ = ["LayerwiseReload", "checkpoint_params", "padded_experts", "quantization_mode",
+           "SUPPORTED_QUANTIZATION"]
 
 #: The quantization schemes a quantized vLLM model may be served with to receive
 #: m2nkit rounds, and what the wire then carries (docs/fp8.md).
@@ -123,13 +130,53 @@ def checkpoint_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     online fp8, e4m3 ``weight`` + fp32 ``weight_scale_inv`` for an fp8
     checkpoint), plus the live parameters the reload never moves to meta
     (``SKIP_TENSORS``: ``e_score_correction_bias``), under the live model's
-    dotted names. Tied parameters appear under every name.
+    dotted names. Tied parameters appear under every name. Expert weights
+    vLLM pads (:func:`padded_experts`) appear in the shape its loaders are
+    given, the unpadded one (a meta tensor): that is what the wire carries.
     """
     out: dict[str, torch.Tensor] = {}
     for prefix, module in _modules(model):
         dot = f"{prefix}." if prefix else ""
         for name, t in _own_checkpoint_params(module).items():
             out[dot + name] = t
+    for name, (shape, _, _) in padded_experts(model).items():
+        out[name] = torch.empty(shape, dtype=out[name].dtype, device="meta")
+    return out
+
+
+def padded_experts(model: torch.nn.Module) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """``{name: (unpadded shape, padded shape, row shards)}`` of the expert weights vLLM pads.
+
+    vLLM 0.33.0 rounds an experts layer's hidden and local intermediate
+    sizes up where its quant method asks (``RoutedExperts.__init__``:
+    ``quant_method.maybe_roundup_sizes``; ``Fp8PerBlockOnlineMoEMethod``
+    rounds both to 128), keeping the unpadded ones in ``moe_config``
+    (``hidden_dim_unpadded``, ``intermediate_size_per_partition_unpadded``).
+    Its checkpoint-format ``w13_weight`` is then ``[E_local, 2*Ip, Hp]``
+    and ``w2_weight`` ``[E_local, Hp, Ip]``, and its loaders write the
+    unpadded checkpoint slices into them (``RoutedExperts._load_w13``: gate
+    rows at 0, up rows at ``Ip``; ``_load_w2``), the rest zero
+    (``OnlineMoEMethodBase._zero_padding``). Read from the live layers, so
+    the padding is vLLM's word, not m2nkit's; row shards: 2 for ``w13``
+    (gate, up; ``moe_config.is_act_and_mul``), 1 for ``w2``.
+    """
+    out: dict[str, tuple[tuple[int, ...], tuple[int, ...], int]] = {}
+    for prefix, module in _modules(model):
+        cfg = getattr(module, "moe_config", None)
+        if cfg is None or getattr(cfg, "hidden_dim_unpadded", None) is None:
+            continue
+        H, Hp = cfg.hidden_dim_unpadded, cfg.hidden_dim
+        I, Ip = cfg.intermediate_size_per_partition_unpadded, cfg.intermediate_size_per_partition
+        if (H, I) == (Hp, Ip):
+            continue
+        k = 2 if cfg.is_act_and_mul else 1
+        dot = f"{prefix}." if prefix else ""
+        params = _own_checkpoint_params(module)
+        for attr, padded, unpadded, shards in (("w13_weight", (k * Ip, Hp), (k * I, H), k),
+                                               ("w2_weight", (Hp, Ip), (H, I), 1)):
+            t = params.get(attr)
+            if t is not None and tuple(t.shape[1:]) == padded:
+                out.setdefault(dot + attr, ((t.shape[0], *unpadded), tuple(t.shape), shards))
     return out
 
 
@@ -192,10 +239,19 @@ class LayerwiseReload:
         self.model_config = model_config
         self.vllm_config = vllm_config
         self._where: dict[str, tuple[torch.nn.Module, str]] = {}
+        #: expert weights vLLM pads: the round writes them in the wire's (unpadded) shape,
+        #: laid into vLLM's padded tensor before their layer is processed
+        self._padded = padded_experts(model)
+        self._unpadded: dict[str, torch.Tensor] = {}
         for prefix, module in _modules(model):
             dot = f"{prefix}." if prefix else ""
             for name in _own_checkpoint_params(module):
                 self._where.setdefault(dot + name, (module, name))
+        #: id(layer) -> {attr: name} of its padded expert weights
+        self._padded_of: dict[int, dict[str, str]] = {}
+        for name in self._padded:
+            module, attr = self._where[name]
+            self._padded_of.setdefault(id(module), {})[attr] = name
         self._written: list[torch.nn.Module] = []      # materialized this round, in order
         self._seen: set[int] = set()
         self._waiting: dict[int, set[str]] = {}        # id(layer) -> wire tensors not yet in
@@ -237,6 +293,7 @@ class LayerwiseReload:
         self._waiting, self._layer_of, self._wires_of = {}, {}, {}
         self._shadow = {}
         self._given = {}
+        self._unpadded = {}
         self.live_changed = False
         self.streamed = 0
         self.streamed_ids = set()
@@ -306,6 +363,12 @@ class LayerwiseReload:
             if name not in self._shadow:
                 self._shadow[name] = (module, attr, torch.zeros_like(t.data))
             return self._shadow[name][2]
+        if name in self._padded:
+            # written in the wire's shape, laid into vLLM's padded tensor by _process
+            if name not in self._unpadded:
+                self._unpadded[name] = torch.zeros(self._padded[name][0], dtype=t.dtype,
+                                                   device=t.device)
+            return self._unpadded[name]
         return t.data
 
     def _flush_shadows(self, layer: torch.nn.Module | None = None) -> None:
@@ -351,7 +414,20 @@ class LayerwiseReload:
         """
         from vllm.model_executor.model_loader.reload.layerwise import _layerwise_process
 
+        from m2nkit.engine.quant_fp8 import pad_experts
+
         given = self._given.pop(id(layer), None)
+        for attr, name in self._padded_of.get(id(layer), {}).items():
+            # where vLLM's loaders put an unpadded expert tensor (RoutedExperts._load_w13 /
+            # _load_w2); _layerwise_process keeps the materialized tensor, and vLLM's
+            # _zero_padding zeroes the rest again
+            _, shape, shards = self._padded[name]
+            staged = self._unpadded.pop(name, None)
+            if staged is not None:
+                pad_experts(staged, shape, shards, out=getattr(layer, attr).data)
+            if given and attr in given:
+                q, scale = given[attr]
+                given[attr] = (pad_experts(q, shape, shards), scale)
         if not given:
             _layerwise_process(layer, info)
             return
@@ -447,6 +523,7 @@ class LayerwiseReload:
         self.active = False
         self._shadow = {}
         self._given = {}
+        self._unpadded = {}
         for _, module in _modules(self.model):
             info = get_layerwise_info(module)
             if info.can_load():

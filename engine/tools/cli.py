@@ -433,7 +433,7 @@ def _plan_and_report(args, console, json_file, dump_dir) -> int:
     routes = None
     if args.nodes is not None and ispec.wire == "fp8":
         raise UserError(f"--nodes with --inference {args.inference}: the ipc transport "
-                        "carries the BF16 wire only (the live fp8-wire round is not done; "
+                        "carries the BF16 wire only (the fp8 wire runs over torch_p2p; "
                         "docs/fp8.md); drop wire=fp8 or --nodes")
     if args.nodes is not None:           # refused before anything is printed
         try:
@@ -448,7 +448,8 @@ def _plan_and_report(args, console, json_file, dump_dir) -> int:
         from m2nkit.engine.tools.fp8 import plan_fp8_wire
 
         fp8 = plan_fp8_wire(ckpt.config, plan)
-    report.print_summary(console, args, ckpt, metas, plan, timings)
+    report.print_summary(console, args, ckpt, metas, plan, timings,
+                         fp8=fp8 if ispec.wire == "fp8" else None)
     if fp8 is not None:
         from m2nkit.engine.tools.fp8 import print_fp8
 

@@ -53,7 +53,8 @@ from typing import Any
 __all__ = ["BRIDGE_SPEC_FORM", "BRIDGE_MODES", "BridgeSpec", "parse_bridge_spec",
            "MEGATRON_DEMO_FORM", "MegatronDemoSpec", "parse_megatron_demo_spec",
            "init_megatron", "build_bridge_model", "perturb", "exported_tensors",
-           "bridge_trainer_main", "run_bridge_demo", "run_megatron_demo"]
+           "bridge_trainer_main", "megatron_trainer_main", "run_bridge_demo",
+           "run_megatron_demo"]
 
 BRIDGE_SPEC_FORM = "bridge:tp=T,pp=P[,ep=E][,etp=X][,dp=D]"
 #: ``--bridge-mode`` values (``bridge_source``'s ``mode``).
@@ -371,6 +372,70 @@ def bridge_trainer_main(rank: int, world: int, model_dir: str, trainer: str, inf
 
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
+        code = 0
+    except BaseException as e:  # noqa: BLE001 - reported to the driver
+        results.put(("error", rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
+    finally:
+        results.close()
+        results.join_thread()   # the reports are out
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def megatron_trainer_main(rank: int, num_ranks: int, checkpoint: str, trainer: str,
+                          inference: str, client, port: int, dist_port: int, timeout_s: float,
+                          results) -> None:
+    """One Megatron-Core trainer process: ``checkpoint`` loaded through Bridge, one round ``v1``.
+
+    ``trainer`` is a ``megatron:`` spec (``megatron:tp=2``); the model is
+    built and loaded as :func:`bridge_trainer_main` does (:func:`init_megatron`,
+    :func:`build_bridge_model`) on a gloo default group at ``dist_port`` and
+    sent through ``megatron_source`` (the live Megatron-Core shards, never
+    gathered) with ``send_weights("v1")``; ``client`` (rank 0) drives the
+    workers. Reports on ``results`` as ``demo_vllm.trainer_main`` does:
+    ``("round", rank, 1, (bytes, seconds))``, then ``("done", rank, None,
+    None)``, or ``("error", rank, message, traceback)``; the process ends
+    with ``os._exit`` once its reports are flushed (as :func:`bridge_trainer_main`).
+    """
+    _setup_child()
+    code = 1
+    try:
+        from datetime import timedelta
+
+        import torch.distributed as dist
+        from transformers import AutoConfig
+
+        from m2nkit.adapters import megatron_source
+        from m2nkit.adapters.vllm import vllm_destination
+        from m2nkit.engine.trainer import M2NTrainerEngine, M2NTrainerInitInfo
+
+        par = parse_megatron_demo_spec(trainer).par
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{dist_port}", rank=rank,
+                                world_size=num_ranks, timeout=timedelta(seconds=timeout_s))
+        try:
+            init_megatron(par.tp, par.pp, par.ep, par.etp, par.vpp)
+            with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet), \
+                    contextlib.redirect_stderr(quiet):
+                bridge, model = build_bridge_model(checkpoint, par.tp, par.pp, par.ep, par.etp,
+                                                   par.vpp)
+            source = megatron_source(model, config=bridge.hf_pretrained.config)
+            info = M2NTrainerInitInfo(rank=rank, num_trainer_ranks=num_ranks,
+                                      destination=vllm_destination(
+                                          AutoConfig.from_pretrained(checkpoint), inference),
+                                      master_port=port, timeout_s=timeout_s)
+            engine = M2NTrainerEngine.trainer_init(info, client=client if rank == 0 else None,
+                                                   source=source)
+            stats = engine.send_weights("v1")
+            results.put(("round", rank, 1, (stats.bytes_sent, stats.seconds)))
+            engine.shutdown()
+        finally:
+            from megatron.core import parallel_state
+
+            if parallel_state.model_parallel_is_initialized():
+                parallel_state.destroy_model_parallel()
+            dist.destroy_process_group()
+        results.put(("done", rank, None, None))
         code = 0
     except BaseException as e:  # noqa: BLE001 - reported to the driver
         results.put(("error", rank, f"{type(e).__name__}: {e}", traceback.format_exc()))

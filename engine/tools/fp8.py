@@ -56,24 +56,8 @@ def fp8_rows(plan, fp8, wire: str, link_gbps: float) -> list[tuple[str, str]]:
                               f"({fmt_bytes(fp8.exchange_bytes)}) between trainer ranks before "
                               f"the bytes move; {fp8.multi_wire_blocks:,} blocks span two wire "
                               "tensors of a fused parameter"),
-    ] + _padded_row(fp8, wire)
+    ]
 
-
-def _padded_row(fp8, wire: str) -> list[tuple[str, str]]:
-    """A ``wire=fp8`` plan whose experts vLLM pads to whole 128-blocks: the dry run (and
-    ``--verify``) model the padding, but a live round refuses them before any traffic so
-    far (``engine.fp8_wire.fp8_wire_plan``); said here, so a clean dry run is not taken
-    for a round that will run."""
-    padded = sorted({t.param for t in fp8.targets.values() if t.fp8_shape != t.shape})
-    if wire != "fp8" or not padded:
-        return []
-    t = next(t for t in fp8.targets.values() if t.param == padded[0])
-    return [("live fp8 wire", f"not yet for these experts: {len(padded)} parameters per model "
-                              f"(e.g. {t.param} {list(t.shape)}) are padded by vLLM to whole "
-                              f"128-blocks ({list(t.fp8_shape)}, Fp8PerBlockOnlineMoEMethod."
-                              "maybe_roundup_sizes); live trainers refuse them before any "
-                              "traffic (docs/fp8.md): serve with wire=bf16, or expert dims "
-                              "that are whole 128-blocks")]
 
 
 def print_fp8(console, plan, fp8, wire: str, link_gbps: float) -> None:
@@ -101,12 +85,11 @@ def vllm_reference_fp8(bf16: dict, targets) -> dict:
     import torch
     from vllm.utils.deep_gemm import per_block_cast_to_fp8
 
+    from m2nkit.engine.quant_fp8 import pad_experts
+
     out = {}
     for t in targets:
-        x = bf16[t.param]
-        padded = torch.zeros(t.fp8_shape, dtype=x.dtype)
-        for src, dst in _shard_regions(t):
-            padded[dst] = x[src]
+        padded = pad_experts(bf16[t.param], t.fp8_shape, t.row_shards)
         if padded.dim() == 2:
             q, s = per_block_cast_to_fp8(padded, block_size=[128, 128], use_ue8m0=False)
         else:
@@ -116,16 +99,6 @@ def vllm_reference_fp8(bf16: dict, targets) -> dict:
             s = torch.stack([b for _, b in pairs]) if pairs else torch.zeros(t.grid)
         out[t.param], out[t.scale] = q, s
     return out
-
-
-def _shard_regions(t):
-    """``(bf16 index, fp8 index)`` per row shard of target ``t``."""
-    nd = len(t.shape)
-    r, R = t.shape[-2] // t.row_shards, t.fp8_shape[-2] // t.row_shards
-    for s in range(t.row_shards):
-        src = (*(slice(None),) * (nd - 2), slice(s * r, (s + 1) * r), slice(0, t.shape[-1]))
-        dst = (*(slice(None),) * (nd - 2), slice(s * R, s * R + r), slice(0, t.shape[-1]))
-        yield src, dst
 
 
 def run_fp8_in_process(ckpt, tspec, plan, fp8):

@@ -73,11 +73,15 @@ def print_routes(console, routes: dict) -> None:
                   "slabs by torch_p2p to other nodes")
 
 
-def print_summary(console, args, ckpt, metas, plan, timings):
+def print_summary(console, args, ckpt, metas, plan, timings, fp8=None):
     """The ``m2nkit plan`` summary table, then why ``nccl_m2n`` leaves tensors to torch_p2p.
 
     ``args``: the parsed command line (``trainer``, ``inference``, ``link_gbps``);
-    ``timings``: ``{phase: seconds}`` of the planning.
+    ``timings``: ``{phase: seconds}`` of the planning. ``fp8``: the
+    ``Fp8Plan`` of a ``wire=fp8`` session: the bytes, per-rank figures and
+    time are then the fp8 wire's (e4m3 + float32 scales, the trainers'
+    amax exchange in their sends; ``engine.quant_fp8.plan_fp8``), with the
+    BF16 wire's for comparison.
     """
     from rich.table import Table
 
@@ -103,16 +107,26 @@ def print_summary(console, args, ckpt, metas, plan, timings):
                               f"{fmt_bytes(sum(m.nbytes for m in metas))}")
     t.add_row("slabs", f"{plan.num_slabs:,}")
     ratio = plan.nbytes_moved / plan.nbytes_min if plan.nbytes_min else 1.0
-    t.add_row("bytes moved / minimum",
-              f"{fmt_bytes(plan.nbytes_moved)} / {fmt_bytes(plan.nbytes_min)} (ratio {ratio:.3f})")
+    bf16 = (f"{fmt_bytes(plan.nbytes_moved)} / {fmt_bytes(plan.nbytes_min)} (ratio {ratio:.3f})")
+    seconds = plan.estimated_seconds(args.link_gbps)
+    if fp8 is None:
+        t.add_row("bytes moved / minimum", bf16)
+    else:   # what the fp8 wire carries: e4m3 for quantized slabs, scales, the exchange
+        send, recv = fp8.send_bytes, fp8.recv_bytes
+        mean_send = send.mean() if len(send) else 0
+        t.add_row("bytes moved (fp8 wire)",
+                  f"{fmt_bytes(fp8.fp8_bytes)} to the workers (e4m3 + float32 scales) + "
+                  f"{fmt_bytes(fp8.exchange_bytes)} amax exchange between trainer ranks; "
+                  f"the bf16 wire: {bf16}")
+        seconds = fp8.estimated_seconds(args.link_gbps)
     t.add_row("max send per trainer rank", fmt_bytes(send.max(initial=0)))
     t.add_row("max receive per worker", fmt_bytes(recv.max(initial=0)))
     t.add_row("send imbalance (max/mean)", f"{send.max() / mean_send:.3f}" if mean_send else "-")
     t.add_row("fan-in / fan-out (max)", f"{plan.fan_in().max(initial=0)} / {plan.fan_out().max(initial=0)}")
     t.add_row("nccl_m2n expressible", f"{plan.carried_share('nccl_m2n'):.1%} of bytes, "
                                       f"{m2n_ok} of {len(plan.wires) - n_skipped} tensors")
-    t.add_row(f"estimated time @ {args.link_gbps:g} Gbit/s per rank",
-              fmt_seconds(plan.estimated_seconds(args.link_gbps)))
+    t.add_row(f"estimated time @ {args.link_gbps:g} Gbit/s per rank"
+              + (" (fp8 wire)" if fp8 is not None else ""), fmt_seconds(seconds))
     t.add_row("planning time", ", ".join(f"{k} {fmt_seconds(v)}" for k, v in timings.items()))
     t.add_row("problems", str(len(plan.problems)) if plan.problems else "none")
     for note in plan.destination.notes:  # how vLLM's dtype and expert placement were decided

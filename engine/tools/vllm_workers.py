@@ -82,11 +82,6 @@ def cpu_quantized_kernels() -> None:
         return
     choose = kernels.choose_scaled_mm_linear_kernel
 
-    def choose_on_cpu(config, possible_kernels, **kwargs):
-        if possible_kernels is kernels._POSSIBLE_FP8_BLOCK_KERNELS:
-            return TritonFp8BlockScaledMMKernel
-        return choose(config, possible_kernels, **kwargs)
-
     def plain_linear(layer, remove_weight=False):
         layer.cpu_linear = torch.nn.functional.linear
 
@@ -103,6 +98,40 @@ def cpu_quantized_kernels() -> None:
             triton = moe_oracle.Fp8MoeBackend.TRITON
             return triton, moe_oracle.backend_to_kernel_cls(triton)[0]
         return backend, experts
+
+    class TorchUpcastFp8BlockKernel(TritonFp8BlockScaledMMKernel):
+        """The Triton block fp8 kernel's choice and weight processing, its GEMM in torch.
+
+        Triton does not run on a CPU, and vLLM's only CPU block fp8 GEMMs need
+        AMX and its compiled CPU ops. A built model never runs a forward pass
+        here, but MLA's post-load step multiplies once: ``split_kv_b_proj``
+        dequantizes an online-fp8 ``kv_b_proj`` by an identity matmul through the
+        layer's kernel (``quant_utils.get_and_maybe_dequant_weights``, the generic
+        case), which derives ``W_UK_T``/``W_UV``. This GEMM is the float32 upcast
+        vLLM itself falls back to where its Triton kernel cannot run
+        (``fp8_utils.w8a8_triton_block_scaled_mm``, the gfx1250 branch): both
+        operands times their block scales in float32, one matmul, cast to the
+        output dtype. Live models and the fresh loads they are compared with
+        both use it.
+        """
+
+        @classmethod
+        def is_supported(cls, compute_capability=None):
+            return True, None
+
+        def apply_block_scaled_mm(self, A, B, As, Bs):
+            bn, bk = self.weight_group_shape
+            K, N = A.shape[-1], B.shape[0]
+            a = A.float().reshape(-1, K) * As.float().reshape(-1, As.shape[-1]).repeat_interleave(
+                bk, dim=1)[:, :K]
+            b = B.float() * Bs.float().repeat_interleave(bn, dim=0).repeat_interleave(
+                bk, dim=1)[:N, :K]
+            return (a @ b.t()).to(self.config.out_dtype).reshape(*A.shape[:-1], N)
+
+    def choose_on_cpu(config, possible_kernels, **kwargs):
+        if possible_kernels is kernels._POSSIBLE_FP8_BLOCK_KERNELS:
+            return TorchUpcastFp8BlockKernel
+        return choose(config, possible_kernels, **kwargs)
 
     choose_on_cpu._m2nkit_cpu = True
     kernels.choose_scaled_mm_linear_kernel = choose_on_cpu
@@ -131,9 +160,10 @@ def build_cpu_worker(checkpoint: str | os.PathLike, spec: InferenceSpec, worker:
 
     ``quantization``: vLLM's ``--quantization`` (e.g. ``"fp8_per_block"``);
     a quantized model (that, or a checkpoint with a ``quantization_config``)
-    is post-processed as vLLM's loader does (``process_weights_after_loading``
-    of ``model_loader/utils.py``; online fp8 quantizes each layer while it
-    loads), with :func:`cpu_quantized_kernels`: what it serves is then kernel
+    is post-processed as vLLM's loader does (``BaseModelLoader.load_model``:
+    ``finalize_layerwise_processing`` for online quantization, which quantizes
+    each layer while it loads and the padded ones at the end, then
+    ``process_weights_after_loading`` of ``model_loader/utils.py``), with :func:`cpu_quantized_kernels`: what it serves is then kernel
     format (e4m3 ``weight`` + ``weight_scale_inv``).
 
     Requires ``VLLM_TARGET_DEVICE=cpu`` before vLLM is first imported (set
@@ -161,9 +191,16 @@ def build_cpu_worker(checkpoint: str | os.PathLike, spec: InferenceSpec, worker:
     if load:
         load_checkpoint(model, vllm_config, path)
         if quantized:
+            from vllm.model_executor.model_loader.base_loader import _has_online_quant
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_processing
             from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
+            # as BaseModelLoader.load_model: online quantization first finishes the layers
+            # whose last element never lands (padding vLLM added: experts rounded up to
+            # whole 128-blocks), then every layer's post-load step
             with set_current_vllm_config(vllm_config), torch.no_grad():
+                if _has_online_quant(model):
+                    finalize_layerwise_processing(model, model_config)
                 process_weights_after_loading(model, model_config, torch.device("cpu"))
     return model, vllm_config
 

@@ -196,19 +196,26 @@ def test_verify_with_the_bf16_wire_says_what_it_does_not_check(capsys):
             "quantization)") in out
 
 
-def test_plan_says_the_live_fp8_wire_refuses_padded_experts(capsys):
-    """tiny-qwen3-moe's expert FFN (32) is not a whole 128-block:
-    the dry run models vLLM's padding, but live trainers refuse them on the fp8 wire
-    (engine.fp8_wire). The plan said nothing and looked like a round that runs (a trial);
-    now the fp8 table says so, naming a parameter; the BF16 wire and whole-block models
-    get no such row."""
-    moe = ORACLE / "tiny-qwen3-moe" / "checkpoint" / "config.json"
-    assert main(["plan", str(moe), "--trainer", "fsdp:2", "--inference",
-                 "vllm:tp=2,ep,quant=fp8_per_block,wire=fp8"]) == 0
+def test_plan_summary_shows_what_the_fp8_wire_carries(tmp_path, capsys):
+    """With wire=fp8 the summary's bytes, busiest worker and time are the fp8 wire's
+    (tiny-qwen3 at fsdp:4 -> vllm:tp=2, worked out in test_exchange_counts_tiny_qwen3:
+    260 928 B to the workers + 256 B of exchange, worker 0 receives 144 800 B), with the
+    BF16 wire's 416 512 B beside them; with wire=bf16 the BF16 figures, as before."""
+    from m2nkit.engine.tools.report import fmt_bytes
+
+    ckpt = tmp_path / "tiny-qwen3"
+    ckpt.mkdir()
+    shutil.copy(ORACLE / "tiny-qwen3" / "checkpoint" / "config.json", ckpt / "config.json")
+    assert main(["plan", str(ckpt), "--trainer", "fsdp:4", "--inference",
+                 "vllm:tp=2,quant=fp8_per_block,wire=fp8"]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert "live fp8 wire" in out, out
-    assert "model.layers.0.mlp.experts.routed_experts.w13_weight [4, 64, 128]" in out, out
-    assert "live trainers refuse them before any traffic" in out, out
-    assert main(["plan", str(moe), "--trainer", "fsdp:2", "--inference",
-                 "vllm:tp=2,ep,quant=fp8_per_block,wire=bf16"]) == 0
-    assert "live fp8 wire" not in capsys.readouterr().out
+    assert (f"bytes moved (fp8 wire) │ {fmt_bytes(260928)} to the workers (e4m3 + float32 "
+            f"scales) + {fmt_bytes(256)} amax exchange between trainer ranks; the bf16 wire: "
+            f"{fmt_bytes(416512)} / {fmt_bytes(416512)}") in out, out
+    assert f"max receive per worker │ {fmt_bytes(144800)}" in out, out
+    assert "Gbit/s per rank (fp8 wire) │" in out, out
+    assert main(["plan", str(ckpt), "--trainer", "fsdp:4", "--inference",
+                 "vllm:tp=2,quant=fp8_per_block,wire=bf16"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"bytes moved / minimum │ {fmt_bytes(416512)} / {fmt_bytes(416512)}" in out, out
+    assert "(fp8 wire)" not in out and "live fp8 wire" not in out, out

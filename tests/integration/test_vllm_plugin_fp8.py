@@ -1,20 +1,21 @@
-"""m2nkit rounds into FP8-served vLLM models through vLLM's layerwise reload (issue 18, modes 1, 3).
+"""m2nkit rounds into FP8-served vLLM models through vLLM's layerwise reload (issue 18, modes 1, 2, 3).
 
 As ``test_vllm_plugin.py``: each worker is a process holding vLLM's own model
 class, built as its tp/ep rank builds it, loaded by vLLM's ``DefaultModelLoader``
 from checkpoint v0 and post-processed as vLLM's loader does, so it serves
 kernel-format fp8 (e4m3 ``weight``, fp32 ``weight_scale_inv``, MoE
 ``w13``/``w2`` and their scales); the engine is made by vLLM's
-``WeightTransferEngineFactory``. Two FSDP2 trainer processes hold v1 and send
-one round. Afterwards every parameter of every worker (and MLA's derived
+``WeightTransferEngineFactory``. Trainer processes hold v1 and send one round:
+two FSDP2 ranks (or checkpoint readers for the fp8 checkpoint), or Megatron-Core
+ranks built through Megatron-Bridge. Afterwards every parameter of every worker (and MLA's derived
 ``W_UK_T``/``W_UV``) must equal, bit for bit, what a fresh vLLM load of v1 with
 the same quantization holds, in the same memory: the expected values are
 vLLM's own quantization of v1 (mode 1: ``quantization="fp8_per_block"``, BF16
 v1) or vLLM's load of the v1 fp8 checkpoint (mode 3), never m2nkit's.
 
-On this CPU (no AMX) only vLLM's choice of kernel is replaced
-(``m2nkit.engine.tools.vllm_workers.cpu_quantized_kernels``), never its weight
-processing.
+On a CPU only vLLM's choice of kernel is replaced
+(``m2nkit.engine.tools.vllm_workers.cpu_quantized_kernels``: its CPU fp8 kernels
+need AMX and vLLM's compiled CPU ops), never its weight processing.
 
 Sizes: Qwen3 with hidden 192 (not a multiple of 128) at tp=2: each worker's
 ``qkv_proj`` holds 192 q rows then 64 k and 64 v rows, so its second 128-row
@@ -50,13 +51,17 @@ CONFIGS = {
     "qwen3-tied-h192": ("tiny-qwen3-tied", {"hidden_size": 192, "intermediate_size": 320,
                                             "num_attention_heads": 6, "num_key_value_heads": 2,
                                             "head_dim": 64}),
-    # vLLM's online block MoE pads each expert's hidden and intermediate dims to whole
-    # 128 blocks in its checkpoint-format w13/w2 (Fp8PerBlockOnlineMoEMethod.
-    # maybe_roundup_sizes), which m2nkit's tables do not model yet: expert dims here are
-    # whole blocks (hidden 256, moe_intermediate 128); attention's q/k/v split is not
     "qwen3-moe-h256": ("tiny-qwen3-moe", {"hidden_size": 256, "moe_intermediate_size": 128,
                                           "num_attention_heads": 6, "num_key_value_heads": 2,
                                           "head_dim": 64}),
+    # experts vLLM pads to whole 128 blocks (Fp8PerBlockOnlineMoEMethod.maybe_roundup_sizes):
+    # hidden 192 -> 256; expert intermediate 160 (tp=2: 80 per worker -> 128; ep: 160 -> 256)
+    "qwen3-moe-h192": ("tiny-qwen3-moe", {"hidden_size": 192, "moe_intermediate_size": 160,
+                                          "num_attention_heads": 6, "num_key_value_heads": 2,
+                                          "head_dim": 64}),
+    # MLA (fused_qkv_a_proj: 32 q_a + 40 kv_a rows in one block; kv_b_proj, whose W_UK_T/W_UV
+    # vLLM derives after loading) + MoE (hidden 64, expert intermediate 32: padded experts)
+    "deepseek-v3": ("tiny-deepseek-v3", {}),
 }
 CASES = [  # (checkpoint, vLLM layout, quantization, what it covers)
     ("qwen3-h192", "vllm:tp=2", "fp8_per_block",
@@ -66,6 +71,10 @@ CASES = [  # (checkpoint, vLLM layout, quantization, what it covers)
     ("qwen3-tied-h192", "vllm:tp=2", "fp8_per_block", "mode 1, tied embeddings"),
     ("qwen3-moe-h256", "vllm:tp=2,ep", "fp8_per_block",
      "mode 1, MoE with EP: whole experts per worker; qkv blocks across q/k"),
+    ("qwen3-moe-h192", "vllm:tp=2", "fp8_per_block",
+     "mode 1, experts vLLM pads: hidden 192 -> 256, local intermediate 80 -> 128"),
+    ("deepseek-v3", "vllm:tp=2", "fp8_per_block",
+     "mode 1, MLA + MoE: fused_qkv_a_proj, kv_b_proj and its derived W_UK_T/W_UV; padded experts"),
     # the shipped DeepSeek-V3 fp8 checkpoint (weight_block_size [32, 16]: tp=2 cuts
     # q_b_proj/kv_b_proj/o_proj/experts on block edges, as vLLM requires); quantization
     # comes from its config; after the round MLA's W_UK_T/W_UV derive from the new kv_b_proj
@@ -140,15 +149,17 @@ def _refilled(checkpoint, out):
     return out
 
 
-def _mla_derived_of_fresh(state, checkpoint: str) -> dict:
+def _mla_derived_of_fresh(state, checkpoint: str, quantization: str | None) -> dict:
     """Whether MLA's derived weights on the live model equal a fresh, post-processed vLLM
-    load of ``checkpoint``'s (``build_cpu_worker`` post-processes a quantized model)."""
+    load of ``checkpoint``'s with ``quantization`` (``build_cpu_worker`` post-processes a
+    quantized model)."""
     import torch
 
     from m2nkit.engine.tools.vllm_workers import build_cpu_worker
 
     live = _mla_derived(state["model"])
-    fresh, _ = build_cpu_worker(checkpoint, state["spec"], state["worker"])
+    fresh, _ = build_cpu_worker(checkpoint, state["spec"], state["worker"],
+                                quantization=quantization)
     ref = _mla_derived(fresh)
     return {"compared": sorted(ref),
             "differ": sorted(n for n in ref if n not in live or live[n].shape != ref[n].shape
@@ -218,7 +229,7 @@ def test_round_into_fp8_served_vllm_equals_fresh_fp8_load(host, checkpoints, nam
     started = host.start_workers(v0, inference, "auto", quantization)
     assert {s["engine"] for s in started} == {"m2nkit.engine.plugins.vllm.M2NVLLMEngine"}
     served = host.client.collective_rpc(_served_dtypes)
-    proj = ("model.layers.0.self_attn.o_proj" if name in SHIPPED
+    proj = ("model.layers.0.self_attn.o_proj" if "deepseek-v3" in name
             else "model.layers.0.self_attn.qkv_proj")
     for dtypes in served:       # vLLM serves kernel-format fp8 (what the round must rebuild)
         assert dtypes[f"{proj}.weight"] == "float8_e4m3fn", dtypes
@@ -242,10 +253,15 @@ def test_round_into_fp8_served_vllm_equals_fresh_fp8_load(host, checkpoints, nam
         assert host.client.collective_rpc(_tied_storage) == [True] * len(started)
     for w, r in enumerate(host.client.collective_rpc(_aborted_reload_leaves_the_served_weights)):
         assert r == {"names": True, "changed": []}, (w, r)
-    if name.startswith("tiny-deepseek-v3"):
-        for w, r in enumerate(host.client.collective_rpc(_mla_derived_of_fresh, str(v1))):
-            assert r["compared"], f"worker {w}: no MLA layer has derived weights: {r}"
-            assert r["differ"] == [], f"worker {w}: derived MLA weights differ: {r['differ']}"
+    if "deepseek-v3" in name:
+        _assert_mla_derived_equal_fresh(host, v1, quantization)
+
+
+def _assert_mla_derived_equal_fresh(host, v1, quantization) -> None:
+    for w, r in enumerate(host.client.collective_rpc(_mla_derived_of_fresh, str(v1),
+                                                     quantization)):
+        assert r["compared"], f"worker {w}: no MLA layer has derived weights: {r}"
+        assert r["differ"] == [], f"worker {w}: derived MLA weights differ: {r['differ']}"
 
 
 @pytest.mark.parametrize("scheme", ["kimi-k2.5-int4", "fp8-per-tensor"])
@@ -317,14 +333,22 @@ WIRE_CASES = [
     ("qwen3-h192", "vllm:tp=2,quant=fp8_per_block,wire=fp8", "vllm:tp=2",
      "mode 2, dense: hidden 192; blocks across q/k and gate/up rows (two wire tensors), "
      "o_proj/down_proj blocks across the two FSDP2 shards (the amax exchange)"),
-    # expert dims whole 128 blocks: vLLM pads others (refused on the fp8 wire so far)
     ("qwen3-moe-h256", "vllm:tp=2,ep,quant=fp8_per_block,wire=fp8", "vllm:tp=2,ep",
      "mode 2, MoE with EP: whole experts per worker, one grid per expert (gate and up rows "
      "of w13 from two wire tensors); the fp8 router; qkv blocks across q/k"),
+    ("qwen3-moe-h192", "vllm:tp=2,quant=fp8_per_block,wire=fp8", "vllm:tp=2",
+     "mode 2, experts vLLM pads, TP-split: hidden 192 -> 256, local intermediate 80 -> 128 "
+     "(gate and up rows each padded on their own)"),
+    ("qwen3-moe-h192", "vllm:tp=2,ep,quant=fp8_per_block,wire=fp8", "vllm:tp=2,ep",
+     "mode 2, experts vLLM pads, EP: hidden 192 -> 256, intermediate 160 -> 256"),
+    ("deepseek-v3", "vllm:tp=2,quant=fp8_per_block,wire=fp8", "vllm:tp=2",
+     "mode 2, MLA + MoE: fused_qkv_a_proj blocks across q_a and kv_a (two wire tensors), "
+     "kv_b_proj and the W_UK_T/W_UV vLLM derives from it; padded experts"),
 ]
 
 
-@pytest.mark.parametrize("name,inference,served,covers", WIRE_CASES, ids=[c[0] for c in WIRE_CASES])
+@pytest.mark.parametrize("name,inference,served,covers", WIRE_CASES,
+                         ids=[c[0] + ("-ep" if c[2].endswith(",ep") else "") for c in WIRE_CASES])
 def test_fp8_wire_round_from_fsdp2_equals_fresh_fp8_load(host, checkpoints, name, inference,
                                                           served, covers):
     """Mode 2 live: two FSDP2 trainer ranks quantize what they send in each worker's own
@@ -343,6 +367,8 @@ def test_fp8_wire_round_from_fsdp2_equals_fresh_fp8_load(host, checkpoints, name
     for w, n in enumerate(host.client.collective_rpc(_layers_processed)):
         assert n["not_streamed"] == [] and n["streamed"] == n["layers"] > 0, (w, n)
     _assert_equals_fresh_fp8_load(host.client.verify(v1), started)
+    if "deepseek-v3" in name:
+        _assert_mla_derived_equal_fresh(host, v1, "fp8_per_block")
 
 
 def _fp8_wire_preconditions(checkpoint, inference) -> None:
@@ -403,3 +429,64 @@ def test_fp8_wire_round_that_vllm_cannot_take_fails_everywhere_and_commits_nothi
         outcome
     after = host.client.weight_versions()
     assert after == before and "v1" not in after, (before, after)
+
+
+def _run_megatron_trainers(client, checkpoint, trainer, inference,
+                           timeout_s=4 * ROUND_TIMEOUT_S) -> dict:
+    """Megatron-Core trainer processes (``trainer``'s world), each building ``checkpoint``
+    through Megatron-Bridge and sending its live shards through ``megatron_source`` as round
+    v1 (``demo_bridge.megatron_trainer_main``); returns rank -> "done" or the error."""
+    from m2nkit.engine.tools.demo_bridge import megatron_trainer_main, parse_megatron_demo_spec
+    from m2nkit.engine.tools.procs import free_port
+
+    world = parse_megatron_demo_spec(trainer).num_ranks
+    port, dist_port = free_port(), free_port()
+    return trainer_outcomes(CTX, megatron_trainer_main, lambda r, results: (
+        r, world, str(checkpoint), trainer, inference, client if r == 0 else None, port,
+        dist_port, timeout_s, results), world, timeout_s)
+
+
+#: (checkpoint, Megatron-Core layout, the trainers' spec, what it covers); the workers serve
+#: vllm:tp=2 with quantization="fp8_per_block"
+MEGATRON_CASES = [
+    ("qwen3-h192", "megatron:tp=2", "vllm:tp=2",
+     "mode 1: fused QKV and [gate; up] shards of Megatron-Core's TP into vLLM's online fp8"),
+    ("qwen3-h192", "megatron:tp=2,dp=2", "vllm:tp=2,quant=fp8_per_block,wire=fp8",
+     "mode 2: the trainers quantize Megatron-Core shards; blocks across q/k and gate/up "
+     "(two wire tensors) and blocks fed by two replicas' ranks (the exchange runs)"),
+]
+
+
+@pytest.mark.parametrize("name,trainer,inference,covers", MEGATRON_CASES,
+                         ids=[f"{c[0]}-{c[1].replace(':', '-').replace(',', '-')}"
+                              for c in MEGATRON_CASES])
+def test_round_from_megatron_core_equals_fresh_fp8_load(host, checkpoints, name, trainer,
+                                                         inference, covers):
+    """A Megatron-Core trainer (built and loaded through Megatron-Bridge, read by
+    ``megatron_source``) into vLLM workers serving ``fp8_per_block``: every served parameter
+    equals a fresh vLLM ``fp8_per_block`` load of v1 bit for bit, in the same memory; on the
+    fp8 wire every quantized layer took the trainers' bytes and the plan has both kinds of
+    shared block."""
+    from m2nkit.adapters.hf_checkpoint import checkpoint_metas, read_checkpoint
+    from m2nkit.adapters.trainer_spec import parse_trainer_spec
+    from m2nkit.adapters.vllm import vllm_destination
+    from m2nkit.engine.fp8_wire import fp8_wire_plan
+    from m2nkit.engine.plan import build_plan
+
+    v0, v1 = checkpoints(name)
+    if "wire=fp8" in inference:
+        ckpt = read_checkpoint(v1)
+        tspec = parse_trainer_spec(trainer)
+        metas = checkpoint_metas(ckpt, tspec)
+        builder = vllm_destination(ckpt.config, inference)
+        fp8 = fp8_wire_plan(builder, build_plan(metas, tspec.num_ranks, builder(metas)))
+        assert fp8.shared_blocks > 0 and fp8.multi_wire_blocks > 0, fp8.to_json()
+    started = host.start_workers(v0, "vllm:tp=2", "auto", "fp8_per_block")
+    outcome = _run_megatron_trainers(host.client, v1, trainer, inference)
+    assert set(outcome.values()) == {"done"}, outcome
+    if "wire=fp8" in inference:
+        for w, r in enumerate(host.client.collective_rpc(_quantized_layers_took_the_wire)):
+            assert r["quantized"] and r["not_from_wire"] == [] and r["other"] == [], (w, r)
+    for w, n in enumerate(host.client.collective_rpc(_layers_processed)):
+        assert n["not_streamed"] == [] and n["streamed"] == n["layers"] > 0, (w, n)
+    _assert_equals_fresh_fp8_load(host.client.verify(v1), started)
