@@ -40,7 +40,8 @@ from typing import Any, Callable, Sequence
 
 from m2nkit.engine.clients import WeightSyncError, error_status
 
-__all__ = ["VLLMWorkers", "WorkersClient", "round_source", "trainer_main", "run_vllm_demo",
+__all__ = ["VLLMWorkers", "WorkersClient", "round_source", "trainer_main", "destination_for",
+           "run_vllm_demo",
            "vllm_available", "write_shifted_checkpoint"]
 
 
@@ -144,7 +145,7 @@ def _worker_main(conn, checkpoint: str, spec_text: str, worker: int,
 # the host process
 
 
-class _Host:
+class WorkerHost:
     """Inside the host: the forked workers of the current layout, one call at a time."""
 
     def __init__(self, timeout_s: float) -> None:
@@ -267,7 +268,7 @@ def _host_main(conn, authkey: bytes, timeout_s: float) -> None:
         import m2nkit.engine.tools.vllm_workers  # noqa: F401 - vLLM's import, once for every fork
 
         quiet_vllm_loggers()
-        host = _Host(timeout_s)
+        host = WorkerHost(timeout_s)
         listener = Listener(("127.0.0.1", 0), authkey=authkey)
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         conn.send((False, f"{type(e).__name__}: {e}"))
@@ -506,6 +507,20 @@ def round_source(checkpoints: Sequence[str | os.PathLike], trainer_spec: str, ra
     return ManifestM2NWeightSource(entries, rank=rank)
 
 
+def destination_for(config, inference: str, layout: str = "auto"):
+    """The trainers' ``DestinationBuilder`` for ``inference``: ``sglang_destination`` for an
+    ``sglang:`` spec (SGLang's tables; ``layout`` does not apply), else ``vllm_destination``."""
+    from m2nkit.adapters.sglang.spec import is_sglang_spec
+
+    if is_sglang_spec(inference):
+        from m2nkit.adapters.sglang.destination import sglang_destination
+
+        return sglang_destination(config, inference)
+    from m2nkit.adapters.vllm import vllm_destination
+
+    return vllm_destination(config, inference, layout)
+
+
 def trainer_main(rank: int, num_ranks: int, checkpoints: Sequence[str], trainer: str,
                  inference: str, client, port: int, timeout_s: float, results,
                  layout: str = "auto", transport: str = "torch_p2p", checked=None) -> None:
@@ -534,7 +549,6 @@ def trainer_main(rank: int, num_ranks: int, checkpoints: Sequence[str], trainer:
         from transformers.utils import logging as hf_logging
 
         from m2nkit.adapters.hf_checkpoint import read_checkpoint
-        from m2nkit.adapters.vllm import vllm_destination
         from m2nkit.engine.trainer import M2NTrainerEngine, M2NTrainerInitInfo
 
         torch.set_num_threads(1)
@@ -543,7 +557,7 @@ def trainer_main(rank: int, num_ranks: int, checkpoints: Sequence[str], trainer:
         source = round_source(checkpoints, trainer, rank, state)
         config = read_checkpoint(checkpoints[0]).config
         info = M2NTrainerInitInfo(rank=rank, num_trainer_ranks=num_ranks,
-                                  destination=vllm_destination(config, inference, layout),
+                                  destination=destination_for(config, inference, layout),
                                   master_port=port, timeout_s=timeout_s, transport=transport)
         t0 = time.perf_counter()
         engine = M2NTrainerEngine.trainer_init(info, client=client if rank == 0 else None,
@@ -586,7 +600,6 @@ def fsdp2_trainer_main(rank: int, num_ranks: int, checkpoint: str, trainer: str,
 
         from m2nkit.adapters.fsdp2 import fsdp2_source
         from m2nkit.adapters.trainer_spec import parse_trainer_spec
-        from m2nkit.adapters.vllm import vllm_destination
         from m2nkit.engine.tools.demo import build_fsdp2_model
         from m2nkit.engine.trainer import M2NTrainerEngine, M2NTrainerInitInfo
 
@@ -599,7 +612,7 @@ def fsdp2_trainer_main(rank: int, num_ranks: int, checkpoint: str, trainer: str,
             model, _ = build_fsdp2_model(checkpoint, parse_trainer_spec(trainer))
             config = AutoConfig.from_pretrained(checkpoint)
             info = M2NTrainerInitInfo(rank=rank, num_trainer_ranks=num_ranks,
-                                      destination=vllm_destination(config, inference),
+                                      destination=destination_for(config, inference),
                                       master_port=port, timeout_s=timeout_s)
             engine = M2NTrainerEngine.trainer_init(info, client=client if rank == 0 else None,
                                                    source=fsdp2_source(model))
