@@ -345,6 +345,10 @@ def main() -> int:
                     cmd, arg, timeout = client.recv()
                 except (EOFError, OSError):
                     return
+                except Exception as e:  # noqa: BLE001 - e.g. a function this host cannot import
+                    client.send((False, (400, f"the SGLang host cannot read the request: "
+                                              f"{type(e).__name__}: {e}")))
+                    continue
                 try:
                     if cmd == "start_workers":
                         value = host.start_workers(*arg)
@@ -394,13 +398,17 @@ class SGLangWorkers:
             ... trainers send with host.client (a demo_vllm.WorkersClient) ...
             reports = host.client.verify(checkpoint_v1)
 
+    ``path``: folders put in front of the host's ``PYTHONPATH``, where the
+    functions given to ``client.collective_rpc`` are imported from (the tests').
+
     Raises (``start``):
         RuntimeError: ``.venv-sglang`` is missing, or the host did not come up
             within ``timeout_s`` (its error).
     """
 
-    def __init__(self, timeout_s: float = 300.0) -> None:
+    def __init__(self, timeout_s: float = 300.0, path: tuple[str, ...] = ()) -> None:
         self.timeout_s = timeout_s
+        self.path = tuple(str(p) for p in path)
         self._proc = None
         self.client = None
 
@@ -413,6 +421,8 @@ class SGLangWorkers:
                                "there (scripts/side_sglang.sh)")
         authkey = secrets.token_bytes(16)
         env = {**os.environ, "M2NKIT_HOST_AUTHKEY": authkey.hex()}
+        if self.path:   # where the functions given to collective_rpc live
+            env["PYTHONPATH"] = os.pathsep.join([*self.path, env.get("PYTHONPATH", "")])
         self._proc = subprocess.Popen(
             [str(python), "-c", "import sys; from m2nkit.engine.tools.sglang_workers import main; "
              "sys.exit(main())", str(self.timeout_s)],
