@@ -146,7 +146,7 @@ def _deepseek(checkpoint, out):
     ``test_sglang_layout.DEEPSEEK_CPU_KEYS``)."""
     import json
 
-    from test_sglang_layout import DEEPSEEK_CPU_KEYS
+    from tests.integration.test_sglang_layout import DEEPSEEK_CPU_KEYS
 
     out.mkdir(parents=True)
     config = json.loads((checkpoint / "config.json").read_text())
