@@ -79,7 +79,8 @@ def _run_fsdp2_trainers(client, checkpoint, inference, timeout_s=ROUND_TIMEOUT_S
         timeout_s, results), 2, timeout_s)
 
 
-@pytest.mark.parametrize("name,inference,covers", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("name,inference,covers", CASES,
+                         ids=[f"{c[0]}-{c[1].split(':')[1]}" for c in CASES])
 def test_fsdp2_round_into_live_sglang_model_equals_fresh_sglang_load(host, versions, name,
                                                                       inference, covers):
     v0, v1 = versions(name)
