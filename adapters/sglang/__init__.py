@@ -22,6 +22,7 @@ Public API::
 
     parse_sglang_spec("sglang:tp=T[,dp=D][,ep][,dtype=X]") -> SGLangSpec(tp, dp, ep, dtype)
     sglang_destination_layout(config, wire: Sequence[ParamMeta], spec) -> DestinationLayout
+    sglang_destination(config, spec) -> SGLangDestination (a DestinationBuilder, for sessions)
     SGLANG_ARCHITECTURES: the architectures checked against SGLang's loaders
 """
 
@@ -33,9 +34,11 @@ _LAZY = {
     "is_sglang_spec": (".spec", "is_sglang_spec"),
     "SGLANG_ARCHITECTURES": (".rules", "SGLANG_ARCHITECTURES"),
     "sglang_destination_layout": (".destination", "sglang_destination_layout"),
+    "sglang_destination": (".destination", "sglang_destination"),
+    "SGLangDestination": (".destination", "SGLangDestination"),
 }
 
 __all__ = ["SGLangSpec", "parse_sglang_spec", "is_sglang_spec", "SGLANG_ARCHITECTURES",
-           "sglang_destination_layout"]
+           "sglang_destination_layout", "sglang_destination", "SGLangDestination"]
 
 __getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())

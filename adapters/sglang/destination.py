@@ -9,6 +9,7 @@ group per replica.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from m2nkit.manifest import ParamMeta
@@ -17,7 +18,7 @@ from m2nkit.manifest.destination import Binding, DestinationLayout, DestinationP
 from .rules import NAMES, check_architecture, keeps_alias, rename, replica_spec, sglang_dtype
 from .spec import SGLangSpec, parse_sglang_spec
 
-__all__ = ["sglang_destination_layout"]
+__all__ = ["sglang_destination_layout", "SGLangDestination", "sglang_destination"]
 
 
 def sglang_destination_layout(config: Any, wire: Sequence[ParamMeta],
@@ -84,3 +85,47 @@ def _sglang_words(message: str, replica: str, spec: SGLangSpec) -> str:
             .replace(f"no tp works with dp=1{ep}; change dp or ep",
                      f"no tp works{' with ep' if spec.ep else ''} (for any dp); change ep")
             .replace("the MoE tensor-parallel size dp*tp=", "the MoE tensor-parallel size tp="))
+
+
+@dataclass(frozen=True)
+class SGLangDestination:
+    """SGLang's destination layout rules for one model config and spec: a ``DestinationBuilder``.
+
+    What ``M2NTrainerInitInfo.destination`` and the SGLang plugin's receiver
+    take (``m2nkit.engine.session.DestinationBuilder``): calling it with the
+    wire tensors returns ``sglang_destination_layout(config, metas, spec)``.
+    Both sides build alike and the plan agreement refuses plans that differ.
+    Picklable (it crosses into worker processes).
+
+    Attributes:
+        config: the HF config (object or ``config.json`` dict) the workers serve.
+        spec: the canonical spec text (``"sglang:tp=2,dp=1,ep"``).
+        num_workers: ``dp * tp``.
+    """
+
+    config: Any
+    spec: str
+    num_workers: int
+    layout: str = "tables"
+
+    def __call__(self, metas: Sequence[ParamMeta]) -> DestinationLayout:
+        return sglang_destination_layout(self.config, metas, self.spec)
+
+
+def sglang_destination(config: Any, spec: SGLangSpec | str) -> SGLangDestination:
+    """The ``DestinationBuilder`` of SGLang workers serving ``config`` with ``spec``.
+
+    ``spec`` is ``"sglang:tp=T[,dp=D][,ep][,dtype=X]"`` or an ``SGLangSpec``;
+    the builder carries its canonical text. The architecture is checked
+    here (``rules.check_architecture``), so an unsupported one is refused
+    before any rendezvous.
+
+    Raises:
+        ValueError: a spec that does not parse; an architecture not in
+            ``rules.SGLANG_ARCHITECTURES`` (or a quantized config).
+    """
+    from m2nkit.adapters.families import architecture_name
+
+    parsed = parse_sglang_spec(spec)
+    check_architecture(architecture_name(config), config)
+    return SGLangDestination(config, str(parsed), parsed.num_workers)

@@ -83,8 +83,14 @@ from vllm.distributed.weight_transfer.factory import (
 from m2nkit.adapters.vllm.builder import vllm_destination
 from m2nkit.adapters.vllm.dtype import model_dtype
 from m2nkit.adapters.vllm.spec import ALL2ALL_BACKENDS, InferenceSpec
-from m2nkit.engine.control import PlanMismatchError, agree_on_plan, create_group, release_group
-from m2nkit.engine.deadline import Deadline
+from m2nkit.engine.control import PlanMismatchError
+from m2nkit.engine.plugins.live_model import (
+    MODE_ENV,
+    buffer_device as _buffer_device,
+    live_model_problems,
+    receive_mode,
+    refuse_everywhere,
+)
 from m2nkit.engine.plugins.vllm_reload import (LayerwiseReload, checkpoint_params, padded_experts,
                                                quantization_mode)
 from m2nkit.engine.receiver import M2NReceiver, M2NUpdateInfo, refuse_unparsed_payload
@@ -168,62 +174,6 @@ def worker_index_of(vllm_config: Any) -> int:
     """
     pc = vllm_config.parallel_config
     return pc.data_parallel_index * pc.world_size + pc.rank
-
-
-def live_model_problems(model: torch.nn.Module, layout: Any, worker: int,
-                        params: Mapping[str, torch.Tensor] | None = None, *,
-                        undeclared: bool = True) -> list[str]:
-    """How a live vLLM model differs from m2nkit's layout for ``worker`` (empty: it fits).
-
-    Three checks, each naming the parameter:
-
-    * every parameter the layout declares for ``worker`` exists in
-      ``model.named_parameters(remove_duplicate=False)`` with the declared
-      local shape and dtype (both shapes quoted when not);
-    * every live parameter is declared (or is a declared alias): one the
-      tables do not know would never be updated;
-    * every alias the layout declares (a tied ``lm_head.weight``) is the
-      same storage as its target in the live model.
-
-    Args:
-        layout: a ``DestinationLayout`` (``params``, ``aliases``).
-        params: the parameters to check instead of ``model``'s own: for a
-            quantized model, its checkpoint-format ones
-            (``vllm_reload.checkpoint_params``: what its loaders fill, meta
-            tensors); their aliases' storage is then not compared (the
-            reload keeps the live model's).
-        undeclared: also list live parameters the layout does not declare
-            (the init's check). The per-round check passes ``False``: after
-            a round the post-load step registers derived parameters of its
-            own (MLA's ``W_UK_T``/``W_UV``, ``replace_parameter`` in
-            ``mla_attention.py``), which no round writes.
-    """
-    live = dict(params) if params is not None else dict(model.named_parameters(remove_duplicate=False))
-    mine = {p.name: p for p in layout.params if p.worker == worker}
-    out: list[str] = []
-    for name, p in mine.items():
-        t = live.get(name)
-        if t is None:
-            out.append(f"parameter '{name}' {list(p.shape)} {_dt(p.dtype)}: m2nkit's table "
-                       "declares it, vLLM's model has no such parameter")
-        elif tuple(t.shape) != tuple(p.shape) or t.dtype != p.dtype:
-            out.append(f"parameter '{name}': vLLM's model holds {list(t.shape)} {_dt(t.dtype)}, "
-                       f"m2nkit's table declares {list(p.shape)} {_dt(p.dtype)}")
-    aliases = {a: t for a, t in layout.aliases.items() if t in mine}
-    for name, t in live.items() if undeclared else ():
-        if name not in mine and name not in aliases:
-            out.append(f"parameter '{name}' {list(t.shape)} {_dt(t.dtype)} of vLLM's model is "
-                       "not in m2nkit's table: it would never be updated")
-    for alias, target in aliases.items():
-        a, b = live.get(alias), live.get(target)
-        if params is None and a is not None and b is not None and a.data_ptr() != b.data_ptr():
-            out.append(f"parameter '{alias}': m2nkit's table ties it to '{target}', but vLLM's "
-                       "model holds them in separate storage")
-    return out
-
-
-def _dt(d: torch.dtype) -> str:
-    return str(d).replace("torch.", "")
 
 
 # --------------------------------------------------------------------------
@@ -560,20 +510,7 @@ class M2NVLLMEngine(WeightTransferEngine):
 
     def _refuse_everywhere(self, payload: InitPayload, message: str) -> None:
         """Join the payload's group only to tell every rank why this worker refuses."""
-        rank = payload.rank_offset + self.worker
-        if rank >= payload.world_size:
-            return
-        deadline = Deadline(payload.timeout_s)
-        group = None
-        try:
-            _, group = create_group(payload.master_address, payload.master_port, rank,
-                                    payload.world_size, timeout_s=max(deadline.left(), 1.0),
-                                    backend=payload.backend)
-            agree_on_plan(group, rank, payload.world_size, None, error=message, deadline=deadline)
-        except Exception:  # noqa: BLE001 - our own message, or nobody came: refuse anyway
-            pass
-        finally:
-            release_group(group)
+        refuse_everywhere(payload, self.worker, message)
 
     def _require(self, what: str) -> M2NReceiver:
         if self._receiver is None:
@@ -670,8 +607,6 @@ class M2NVLLMEngine(WeightTransferEngine):
             self._receiver.shutdown()
 
 
-#: Environment variable of the vLLM server choosing the receive mode.
-MODE_ENV = "M2NKIT_RECEIVE_MODE"
 #: Set to ``0`` to skip tracing the live model's loaders at init (the check of the
 #: plan's bindings against what this vLLM build does; ``M2NVLLMEngine._traced_problems``).
 TRACE_CHECK_ENV = "M2NKIT_TRACE_CHECK"
@@ -699,27 +634,3 @@ def layout_choice() -> str:
     if layout not in LAYOUTS:
         raise ValueError(f"{LAYOUT_ENV}={layout!r} is not one of {', '.join(LAYOUTS)}")
     return layout
-
-
-def receive_mode() -> str:
-    """``$M2NKIT_RECEIVE_MODE``: ``in_place`` (default) or ``staged``.
-
-    ``in_place``: slabs land in the live parameters as they arrive, no extra
-    memory; for RL loops that pause generation around the update (vLLM's
-    ``/pause`` ... ``/resume``), which is the usual case. ``staged``: the
-    round lands in a copy (the worker's parameter bytes again) committed at
-    ``finish_weight_update``, for callers that keep generating during a round;
-    a failed round then leaves the served weights untouched.
-
-    Raises:
-        ValueError: another value (names the variable and the valid ones).
-    """
-    mode = os.environ.get(MODE_ENV, "in_place")
-    if mode not in ("in_place", "staged"):
-        raise ValueError(f"{MODE_ENV}={mode!r} is not 'in_place' or 'staged'")
-    return mode
-
-
-def _buffer_device(payload: InitPayload, device: torch.device) -> str:
-    """Receive buffers: on the CPU for a gloo group (gloo moves CPU tensors), else ``device``."""
-    return "cpu" if payload.backend == "gloo" else str(device)

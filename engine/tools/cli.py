@@ -177,16 +177,24 @@ def _precheck(args) -> None:
             raise UserError("--trainer megatron:... runs with --receiver stand-in only")
     sglang = importlib.import_module("m2nkit.adapters.sglang.spec").is_sglang_spec(
         args.inference)
-    if sglang and args.command != "plan":
-        # SGLang is a destination layout only so far (docs/sglang.md): no receiver to run
-        raise UserError(f"--inference {args.inference}: m2nkit demo has no SGLang receiver "
-                        "yet (docs/sglang.md, Not done yet); plan into SGLang workers with "
-                        f"m2nkit plan CHECKPOINT --trainer SPEC --inference {args.inference}, "
-                        "or run the demo into vLLM workers (--inference vllm:tp=T[,dp=D][,ep])")
-    if args.command == "plan" and sglang:
+    receiver = getattr(args, "receiver", "stand-in")
+    if sglang and args.command != "plan" and receiver != "sglang":
+        # SGLang workers are real ones only (docs/sglang.md): m2nkit has no SGLang stand-in
+        raise UserError(f"--inference {args.inference}: the demo into SGLang workers runs with "
+                        "--receiver sglang (SGLang's own model classes under .venv-sglang); "
+                        f"got --receiver {receiver}")
+    if receiver == "sglang" and not sglang:
+        raise UserError(f"--receiver sglang needs --inference sglang:tp=T[,ep]; got "
+                        f"--inference {args.inference}")
+    if sglang:
         ispec = importlib.import_module("m2nkit.adapters.sglang.spec").parse_sglang_spec(
             args.inference)
-        _check_sglang_args(args)
+        if args.command == "plan":
+            _check_sglang_args(args)
+        elif ispec.dp != 1:
+            raise UserError(f"--inference {args.inference}: the demo runs one SGLang server "
+                            f"(dp=1); SGLang 0.5.23 updates a --dp-size server only per replica "
+                            "server (docs/sglang.md)")
     else:
         ispec = importlib.import_module("m2nkit.adapters.vllm.spec").parse_inference_spec(
             args.inference)
@@ -567,6 +575,16 @@ def _run_demo(args, log):
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()      # save_pretrained's "Writing model shards" bar
+    if getattr(args, "receiver", "stand-in") == "sglang":  # real SGLang workers (sglang_workers.py)
+        from m2nkit.engine.tools.demo_vllm import run_vllm_demo
+        from m2nkit.engine.tools.sglang_workers import sglang_python
+
+        if not sglang_python().exists():
+            raise ValueError(f"--receiver sglang needs SGLang's stack at {sglang_python()} "
+                             "(scripts/setup.sh builds it; or set M2NKIT_SGLANG_PYTHON to a "
+                             "python with sglang 0.5.23 and m2nkit)")
+        return run_vllm_demo(args.model, args.trainer, args.inference, rounds=args.rounds,
+                             timeout_s=args.timeout, workdir=args.workdir, log=log)
     if getattr(args, "receiver", "stand-in") == "vllm":   # real vLLM workers (demo_vllm.py)
         from m2nkit.engine.tools.demo_vllm import run_vllm_demo, vllm_available
 
@@ -722,10 +740,14 @@ def _parser() -> argparse.ArgumentParser:
                            "shards in shared memory), the baseline is full tensors per parameter "
                            "over shared memory as vLLM's ipc backend moves them "
                            "(see docs/colocated.md)")
-    demo.add_argument("--receiver", choices=("stand-in", "vllm"), default="stand-in",
+    demo.add_argument("--receiver", choices=("stand-in", "vllm", "sglang"), default="stand-in",
                       help="stand-in: m2nkit's own vLLM-layout storage (default, no vLLM needed); "
                            "vllm: real vLLM model objects on CPU, m2nkit's engine created by "
-                           "vLLM's factory, checked against a fresh vLLM load (needs vLLM)")
+                           "vLLM's factory, checked against a fresh vLLM load (needs vLLM); "
+                           "sglang: real SGLang TP workers on CPU (--inference sglang:tp=T[,ep]), "
+                           "m2nkit's custom weight loader behind SGLang's "
+                           "update_weights_from_tensor, checked against a fresh SGLang load "
+                           "(needs .venv-sglang, docs/sglang.md)")
     demo.add_argument("--bridge-mode", choices=("tasks", "export"), default=None,
                       help="with --trainer bridge:tp=T,pp=P[,ep=E] (Megatron-Bridge trainers): "
                            "bridge_source's mode, tasks (local shards, default) or export "

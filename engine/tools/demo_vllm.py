@@ -40,7 +40,8 @@ from typing import Any, Callable, Sequence
 
 from m2nkit.engine.clients import WeightSyncError, error_status
 
-__all__ = ["VLLMWorkers", "WorkersClient", "round_source", "trainer_main", "run_vllm_demo",
+__all__ = ["VLLMWorkers", "WorkersClient", "round_source", "trainer_main", "destination_for",
+           "run_vllm_demo",
            "vllm_available", "write_shifted_checkpoint"]
 
 
@@ -144,7 +145,7 @@ def _worker_main(conn, checkpoint: str, spec_text: str, worker: int,
 # the host process
 
 
-class _Host:
+class WorkerHost:
     """Inside the host: the forked workers of the current layout, one call at a time."""
 
     def __init__(self, timeout_s: float) -> None:
@@ -267,7 +268,7 @@ def _host_main(conn, authkey: bytes, timeout_s: float) -> None:
         import m2nkit.engine.tools.vllm_workers  # noqa: F401 - vLLM's import, once for every fork
 
         quiet_vllm_loggers()
-        host = _Host(timeout_s)
+        host = WorkerHost(timeout_s)
         listener = Listener(("127.0.0.1", 0), authkey=authkey)
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         conn.send((False, f"{type(e).__name__}: {e}"))
@@ -506,6 +507,20 @@ def round_source(checkpoints: Sequence[str | os.PathLike], trainer_spec: str, ra
     return ManifestM2NWeightSource(entries, rank=rank)
 
 
+def destination_for(config, inference: str, layout: str = "auto"):
+    """The trainers' ``DestinationBuilder`` for ``inference``: ``sglang_destination`` for an
+    ``sglang:`` spec (SGLang's tables; ``layout`` does not apply), else ``vllm_destination``."""
+    from m2nkit.adapters.sglang.spec import is_sglang_spec
+
+    if is_sglang_spec(inference):
+        from m2nkit.adapters.sglang.destination import sglang_destination
+
+        return sglang_destination(config, inference)
+    from m2nkit.adapters.vllm import vllm_destination
+
+    return vllm_destination(config, inference, layout)
+
+
 def trainer_main(rank: int, num_ranks: int, checkpoints: Sequence[str], trainer: str,
                  inference: str, client, port: int, timeout_s: float, results,
                  layout: str = "auto", transport: str = "torch_p2p", checked=None) -> None:
@@ -534,7 +549,6 @@ def trainer_main(rank: int, num_ranks: int, checkpoints: Sequence[str], trainer:
         from transformers.utils import logging as hf_logging
 
         from m2nkit.adapters.hf_checkpoint import read_checkpoint
-        from m2nkit.adapters.vllm import vllm_destination
         from m2nkit.engine.trainer import M2NTrainerEngine, M2NTrainerInitInfo
 
         torch.set_num_threads(1)
@@ -543,7 +557,7 @@ def trainer_main(rank: int, num_ranks: int, checkpoints: Sequence[str], trainer:
         source = round_source(checkpoints, trainer, rank, state)
         config = read_checkpoint(checkpoints[0]).config
         info = M2NTrainerInitInfo(rank=rank, num_trainer_ranks=num_ranks,
-                                  destination=vllm_destination(config, inference, layout),
+                                  destination=destination_for(config, inference, layout),
                                   master_port=port, timeout_s=timeout_s, transport=transport)
         t0 = time.perf_counter()
         engine = M2NTrainerEngine.trainer_init(info, client=client if rank == 0 else None,
@@ -586,7 +600,6 @@ def fsdp2_trainer_main(rank: int, num_ranks: int, checkpoint: str, trainer: str,
 
         from m2nkit.adapters.fsdp2 import fsdp2_source
         from m2nkit.adapters.trainer_spec import parse_trainer_spec
-        from m2nkit.adapters.vllm import vllm_destination
         from m2nkit.engine.tools.demo import build_fsdp2_model
         from m2nkit.engine.trainer import M2NTrainerEngine, M2NTrainerInitInfo
 
@@ -599,7 +612,7 @@ def fsdp2_trainer_main(rank: int, num_ranks: int, checkpoint: str, trainer: str,
             model, _ = build_fsdp2_model(checkpoint, parse_trainer_spec(trainer))
             config = AutoConfig.from_pretrained(checkpoint)
             info = M2NTrainerInitInfo(rank=rank, num_trainer_ranks=num_ranks,
-                                      destination=vllm_destination(config, inference),
+                                      destination=destination_for(config, inference),
                                       master_port=port, timeout_s=timeout_s)
             engine = M2NTrainerEngine.trainer_init(info, client=client if rank == 0 else None,
                                                    source=fsdp2_source(model))
@@ -647,7 +660,15 @@ def write_shifted_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, rou
 def run_vllm_demo(model: str, trainer: str, inference: str, *, rounds: int = 2,
                   timeout_s: float = 60.0, workdir: str | None = None, log=print,
                   start_method: str = "spawn"):
-    """``m2nkit demo --receiver vllm``: trainers -> real vLLM workers, verified per round.
+    """``m2nkit demo --receiver vllm`` or ``--receiver sglang``: trainers -> real workers,
+    verified per round.
+
+    ``inference`` picks the engine: ``vllm:...`` runs vLLM workers
+    (:class:`VLLMWorkers`), ``sglang:tp=T[,ep]`` SGLang TP workers under
+    ``.venv-sglang`` (``sglang_workers.SGLangWorkers``: SGLang's model class,
+    parallel state and weight-update path, m2nkit's custom weight loader; each
+    round is checked against SGLang's own ``load_weights`` of the round's
+    checkpoint, and SGLang's ``weight_version`` must be the round's).
 
     The workers load the checkpoint (v0) with vLLM; round ``k`` sends the
     checkpoint shifted by ``0.5*k`` (``demo.shift``), written to disk first;
@@ -668,7 +689,8 @@ def run_vllm_demo(model: str, trainer: str, inference: str, *, rounds: int = 2,
 
     from m2nkit.adapters.hf_checkpoint import checkpoint_metas, read_checkpoint
     from m2nkit.adapters.trainer_spec import parse_trainer_spec
-    from m2nkit.adapters.vllm import parse_inference_spec, vllm_destination
+    from m2nkit.adapters.sglang.spec import is_sglang_spec, parse_sglang_spec
+    from m2nkit.adapters.vllm import parse_inference_spec
     from m2nkit.engine.session import plan_from_manifest
     from m2nkit.engine.tools.demo import MAX_DEMO_PROCESSES, DemoResult, demo_checkpoint
     from m2nkit.engine.tools.procs import free_port, start_ranks, stop_processes
@@ -676,9 +698,12 @@ def run_vllm_demo(model: str, trainer: str, inference: str, *, rounds: int = 2,
 
     if rounds < 1:
         raise ValueError(f"--rounds must be >= 1, got {rounds}")
-    tspec, ispec = parse_trainer_spec(trainer), parse_inference_spec(inference)
+    sglang = is_sglang_spec(inference)
+    engine = "SGLang" if sglang else "vLLM"
+    tspec = parse_trainer_spec(trainer)
+    ispec = parse_sglang_spec(inference) if sglang else parse_inference_spec(inference)
     if tspec.kind == "fsdp2":
-        raise ValueError("--receiver vllm runs checkpoint trainers (replicated:N, fsdp:N, "
+        raise ValueError(f"--receiver {engine.lower()} runs checkpoint trainers (replicated:N, fsdp:N, "
                          "hsdp:R,S); fsdp2: trainers run with --receiver stand-in")
     T, N = tspec.num_ranks, ispec.num_workers
     if T + N > MAX_DEMO_PROCESSES:
@@ -692,18 +717,30 @@ def run_vllm_demo(model: str, trainer: str, inference: str, *, rounds: int = 2,
         if not ckpt.has_data:
             raise ValueError(f"--model {v0} has only a config; the demo needs tensor data")
         plan, _ = plan_from_manifest(manifest_to_json(checkpoint_metas(ckpt, tspec), T),
-                                     vllm_destination(ckpt.config, ispec))
+                                     destination_for(ckpt.config, str(ispec)))
         if plan.problems:
             raise ValueError("the plan has problems: " + "; ".join(map(str, plan.problems[:5])))
         versions = [write_shifted_checkpoint(v0, work / f"v{k}", k) for k in range(1, rounds + 1)]
-        log(f"model {ckpt.architecture}; {T} trainer ranks ({tspec}) -> {N} vLLM workers "
+        log(f"model {ckpt.architecture}; {T} trainer ranks ({tspec}) -> {N} {engine} workers "
             f"({ispec}); {len(plan.wires)} wire tensors; rounds send v1..v{rounds} (+0.5 per round)")
-        log("starting the vLLM host process (imports vLLM once; 10-30 s on a busy machine)")
+        log(f"starting the {engine} host process (imports {engine} once; 10-60 s on a busy "
+            "machine)")
         out = DemoResult(str(model), str(tspec), str(ispec), plan.nbytes_min)
-        with VLLMWorkers(timeout_s=max(4 * timeout_s, 120.0), start_method=start_method) as host:
+        if sglang:
+            from m2nkit.engine.tools.sglang_workers import SGLangWorkers
+
+            workers = SGLangWorkers(timeout_s=max(4 * timeout_s, 300.0))
+        else:
+            workers = VLLMWorkers(timeout_s=max(4 * timeout_s, 120.0), start_method=start_method)
+        with workers as host:
             started = host.start_workers(v0, str(ispec))
-            log(f"{N} vLLM workers ({started[0]['model']}, engine {started[0]['engine']} from "
-                f"vLLM's WeightTransferEngineFactory) loaded v0 with DefaultModelLoader")
+            if sglang:
+                log(f"{N} SGLang TP workers ({started[0]['model']}, SGLang's parallel state over "
+                    "gloo) loaded v0 with SGLang's load_weights; rounds go through SGLang's "
+                    "update_weights_from_tensor into m2nkit's custom weight loader")
+            else:
+                log(f"{N} vLLM workers ({started[0]['model']}, engine {started[0]['engine']} "
+                    "from vLLM's WeightTransferEngineFactory) loaded v0 with DefaultModelLoader")
             ctx = mp.get_context(start_method)
             results = ctx.Queue()
             # round k + 1 starts only after round k's workers were compared
@@ -733,7 +770,7 @@ def run_vllm_demo(model: str, trainer: str, inference: str, *, rounds: int = 2,
                         if len(per_round[a]) == T:
                             stats = [per_round[a][r] for r in range(T)]
                             out.rounds.append(_check_round(host.client, a, versions[a - 1],
-                                                           stats, log))
+                                                           stats, log, engine))
                             for _ in range(T):
                                 checked.release()
                     if kind == "done":
@@ -746,7 +783,8 @@ def run_vllm_demo(model: str, trainer: str, inference: str, *, rounds: int = 2,
             tmp.cleanup()
 
 
-def _check_round(client: WorkersClient, k: int, checkpoint: Path, stats: list, log):
+def _check_round(client: WorkersClient, k: int, checkpoint: Path, stats: list, log,
+                 engine: str = "vLLM"):
     from m2nkit.engine.tools.demo import DemoRound
 
     reports = client.verify(checkpoint)
@@ -756,6 +794,8 @@ def _check_round(client: WorkersClient, k: int, checkpoint: Path, stats: list, l
                                                    "moved") if r[key]]
         if r["version"] != f"v{k}":
             what.append(f"version {r['version']!r}, expected 'v{k}'")
+        if r.get("sglang_version", f"v{k}") != f"v{k}":
+            what.append(f"SGLang's weight_version {r['sglang_version']!r}, expected 'v{k}'")
         if what:
             bad.append(f"worker {w}: " + "; ".join(what))
     if bad:
@@ -763,6 +803,6 @@ def _check_round(client: WorkersClient, k: int, checkpoint: Path, stats: list, l
     nbytes = sum(b for b, _ in stats)
     seconds = max(s for _, s in stats)
     log(f"round {k}: {nbytes / 1e6:.2f} MB in {seconds:.2f} s; every parameter of all "
-        f"{len(reports)} workers equals a fresh vLLM load of v{k} ({reports[0]['compared']} "
+        f"{len(reports)} workers equals a fresh {engine} load of v{k} ({reports[0]['compared']} "
         "parameters each), same memory, version committed")
     return DemoRound(k, [b for b, _ in stats], seconds, len(reports))

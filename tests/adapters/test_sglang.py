@@ -157,17 +157,16 @@ def test_cli_sglang_size_error_speaks_of_sglang_replicas(capsys):
         in capsys.readouterr().err
 
 
-def test_demo_refuses_sglang_naming_what_exists(capsys):
+def test_demo_into_sglang_without_its_receiver_is_refused_naming_it(capsys):
     """``m2nkit demo --inference sglang:tp=2`` said "must start with 'vllm:'" (a trial):
-    the demo has no SGLang receiver; the refusal says so and points at m2nkit plan."""
+    SGLang workers are real ones only (``--receiver sglang``); the refusal says so."""
     code = main(["demo", "--inference", "sglang:tp=2", "--rounds", "1", "--no-baseline"])
     captured = capsys.readouterr()
     assert code == 2 and captured.out == "", captured
     assert captured.err.splitlines() == [
-        "m2nkit: error: --inference sglang:tp=2: m2nkit demo has no SGLang receiver yet "
-        "(docs/sglang.md, Not done yet); plan into SGLang workers with m2nkit plan CHECKPOINT "
-        "--trainer SPEC --inference sglang:tp=2, or run the demo into vLLM workers "
-        "(--inference vllm:tp=T[,dp=D][,ep])"]
+        "m2nkit: error: --inference sglang:tp=2: the demo into SGLang workers runs with "
+        "--receiver sglang (SGLang's own model classes under .venv-sglang); got --receiver "
+        "stand-in"]
 
 
 def test_quantized_checkpoint_is_refused_not_half_renamed(capsys):

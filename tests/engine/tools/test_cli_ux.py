@@ -75,7 +75,9 @@ def _unsupported(tmp_path: Path, arch: str = "PhiForCausalLM") -> Path:
     ("demo_arch", "architecture 'PhiForCausalLM' is not supported; supported: "),
     ("demo_processes", "needs 42 processes"),
     ("demo_inference", "must start with 'vllm:'"),
-    ("demo_sglang", "m2nkit demo has no SGLang receiver yet"),
+    ("demo_sglang", "the demo into SGLang workers runs with --receiver sglang"),
+    ("demo_receiver_sglang_vllm", "--receiver sglang needs --inference sglang:tp=T[,ep]"),
+    ("demo_sglang_dp", "the demo runs one SGLang server (dp=1)"),
     # "sglang" without its colon was answered "must start with 'vllm:'" (a trial)
     ("plan_sglang_bare", "inference spec 'sglang' has no settings: write them after 'sglang:'"),
     # issue 21 item 8: refused before torch, as bad specs are
@@ -110,6 +112,10 @@ def test_refusals_come_before_torch_is_imported(tmp_path, case, needle):
         "demo_inference": lambda: ["demo", "--inference", "tgi:tp=2"],
         "demo_sglang": lambda: ["demo", "--inference", "sglang:tp=2"],
         "plan_sglang_bare": lambda: ["plan", EXAMPLE, "--trainer", "fsdp:2", "--inference", "sglang"],
+        "demo_receiver_sglang_vllm": lambda: ["demo", "--receiver", "sglang", "--inference",
+                                              "vllm:tp=2"],
+        "demo_sglang_dp": lambda: ["demo", "--receiver", "sglang", "--inference",
+                                   "sglang:tp=2,dp=2"],
         "plan_missing_checkpoint": lambda: ["plan", tmp_path / "no-such-dir", "--trainer", "fsdp:2",
                                             "--inference", "vllm:tp=2"],
         "demo_misspelt_tiny": lambda: ["demo", "--model", "tiny-lama"],
