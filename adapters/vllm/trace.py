@@ -1505,7 +1505,7 @@ def _index_attributes(layers: Sequence[torch.nn.Module]) -> frozenset[tuple[str,
     """``(submodule, attribute)`` of the layers that hold the layer's own index.
 
     An ``int`` attribute that equals its layer's index in every layer holding
-    it, over at least three layers (``DeepseekV2DecoderLayer.layer_idx``); a
+    it, over at least three layers (a decoder layer's own ``layer_idx``); a
     constant that only happens to equal some layer's index is not one.
     """
     seen: dict[tuple[str, str], bool] = {}
