@@ -62,15 +62,22 @@ At scale, a dp replica's model is worker ``(0, t)``'s re-placed as vLLM's
 elastic EP re-places it (:func:`_replace_for_worker`), and under EP each
 worker's copies of the stacked experts are worker 0's relabelled by that
 worker's own expert map (:class:`_ExpertSlots`), with sample workers traced
-in full and held to the derived copies.
+in full and held to the derived copies; and decoder layers that the built
+meta model shows identical (:func:`_layer_structure`: every submodule's
+class and attributes, every parameter's shape, dtype and loader attributes,
+modulo the layer index) are traced once, with the last of each group as a
+sample, and re-indexed (:func:`_trace_layers`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
+import inspect
 import math
 import os
+import re
 import tempfile
 import weakref
 from dataclasses import dataclass, replace
@@ -1413,6 +1420,244 @@ class _ExpertSlots:
                          "worker's experts")
 
 
+# --------------------------------------------------------------------------
+# structurally identical layers: traced once, re-indexed
+# --------------------------------------------------------------------------
+
+#: Trace each group of structurally identical decoder layers once (plus one
+#: sample) and re-index the rest (:func:`_trace_layers`); ``False`` traces every
+#: layer (tests compare the two).
+DEDUPE_LAYERS = True
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+#: Attributes every ``torch.nn.Module`` keeps for itself (hooks, the member dicts).
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) | {"_parameters", "_buffers", "_modules"}
+
+
+def _layer_of(name: str) -> tuple[str, int, str] | None:
+    """``("model.layers.", 3, ".mlp.experts.w13_weight")`` for ``model.layers.3.mlp.experts.w13_weight``."""
+    m = _LAYER.search(name)
+    return None if m is None else (name[:m.start(1)], int(m.group(1)), name[m.end(1):])
+
+
+def _encode(value: Any, index: int, prefix: str, memo: dict, depth: int = 0) -> Any:
+    """A layer-independent, comparable image of one attribute value of layer ``index``.
+
+    The layer's own index inside a string (``prefix + index``) becomes a
+    placeholder (an attribute holding the index itself is
+    :func:`_index_attributes`'); tensors that hold data give their values
+    (expert maps), meta ones their shape and dtype; other objects their class
+    and, two levels deep, their own attributes.
+    """
+    if value is None or isinstance(value, (bool, int, float, torch.dtype, torch.device)):
+        return value
+    if isinstance(value, str):
+        return value.replace(f"{prefix}{index}", f"{prefix}<layer>")
+    if isinstance(value, torch.nn.Module):          # its own entry in named_modules
+        return ("module", type(value).__qualname__)
+    if isinstance(value, torch.Tensor):
+        if value.is_meta or value.numel() > 1 << 16:
+            return ("tensor", tuple(value.shape), value.dtype, value.device.type)
+        return ("tensor", tuple(value.shape), value.dtype, tuple(value.flatten().tolist()))
+    key = id(value)
+    if key in memo:
+        return memo[key]
+    if isinstance(value, (tuple, list, set, frozenset)):
+        items = [_encode(v, index, prefix, memo, depth) for v in value]
+        out = (type(value).__name__, tuple(sorted(items, key=repr) if isinstance(
+            value, (set, frozenset)) else items))
+    elif isinstance(value, dict):
+        out = ("dict", tuple(sorted(((repr(k), _encode(v, index, prefix, memo, depth))
+                                     for k, v in value.items()), key=lambda kv: kv[0])))
+    elif isinstance(value, enum.Enum):
+        out = ("enum", repr(value))
+    elif isinstance(value, functools.partial):      # a loader with its arguments bound
+        out = ("partial", _encode(value.func, index, prefix, memo, depth),
+               _encode(value.args, index, prefix, memo, depth),
+               _encode(value.keywords, index, prefix, memo, depth))
+    elif inspect.isroutine(value) or isinstance(value, type):
+        out = ("routine", getattr(value, "__module__", None),
+               getattr(value, "__qualname__", type(value).__qualname__),
+               type(getattr(value, "__self__", None)).__qualname__)
+    elif depth < 2 and hasattr(value, "__dict__"):
+        memo[key] = ("object", type(value).__qualname__, "...")    # cycles
+        out = ("object", type(value).__qualname__,
+               tuple(sorted((k, _encode(v, index, prefix, memo, depth + 1))
+                            for k, v in vars(value).items())))
+    else:
+        out = ("object", type(value).__qualname__)
+    memo[key] = out
+    return out
+
+
+def _index_attributes(layers: Sequence[torch.nn.Module]) -> frozenset[tuple[str, str]]:
+    """``(submodule, attribute)`` of the layers that hold the layer's own index.
+
+    An ``int`` attribute that equals its layer's index in every layer holding
+    it, over at least three layers (a decoder layer's own ``layer_idx``); a
+    constant that only happens to equal some layer's index is not one.
+    """
+    seen: dict[tuple[str, str], bool] = {}
+    count: dict[tuple[str, str], int] = {}
+    for i, layer in enumerate(layers):
+        for mname, mod in layer.named_modules(remove_duplicate=False):
+            for k, v in vars(mod).items():
+                if type(v) is int and k not in _MODULE_INTERNALS:
+                    key = (mname, k)
+                    seen[key] = seen.get(key, True) and v == i
+                    count[key] = count.get(key, 0) + 1
+    return frozenset(k for k, ok in seen.items() if ok and count[k] >= 3)
+
+
+def _layer_structure(layer: torch.nn.Module, index: int, prefix: str,
+                     at_index: frozenset[tuple[str, str]] = frozenset(),
+                     memo: dict | None = None) -> tuple:
+    """What vLLM's loaders can read off one decoder layer, modulo its index.
+
+    Every submodule's name and class, its attributes (:func:`_encode`), and
+    each parameter's and buffer's name, class, shape, dtype and attributes
+    (vLLM's ``weight_loader``, ``output_dim``, ``tp_rank``... set on them).
+    Two layers with equal structures and equally shaped wire tensors are
+    loaded alike: :func:`_trace_layers` relies on that, and checks it on a
+    sample layer of each group. ``at_index``: the attributes that hold the
+    layer's index (:func:`_index_attributes`), compared as a placeholder.
+    ``memo``: id -> encoding, seeded with the objects the layers share
+    (:func:`_shared_objects`), which are then the same object, not alike.
+    """
+    memo = {} if memo is None else memo
+    out = []
+    for mname, mod in layer.named_modules(remove_duplicate=False):
+        attrs = tuple(sorted((k, "<layer>" if (mname, k) in at_index
+                              else _encode(v, index, prefix, memo))
+                             for k, v in vars(mod).items() if k not in _MODULE_INTERNALS))
+        tensors = tuple((kind, n, type(t).__qualname__, tuple(t.shape), t.dtype,
+                         _encode(vars(t), index, prefix, memo)
+                         if kind == "param" else _encode(t, index, prefix, memo))
+                        for kind, group in (("param", mod._parameters), ("buffer", mod._buffers))
+                        for n, t in group.items() if t is not None)
+        out.append((mname, type(mod).__qualname__, attrs, tensors))
+    return tuple(out)
+
+
+def _shared_objects(layers: Sequence[torch.nn.Module]) -> dict[int, tuple]:
+    """The dicts and objects that attributes of two or more layers hold (vLLM's configs).
+
+    Encoded by identity: one object is equal to itself, whatever it holds
+    (``compilation_config.static_forward_context`` names every layer).
+    """
+    holders: dict[int, set[int]] = {}
+    for i, layer in enumerate(layers):
+        for mod in layer.modules():
+            for k, v in vars(mod).items():
+                if k not in _MODULE_INTERNALS and (isinstance(v, dict) or (
+                        hasattr(v, "__dict__") and not isinstance(
+                            v, (torch.nn.Module, torch.Tensor, type, enum.Enum))
+                        and not inspect.isroutine(v))):
+                    holders.setdefault(id(v), set()).add(i)
+    return {k: ("shared", k) for k, held in holders.items() if len(held) > 1}
+
+
+def _trace_layers(model: torch.nn.Module, feeds: Sequence[Feed],
+                  vllm_config: Any = None) -> tuple[list[TracedCopy], set[str], set[str]]:
+    """:func:`trace_worker`'s result, each group of identical decoder layers traced once.
+
+    vLLM's decoder layers (the ``layers`` ``ModuleList`` of a model,
+    ``model_executor/models/utils.py`` ``make_layers``) are mostly built alike.
+    Layers of one group have equal :func:`_layer_structure` (read off the live
+    meta model, never assumed from the config) and feeds that differ only in
+    the layer index; the loaders run on the first layer of each group, on the
+    last as a sample, and on everything outside the layers, and the first
+    layer's copies, re-indexed, stand for the others. Falls back to the full
+    trace where that does not hold: a copy from one layer's wire tensor into
+    another layer's parameter, a re-indexed name that does not exist, or the
+    sample layer's own copies differing from the re-indexed ones.
+
+    Returns:
+        ``(copies, touched, copied)`` as :func:`trace_worker`.
+    """
+    layers: dict[str, torch.nn.ModuleList] = {}
+    for mname, mod in model.named_modules():
+        if isinstance(mod, torch.nn.ModuleList) and mname.rsplit(".", 1)[-1] == "layers":
+            layers[mname + "."] = mod
+    by_layer: dict[tuple[str, int], list[Feed]] = {}
+    for f in feeds:
+        where = _layer_of(f.name)
+        if where is not None:
+            by_layer.setdefault(where[:2], []).append(f)
+    # the feeds' layer prefix -> the modules': the same, or the one list of each
+    prefixes = {p for p, _ in by_layer}
+    pairing = {p: p for p in prefixes if p in layers}
+    if not pairing and len(prefixes) == 1 and len(layers) == 1:
+        pairing = {next(iter(prefixes)): next(iter(layers))}
+    groups: dict[tuple, list[int]] = {}
+    for fp, mp in pairing.items():
+        mods = layers[mp]
+        at_index = _index_attributes(mods)
+        shared = _shared_objects(mods)
+        for i, layer in enumerate(mods):
+            mine = by_layer.get((fp, i))
+            if not mine:
+                continue
+            wire = tuple((_layer_of(f.name)[2], _layer_of(f.wire.name)[2]
+                          if _layer_of(f.wire.name) else f.wire.name, f.shape, f.offset,
+                          f.dims, f.wire.shape, f.wire.dtype, f.expert) for f in mine)
+            groups.setdefault((fp, mp, _layer_structure(layer, i, mp, at_index, dict(shared)), wire), []).append(i)
+    derived = {(g[0], i): (g[0], g[1], members[0]) for g, members in groups.items()
+               if len(members) > 2 for i in members[1:-1]}
+    if not DEDUPE_LAYERS or not derived:
+        return trace_worker(model, feeds, vllm_config)
+    copies, touched, copied = trace_worker(
+        model, [f for f in feeds if (_layer_of(f.name) or (None, None))[:2] not in derived],
+        vllm_config)
+    params = dict(model.named_parameters())
+    reps = {(fp, r): mp for fp, mp, r in derived.values()}
+    samples = {(g[0], members[-1]): members[0] for g, members in groups.items()
+               if len(members) > 2}
+    wire_layer = {f.wire.name: _layer_of(f.name)[:2] for f in feeds if _layer_of(f.name)}
+    from_rep: dict[tuple[str, int], list[TracedCopy]] = {}
+    sampled: dict[tuple[str, int], set] = {}
+    for c in copies:
+        src = wire_layer.get(c.name)
+        dst = _layer_of(c.param)
+        if src in reps or src in samples:
+            if dst is None or dst[1] != src[1]:
+                return trace_worker(model, feeds, vllm_config)    # a copy across layers
+            if src in reps:
+                from_rep.setdefault(src, []).append(c)
+            else:
+                sampled.setdefault(src, set()).add((c.name, c.param, c.box, c.region))
+
+    def reindexed(name: str, i: int) -> str:
+        head, _, tail = _layer_of(name)
+        return f"{head}{i}{tail}"
+
+    wires = {m.wire.name for m in feeds}
+    extra: list[TracedCopy] = []
+    for (fp, i), (_, mp, r) in sorted(derived.items()):
+        for c in from_rep.get((fp, r), ()):
+            name, param = reindexed(c.name, i), reindexed(c.param, i)
+            if name not in wires or param not in params:
+                return trace_worker(model, feeds, vllm_config)
+            extra.append(TracedCopy(name, param, c.box, c.region))
+    for (fp, s), r in samples.items():
+        mine = {(reindexed(c.name, s), reindexed(c.param, s), c.box, c.region)
+                for c in from_rep.get((fp, r), ())}
+        if mine != sampled.get((fp, s), set()):
+            return trace_worker(model, feeds, vllm_config)
+    for p in list(touched):
+        where = _layer_of(p)
+        if where is not None and (fp := next((f for f, m in pairing.items()
+                                              if m == where[0]), None)) is not None \
+                and (fp, where[1]) in reps:
+            touched |= {reindexed(p, i) for (f, i), (_, _, r) in derived.items()
+                        if f == fp and r == where[1]}
+    rep_feeds = {f.name for f in feeds if (_layer_of(f.name) or (None, None))[:2] in reps}
+    copied |= {reindexed(n, i) for n in copied & rep_feeds
+               for (f, i), (_, _, r) in derived.items() if (f, r) == _layer_of(n)[:2]}
+    return [*copies, *extra], touched, copied
+
+
 def trace_destination(config: Any, wire: Sequence[ParamMeta],
                       spec: InferenceSpec | str) -> DestinationLayout:
     """The ``DestinationLayout`` of ``spec`` as vLLM's own loaders place ``wire``.
@@ -1471,21 +1716,24 @@ def trace_destination(config: Any, wire: Sequence[ParamMeta],
             # seconds, not minutes); worker 0, which holds expert 0 under
             # every placement, decides. A loader that refuses the fused name
             # or ignores it gets the per-expert tensors a checkpoint holds.
+            # A loader that ignored the fused names ran to the end on fakes that
+            # wrote nothing: the same model takes the per-expert ones; one that
+            # failed part way gets a fresh model.
             copies = None
             if fused:
                 try:
-                    copies, touched, copied = trace_worker(
+                    copies, touched, copied = _trace_layers(
                         model, _feeds(wire, experts, True, model, names, only=only), vllm_config)
                     if w == 0 and not stacked <= copied:
                         copies = None
+                        fused = False
                 except TraceError:
                     if w > 0:
                         raise
-                if copies is None:
                     fused = False
                     model, vllm_config = _build_meta_model(config_dir, spec, w)
             if copies is None:
-                copies, touched, _ = trace_worker(
+                copies, touched, _ = _trace_layers(
                     model, _feeds(wire, experts, False, model, names, split, only=only),
                     vllm_config)
             return model, vllm_config, copies, touched
@@ -1495,7 +1743,7 @@ def trace_destination(config: Any, wire: Sequence[ParamMeta],
                 return [], set()
             feeds = _feeds(wire, experts, fused, model, names, None if fused else split,
                            only=only)
-            mine, touched, _ = trace_worker(model, feeds, vllm_config)
+            mine, touched, _ = _trace_layers(model, feeds, vllm_config)
             return mine, touched
 
         # EP workers: the copies of the stacked expert wire tensors are worker 0's,

@@ -37,7 +37,12 @@ def _metas(wire):
 
 
 #: Architectures vLLM 0.33.0 cannot build here to trace. Kimi-K2.5: its kimi_k25.py imports
-#: ``transformers.Kimi_K25Config`` (transformers 5.24; this venv has 5.12.1), and under
+#: ``transformers.Kimi_K25Config`` (transformers 5.24; this venv has 5.12.1), and vLLM has no
+#: config of its own to stand in: its registry maps ``kimi_k25`` to that same upstream class
+#: (``transformers_utils/config.py`` ``_CONFIG_REGISTRY``, resolved through
+#: ``transformers_utils/configs/__init__.py`` ``_CLASS_TO_MODULE["Kimi_K25Config"] =
+#: "transformers"``, ahead of any remote code), and kimi_k25_vit.py imports
+#: ``transformers.Kimi_K25VisionConfig`` at module level. Under
 #: 5.24 the meta build fails in ``vision_tower.to(device=current_platform.current_device())``.
 #: Run once under 5.24 with ``current_device()`` answering meta, its trace equalled the
 #: table at tp 1/2/4, EP 2/4, dp 2 (with and without EP); tests/adapters/test_kimi_k25.py
@@ -256,6 +261,112 @@ def test_derived_expert_copies_that_drift_from_a_sample_workers_trace_fail_loudl
     with pytest.raises(TraceError, match=r"worker 1: the expert copies derived from worker 0's "
                                          r"trace differ from its own loaders' .*DERIVE_EXPERTS"):
         _trace("tiny-qwen3-moe", "vllm:tp=2,ep")
+
+
+#: Deeper copies of the tiny checkpoints' configs (config only: the wire from the family
+#: table), so that layers repeat: (model, config changes, spec, layers derived, not traced).
+#: Llama: dense; Qwen3-MoE: stacked experts taken whole; DeepSeek-V3: a dense first layer,
+#: MLA, shared experts, experts taken per expert, dp replicas; Qwen3-Next: linear and full
+#: attention layers and a dense first layer (full attention at 3 and 6: each traced).
+LAYERED = [("tiny-llama", {"num_hidden_layers": 5}, "vllm:tp=2", {1, 2, 3}),
+           ("tiny-qwen3-moe", {"num_hidden_layers": 5}, "vllm:tp=2,ep", {1, 2, 3}),
+           ("tiny-deepseek-v3", {"num_hidden_layers": 6}, "vllm:tp=2,dp=2,ep", {2, 3, 4}),
+           ("tiny-qwen3-next", {"num_hidden_layers": 7, "layer_types": [
+               "linear_attention", "linear_attention", "linear_attention", "full_attention",
+               "linear_attention", "linear_attention", "full_attention"]}, "vllm:tp=2,ep",
+            {2, 4})]
+
+
+def _layered(tmp_path, model, changes):
+    """A config-only checkpoint of ``model`` with ``changes``, and its wire tensors."""
+    import json
+
+    from _oracle import DATA
+    from m2nkit.adapters.hf_checkpoint import checkpoint_metas, read_checkpoint
+
+    config = json.loads((DATA / model / "checkpoint" / "config.json").read_text())
+    config.update(changes)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return checkpoint_metas(read_checkpoint(tmp_path / "config.json"), "fsdp:1")
+
+
+def _layers_traced(monkeypatch):
+    """Per loader run: the layer indices of the wire tensors it was handed."""
+    from m2nkit.adapters.vllm import trace
+
+    runs = []
+    real = trace.trace_worker
+
+    def spy(model, feeds, vllm_config=None):
+        runs.append({int(f.name.split("layers.")[1].split(".")[0])
+                     for f in feeds if "layers." in f.name})
+        return real(model, feeds, vllm_config)
+    monkeypatch.setattr(trace, "trace_worker", spy)
+    return runs
+
+
+@pytest.mark.parametrize("model,changes,spec,derived", LAYERED, ids=[c[0] for c in LAYERED])
+def test_identical_layers_traced_once_equal_the_full_trace(tmp_path, monkeypatch, model,
+                                                           changes, spec, derived):
+    """Layers the live meta model shows identical are traced once (and one sample) and
+    re-indexed (trace._trace_layers): the layout equals every layer traced."""
+    from m2nkit.adapters.vllm import trace
+
+    wire = _layered(tmp_path, model, changes)
+    runs = _layers_traced(monkeypatch)
+    quick = _canonical(trace.trace_destination(tmp_path, wire, spec))
+    # every layer on the wire (DeepSeek-V3's MTP layer too: no decoder layer of vLLM's)
+    layers = {int(m.name.split("layers.")[1].split(".")[0]) for m in wire if "layers." in m.name}
+    assert layers >= set(range(changes["num_hidden_layers"]))
+    assert runs and set().union(*runs) == layers - derived, runs
+    monkeypatch.setattr(trace, "DEDUPE_LAYERS", False)
+    runs.clear()
+    full = _canonical(trace.trace_destination(tmp_path, wire, spec))
+    assert set().union(*runs) == layers
+    assert quick == full
+
+
+def test_a_layer_the_live_model_shows_different_is_traced_on_its_own(tmp_path, monkeypatch):
+    """One layer of the built model differing (an attribute its loaders could read) leaves
+    its group: it is traced in full, the others still re-indexed, the layout unchanged."""
+    from m2nkit.adapters.vllm import trace
+
+    wire = _layered(tmp_path, "tiny-llama", {"num_hidden_layers": 5})
+    build = trace._build_meta_model
+
+    def deviating(d, s, w):
+        model, config = build(d, s, w)
+        model.model.layers[2].mlp.gate_up_proj.tp_rank = 7
+        return model, config
+    monkeypatch.setattr(trace, "_build_meta_model", deviating)
+    runs = _layers_traced(monkeypatch)
+    quick = _canonical(trace.trace_destination(tmp_path, wire, "vllm:tp=2"))
+    assert set().union(*runs) == {0, 2, 4}, runs       # 1 and 3 re-indexed from 0, 4 sampled
+    monkeypatch.setattr(trace, "DEDUPE_LAYERS", False)
+    assert quick == _canonical(trace.trace_destination(tmp_path, wire, "vllm:tp=2"))
+
+
+def test_a_sample_layer_that_disagrees_falls_back_to_the_full_trace(tmp_path, monkeypatch):
+    """The sample layer's own copies are held to the re-indexed ones: a difference (here a
+    re-indexed copy shifted by one row) traces every layer instead."""
+    from m2nkit.adapters.vllm import trace
+
+    wire = _layered(tmp_path, "tiny-llama", {"num_hidden_layers": 5})
+    real = trace.trace_worker
+    runs = []
+
+    def shifted(model, feeds, vllm_config=None):
+        copies, touched, copied = real(model, feeds, vllm_config)
+        runs.append(len(feeds))
+        if len(runs) == 1:      # the shortcut's run: the sample layer's first copy moved
+            k = next(i for i, c in enumerate(copies) if ".layers.4." in c.param)
+            c = copies[k]
+            copies[k] = trace.TracedCopy(c.name, c.param, ((c.box[0][0] + 1, c.box[0][1] + 1),)
+                                         + c.box[1:], c.region)
+        return copies, touched, copied
+    monkeypatch.setattr(trace, "trace_worker", shifted)
+    trace.trace_destination(tmp_path, wire, "vllm:tp=1")
+    assert len(runs) == 2 and runs[1] == len(wire) > runs[0], runs
 
 
 def test_an_untraceable_loader_is_refused_naming_the_model_and_the_reason():
