@@ -170,10 +170,6 @@ def _worker_main(conn, checkpoint: str, tp: int, ep: bool, rank: int, port: int)
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
-    if os.environ.get("M2NKIT_SGLANG_DEBUG"):
-        import faulthandler
-
-        faulthandler.dump_traceback_later(float(os.environ["M2NKIT_SGLANG_DEBUG"]), exit=False)
     try:
         t0 = time.perf_counter()
         from sglang.srt.distributed import parallel_state as ps
