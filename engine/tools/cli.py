@@ -577,14 +577,15 @@ def _run_demo(args, log):
     hf_logging.disable_progress_bar()      # save_pretrained's "Writing model shards" bar
     if getattr(args, "receiver", "stand-in") == "sglang":  # real SGLang workers (sglang_workers.py)
         from m2nkit.engine.tools.demo_vllm import run_vllm_demo
-        from m2nkit.engine.tools.sglang_workers import sglang_python
+        from m2nkit.engine.tools.sglang_workers import SGLangWorkers, sglang_python
 
         if not sglang_python().exists():
             raise ValueError(f"--receiver sglang needs SGLang's stack at {sglang_python()} "
                              "(scripts/setup.sh builds it; or set M2NKIT_SGLANG_PYTHON to a "
                              "python with sglang 0.5.23 and m2nkit)")
         return run_vllm_demo(args.model, args.trainer, args.inference, rounds=args.rounds,
-                             timeout_s=args.timeout, workdir=args.workdir, log=log)
+                             timeout_s=args.timeout, workdir=args.workdir, log=log,
+                             sglang_workers=SGLangWorkers)
     if getattr(args, "receiver", "stand-in") == "vllm":   # real vLLM workers (demo_vllm.py)
         from m2nkit.engine.tools.demo_vllm import run_vllm_demo, vllm_available
 

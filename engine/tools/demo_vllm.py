@@ -659,7 +659,7 @@ def write_shifted_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, rou
 
 def run_vllm_demo(model: str, trainer: str, inference: str, *, rounds: int = 2,
                   timeout_s: float = 60.0, workdir: str | None = None, log=print,
-                  start_method: str = "spawn"):
+                  start_method: str = "spawn", sglang_workers=None):
     """``m2nkit demo --receiver vllm`` or ``--receiver sglang``: trainers -> real workers,
     verified per round.
 
@@ -668,7 +668,10 @@ def run_vllm_demo(model: str, trainer: str, inference: str, *, rounds: int = 2,
     ``.venv-sglang`` (``sglang_workers.SGLangWorkers``: SGLang's model class,
     parallel state and weight-update path, m2nkit's custom weight loader; each
     round is checked against SGLang's own ``load_weights`` of the round's
-    checkpoint, and SGLang's ``weight_version`` must be the round's).
+    checkpoint, and SGLang's ``weight_version`` must be the round's), made by
+    ``sglang_workers(timeout_s=...)``, which the CLI passes
+    (``sglang_workers.SGLangWorkers``; taken as an argument because that module
+    builds on this one's ``WorkerHost`` and ``WorkersClient``).
 
     The workers load the checkpoint (v0) with vLLM; round ``k`` sends the
     checkpoint shifted by ``0.5*k`` (``demo.shift``), written to disk first;
@@ -727,9 +730,10 @@ def run_vllm_demo(model: str, trainer: str, inference: str, *, rounds: int = 2,
             "machine)")
         out = DemoResult(str(model), str(tspec), str(ispec), plan.nbytes_min)
         if sglang:
-            from m2nkit.engine.tools.sglang_workers import SGLangWorkers
-
-            workers = SGLangWorkers(timeout_s=max(4 * timeout_s, 300.0))
+            if sglang_workers is None:
+                raise ValueError("an sglang: demo needs sglang_workers "
+                                 "(m2nkit.engine.tools.sglang_workers.SGLangWorkers)")
+            workers = sglang_workers(timeout_s=max(4 * timeout_s, 300.0))
         else:
             workers = VLLMWorkers(timeout_s=max(4 * timeout_s, 120.0), start_method=start_method)
         with workers as host:
