@@ -40,8 +40,8 @@ from typing import Any, Callable, Sequence
 
 from m2nkit.engine.clients import WeightSyncError, error_status
 
-__all__ = ["VLLMWorkers", "WorkersClient", "round_source", "trainer_main", "destination_for",
-           "run_vllm_demo",
+__all__ = ["VLLMWorkers", "WorkersClient", "serve_host", "round_source", "trainer_main",
+           "destination_for", "run_vllm_demo",
            "vllm_available", "write_shifted_checkpoint"]
 
 
@@ -249,6 +249,58 @@ def quiet_vllm_loggers() -> None:
     logging.getLogger("vllm.model_executor.layers.fused_moe.config").setLevel(logging.CRITICAL)
 
 
+def serve_host(listener: Listener, host: "WorkerHost", *, name: str,
+               extra: Callable[[str, Any], tuple[bool, Any]] | None = None,
+               answer_unreadable: bool = False) -> None:
+    """Answer ``(cmd, arg, timeout)`` requests on ``listener``, one thread per client.
+
+    ``start_workers``/``stop_workers`` go to ``host``'s methods, anything
+    ``extra`` claims (it returns ``(True, value)``; ``(False, None)`` for
+    not mine) to it, the rest to ``host.call``. Each answer is ``(True,
+    value)``, or ``(False, (status, message))``: a ``WeightSyncError``'s own
+    status, 500 for any other error. With ``answer_unreadable`` a request
+    that cannot be unpickled is answered 400 instead of ending the client's
+    thread. Returns once the accepting thread (``name``) runs."""
+
+    def serve(client) -> None:
+        with client:
+            while True:
+                try:
+                    cmd, arg, timeout = client.recv()
+                except (EOFError, OSError):
+                    return
+                except Exception as e:  # noqa: BLE001 - e.g. a function this host cannot import
+                    if not answer_unreadable:
+                        raise
+                    client.send((False, (400, "the host cannot read the request: "
+                                              f"{type(e).__name__}: {e}")))
+                    continue
+                try:
+                    if cmd == "start_workers":
+                        value = host.start_workers(*arg)
+                    elif cmd == "stop_workers":
+                        value = host.stop_workers()
+                    else:
+                        claimed, value = extra(cmd, arg) if extra else (False, None)
+                        if not claimed:
+                            value = host.call(cmd, arg, timeout)
+                    client.send((True, value))
+                except WeightSyncError as e:
+                    client.send((False, (e.status, str(e))))
+                except BaseException as e:  # noqa: BLE001 - reported to the client
+                    client.send((False, (500, f"{type(e).__name__}: {e}")))
+
+    def accept() -> None:
+        while True:
+            try:
+                client = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=serve, args=(client,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True, name=name).start()
+
+
 def _host_main(conn, authkey: bytes, timeout_s: float) -> None:
     """The host: import vLLM once (CPU platform), then serve clients until the parent says stop."""
     from m2nkit.engine.tools.server import exit_with_parent
@@ -275,35 +327,7 @@ def _host_main(conn, authkey: bytes, timeout_s: float) -> None:
         return
     conn.send((True, listener.address))
 
-    def serve(client) -> None:
-        with client:
-            while True:
-                try:
-                    cmd, arg, timeout = client.recv()
-                except (EOFError, OSError):
-                    return
-                try:
-                    if cmd == "start_workers":
-                        value = host.start_workers(*arg)
-                    elif cmd == "stop_workers":
-                        value = host.stop_workers()
-                    else:
-                        value = host.call(cmd, arg, timeout)
-                    client.send((True, value))
-                except WeightSyncError as e:
-                    client.send((False, (e.status, str(e))))
-                except BaseException as e:  # noqa: BLE001 - reported to the client
-                    client.send((False, (500, f"{type(e).__name__}: {e}")))
-
-    def accept() -> None:
-        while True:
-            try:
-                client = listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=serve, args=(client,), daemon=True).start()
-
-    threading.Thread(target=accept, daemon=True, name="m2nkit-vllm-host-accept").start()
+    serve_host(listener, host, name="m2nkit-vllm-host-accept")
     try:
         conn.recv()          # "stop", or EOF when the parent goes
     except EOFError:

@@ -313,7 +313,7 @@ def main() -> int:
     """The host: import SGLang once, print the listener's address, serve until stdin closes."""
     from multiprocessing.connection import Listener
 
-    from m2nkit.engine.clients import WeightSyncError
+    from m2nkit.engine.tools.demo_vllm import serve_host
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _quiet()
@@ -334,42 +334,14 @@ def main() -> int:
     print(json.dumps({"address": list(listener.address)}), flush=True)
     busy = threading.Lock()
 
-    def serve(client) -> None:
-        with client:
-            while True:
-                try:
-                    cmd, arg, timeout = client.recv()
-                except (EOFError, OSError):
-                    return
-                except Exception as e:  # noqa: BLE001 - e.g. a function this host cannot import
-                    client.send((False, (400, f"the SGLang host cannot read the request: "
-                                              f"{type(e).__name__}: {e}")))
-                    continue
-                try:
-                    if cmd == "start_workers":
-                        value = host.start_workers(*arg)
-                    elif cmd == "stop_workers":
-                        value = host.stop_workers()
-                    elif cmd in CLIENT_CALLS:
-                        with busy:
-                            value = host.client_call(cmd, arg)
-                    else:
-                        value = host.call(cmd, arg, timeout)
-                    client.send((True, value))
-                except WeightSyncError as e:
-                    client.send((False, (e.status, str(e))))
-                except BaseException as e:  # noqa: BLE001 - reported to the client
-                    client.send((False, (500, f"{type(e).__name__}: {e}")))
+    def client_calls(cmd: str, arg: Any) -> tuple[bool, Any]:
+        if cmd not in CLIENT_CALLS:
+            return False, None
+        with busy:
+            return True, host.client_call(cmd, arg)
 
-    def accept() -> None:
-        while True:
-            try:
-                c = listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=serve, args=(c,), daemon=True).start()
-
-    threading.Thread(target=accept, daemon=True).start()
+    serve_host(listener, host, name="m2nkit-sglang-host-accept", extra=client_calls,
+               answer_unreadable=True)
     # EOF: the parent is gone or said stop. Read the raw descriptor: a forked worker closes
     # sys.stdin on start (multiprocessing's _bootstrap), which would block on the lock a
     # sys.stdin.read() here holds.
