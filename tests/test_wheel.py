@@ -131,6 +131,7 @@ def installed(tmp_path_factory):
     return wheel, python, site, cwd
 
 
+@pytest.mark.integration  # spawns processes for seconds: see pyproject.toml
 def test_wheel_holds_every_file_of_the_package_folders(installed):
     wheel = installed[0]
     with zipfile.ZipFile(wheel) as z:
@@ -141,6 +142,7 @@ def test_wheel_holds_every_file_of_the_package_folders(installed):
         "finds packages by it), and a data file a pattern in setup.py's DATA_PATTERNS")
 
 
+@pytest.mark.integration  # spawns processes for seconds: see pyproject.toml
 def test_every_package_folder_imports_from_the_fresh_venv(installed):
     _, python, site, cwd = installed
     names = sorted(_tree_packages())
@@ -155,6 +157,7 @@ def test_every_package_folder_imports_from_the_fresh_venv(installed):
     assert not outside, f"imported from outside the fresh venv's site-packages {site}: {outside}"
 
 
+@pytest.mark.integration  # spawns processes for seconds: see pyproject.toml
 def test_plan_verify_runs_from_the_wheel(installed):
     _, python, _, cwd = installed
     m2nkit = python.parent / "m2nkit"

@@ -542,6 +542,7 @@ def _verify(kind: str, world: int, cases: list[Case], out: Path) -> dict:
 # the four mesh kinds
 
 
+@pytest.mark.integration  # spawns processes for seconds: see pyproject.toml
 def test_fsdp_1d_uneven_with_wrappers_and_per_expert_modules(built, tmp_path):
     """world 3 (every dim 0 of these models splits unevenly), bf16 parameters; Qwen2 wrapped
     in activation checkpointing + torch.compile; Qwen3-MoE also with per-expert modules
@@ -579,6 +580,7 @@ def test_fsdp_1d_uneven_with_wrappers_and_per_expert_modules(built, tmp_path):
     print(f"fsdp world {world}: {seconds:.1f} s in ranks")
 
 
+@pytest.mark.integration  # spawns processes for seconds: see pyproject.toml
 def test_hsdp_2d_mesh_fp32_masters_bf16_wire(built, tmp_path):
     """(dp_replicate=2, dp_shard=2), placements (Replicate(), Shard(0)); fp32 parameters
     under MixedPrecisionPolicy(param_dtype=bf16): bf16 on the wire, cast from the local
@@ -597,6 +599,7 @@ def test_hsdp_2d_mesh_fp32_masters_bf16_wire(built, tmp_path):
     print(f"hsdp world {world}: {seconds:.1f} s in ranks")
 
 
+@pytest.mark.integration  # spawns processes for seconds: see pyproject.toml
 def test_fsdp_plus_tp_strided_shards(built, tmp_path):
     """(dp_shard=3, tp=2) with parallelize_module's colwise/rowwise plan: _StridedShard
     layouts (uneven: vocab 200 -> 100 per tp rank -> 34/34/32), norms and MoE experts on
@@ -617,6 +620,7 @@ def test_fsdp_plus_tp_strided_shards(built, tmp_path):
     print(f"tp world {world}: {seconds:.1f} s in ranks")
 
 
+@pytest.mark.integration  # spawns processes for seconds: see pyproject.toml
 def test_experts_sharded_on_dim_1_with_fp32_router(built, tmp_path):
     """shard_placement_fn: experts Shard(1) over 4 ranks (E=8 experts: what MoE trainers do
     when E < world or to keep experts whole), the rest Shard(0); fp32 masters with a bf16

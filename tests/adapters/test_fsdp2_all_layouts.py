@@ -120,6 +120,7 @@ def _run_ranks(models, out: Path) -> float:
                                          nprocs=WORLD, join=False, start_method="fork"), TIMEOUT_S)
 
 
+@pytest.mark.integration  # spawns processes for seconds: see pyproject.toml
 @pytest.mark.timeout(300)
 def test_every_mesh_kind_into_every_vllm_layout(tmp_path):
     from transformers import AutoModelForCausalLM

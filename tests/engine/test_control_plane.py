@@ -174,6 +174,7 @@ def _gone(pid: int) -> bool:
     return False
 
 
+@pytest.mark.integration  # spawns processes for seconds: see pyproject.toml
 @pytest.mark.timeout(60)
 def test_killed_worker_is_named_not_a_hang(ck):
     server = InferenceServer(CHECKPOINT, INFERENCE, timeout_s=30, start_method="forkserver")
@@ -214,6 +215,7 @@ def test_killed_worker_is_named_not_a_hang(ck):
     assert all(_gone(p) for p in pids)
 
 
+@pytest.mark.integration  # spawns processes for seconds: see pyproject.toml
 @pytest.mark.timeout(60)
 def test_module_entry_serves_until_terminated():
     proc = subprocess.Popen(
@@ -237,6 +239,7 @@ def test_module_entry_serves_until_terminated():
             proc.wait(5)
 
 
+@pytest.mark.integration  # spawns processes for seconds: see pyproject.toml
 @pytest.mark.timeout(90)
 def test_server_hangups_and_stop_mid_call_leave_no_traceback(ck, capfd):
     import struct

@@ -299,15 +299,23 @@ def _check_workers(server, tmp_path, round_index, model_dir=EXAMPLE, inference="
 # the matrix: dense and MoE, fsdp (uneven) and hsdp, tp 1/2/4, dp 2, ep
 
 
+#: The slow cases carry ``integration`` (see pyproject.toml); the tied tp=1 one stays fast.
+SPAWNS_FOR_SECONDS = pytest.mark.integration
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("model,trainer,inference", [
-    ("tiny-llama", "fsdp:3", "vllm:tp=4"),          # tp > 2 KV heads: replicated k/v rows
+    # tp > 2 KV heads: replicated k/v rows
+    pytest.param("tiny-llama", "fsdp:3", "vllm:tp=4", marks=SPAWNS_FOR_SECONDS),
     ("tiny-qwen3-tied", "fsdp:3", "vllm:tp=1"),     # tied embeddings, uneven fsdp
-    ("tiny-qwen3-moe", "hsdp:2,2", "vllm:tp=2,dp=2"),  # replicas balanced, dp replicas
-    ("tiny-mixtral", "fsdp:3", "vllm:tp=2,ep"),     # experts by ep, uneven fsdp
+    # replicas balanced, dp replicas
+    pytest.param("tiny-qwen3-moe", "hsdp:2,2", "vllm:tp=2,dp=2", marks=SPAWNS_FOR_SECONDS),
+    # experts by ep, uneven fsdp
+    pytest.param("tiny-mixtral", "fsdp:3", "vllm:tp=2,ep", marks=SPAWNS_FOR_SECONDS),
     # fp32 e_score_correction_bias in bf16 buckets, MLA, shared experts, MTP skipped
-    ("tiny-deepseek-v3", "fsdp:2", "vllm:tp=2,ep"),
-    ("tiny-gpt-oss", "fsdp:2", "vllm:tp=2"),         # transposed experts, biases, sinks
+    pytest.param("tiny-deepseek-v3", "fsdp:2", "vllm:tp=2,ep", marks=SPAWNS_FOR_SECONDS),
+    # transposed experts, biases, sinks
+    pytest.param("tiny-gpt-oss", "fsdp:2", "vllm:tp=2", marks=SPAWNS_FOR_SECONDS),
 ])
 def test_rounds_are_bit_exact_over_http(tiny_checkpoints, tmp_path, model, trainer, inference):
     from m2nkit.adapters.hf_checkpoint import checkpoint_metas, read_checkpoint
@@ -360,6 +368,7 @@ def _assert_failed_within_bound(msgs, ranks, needle, timeout_s=TIMEOUT):
         assert retry[0]["seconds"] < 1.0, retry
 
 
+@pytest.mark.integration  # spawns processes for seconds: see pyproject.toml
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("action", ["die", "stall under load"])
 def test_trainer_stall_or_death_mid_round_fails_everyone_and_keeps_the_version(
@@ -423,6 +432,7 @@ def test_trainer_stall_or_death_mid_round_fails_everyone_and_keeps_the_version(
     _check_workers(server, tmp_path, 2)
 
 
+@pytest.mark.integration  # spawns processes for seconds: see pyproject.toml
 @pytest.mark.timeout(120)
 def test_worker_killed_mid_round_fails_every_trainer_at_once(tmp_path):
     srv = start_server(EXAMPLE, "vllm:tp=2")
@@ -452,6 +462,7 @@ def test_worker_killed_mid_round_fails_every_trainer_at_once(tmp_path):
         srv.stop()
 
 
+@pytest.mark.integration  # spawns processes for seconds: see pyproject.toml
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind,needle", [
     ("reorder", "wire tensor #3"),
@@ -514,6 +525,7 @@ def test_demo_refuses_more_processes_than_one_machine_runs(capsys):
     assert "needs 42 processes" in err and "at most 32" in err
 
 
+@pytest.mark.integration  # spawns processes for seconds: see pyproject.toml
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("fault", ["provider raises", "stream out of order"])
 def test_a_trainer_source_failure_is_named_on_every_rank(server, fault):
@@ -551,6 +563,7 @@ def test_a_trainer_source_failure_is_named_on_every_rank(server, fault):
     assert server.weight_versions() == [None, None]
 
 
+@pytest.mark.integration  # spawns processes for seconds: see pyproject.toml
 @pytest.mark.timeout(180)
 def test_a_worker_refusal_mid_session_reaches_every_trainer_rank_at_once():
     # Issue 21, item 3. Between rounds 1 and 2 every worker's live w13_weight is
@@ -597,6 +610,7 @@ def test_a_worker_refusal_mid_session_reaches_every_trainer_rank_at_once():
         srv.stop()
 
 
+@pytest.mark.integration  # spawns processes for seconds: see pyproject.toml
 @pytest.mark.timeout(180)
 def test_an_update_weights_the_workers_refuse_mid_session_reaches_every_trainer_rank_at_once():
     # Issue 21, item 3, the call after start_weight_update that only trainer rank 0
@@ -638,6 +652,7 @@ def test_an_update_weights_the_workers_refuse_mid_session_reaches_every_trainer_
         srv.stop()
 
 
+@pytest.mark.integration  # spawns processes for seconds: see pyproject.toml
 @pytest.mark.timeout(180)
 def test_a_worker_lost_before_the_commit_fails_every_trainer_rank_at_once():
     # Issue 21, item 3, the commit: only trainer rank 0 calls finish_weight_update.

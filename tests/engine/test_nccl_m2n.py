@@ -498,6 +498,7 @@ def _gloo_rank(rank, world, trainer, inference, port, out_dir):
         Path(out_dir, f"{rank}.json").write_text(json.dumps(result))
 
 
+@pytest.mark.integration  # spawns processes for seconds: see pyproject.toml
 @pytest.mark.parametrize("trainer,inference", [("fsdp:2", "vllm:tp=2"), ("hsdp:2,1", "vllm:tp=1,dp=2")])
 def test_full_round_over_gloo(tmp_path, trainer, inference):
     T = parse_trainer_spec(trainer).num_ranks

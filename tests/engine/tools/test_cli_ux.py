@@ -159,6 +159,7 @@ def _llama_6_heads(tmp_path: Path, heads: int = 6, kv: int = 2, vocab: int = 256
     return d
 
 
+@pytest.mark.integration  # spawns processes for seconds: see pyproject.toml
 def test_a_closed_pipe_ends_quietly(tmp_path):
     """``m2nkit plan ... -v | head -1``: the reader goes away after one line; the command
     stops with 141 (128 + SIGPIPE, what a shell shows for a Unix tool there) or 0, and

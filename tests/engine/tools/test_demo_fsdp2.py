@@ -24,6 +24,7 @@ def forkserver():
     ensure_forkserver()
 
 
+@pytest.mark.integration  # spawns processes for seconds: see pyproject.toml
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("model,trainer,inference", [
     ("tiny-qwen3-moe", "fsdp2:dp_shard=2,tp=2", "vllm:tp=2"),        # FSDP + TP, MoE

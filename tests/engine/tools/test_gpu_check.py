@@ -55,6 +55,7 @@ def _gpu_check(*args: str) -> subprocess.CompletedProcess:
 SERVE_ROW = "fsdp:2 -> vllm:tp=1,dp=1"     # the serve check's round (--serve-trainer, --serve-tp)
 
 
+@pytest.mark.integration  # spawns processes for seconds: see pyproject.toml
 def test_dry_run_plans_checks_bytes_and_names_what_it_skipped():
     args = [a for s in SCENARIOS for a in ("--scenario", s)]
     proc = _gpu_check("--dry-run", "--vllm-serve", "also", *args)
@@ -103,6 +104,7 @@ def _split_plan(line: str) -> tuple[dict, list[str]]:
     return env, words
 
 
+@pytest.mark.integration  # spawns processes for seconds: see pyproject.toml
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
 def test_the_gpu_run_is_refused_without_cuda_with_a_reason():
     proc = _gpu_check("--scenario", SCENARIOS[0])
@@ -175,6 +177,7 @@ def without_requests(monkeypatch):
     monkeypatch.setitem(sys.modules, "requests", None)
 
 
+@pytest.mark.integration  # spawns processes for seconds: see pyproject.toml
 def test_the_server_process_group_is_stopped_when_it_never_becomes_ready(tmp_path,
                                                                         without_requests):
     """What the serve check does with a server that hangs: a named timeout, then the whole
