@@ -51,6 +51,13 @@ CONFIGS = {
     "qwen3-tied-h192": ("tiny-qwen3-tied", {"hidden_size": 192, "intermediate_size": 320,
                                             "num_attention_heads": 6, "num_key_value_heads": 2,
                                             "head_dim": 64}),
+    # for DeepGEMM's kernel (K % 128 == 0, N % 64 == 0 of the worker-local weight): tp=2 gives
+    # qkv_proj 256 q + 64 k + 64 v rows (the third block spans k and v), o_proj K 256,
+    # gate_up_proj 192 + 192 rows (the TP split cuts gate mid-block: its second block spans
+    # gate and up), down_proj K 192 (not a multiple of 128: the next kernel, as on a GPU)
+    "qwen3-h256": ("tiny-qwen3", {"hidden_size": 256, "intermediate_size": 384,
+                                  "num_attention_heads": 8, "num_key_value_heads": 2,
+                                  "head_dim": 64}),
     "qwen3-moe-h256": ("tiny-qwen3-moe", {"hidden_size": 256, "moe_intermediate_size": 128,
                                           "num_attention_heads": 6, "num_key_value_heads": 2,
                                           "head_dim": 64}),
@@ -371,10 +378,10 @@ def test_fp8_wire_round_from_fsdp2_equals_fresh_fp8_load(host, checkpoints, name
         _assert_mla_derived_equal_fresh(host, v1, "fp8_per_block")
 
 
-def _fp8_wire_preconditions(checkpoint, inference) -> None:
+def _fp8_wire_preconditions(checkpoint, inference, exchange: bool = True) -> None:
     """The case covers what it says: m2nkit's plan for two FSDP2 ranks (the checkpoint read
-    as ``fsdp2:dp_shard=2`` shards it) has blocks fed by two wire tensors and blocks fed by
-    both trainer ranks (so the exchange runs)."""
+    as ``fsdp2:dp_shard=2`` shards it) has blocks fed by two wire tensors and, with
+    ``exchange``, blocks fed by both trainer ranks (so the exchange runs)."""
     from m2nkit.adapters.hf_checkpoint import checkpoint_metas, read_checkpoint
     from m2nkit.adapters.trainer_spec import parse_trainer_spec
     from m2nkit.adapters.vllm import vllm_destination
@@ -388,7 +395,7 @@ def _fp8_wire_preconditions(checkpoint, inference) -> None:
     plan = build_plan(metas, tspec.num_ranks, builder(metas))
     assert not plan.problems
     fp8 = fp8_wire_plan(builder, plan)
-    assert fp8.shared_blocks > 0 and fp8.multi_wire_blocks > 0, fp8.to_json()
+    assert fp8.multi_wire_blocks > 0 and (fp8.shared_blocks > 0 or not exchange), fp8.to_json()
 
 
 def _scales_cut_short(state, on: bool) -> bool:
@@ -480,7 +487,7 @@ def test_round_from_megatron_core_equals_fresh_fp8_load(host, checkpoints, name,
         metas = checkpoint_metas(ckpt, tspec)
         builder = vllm_destination(ckpt.config, inference)
         fp8 = fp8_wire_plan(builder, build_plan(metas, tspec.num_ranks, builder(metas)))
-        assert fp8.shared_blocks > 0 and fp8.multi_wire_blocks > 0, fp8.to_json()
+        assert fp8.multi_wire_blocks > 0 and (fp8.shared_blocks > 0 or not exchange), fp8.to_json()
     started = host.start_workers(v0, "vllm:tp=2", "auto", "fp8_per_block")
     outcome = _run_megatron_trainers(host.client, v1, trainer, inference)
     assert set(outcome.values()) == {"done"}, outcome
@@ -490,3 +497,98 @@ def test_round_from_megatron_core_equals_fresh_fp8_load(host, checkpoints, name,
     for w, n in enumerate(host.client.collective_rpc(_layers_processed)):
         assert n["not_streamed"] == [] and n["streamed"] == n["layers"] > 0, (w, n)
     _assert_equals_fresh_fp8_load(host.client.verify(v1), started)
+
+
+#: (checkpoint, the trainers' spec, the workers' vLLM layout, what it covers): workers whose
+#: block fp8 layers get vLLM's DeepGEMM kernels with E8M0 (``fp8_kernel="deep_gemm_e8m0"``)
+UE8M0_CASES = [
+    ("qwen3-h256", "vllm:tp=2,quant=fp8_per_block,wire=fp8", "vllm:tp=2",
+     "mode 2 into DeepGEMM E8M0, dense: qkv_proj/o_proj/gate_up_proj on DeepGEMM (requant to "
+     "powers of two), a gate_up block across gate and up, a qkv block across k and v; "
+     "down_proj (K 192) on the next kernel"),
+    ("qwen3-h256", "vllm:tp=2", "vllm:tp=2",
+     "mode 1 into DeepGEMM E8M0, dense: vLLM quantizes the BF16 wire, then requants"),
+    ("qwen3-moe-h256", "vllm:tp=2,ep,quant=fp8_per_block,wire=fp8", "vllm:tp=2,ep",
+     "mode 2 into DeepGEMM E8M0, MoE with EP: the DEEPGEMM experts backend requants w13/w2 "
+     "per expert (prepare_fp8_moe_layer_for_deepgemm); the fp8 router on the next kernel"),
+]
+
+
+def _deep_gemm_e8m0_layers(state) -> dict:
+    """Which block fp8 layers of the live model took vLLM's DeepGEMM kernels, and whether
+    their scales are powers of two (what ``requant_weight_ue8m0_inplace`` leaves).
+
+    A linear layer must be on ``DeepGemmFp8BlockScaledMMKernel`` exactly where vLLM's own
+    ``should_use_deepgemm_for_fp8_linear`` takes its worker-local weight (asked with DeepGEMM
+    supported); its ``weight_scale_inv`` must be powers of two, the other layers' not all
+    (their kernel does not round). Experts: ``fp8_backend`` and their scales."""
+    import torch
+    from vllm.model_executor.kernels.linear.scaled_mm.deep_gemm import (
+        DeepGemmFp8BlockScaledMMKernel)
+    from vllm.utils.deep_gemm import should_use_deepgemm_for_fp8_linear
+
+    def powers_of_two(t) -> bool:
+        bits = t.float().contiguous().view(torch.int32)
+        return bool((t > 0).all()) and bool(((bits & 0x7FFFFF) == 0).all())
+
+    out = {"deep_gemm": [], "other": [], "not_powers_of_two": [], "other_powers_of_two": [],
+           "against_vllm_rule": [], "experts": {}}
+    for n, m in state["model"].named_modules():
+        method = getattr(m, "quant_method", None)
+        kernel = getattr(method, "fp8_linear", None)
+        if kernel is not None and hasattr(m, "weight_scale_inv"):
+            dg = isinstance(kernel, DeepGemmFp8BlockScaledMMKernel)
+            out["deep_gemm" if dg else "other"].append(n)
+            if dg != should_use_deepgemm_for_fp8_linear(torch.bfloat16, tuple(m.weight.shape),
+                                                        supports_deep_gemm=True):
+                out["against_vllm_rule"].append(n)
+            if dg and not powers_of_two(m.weight_scale_inv):
+                out["not_powers_of_two"].append(n)
+            if not dg and powers_of_two(m.weight_scale_inv):
+                out["other_powers_of_two"].append(n)
+        if hasattr(m, "w13_weight_scale_inv") and getattr(method, "fp8_backend", None):
+            out["experts"][n] = method.fp8_backend.value
+            for s in ("w13_weight_scale_inv", "w2_weight_scale_inv"):
+                if not powers_of_two(getattr(m, s)):
+                    out["not_powers_of_two"].append(f"{n}.{s}")
+    return out
+
+
+@pytest.mark.parametrize("name,inference,served,covers", UE8M0_CASES,
+                         ids=[c[0] + ("-fp8-wire" if "wire=fp8" in c[1] else "-bf16-wire")
+                              for c in UE8M0_CASES])
+def test_round_into_deep_gemm_ue8m0_workers_equals_fresh_load(host, checkpoints, name, inference,
+                                                              served, covers):
+    """Workers serving ``fp8_per_block`` on vLLM's DeepGEMM kernels with E8M0 (DeepSeek-V3.2's
+    ``scale_fmt: ue8m0`` setting; ``vllm_workers.cpu_quantized_kernels(fp8_kernel=
+    "deep_gemm_e8m0")``: the kernels' own weight processing, ``requant_weight_ue8m0_inplace``
+    included, the DeepGEMM scale packing skipped). After one round from two FSDP2 ranks (the
+    fp8 wire: vLLM's online e4m3 + float32 scales, which the kernel then rounds to powers of
+    two; the BF16 wire: vLLM quantizes, then rounds) every parameter of every worker equals a
+    fresh vLLM load of v1 under the same kernels, bit for bit, in the same memory, at v1."""
+    v0, v1 = checkpoints(name)
+    if "wire=fp8" in inference:
+        _fp8_wire_preconditions(v1, inference, exchange=False)
+    started = host.start_workers(v0, served, "auto", "fp8_per_block", "deep_gemm_e8m0")
+    assert {s["engine"] for s in started} == {"m2nkit.engine.plugins.vllm.M2NVLLMEngine"}
+    for w, r in enumerate(host.client.collective_rpc(_deep_gemm_e8m0_layers)):
+        assert r["deep_gemm"] and r["other"], (w, r)      # both kernels, as vLLM's rule picks
+        assert r["against_vllm_rule"] == [] and r["not_powers_of_two"] == [], (w, r)
+        assert r["other_powers_of_two"] == [], (w, r)
+        if "moe" in name:
+            assert r["experts"] and set(r["experts"].values()) == {"DEEPGEMM"}, (w, r)
+        else:
+            assert {n.rsplit(".", 1)[-1] for n in r["deep_gemm"]} == \
+                {"qkv_proj", "o_proj", "gate_up_proj"}, (w, r)
+            assert {n.rsplit(".", 1)[-1] for n in r["other"]} == {"down_proj"}, (w, r)
+    outcome = _run_fsdp2_trainers(host.client, v1, inference)
+    assert outcome == {0: "done", 1: "done"}, outcome
+    if "wire=fp8" in inference:
+        for w, r in enumerate(host.client.collective_rpc(_quantized_layers_took_the_wire)):
+            assert r["quantized"] and r["not_from_wire"] == [] and r["other"] == [], (w, r)
+    for w, n in enumerate(host.client.collective_rpc(_layers_processed)):
+        assert n["not_streamed"] == [] and n["streamed"] == n["layers"] > 0, (w, n)
+    _assert_equals_fresh_fp8_load(host.client.verify(v1), started)
+    for w, r in enumerate(host.client.collective_rpc(_deep_gemm_e8m0_layers)):
+        assert r["not_powers_of_two"] == [] and r["other_powers_of_two"] == [], (w, r)
+
