@@ -442,7 +442,9 @@ def quantize_fp8_blocks(tensors: Mapping[str, torch.Tensor], block: Fp8Block,
     Each becomes ``name`` in float8 e4m3fn plus ``name + "_scale_inv"``
     (float32, ``[ceil(N/n), ceil(K/k)]``, right after it): per block,
     ``scale = max|w| / 448`` and ``w_fp8 = w / scale``, the layout DeepSeek-V3
-    checkpoints use (``w ~ w_fp8 * scale_inv``). Other tensors pass through.
+    checkpoints use (``w ~ w_fp8 * scale_inv``). With ``block.scale_fmt ==
+    "ue8m0"`` each scale is rounded up to a power of two first (``2 **
+    ceil(log2(scale))``, as DeepSeek-V3.2's are). Other tensors pass through.
     """
     out: dict[str, torch.Tensor] = {}
     for name, w in tensors.items():
@@ -455,6 +457,8 @@ def quantize_fp8_blocks(tensors: Mapping[str, torch.Tensor], block: Fp8Block,
         padded[:N, :K] = w.float()
         tiles = padded.view(rn, block.n, rk, block.k)
         scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / _FP8_MAX
+        if block.scale_fmt == "ue8m0":
+            scale = torch.exp2(torch.ceil(torch.log2(scale)))
         q = (tiles / scale[:, None, :, None]).view(rn * block.n, rk * block.k)[:N, :K]
         out[name] = q.to(FP8).contiguous()
         out[scale_name(name)] = scale.contiguous()

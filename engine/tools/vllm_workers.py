@@ -143,6 +143,11 @@ def cpu_quantized_kernels(fp8_kernel: str = "triton") -> None:
       ``DeepGemmExperts``' constructor asks the deep_gemm library for its
       alignment.
 
+    ``Fp8LinearMethod`` (a checkpoint's fp8) is told DeepGEMM is supported
+    too (its ``use_deep_gemm``, with which MLA's post-load step derives
+    ``W_UK_T``/``W_UV`` from ``kv_b_proj`` by an identity matmul through the
+    layer's kernel, ``quant_utils.get_and_maybe_dequant_weights``, as on a GPU).
+
     Replaced for those: only the answers to "is DeepGEMM supported / E8M0
     used" and the packing of the scales into DeepGEMM's layout
     (``transform_sf_into_required_layout``, a deep_gemm CUDA call, skipped:
@@ -278,6 +283,15 @@ def cpu_quantized_kernels(fp8_kernel: str = "triton") -> None:
             return TorchUpcastFp8BlockKernel
         return choose(config, possible_kernels, **kwargs)
 
+    supported = fp8_checkpoint.is_deep_gemm_supported
+
+    def deep_gemm_supported_for_fp8_checkpoints() -> bool:
+        # Fp8LinearMethod.use_deep_gemm (layers/quantization/fp8.py), read by MLA's post-load
+        # dequantization of kv_b_proj (quant_utils.get_and_maybe_dequant_weights: with
+        # DeepGEMM the identity matmul through the layer's kernel, as on a GPU)
+        return _FP8_KERNEL["now"] == "deep_gemm_e8m0" or supported()
+
+    fp8_checkpoint.is_deep_gemm_supported = deep_gemm_supported_for_fp8_checkpoints
     choose_on_cpu._m2nkit_cpu = True
     kernels.choose_scaled_mm_linear_kernel = choose_on_cpu
     layer_utils.dispatch_cpu_unquantized_gemm = plain_linear
