@@ -74,7 +74,8 @@ CONFIGS = {
     # block edges: q_b_proj 384 local rows, kv_b_proj 512, o_proj K 256, experts 128
     "deepseek-v3-ue8m0": ("tiny-deepseek-v3", {
         "hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 8,
-        "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "v_head_dim": 64, "q_lora_rank": 128,
+        "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "qk_head_dim": 96, "v_head_dim": 64,
+        "q_lora_rank": 128,
         "kv_lora_rank": 128, "intermediate_size": 256, "moe_intermediate_size": 256,
         "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic",
                                 "fmt": "e4m3", "scale_fmt": "ue8m0",
