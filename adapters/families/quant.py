@@ -55,7 +55,8 @@ from .kinds import (Column, ExpertsW2, ExpertsW13, Geometry, Kind, Merged, Repli
 from .sizes import cfg_get
 from .table import Family, Param
 
-__all__ = ["FP8", "SCALE_SUFFIX", "Fp8Block", "fp8_block", "BlockScale", "scale_name",
+__all__ = ["FP8", "SCALE_SUFFIX", "SCALE_FMTS", "Fp8Block", "fp8_block", "fp8_checkpoint_row",
+           "BlockScale", "scale_name",
            "compressed_tensors_refusal",
            "stack_expert_scales",
            "quantized_params", "QuantizedWires", "quantize_fp8_blocks"]
@@ -77,12 +78,26 @@ def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
 
+#: ``quantization_config.scale_fmt`` values m2nkit carries (besides none: float32 scales).
+#: vLLM 0.33.0 reads ``"ue8m0"`` only (``transformers_utils/config.py``: it then sets
+#: ``VLLM_USE_DEEP_GEMM_E8M0=1``, so DeepGEMM's kernels round the scales to powers of two,
+#: ``fp8_utils.requant_weight_ue8m0_inplace``); DeepSeek-V3.2 ships it.
+SCALE_FMTS = ("ue8m0",)
+
+
 @dataclass(frozen=True)
 class Fp8Block:
-    """``weight_block_size = [n, k]``: one scale per ``n`` output rows x ``k`` input columns."""
+    """``weight_block_size = [n, k]``: one scale per ``n`` output rows x ``k`` input columns.
+
+    ``scale_fmt``: the config's ``quantization_config.scale_fmt``, ``"ue8m0"``
+    (every scale a power of two; still float32 on disk and in vLLM's
+    ``weight_scale_inv``) or ``None``. It changes no shape, dtype or box: the
+    scales travel as stored either way.
+    """
 
     n: int
     k: int
+    scale_fmt: str | None = None
 
     def per_dim(self, ndim: int) -> tuple[int, ...]:
         """Block size per dim of a weight of ``ndim`` dims (stacked experts: 1 per expert)."""
@@ -104,14 +119,15 @@ def _qconfig(config: Any) -> Mapping | None:
 
 
 def fp8_block(config: Any, architecture: str = "this model") -> Fp8Block | None:
-    """The fp8 block size of ``config``'s ``quantization_config``; ``None`` without one.
+    """The fp8 block size (and ``scale_fmt``) of ``config``'s ``quantization_config``; ``None`` without one.
 
     Raises:
         ValueError: a ``quantization_config`` m2nkit does not lay out: another
             ``quant_method``, fp8 without ``weight_block_size`` (per-tensor
             scales), a block that is not two positive ints, a static
             activation scheme (vLLM ``Fp8Config.__init__`` refuses it with
-            blocks), or ``ignored_layers``/``modules_to_not_convert``.
+            blocks), a ``scale_fmt`` other than :data:`SCALE_FMTS` (named with the
+            valid ones), or ``ignored_layers``/``modules_to_not_convert``.
     """
     q = _qconfig(config)
     if not q:
@@ -133,12 +149,29 @@ def fp8_block(config: Any, architecture: str = "this model") -> Fp8Block | None:
     if scheme != "dynamic":
         raise ValueError(f"{architecture}: fp8 weight_block_size needs activation_scheme "
                          f"'dynamic', got {scheme!r} (vLLM Fp8Config refuses it)")
+    scale_fmt = q.get("scale_fmt")
+    if scale_fmt is not None and scale_fmt not in SCALE_FMTS:
+        raise ValueError(f"{architecture}: quantization_config scale_fmt {scale_fmt!r} is not "
+                         f"supported; valid: {', '.join(repr(f) for f in SCALE_FMTS)} "
+                         "(power-of-two scales, as DeepSeek-V3.2 ships) or none "
+                         "(float32 scales)")
     ignored = q.get("ignored_layers") or q.get("modules_to_not_convert")
     if ignored:
         raise ValueError(f"{architecture}: quantization_config ignored_layers/"
                          f"modules_to_not_convert {list(ignored)[:3]} is not supported by "
                          "m2nkit (every linear layer of the table is taken as quantized)")
-    return Fp8Block(block[0], block[1])
+    return Fp8Block(block[0], block[1], scale_fmt)
+
+
+def fp8_checkpoint_row(block: Fp8Block) -> tuple[str, dict]:
+    """What ``m2nkit plan`` shows of an fp8 checkpoint: ``(row text, json)``.
+
+    The json is ``{"weight_block_size": [n, k], "scale_fmt": "ue8m0" or None}``.
+    """
+    text = f"weight_block_size {block}, e4m3 weights with float32 weight_scale_inv"
+    if block.scale_fmt == "ue8m0":
+        text += "; scale_fmt ue8m0: scales are powers of two"
+    return text, {"weight_block_size": [block.n, block.k], "scale_fmt": block.scale_fmt}
 
 
 def _describe_compressed(q: Mapping) -> str:
@@ -409,7 +442,9 @@ def quantize_fp8_blocks(tensors: Mapping[str, torch.Tensor], block: Fp8Block,
     Each becomes ``name`` in float8 e4m3fn plus ``name + "_scale_inv"``
     (float32, ``[ceil(N/n), ceil(K/k)]``, right after it): per block,
     ``scale = max|w| / 448`` and ``w_fp8 = w / scale``, the layout DeepSeek-V3
-    checkpoints use (``w ~ w_fp8 * scale_inv``). Other tensors pass through.
+    checkpoints use (``w ~ w_fp8 * scale_inv``). With ``block.scale_fmt ==
+    "ue8m0"`` each scale is rounded up to a power of two first (``2 **
+    ceil(log2(scale))``, as DeepSeek-V3.2's are). Other tensors pass through.
     """
     out: dict[str, torch.Tensor] = {}
     for name, w in tensors.items():
@@ -422,6 +457,8 @@ def quantize_fp8_blocks(tensors: Mapping[str, torch.Tensor], block: Fp8Block,
         padded[:N, :K] = w.float()
         tiles = padded.view(rn, block.n, rk, block.k)
         scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / _FP8_MAX
+        if block.scale_fmt == "ue8m0":
+            scale = torch.exp2(torch.ceil(torch.log2(scale)))
         q = (tiles / scale[:, None, :, None]).view(rn * block.n, rk * block.k)[:N, :K]
         out[name] = q.to(FP8).contiguous()
         out[scale_name(name)] = scale.contiguous()

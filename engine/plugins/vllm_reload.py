@@ -73,6 +73,7 @@ from typing import Any
 import torch
 
 __all__ = ["LayerwiseReload", "checkpoint_params", "padded_experts", "quantization_mode",
+           "cast_refusal", "WIRE_BLOCK",
            "SUPPORTED_QUANTIZATION"]
 
 #: The quantization schemes a quantized vLLM model may be served with to receive
@@ -82,6 +83,47 @@ SUPPORTED_QUANTIZATION = {
     "fp8": "mode 3: a block-quantized fp8 checkpoint (weight_block_size; DeepSeek-V3 "
            "weight + weight_scale_inv) on the wire as stored",
 }
+
+
+#: The grid the fp8 wire is quantized in (``engine/quant_fp8.py``; vLLM 0.33.0's online
+#: methods call ``per_block_cast_to_fp8`` with ``[128, 128]``, ``online/fp8.py``).
+WIRE_BLOCK = (128, 128)
+
+
+def cast_refusal(shape: tuple[int, ...], block_size: Any, use_ue8m0: bool,
+                 wire_shape: tuple[int, ...] | None, scale_shape: tuple[int, ...] | None,
+                 repeated: bool = False) -> str | None:
+    """Why the fp8 wire cannot answer vLLM's ``per_block_cast_to_fp8(x, block_size, use_ue8m0)``.
+
+    ``shape``: ``x``'s; ``wire_shape``/``scale_shape``: the e4m3 tensor and the
+    float32 scales the trainers sent for it (``None``: ``x`` is none of the
+    tensors the wire carries, e.g. not the layer's own weight); ``repeated``:
+    vLLM asks for that tensor a second time. ``None`` when the wire's bytes
+    and scales are the answer: the wire carries, per 128 x 128 block of the
+    worker-local tensor, ``amax / 448`` in float32, never rounded to a power
+    of two. UE8M0 (``use_ue8m0=True``, ``_ceil_to_ue8m0`` in
+    ``vllm/utils/deep_gemm.py``) is not carried: vLLM 0.33.0's online fp8
+    never asks for it (``use_ue8m0=False``); DeepGEMM's UE8M0 rounding comes
+    later, in its kernel's weight processing (``requant_weight_ue8m0_inplace``),
+    from these bytes and scales.
+    """
+    if wire_shape is None or scale_shape is None:
+        return "a tensor the fp8 wire does not carry (only the layer's own weight, or one expert of it)"
+    if repeated:
+        return "the same tensor a second time (the wire carries one quantization of each)"
+    if tuple(block_size or ()) != WIRE_BLOCK:
+        return (f"blocks {list(block_size or ())}; the wire carries "
+                f"{WIRE_BLOCK[0]} x {WIRE_BLOCK[1]} blocks")
+    if use_ue8m0:
+        return ("UE8M0 scales (powers of two); the wire carries float32 scales amax / 448, "
+                "not rounded")
+    if tuple(shape) != tuple(wire_shape):
+        return f"shape {list(shape)}; the wire's e4m3 tensor is {list(wire_shape)}"
+    grid = tuple(-(-n // b) for n, b in zip(shape, WIRE_BLOCK))
+    if tuple(scale_shape) != grid:
+        return (f"a scale grid of {list(grid)} blocks; the wire's scales are "
+                f"{list(scale_shape)}")
+    return None
 
 
 def quantization_mode(vllm_config: Any) -> str | None:
@@ -469,15 +511,17 @@ class LayerwiseReload:
             q, scale = given.get(attr, (None, None))
             if q is not None and expert >= 0:
                 q, scale = q[expert], scale[expert]
-            grid = tuple(-(-n // 128) for n in x.shape)
-            if attr is None or (attr, expert) in calls or list(block_size or ()) != [128, 128] \
-                    or use_ue8m0 or tuple(x.shape) != tuple(q.shape) \
-                    or tuple(scale.shape) != grid:
+            reason = cast_refusal(tuple(x.shape), block_size, use_ue8m0,
+                                  None if q is None else tuple(q.shape),
+                                  None if scale is None else tuple(scale.shape),
+                                  repeated=(attr, expert) in calls)
+            if reason is not None:
                 raise RuntimeError(
                     f"wire=fp8: {what} quantized otherwise than m2nkit's trainers did (a tensor "
                     f"of shape {tuple(x.shape)}: {attr or 'not the layer weight'}"
                     f"{'' if expert < 0 else f' expert {expert}'}, block {block_size}, "
-                    f"use_ue8m0={use_ue8m0}); this vLLM cannot take the fp8 wire: use wire=bf16")
+                    f"use_ue8m0={use_ue8m0}): {reason}; this vLLM cannot take the fp8 wire: "
+                    "use wire=bf16")
             calls.append((attr, expert))
             return q, scale
 

@@ -426,6 +426,19 @@ def _cmd_plan(args) -> int:
             dump_dir.rmdir()
 
 
+def _fp8_checkpoint(ckpt) -> tuple[str, dict] | None:
+    """The plan's row and json of an fp8 block checkpoint (``quant.fp8_checkpoint_row``);
+    ``None`` for any other config (a quantization_config the plan refuses is refused there,
+    by the family's layout)."""
+    from m2nkit.adapters.families.quant import fp8_block, fp8_checkpoint_row
+
+    try:
+        block = fp8_block(ckpt.config, ckpt.architecture)
+    except ValueError:
+        return None
+    return None if block is None else fp8_checkpoint_row(block)
+
+
 def _plan_and_report(args, console, json_file, dump_dir) -> int:
     # Importing torch and planning a model of a thousand tensors allocate
     # millions of objects and next to no reference cycles; the cyclic garbage
@@ -456,8 +469,10 @@ def _plan_and_report(args, console, json_file, dump_dir) -> int:
         from m2nkit.engine.tools.fp8 import plan_fp8_wire
 
         fp8 = plan_fp8_wire(ckpt.config, plan)
+    fp8_checkpoint = _fp8_checkpoint(ckpt)
     report.print_summary(console, args, ckpt, metas, plan, timings,
-                         fp8=fp8 if ispec.wire == "fp8" else None)
+                         fp8=fp8 if ispec.wire == "fp8" else None,
+                         fp8_checkpoint=fp8_checkpoint and fp8_checkpoint[0])
     if fp8 is not None:
         from m2nkit.engine.tools.fp8 import print_fp8
 
@@ -477,6 +492,8 @@ def _plan_and_report(args, console, json_file, dump_dir) -> int:
             out["ipc_routes"] = routes
         if fp8 is not None:
             out["fp8"] = {"wire": ispec.wire, **fp8.to_json()}
+        if fp8_checkpoint is not None:
+            out["fp8_checkpoint"] = fp8_checkpoint[1]
         json.dump(out, json_file)
         json_file.flush()
         console.print(f"wrote {args.json}")

@@ -57,12 +57,14 @@ def vllm_available() -> bool:
 
 
 def _worker_main(conn, checkpoint: str, spec_text: str, worker: int,
-                 layout: str = "auto", quantization: str | None = None) -> None:
+                 layout: str = "auto", quantization: str | None = None,
+                 fp8_kernel: str = "triton") -> None:
     """One vLLM worker: build, load, create the engine, then serve ``(cmd, arg)`` until told to stop.
 
     ``layout``: the plugin's ``M2NKIT_LAYOUT`` in this worker (``auto``, ``tables``, ``traced``).
     ``quantization``: vLLM's ``--quantization`` for the served model and the fresh loads
-    ``verify`` compares with (``build_cpu_worker``).
+    ``verify`` compares with (``build_cpu_worker``); ``fp8_kernel``: the block fp8
+    kernels vLLM picks for both (``vllm_workers.cpu_quantized_kernels``).
     """
     import torch
 
@@ -86,7 +88,8 @@ def _worker_main(conn, checkpoint: str, spec_text: str, worker: int,
     try:
         t0 = time.perf_counter()
         model, vllm_config = build_cpu_worker(checkpoint, spec, worker,
-                                              quantization=quantization)
+                                              quantization=quantization,
+                                              fp8_kernel=fp8_kernel)
         engine = create_engine(model, vllm_config, "cpu")
         before = {n: t.clone() for n, t in parameters_of(model).items()}
         addresses = {n: t.data_ptr() for n, t in parameters_of(model).items()}
@@ -101,7 +104,7 @@ def _worker_main(conn, checkpoint: str, spec_text: str, worker: int,
 
     def verify(ckpt: str) -> dict:
         live = parameters_of(model)
-        ref = fresh_load(ckpt, spec, worker, quantization)
+        ref = fresh_load(ckpt, spec, worker, quantization, fp8_kernel)
         return {
             "compared": len(ref),
             "names_only_live": sorted(set(live) - set(ref)),
@@ -154,7 +157,8 @@ class WorkerHost:
         self.workers: list[tuple[Any, Any]] = []   # (process, connection)
 
     def start_workers(self, checkpoint: str, spec_text: str, layout: str = "auto",
-                      quantization: str | None = None) -> list[dict]:
+                      quantization: str | None = None,
+                      fp8_kernel: str = "triton") -> list[dict]:
         from m2nkit.adapters.vllm import parse_inference_spec
 
         self.stop_workers()
@@ -163,7 +167,8 @@ class WorkerHost:
         for w in range(n):
             mine, theirs = ctx.Pipe()
             p = ctx.Process(target=_worker_main,
-                            args=(theirs, checkpoint, spec_text, w, layout, quantization),
+                            args=(theirs, checkpoint, spec_text, w, layout, quantization,
+                                  fp8_kernel),
                             name=f"m2nkit-vllm-worker-{w}", daemon=True)
             p.start()
             theirs.close()
@@ -460,17 +465,20 @@ class VLLMWorkers:
         return self
 
     def start_workers(self, checkpoint: str | os.PathLike, spec: str,
-                      layout: str = "auto", quantization: str | None = None) -> list[dict]:
+                      layout: str = "auto", quantization: str | None = None,
+                      fp8_kernel: str = "triton") -> list[dict]:
         """Fork one worker per ``spec`` worker (stopping earlier ones); each loads ``checkpoint``.
 
         ``layout``: each worker's ``M2NKIT_LAYOUT`` (the plugin's destination layout).
         ``quantization``: vLLM's ``--quantization`` (``"fp8_per_block"``; ``None``:
-        the checkpoint's own quantization config, if any).
+        the checkpoint's own quantization config, if any). ``fp8_kernel``: the
+        block fp8 kernels vLLM picks on the workers and their fresh loads
+        (``vllm_workers.cpu_quantized_kernels``: ``"triton"``, ``"deep_gemm_e8m0"``).
         Returns per worker ``{"seconds", "pid", "engine", "model", "parameters"}``.
         """
         return self.client.request("start_workers",
                                    (str(Path(checkpoint).resolve()), str(spec), layout,
-                                    quantization))
+                                    quantization, fp8_kernel))
 
     def stop_workers(self) -> None:
         self.client.request("stop_workers")

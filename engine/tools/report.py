@@ -73,7 +73,7 @@ def print_routes(console, routes: dict) -> None:
                   "slabs by torch_p2p to other nodes")
 
 
-def print_summary(console, args, ckpt, metas, plan, timings, fp8=None):
+def print_summary(console, args, ckpt, metas, plan, timings, fp8=None, fp8_checkpoint=None):
     """The ``m2nkit plan`` summary table, then why ``nccl_m2n`` leaves tensors to torch_p2p.
 
     ``args``: the parsed command line (``trainer``, ``inference``, ``link_gbps``);
@@ -81,7 +81,9 @@ def print_summary(console, args, ckpt, metas, plan, timings, fp8=None):
     ``Fp8Plan`` of a ``wire=fp8`` session: the bytes, per-rank figures and
     time are then the fp8 wire's (e4m3 + float32 scales, the trainers'
     amax exchange in their sends; ``engine.quant_fp8.plan_fp8``), with the
-    BF16 wire's for comparison.
+    BF16 wire's for comparison. ``fp8_checkpoint``: the row of an fp8 block
+    checkpoint (``quant.fp8_checkpoint_row``: its block size, and whether its
+    scales are UE8M0).
     """
     from rich.table import Table
 
@@ -105,6 +107,8 @@ def print_summary(console, args, ckpt, metas, plan, timings, fp8=None):
                   else "m2nkit's family tables (no vLLM needed)")
     t.add_row("wire tensors", f"{len(plan.wires)} ({n_skipped} skipped by {engine}), "
                               f"{fmt_bytes(sum(m.nbytes for m in metas))}")
+    if fp8_checkpoint:
+        t.add_row("fp8 checkpoint", fp8_checkpoint)
     t.add_row("slabs", f"{plan.num_slabs:,}")
     ratio = plan.nbytes_moved / plan.nbytes_min if plan.nbytes_min else 1.0
     bf16 = (f"{fmt_bytes(plan.nbytes_moved)} / {fmt_bytes(plan.nbytes_min)} (ratio {ratio:.3f})")

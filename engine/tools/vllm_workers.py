@@ -33,7 +33,7 @@ from m2nkit.adapters.vllm.stand_in import gpu_sparse_attention, worker_config
 from m2nkit.engine.plugins.vllm import BACKEND, M2NVLLMEngine, register
 
 __all__ = ["build_cpu_worker", "load_checkpoint", "fresh_load", "fresh_fp8_load",
-           "cpu_quantized_kernels",
+           "cpu_quantized_kernels", "FP8_KERNELS",
            "parameters_of", "create_engine", "set_current_config"]
 
 
@@ -42,7 +42,54 @@ def _cpu_environment() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def cpu_quantized_kernels() -> None:
+#: The fp8 block kernels :func:`cpu_quantized_kernels` can have vLLM pick on a CPU.
+FP8_KERNELS = ("triton", "deep_gemm_e8m0")
+
+#: The kernel the models built from now on in this process get (``cpu_quantized_kernels``).
+_FP8_KERNEL = {"now": "triton"}
+
+
+@contextlib.contextmanager
+def _deep_gemm_answers():
+    """vLLM asked "is DeepGEMM supported, is its E8M0 in use" answers yes; its scale packing is skipped.
+
+    The answers are ``vllm/utils/deep_gemm.py``'s ``is_deep_gemm_supported``
+    and ``is_deep_gemm_e8m0_used`` (on a GPU: DeepGEMM installed, a Hopper or
+    Blackwell device, ``VLLM_USE_DEEP_GEMM_E8M0``; vLLM sets that for a
+    config whose ``quantization_config`` has ``scale_fmt: ue8m0``,
+    ``transformers_utils/config.py``), replaced where the block fp8 kernels
+    read them: that module (``should_use_deepgemm_for_fp8_linear``), the
+    DeepGEMM linear kernel's (``kernels/linear/scaled_mm/deep_gemm.py``) and
+    ``quantization/utils/fp8_utils.py`` (``prepare_fp8_moe_layer_for_deepgemm``).
+    ``fp8_utils.transform_sf_into_required_layout`` (DeepGEMM's packed,
+    TMA-aligned scale layout: a call into the deep_gemm CUDA library) gives
+    the float32 scales back unchanged. Everything is restored on exit.
+    """
+    import vllm.model_executor.kernels.linear.scaled_mm.deep_gemm as dg_linear
+    import vllm.model_executor.layers.quantization.utils.fp8_utils as fp8_utils
+    import vllm.utils.deep_gemm as deep_gemm
+
+    def yes() -> bool:
+        return True
+
+    def unpacked(sf, **_):
+        return sf
+
+    swaps = [(m, name, yes) for m in (deep_gemm, dg_linear)
+             for name in ("is_deep_gemm_supported", "is_deep_gemm_e8m0_used")]
+    swaps += [(fp8_utils, "is_deep_gemm_e8m0_used", yes),
+              (fp8_utils, "transform_sf_into_required_layout", unpacked)]
+    saved = [(m, name, getattr(m, name)) for m, name, _ in swaps]
+    for m, name, value in swaps:
+        setattr(m, name, value)
+    try:
+        yield
+    finally:
+        for m, name, value in saved:
+            setattr(m, name, value)
+
+
+def cpu_quantized_kernels(fp8_kernel: str = "triton") -> None:
     """Let vLLM build and post-process a quantized model on a CPU without AMX; idempotent.
 
     Only vLLM's choice of *kernel* (how a forward pass multiplies) is
@@ -70,13 +117,64 @@ def cpu_quantized_kernels() -> None:
       the plain ``torch.nn.functional.linear``, as vLLM itself does on CPU for
       MLA's ``kv_b_proj`` (``_cpu_skip_gemm_dispatch``), so the weight stays,
       as on a GPU, where that step changes nothing.
+
+    ``fp8_kernel="deep_gemm_e8m0"``: the block fp8 layers of the models built
+    from then on in this process get vLLM's DeepGEMM kernels as a Hopper GPU
+    with DeepGEMM and ``VLLM_USE_DEEP_GEMM_E8M0`` picks them (UE8M0 scales,
+    DeepSeek-V3.2's ``scale_fmt: ue8m0``), and their own weight processing:
+
+    * linear: ``DeepGemmFp8BlockScaledMMKernel`` (``kernels/linear/scaled_mm/
+      deep_gemm.py``) wherever its own ``can_implement`` takes the layer
+      (bf16 output, ``should_use_deepgemm_for_fp8_linear``: ``N % 64 == 0``
+      and ``K % 128 == 0`` of the worker-local weight), else the Triton
+      kernel as above (on a GPU the next candidate, e.g. CUTLASS). Its
+      ``process_weights_after_loading`` runs as on a GPU: the shared block
+      step, then ``deepgemm_post_process_fp8_weight_block``, whose
+      ``requant_weight_ue8m0_inplace`` (``quantization/utils/fp8_utils.py``)
+      dequantizes each weight with its float32 scales and quantizes it again
+      with the scales rounded up to powers of two (``per_block_cast_to_fp8(...,
+      use_ue8m0=True)``);
+    * MoE: the ``DEEPGEMM`` backend (``TritonOrDeepGemmExperts``) wherever
+      ``DeepGemmExperts._supports_quant_scheme`` takes the layer's keys
+      (128 x 128 blocks), so ``convert_to_fp8_moe_kernel_format`` runs
+      ``prepare_fp8_moe_layer_for_deepgemm``: the same requant of ``w13`` and
+      ``w2``. The MoE kernel object (``make_fp8_moe_kernel``, forward only) is
+      built with that class's own fallback experts (``TritonExperts``):
+      ``DeepGemmExperts``' constructor asks the deep_gemm library for its
+      alignment.
+
+    ``Fp8LinearMethod`` (a checkpoint's fp8) is told DeepGEMM is supported
+    too (its ``use_deep_gemm``, with which MLA's post-load step derives
+    ``W_UK_T``/``W_UV`` from ``kv_b_proj`` by an identity matmul through the
+    layer's kernel, ``quant_utils.get_and_maybe_dequant_weights``, as on a GPU).
+
+    Replaced for those: only the answers to "is DeepGEMM supported / E8M0
+    used" and the packing of the scales into DeepGEMM's layout
+    (``transform_sf_into_required_layout``, a deep_gemm CUDA call, skipped:
+    the layers keep the float32 power-of-two scales, so a comparison here
+    checks the scales *before* that packing and is no evidence of the
+    packed layout), both while vLLM chooses, builds or post-processes one of
+    these kernels (:func:`_deep_gemm_answers`), and the GEMM (the float32
+    upcast below). Live models and the fresh loads they are compared with
+    must be built with the same ``fp8_kernel``.
+
+    Raises:
+        ValueError: ``fp8_kernel`` not one of :data:`FP8_KERNELS`.
     """
+    if fp8_kernel not in FP8_KERNELS:
+        raise ValueError(f"fp8_kernel {fp8_kernel!r} is not one of the CPU harness's fp8 "
+                         f"block kernels; valid: {', '.join(FP8_KERNELS)}")
+    _FP8_KERNEL["now"] = fp8_kernel
     import vllm.model_executor.kernels.linear as kernels
     import vllm.model_executor.layers.fused_moe.oracle.fp8 as moe_oracle
     import vllm.model_executor.layers.quantization.fp8 as fp8_checkpoint
     import vllm.model_executor.layers.quantization.online.fp8 as fp8_online
     import vllm.model_executor.layers.utils as layer_utils
+    from vllm.model_executor.kernels.linear.scaled_mm.deep_gemm import (
+        DeepGemmFp8BlockScaledMMKernel,
+    )
     from vllm.model_executor.kernels.linear.scaled_mm.triton import TritonFp8BlockScaledMMKernel
+    from vllm.model_executor.layers.fused_moe.experts.deep_gemm_moe import DeepGemmExperts
 
     if getattr(kernels.choose_scaled_mm_linear_kernel, "_m2nkit_cpu", False):
         return
@@ -86,9 +184,13 @@ def cpu_quantized_kernels() -> None:
         layer.cpu_linear = torch.nn.functional.linear
 
     cpu_moe = {moe_oracle.Fp8MoeBackend.CPU, moe_oracle.Fp8MoeBackend.CPU_W8A8}
+    deep_gemm_moe = moe_oracle.Fp8MoeBackend.DEEPGEMM
 
-    def select_moe_on_cpu(*args, **kwargs):
-        backend, experts = select_moe(*args, **kwargs)
+    def select_moe_on_cpu(config, weight_key, activation_key, *args, **kwargs):
+        if (_FP8_KERNEL["now"] == "deep_gemm_e8m0"
+                and DeepGemmExperts._supports_quant_scheme(weight_key, activation_key)):
+            return deep_gemm_moe, moe_oracle.backend_to_kernel_cls(deep_gemm_moe)[0]
+        backend, experts = select_moe(config, weight_key, activation_key, *args, **kwargs)
         # A CPU with AMX gets vLLM's CPU fp8 MoE backends, whose weight packing needs
         # vLLM's compiled CPU ops (``torch.ops._C.convert_weight_packed``,
         # ``fused_moe/experts/cpu_moe.py`` ``prepare_fp8_moe_layer_for_cpu``), which a
@@ -98,6 +200,28 @@ def cpu_quantized_kernels() -> None:
             triton = moe_oracle.Fp8MoeBackend.TRITON
             return triton, moe_oracle.backend_to_kernel_cls(triton)[0]
         return backend, experts
+
+    def convert_moe_on_cpu(fp8_backend, *args, **kwargs):
+        if fp8_backend != deep_gemm_moe:
+            return convert_moe(fp8_backend, *args, **kwargs)
+        with _deep_gemm_answers():
+            return convert_moe(fp8_backend, *args, **kwargs)
+
+    def make_moe_kernel_on_cpu(*args, experts_cls, fp8_backend, **kwargs):
+        if fp8_backend == deep_gemm_moe and hasattr(experts_cls, "get_clses"):
+            experts_cls = experts_cls.get_clses()[1]     # TritonOrDeepGemmExperts' fallback
+        return make_moe_kernel(*args, experts_cls=experts_cls, fp8_backend=fp8_backend, **kwargs)
+
+    def upcast_block_mm(self, A, B, As, Bs):
+        """Both operands times their block scales in float32, one matmul, cast to the output dtype."""
+        bn, bk = self.weight_group_shape
+        K, N = A.shape[-1], B.shape[0]
+        a = A.float().reshape(-1, K)
+        a = a * As.float().reshape(-1, As.shape[-1])[:a.shape[0]].repeat_interleave(
+            bk, dim=1)[:, :K]
+        b = B.float() * Bs.float().repeat_interleave(bn, dim=0).repeat_interleave(
+            bk, dim=1)[:N, :K]
+        return (a @ b.t()).to(self.config.out_dtype).reshape(*A.shape[:-1], N)
 
     class TorchUpcastFp8BlockKernel(TritonFp8BlockScaledMMKernel):
         """The Triton block fp8 kernel's choice and weight processing, its GEMM in torch.
@@ -119,31 +243,73 @@ def cpu_quantized_kernels() -> None:
         def is_supported(cls, compute_capability=None):
             return True, None
 
-        def apply_block_scaled_mm(self, A, B, As, Bs):
-            bn, bk = self.weight_group_shape
-            K, N = A.shape[-1], B.shape[0]
-            a = A.float().reshape(-1, K) * As.float().reshape(-1, As.shape[-1]).repeat_interleave(
-                bk, dim=1)[:, :K]
-            b = B.float() * Bs.float().repeat_interleave(bn, dim=0).repeat_interleave(
-                bk, dim=1)[:N, :K]
-            return (a @ b.t()).to(self.config.out_dtype).reshape(*A.shape[:-1], N)
+        apply_block_scaled_mm = upcast_block_mm
+
+    class TorchUpcastDeepGemmFp8BlockKernel(DeepGemmFp8BlockScaledMMKernel):
+        """vLLM's DeepGEMM block fp8 kernel: its choice and weight processing, its GEMM in torch.
+
+        ``is_supported`` (CUDA with DeepGEMM) answers yes; ``can_implement``,
+        the constructor and ``process_weights_after_loading`` are vLLM's, run
+        with :func:`_deep_gemm_answers` (so ``requant_weight_ue8m0_inplace``
+        runs, and the scales stay unpacked); the GEMM is the float32 upcast
+        of :class:`TorchUpcastFp8BlockKernel` (DeepGEMM's ``fp8_gemm_nt`` is
+        CUDA only), taking the float32 power-of-two scales.
+        """
+
+        def __init__(self, config):
+            with _deep_gemm_answers():
+                super().__init__(config)
+
+        @classmethod
+        def is_supported(cls, compute_capability=None):
+            return True, None
+
+        @classmethod
+        def can_implement(cls, config):
+            with _deep_gemm_answers():
+                return super().can_implement(config)
+
+        def process_weights_after_loading(self, layer):
+            with _deep_gemm_answers():
+                super().process_weights_after_loading(layer)
+
+        apply_block_scaled_mm = upcast_block_mm
 
     def choose_on_cpu(config, possible_kernels, **kwargs):
         if possible_kernels is kernels._POSSIBLE_FP8_BLOCK_KERNELS:
+            if (_FP8_KERNEL["now"] == "deep_gemm_e8m0"
+                    and TorchUpcastDeepGemmFp8BlockKernel.can_implement(config)[0]):
+                return TorchUpcastDeepGemmFp8BlockKernel
             return TorchUpcastFp8BlockKernel
         return choose(config, possible_kernels, **kwargs)
 
+    supported = fp8_checkpoint.is_deep_gemm_supported
+
+    def deep_gemm_supported_for_fp8_checkpoints() -> bool:
+        # Fp8LinearMethod.use_deep_gemm (layers/quantization/fp8.py), read by MLA's post-load
+        # dequantization of kv_b_proj (quant_utils.get_and_maybe_dequant_weights: with
+        # DeepGEMM the identity matmul through the layer's kernel, as on a GPU)
+        return _FP8_KERNEL["now"] == "deep_gemm_e8m0" or supported()
+
+    fp8_checkpoint.is_deep_gemm_supported = deep_gemm_supported_for_fp8_checkpoints
     choose_on_cpu._m2nkit_cpu = True
     kernels.choose_scaled_mm_linear_kernel = choose_on_cpu
     layer_utils.dispatch_cpu_unquantized_gemm = plain_linear
     select_moe = moe_oracle.select_fp8_moe_backend
+    convert_moe = moe_oracle.convert_to_fp8_moe_kernel_format
+    make_moe_kernel = moe_oracle.make_fp8_moe_kernel
     for module in (fp8_checkpoint, fp8_online):
         module.select_fp8_moe_backend = select_moe_on_cpu
+    # the checkpoint fp8 method imports these by name; the online one inside _setup_kernel
+    for module in (fp8_checkpoint, moe_oracle):
+        module.convert_to_fp8_moe_kernel_format = convert_moe_on_cpu
+        module.make_fp8_moe_kernel = make_moe_kernel_on_cpu
 
 
 def build_cpu_worker(checkpoint: str | os.PathLike, spec: InferenceSpec, worker: int, *,
                      load: bool = True,
-                     quantization: str | None = None) -> tuple[torch.nn.Module, Any]:
+                     quantization: str | None = None,
+                     fp8_kernel: str = "triton") -> tuple[torch.nn.Module, Any]:
     """Build vLLM's own model class for ``checkpoint`` as ``worker`` of ``spec``, on CPU.
 
     vLLM resolves the class from ``config.json`` (its model registry),
@@ -164,7 +330,9 @@ def build_cpu_worker(checkpoint: str | os.PathLike, spec: InferenceSpec, worker:
     ``finalize_layerwise_processing`` for online quantization, which quantizes
     each layer while it loads and the padded ones at the end, then
     ``process_weights_after_loading`` of ``model_loader/utils.py``), with :func:`cpu_quantized_kernels`: what it serves is then kernel
-    format (e4m3 ``weight`` + ``weight_scale_inv``).
+    format (e4m3 ``weight`` + ``weight_scale_inv``). ``fp8_kernel``: which
+    block fp8 kernels vLLM picks for it (:func:`cpu_quantized_kernels`;
+    ``"deep_gemm_e8m0"``: DeepGEMM's, UE8M0 scales).
 
     Requires ``VLLM_TARGET_DEVICE=cpu`` before vLLM is first imported (set
     here if unset; too late if vLLM was imported for another platform).
@@ -177,7 +345,7 @@ def build_cpu_worker(checkpoint: str | os.PathLike, spec: InferenceSpec, worker:
     path = str(Path(checkpoint).resolve())
     quantized = quantization is not None or _has_quantization_config(path)
     if quantized:
-        cpu_quantized_kernels()
+        cpu_quantized_kernels(fp8_kernel)
     vllm_config = worker_config(path, spec, worker, quantization=quantization,
                                 load_config=LoadConfig(load_format="safetensors",
                                                        use_tqdm_on_load=False),
@@ -230,7 +398,8 @@ def load_checkpoint(model: torch.nn.Module, vllm_config: Any,
 
 
 def fresh_load(checkpoint: str | os.PathLike, spec: InferenceSpec,
-               worker: int, quantization: str | None = None) -> dict[str, torch.Tensor]:
+               worker: int, quantization: str | None = None,
+               fp8_kernel: str = "triton") -> dict[str, torch.Tensor]:
     """``worker``'s parameters as vLLM loads ``checkpoint`` into a new model (new configs).
 
     :func:`build_cpu_worker` again, so nothing is shared with a live model
@@ -239,7 +408,8 @@ def fresh_load(checkpoint: str | os.PathLike, spec: InferenceSpec,
     :func:`parameters_of` it. Leaves the process's stand-in parallel state
     set for ``worker``.
     """
-    model, _ = build_cpu_worker(checkpoint, spec, worker, quantization=quantization)
+    model, _ = build_cpu_worker(checkpoint, spec, worker, quantization=quantization,
+                                fp8_kernel=fp8_kernel)
     return parameters_of(model)
 
 

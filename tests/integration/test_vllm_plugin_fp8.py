@@ -51,6 +51,13 @@ CONFIGS = {
     "qwen3-tied-h192": ("tiny-qwen3-tied", {"hidden_size": 192, "intermediate_size": 320,
                                             "num_attention_heads": 6, "num_key_value_heads": 2,
                                             "head_dim": 64}),
+    # for DeepGEMM's kernel (K % 128 == 0, N % 64 == 0 of the worker-local weight): tp=2 gives
+    # qkv_proj 256 q + 64 k + 64 v rows (the third block spans k and v), o_proj K 256,
+    # gate_up_proj 192 + 192 rows (the TP split cuts gate mid-block: its second block spans
+    # gate and up), down_proj K 192 (not a multiple of 128: the next kernel, as on a GPU)
+    "qwen3-h256": ("tiny-qwen3", {"hidden_size": 256, "intermediate_size": 384,
+                                  "num_attention_heads": 8, "num_key_value_heads": 2,
+                                  "head_dim": 64}),
     "qwen3-moe-h256": ("tiny-qwen3-moe", {"hidden_size": 256, "moe_intermediate_size": 128,
                                           "num_attention_heads": 6, "num_key_value_heads": 2,
                                           "head_dim": 64}),
@@ -62,6 +69,17 @@ CONFIGS = {
     # MLA (fused_qkv_a_proj: 32 q_a + 40 kv_a rows in one block; kv_b_proj, whose W_UK_T/W_UV
     # vLLM derives after loading) + MoE (hidden 64, expert intermediate 32: padded experts)
     "deepseek-v3": ("tiny-deepseek-v3", {}),
+    # a DeepSeek-V3 fp8 checkpoint with DeepSeek-V3.2's scale_fmt ue8m0 (power-of-two scales,
+    # save_tiny_checkpoint -> quant.quantize_fp8_blocks), 128 x 128 blocks, every tp=2 split on
+    # block edges: q_b_proj 384 local rows, kv_b_proj 512, o_proj K 256, experts 128
+    "deepseek-v3-ue8m0": ("tiny-deepseek-v3", {
+        "hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 8,
+        "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "qk_head_dim": 96, "v_head_dim": 64,
+        "q_lora_rank": 128,
+        "kv_lora_rank": 128, "intermediate_size": 256, "moe_intermediate_size": 256,
+        "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                "fmt": "e4m3", "scale_fmt": "ue8m0",
+                                "weight_block_size": [128, 128]}}),
 }
 CASES = [  # (checkpoint, vLLM layout, quantization, what it covers)
     ("qwen3-h192", "vllm:tp=2", "fp8_per_block",
@@ -149,7 +167,8 @@ def _refilled(checkpoint, out):
     return out
 
 
-def _mla_derived_of_fresh(state, checkpoint: str, quantization: str | None) -> dict:
+def _mla_derived_of_fresh(state, checkpoint: str, quantization: str | None,
+                          fp8_kernel: str = "triton") -> dict:
     """Whether MLA's derived weights on the live model equal a fresh, post-processed vLLM
     load of ``checkpoint``'s with ``quantization`` (``build_cpu_worker`` post-processes a
     quantized model)."""
@@ -159,7 +178,7 @@ def _mla_derived_of_fresh(state, checkpoint: str, quantization: str | None) -> d
 
     live = _mla_derived(state["model"])
     fresh, _ = build_cpu_worker(checkpoint, state["spec"], state["worker"],
-                                quantization=quantization)
+                                quantization=quantization, fp8_kernel=fp8_kernel)
     ref = _mla_derived(fresh)
     return {"compared": sorted(ref),
             "differ": sorted(n for n in ref if n not in live or live[n].shape != ref[n].shape
@@ -257,9 +276,20 @@ def test_round_into_fp8_served_vllm_equals_fresh_fp8_load(host, checkpoints, nam
         _assert_mla_derived_equal_fresh(host, v1, quantization)
 
 
-def _assert_mla_derived_equal_fresh(host, v1, quantization) -> None:
+def _assert_round_equals_fresh_load(host, v1, inference, started) -> None:
+    """After a round: on the fp8 wire every quantized layer took the trainers' bytes; every
+    layer was processed as its last wire tensor landed; every worker equals a fresh load."""
+    if "wire=fp8" in inference:
+        for w, r in enumerate(host.client.collective_rpc(_quantized_layers_took_the_wire)):
+            assert r["quantized"] and r["not_from_wire"] == [] and r["other"] == [], (w, r)
+    for w, n in enumerate(host.client.collective_rpc(_layers_processed)):
+        assert n["not_streamed"] == [] and n["streamed"] == n["layers"] > 0, (w, n)
+    _assert_equals_fresh_fp8_load(host.client.verify(v1), started)
+
+
+def _assert_mla_derived_equal_fresh(host, v1, quantization, fp8_kernel="triton") -> None:
     for w, r in enumerate(host.client.collective_rpc(_mla_derived_of_fresh, str(v1),
-                                                     quantization)):
+                                                     quantization, fp8_kernel)):
         assert r["compared"], f"worker {w}: no MLA layer has derived weights: {r}"
         assert r["differ"] == [], f"worker {w}: derived MLA weights differ: {r['differ']}"
 
@@ -371,10 +401,10 @@ def test_fp8_wire_round_from_fsdp2_equals_fresh_fp8_load(host, checkpoints, name
         _assert_mla_derived_equal_fresh(host, v1, "fp8_per_block")
 
 
-def _fp8_wire_preconditions(checkpoint, inference) -> None:
+def _fp8_wire_preconditions(checkpoint, inference, exchange: bool = True) -> None:
     """The case covers what it says: m2nkit's plan for two FSDP2 ranks (the checkpoint read
-    as ``fsdp2:dp_shard=2`` shards it) has blocks fed by two wire tensors and blocks fed by
-    both trainer ranks (so the exchange runs)."""
+    as ``fsdp2:dp_shard=2`` shards it) has blocks fed by two wire tensors and, with
+    ``exchange``, blocks fed by both trainer ranks (so the exchange runs)."""
     from m2nkit.adapters.hf_checkpoint import checkpoint_metas, read_checkpoint
     from m2nkit.adapters.trainer_spec import parse_trainer_spec
     from m2nkit.adapters.vllm import vllm_destination
@@ -388,7 +418,7 @@ def _fp8_wire_preconditions(checkpoint, inference) -> None:
     plan = build_plan(metas, tspec.num_ranks, builder(metas))
     assert not plan.problems
     fp8 = fp8_wire_plan(builder, plan)
-    assert fp8.shared_blocks > 0 and fp8.multi_wire_blocks > 0, fp8.to_json()
+    assert fp8.multi_wire_blocks > 0 and (fp8.shared_blocks > 0 or not exchange), fp8.to_json()
 
 
 def _scales_cut_short(state, on: bool) -> bool:
@@ -484,9 +514,130 @@ def test_round_from_megatron_core_equals_fresh_fp8_load(host, checkpoints, name,
     started = host.start_workers(v0, "vllm:tp=2", "auto", "fp8_per_block")
     outcome = _run_megatron_trainers(host.client, v1, trainer, inference)
     assert set(outcome.values()) == {"done"}, outcome
+    _assert_round_equals_fresh_load(host, v1, inference, started)
+
+
+#: (checkpoint, the trainers' spec, the workers' vLLM layout, their quantization, what it
+#: covers): workers whose block fp8 layers get vLLM's DeepGEMM kernels with E8M0
+#: (``fp8_kernel="deep_gemm_e8m0"``)
+UE8M0_CASES = [
+    ("qwen3-h256", "vllm:tp=2,quant=fp8_per_block,wire=fp8", "vllm:tp=2", "fp8_per_block",
+     "mode 2 into DeepGEMM E8M0, dense: qkv_proj/o_proj/gate_up_proj on DeepGEMM (requant to "
+     "powers of two), a gate_up block across gate and up, a qkv block across k and v; "
+     "down_proj (K 192) on the next kernel"),
+    ("qwen3-h256", "vllm:tp=2", "vllm:tp=2", "fp8_per_block",
+     "mode 1 into DeepGEMM E8M0, dense: vLLM quantizes the BF16 wire, then requants"),
+    ("qwen3-moe-h256", "vllm:tp=2,ep,quant=fp8_per_block,wire=fp8", "vllm:tp=2,ep",
+     "fp8_per_block",
+     "mode 2 into DeepGEMM E8M0, MoE with EP: the DEEPGEMM experts backend requants w13/w2 "
+     "per expert (prepare_fp8_moe_layer_for_deepgemm); the fp8 router on the next kernel"),
+    ("deepseek-v3-ue8m0", "vllm:tp=2", "vllm:tp=2", None,
+     "mode 3 into DeepGEMM E8M0: a scale_fmt ue8m0 checkpoint (MLA + MoE), its e4m3 weights "
+     "and power-of-two weight_scale_inv as stored; the kernels requant; W_UK_T/W_UV derived"),
+]
+
+
+def _tripled(checkpoint, out, scales_only: bool = False):
+    """``checkpoint`` with every tensor times 3 (in its dtype), saved by safetensors: each
+    block's amax triples, so its UE8M0 scale (rounded up to a power of two) moves. With
+    ``scales_only`` (an fp8 checkpoint) only the ``weight_scale_inv`` tensors change, times
+    4: powers of two stay powers of two."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True)
+    shutil.copy(checkpoint / "config.json", out / "config.json")
+    tensors = load_file(checkpoint / "model.safetensors")
+    save_file({n: (t * 4 if n.endswith("weight_scale_inv") else t) if scales_only else t * 3
+               for n, t in tensors.items()},
+              out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def _deep_gemm_e8m0_layers(state) -> dict:
+    """Which block fp8 layers of the live model took vLLM's DeepGEMM kernels, and whether
+    their scales are powers of two (what ``requant_weight_ue8m0_inplace`` leaves).
+
+    A linear layer must be on ``DeepGemmFp8BlockScaledMMKernel`` exactly where vLLM's own
+    ``should_use_deepgemm_for_fp8_linear`` takes its worker-local weight (asked with DeepGEMM
+    supported); its ``weight_scale_inv`` must be powers of two, the other layers' not all
+    (their kernel does not round). Experts: ``fp8_backend`` and their scales."""
+    import torch
+    from vllm.model_executor.kernels.linear.scaled_mm.deep_gemm import (
+        DeepGemmFp8BlockScaledMMKernel)
+    from vllm.utils.deep_gemm import should_use_deepgemm_for_fp8_linear
+
+    def powers_of_two(t) -> bool:
+        bits = t.float().contiguous().view(torch.int32)
+        return bool((t > 0).all()) and bool(((bits & 0x7FFFFF) == 0).all())
+
+    out = {"deep_gemm": [], "other": [], "not_powers_of_two": [], "other_powers_of_two": [],
+           "against_vllm_rule": [], "experts": {}}
+    for n, m in state["model"].named_modules():
+        method = getattr(m, "quant_method", None)
+        kernel = getattr(method, "fp8_linear", None)
+        if kernel is not None and hasattr(m, "weight_scale_inv"):
+            dg = isinstance(kernel, DeepGemmFp8BlockScaledMMKernel)
+            out["deep_gemm" if dg else "other"].append(n)
+            if dg != should_use_deepgemm_for_fp8_linear(torch.bfloat16, tuple(m.weight.shape),
+                                                        supports_deep_gemm=True):
+                out["against_vllm_rule"].append(n)
+            if dg and not powers_of_two(m.weight_scale_inv):
+                out["not_powers_of_two"].append(n)
+            if not dg and powers_of_two(m.weight_scale_inv):
+                out["other_powers_of_two"].append(n)
+        if hasattr(m, "w13_weight_scale_inv") and getattr(method, "fp8_backend", None):
+            out["experts"][n] = method.fp8_backend.value
+            for s in ("w13_weight_scale_inv", "w2_weight_scale_inv"):
+                if not powers_of_two(getattr(m, s)):
+                    out["not_powers_of_two"].append(f"{n}.{s}")
+    return out
+
+
+@pytest.mark.parametrize("name,inference,served,quantization,covers", UE8M0_CASES,
+                         ids=[c[0] + ("-fp8-wire" if "wire=fp8" in c[1] else
+                                      "-bf16-wire" if c[3] else "")
+                              for c in UE8M0_CASES])
+def test_round_into_deep_gemm_ue8m0_workers_equals_fresh_load(host, checkpoints, tmp_path, name,
+                                                              inference, served, quantization,
+                                                              covers):
+    """Workers serving ``fp8_per_block`` on vLLM's DeepGEMM kernels with E8M0 (DeepSeek-V3.2's
+    ``scale_fmt: ue8m0`` setting; ``vllm_workers.cpu_quantized_kernels(fp8_kernel=
+    "deep_gemm_e8m0")``: the kernels' own weight processing, ``requant_weight_ue8m0_inplace``
+    included, the DeepGEMM scale packing skipped). After one round from two FSDP2 ranks (the
+    fp8 wire: vLLM's online e4m3 + float32 scales, which the kernel then rounds to powers of
+    two; the BF16 wire: vLLM quantizes, then rounds) every parameter of every worker equals a
+    fresh vLLM load of v1 under the same kernels, bit for bit, in the same memory, at v1.
+    Mode 3: a ``scale_fmt: ue8m0`` fp8 checkpoint sent as stored by checkpoint-reading
+    trainers. v1 is seed 1 times 3 (mode 3: its scales times 4), so that every power-of-two
+    scale differs from v0's (seeds 0 and 1 alone give the same ones)."""
+    v0, v1 = checkpoints(name)
+    v1 = _tripled(v1, tmp_path / "v1", scales_only=quantization is None)
     if "wire=fp8" in inference:
-        for w, r in enumerate(host.client.collective_rpc(_quantized_layers_took_the_wire)):
-            assert r["quantized"] and r["not_from_wire"] == [] and r["other"] == [], (w, r)
-    for w, n in enumerate(host.client.collective_rpc(_layers_processed)):
-        assert n["not_streamed"] == [] and n["streamed"] == n["layers"] > 0, (w, n)
-    _assert_equals_fresh_fp8_load(host.client.verify(v1), started)
+        _fp8_wire_preconditions(v1, inference, exchange=False)
+    started = host.start_workers(v0, served, "auto", quantization, "deep_gemm_e8m0")
+    assert {s["engine"] for s in started} == {"m2nkit.engine.plugins.vllm.M2NVLLMEngine"}
+    for w, r in enumerate(host.client.collective_rpc(_deep_gemm_e8m0_layers)):
+        assert r["deep_gemm"] and r["other"], (w, r)      # both kernels, as vLLM's rule picks
+        assert r["against_vllm_rule"] == [] and r["not_powers_of_two"] == [], (w, r)
+        # online fp8's other kernels keep amax / 448; a ue8m0 checkpoint's are powers of two
+        assert r["other_powers_of_two"] == [] or quantization is None, (w, r)
+        if "moe" in name or "deepseek" in name:
+            assert r["experts"] and set(r["experts"].values()) == {"DEEPGEMM"}, (w, r)
+        else:
+            assert {n.rsplit(".", 1)[-1] for n in r["deep_gemm"]} == \
+                {"qkv_proj", "o_proj", "gate_up_proj"}, (w, r)
+            assert {n.rsplit(".", 1)[-1] for n in r["other"]} == {"down_proj"}, (w, r)
+    if quantization is None:
+        outcome = _run_trainers(host.client, [v1], inference)
+    else:
+        outcome = _run_fsdp2_trainers(host.client, v1, inference)
+    assert outcome == {0: "done", 1: "done"}, outcome
+    _assert_round_equals_fresh_load(host, v1, inference, started)
+    for w, r in enumerate(host.client.collective_rpc(_deep_gemm_e8m0_layers)):
+        assert r["not_powers_of_two"] == [], (w, r)
+        assert r["other_powers_of_two"] == [] or quantization is None, (w, r)
+    if "deepseek" in name:
+        _assert_mla_derived_equal_fresh(host, v1, quantization, "deep_gemm_e8m0")
+
