@@ -74,10 +74,9 @@ pins the two equal), and so does this table.
 **Parallel sizes**: the text model's heads must divide by tp (vLLM
 ``ModelConfig.verify_with_parallel_config``; MLA's column splits alone would
 take the tiny model's 4 heads at tp 8). Found by tracing vLLM's own loaders
-once under transformers 5.24 (``tests/integration/test_vllm_trace.py``,
-``NOT_BUILT_HERE``: this venv's transformers 5.12.1 cannot import vLLM's
-``kimi_k25.py``, and its meta build moves the tower to the platform device),
-where the trace equalled this table at tp 1/2/4, EP 2/4 and dp 2.
+under transformers 5.24 (``.venv-tf``; ``tests/integration/test_traced_kimi_k25.py``:
+this venv's transformers 5.12.1 cannot import vLLM's ``kimi_k25.py``), where
+the trace equals this table at tp 1/2/4, EP 2/4 and dp 2.
 """
 
 from __future__ import annotations

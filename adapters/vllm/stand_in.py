@@ -12,6 +12,8 @@ vLLM is imported only when :meth:`StandInGroups.install` runs.
 :func:`gpu_sparse_attention` stands in for what a CPU process lacks to
 build a sparse-attention (DSA) model: the GPU's sparse MLA backend and its
 scratch workspace. Neither owns a parameter, so the layout is vLLM's own.
+:func:`meta_current_device` makes the platform's current device the meta
+device while a model is built there.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-__all__ = ["StandInGroups", "worker_config", "gpu_sparse_attention", "SPARSE_BACKEND"]
+__all__ = ["StandInGroups", "worker_config", "gpu_sparse_attention", "meta_current_device",
+           "SPARSE_BACKEND"]
 
 #: The sparse MLA backend a CUDA worker of vLLM 0.33.0 builds DSA models with
 #: (``AttentionBackendEnum.FLASHMLA_SPARSE``); the oracle's default too.
@@ -215,3 +218,38 @@ def gpu_sparse_attention(backend: str = SPARSE_BACKEND) -> Iterator[None]:
         if stand_in and isinstance(workspace._manager, _NoWorkspace):
             workspace._manager = None
         selector._cached_get_attn_backend.cache_clear()
+
+
+@contextlib.contextmanager
+def meta_current_device() -> Iterator[None]:
+    """While a worker's model is built on the meta device, the platform's device is meta.
+
+    A vLLM worker builds its model on its platform's current device, and
+    some model classes move submodules there by name: vLLM 0.33.0's
+    ``KimiK25ForConditionalGeneration.__init__`` (``models/kimi_k25.py``)
+    does ``self.vision_tower.to(device=current_platform.current_device())``
+    and the same for ``mm_projector``; ``GatedDeltaNetAttention``
+    (``layers/mamba/gdn/qwen_gdn_linear_attn.py``) builds its ``norm`` with
+    ``device=current_platform.current_device()``. For a meta build
+    (``adapters/vllm/trace.py``) the device the model is built on is meta,
+    and the CPU platform's answer (``torch.cpu.current_device()``, through
+    ``Platform.__getattr__`` in ``platforms/interface.py``) is ``"cpu"``, to
+    which a meta module cannot move (torch: "Cannot copy out of meta
+    tensor"). Inside this context ``current_platform.current_device()``
+    answers ``torch.device("meta")``: a device, not a parameter, so shapes,
+    dtypes and loaders stay vLLM's own. The platform object is restored on
+    exit.
+    """
+    import torch
+    from vllm.platforms import current_platform
+
+    had = "current_device" in vars(current_platform)
+    saved = vars(current_platform).get("current_device")
+    current_platform.current_device = lambda: torch.device("meta")
+    try:
+        yield
+    finally:
+        if had:
+            current_platform.current_device = saved
+        else:
+            del current_platform.current_device

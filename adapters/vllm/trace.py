@@ -92,7 +92,7 @@ from ..families.kinds import rotary_source_row
 
 from .spec import InferenceSpec, parse_inference_spec
 
-__all__ = ["TraceError", "TracedCopy", "Feed", "per_expert_feeds", "trace_worker", "traced_problems", "experts_on_disk", "transformers_experts_on_disk", "trace_destination", "chain_box",
+__all__ = ["TraceError", "TracedCopy", "missing_transformers_class", "missing_class_refusal", "Feed", "per_expert_feeds", "trace_worker", "traced_problems", "experts_on_disk", "transformers_experts_on_disk", "trace_destination", "chain_box",
            "chain_text", "view_region", "vllm_checkpoint_name", "merge_copies",
            "checkpoint_names"]
 
@@ -1055,7 +1055,9 @@ def _build_meta_model(config_dir: str, spec: InferenceSpec, worker: int):
 
     Built under the stand-ins of ``stand_in.py``: the parallel groups, and for
     sparse-attention (DSA) models on a CPU the GPU's sparse attention backend
-    and an empty workspace (``gpu_sparse_attention``; neither owns a parameter).
+    and an empty workspace (``gpu_sparse_attention``; neither owns a parameter),
+    and the platform's current device answered as meta (``meta_current_device``:
+    Kimi-K2.5 moves its vision tower there).
 
     Raises:
         TraceError: vLLM could not build the model here (names the
@@ -1068,7 +1070,7 @@ def _build_meta_model(config_dir: str, spec: InferenceSpec, worker: int):
     from vllm.platforms import current_platform
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    from .stand_in import gpu_sparse_attention, worker_config   # stand-ins (see there)
+    from .stand_in import gpu_sparse_attention, meta_current_device, worker_config  # stand-ins
 
     if current_platform.is_unspecified():
         raise TraceError("vLLM found no platform in this process (no GPU, and vLLM was "
@@ -1078,7 +1080,7 @@ def _build_meta_model(config_dir: str, spec: InferenceSpec, worker: int):
         vllm_config = worker_config(config_dir, spec, worker)
         model_config = vllm_config.model_config
         with set_current_vllm_config(vllm_config), _no_fp8_kernel_choice(), \
-                _no_reload_record(), gpu_sparse_attention():
+                _no_reload_record(), gpu_sparse_attention(), meta_current_device():
             with set_default_torch_dtype(model_config.dtype), torch.device("meta"):
                 model = initialize_model(vllm_config=vllm_config)
     except TraceError:
@@ -1091,10 +1093,67 @@ def _build_meta_model(config_dir: str, spec: InferenceSpec, worker: int):
         except (OSError, ValueError):
             archs = None
         what = archs[0] if archs else "the model"
+        lacking = missing_transformers_class(e)
+        why = (f": {missing_class_refusal(lacking, archs[0] if archs else None)}" if lacking
+               else f" ({type(e).__name__}: {e}); no layout can be traced here")
         raise TraceError(f"{what}: vLLM could not build its model for worker {worker} of "
-                         f"{spec} on the meta device ({type(e).__name__}: {e}); no layout can "
-                         "be traced here") from None
+                         f"{spec} on the meta device{why}") from None
     return model, vllm_config
+
+
+#: How an import of a name transformers does not have reads: vLLM's lazy config
+#: registry (``transformers_utils/configs/__init__.py`` ``__getattr__``, a
+#: ``getattr(transformers, name)``) and a model module's ``from transformers import``.
+_NO_TRANSFORMERS_NAME = re.compile(r"module '?transformers'? has no attribute '?(\w+)'?"
+                                   r"|cannot import name '(\w+)' from 'transformers'")
+
+
+def missing_transformers_class(error: BaseException) -> str | None:
+    """The transformers class ``error`` says is missing, when this transformers indeed lacks it.
+
+    vLLM 0.33.0 imports some configs and model classes from transformers
+    itself (Kimi-K2.5: ``models/kimi_k25.py`` imports ``Kimi_K25Config``,
+    which vLLM's config registry maps ``kimi_k25`` to,
+    ``transformers_utils/config.py`` ``_CONFIG_REGISTRY``); an older
+    transformers fails the build with an ``AttributeError`` or
+    ``ImportError`` naming it. ``None`` for any other error.
+    """
+    m = _NO_TRANSFORMERS_NAME.search(str(error))
+    if m is None or not isinstance(error, (AttributeError, ImportError)):
+        return None
+    import transformers
+
+    name = m.group(1) or m.group(2)
+    return None if hasattr(transformers, name) else name
+
+
+def missing_class_refusal(name: str, architecture: str | None = None) -> str:
+    """Why no layout traces here when vLLM needs transformers' ``name``, and what would work.
+
+    Names this transformers' version, the range vLLM's own metadata declares
+    (``importlib.metadata.requires("vllm")``, read at run time), where a
+    newer transformers lives in this repository (``.venv-tf``, made by
+    ``scripts/side_transformers.sh``) and, for an ``architecture`` with a
+    family table, ``--layout tables``.
+    """
+    from importlib import metadata
+
+    import transformers
+
+    from ..families import has_table
+
+    try:
+        wanted = next((r.replace(" ", "") for r in metadata.requires("vllm") or ()
+                       if re.match(r"transformers\b", r) and "extra ==" not in r), None)
+        vllm = f"vLLM {metadata.version('vllm')}"
+    except metadata.PackageNotFoundError:
+        wanted, vllm = None, "vLLM"
+    asks = f" ({vllm} declares {wanted})" if wanted else ""
+    table = (", or use the family table (--layout tables)"
+             if architecture and has_table(architecture) else "")
+    return (f"transformers {transformers.__version__} has no {name}, which {vllm}'s model "
+            f"class imports{asks}; trace it under a transformers that has {name} (this "
+            f"repository's .venv-tf, made by scripts/side_transformers.sh){table}")
 
 
 #: Module attributes that would hold a rank cached at build time outside the

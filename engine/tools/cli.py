@@ -335,6 +335,13 @@ def _traced(ckpt, metas, ispec):
     from m2nkit.engine.tools.demo_vllm import quiet_vllm_loggers
 
     quiet_vllm_loggers()    # the CPU platform's notes reach stderr otherwise (no vLLM handler)
+    # vLLM logs each failed attempt at reading the config at ERROR
+    # (transformers_utils/repo_utils.py ``with_retry``, config.py ``get_config``);
+    # the last attempt's error is in the one-line refusal below.
+    import logging
+
+    for name in ("vllm.transformers_utils.repo_utils", "vllm.transformers_utils.config"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     from m2nkit.adapters.vllm.trace import TraceError, trace_destination
 
     path = Path(ckpt.path)
