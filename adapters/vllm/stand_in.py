@@ -229,7 +229,7 @@ def meta_current_device() -> Iterator[None]:
     ``KimiK25ForConditionalGeneration.__init__`` (``models/kimi_k25.py``)
     does ``self.vision_tower.to(device=current_platform.current_device())``
     and the same for ``mm_projector``; ``GatedDeltaNetAttention``
-    (``layers/mamba/gdn/qwen_gdn_linear_attn.py``) builds its ``norm`` with
+    (the gated-DeltaNet module under ``layers/mamba/gdn/``) builds its ``norm`` with
     ``device=current_platform.current_device()``. For a meta build
     (``adapters/vllm/trace.py``) the device the model is built on is meta,
     and the CPU platform's answer (``torch.cpu.current_device()``, through
