@@ -423,9 +423,11 @@ def _cmd_plan(args) -> int:
         json_file = _open_json(args.json)
         dump_dir, dump_dir_created = _open_dump_dir(args.dump)
         _quiet_transformers()
-        status = _plan_and_report(args, report.console_for_stdout(), json_file, dump_dir)
+        # A reader of stdout that goes away (`| head`) does not stop the files asked for.
+        console = report.console_for_stdout(finish_when_closed=bool(json_file or dump_dir))
+        status = _plan_and_report(args, console, json_file, dump_dir)
         written = True
-        return status
+        return EXIT_BROKEN_PIPE if console.reader_gone and status == EXIT_OK else status
     finally:
         if json_file is not None:
             _finish_json(json_file, written)
@@ -697,10 +699,19 @@ def _supervise_demo(args) -> int:
 # arguments
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors are one line, as m2nkit's other errors are:
+    argparse prints the whole usage block first; ``--help`` still shows it. Exit 2."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="m2nkit",
-        description="Plan and run shard-to-shard weight transfers from RL trainers into vLLM workers.")
+        description="Plan and run shard-to-shard weight transfers from RL trainers into vLLM "
+                    "(or SGLang) inference workers.")
     p.add_argument("--version", action="version", version=f"m2nkit {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
     plan = sub.add_parser("plan", help="dry-run: what moves where, and how long it takes")
@@ -784,16 +795,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _stdout_to_devnull() -> None:
-    try:
-        fd = sys.stdout.fileno()
-    except (AttributeError, OSError, ValueError):     # not a file descriptor (capsys)
-        return
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, fd)
-    os.close(devnull)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run one command; ``argv`` ``None``: this process's command line (the ``m2nkit``
     script), and the process exits when this returns."""
@@ -805,7 +806,7 @@ def main(argv: list[str] | None = None) -> int:
         # The reader of stdout is gone (`| head -1`): stop, as Unix tools do, without a
         # traceback; stdout goes to /dev/null so that the interpreter's last flush at
         # exit finds no closed pipe ("Exception ignored ... BrokenPipeError").
-        _stdout_to_devnull()
+        report.stdout_to_devnull()
         return EXIT_BROKEN_PIPE
     except (UserError, ValueError, OSError) as e:
         print(f"m2nkit: error: {e}", file=sys.stderr)

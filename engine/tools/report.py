@@ -33,25 +33,46 @@ def fmt_seconds(s: float) -> str:
     return f"{s * 1e3:.2f} ms" if s < 1 else f"{s:.2f} s"
 
 
-def console_for_stdout():
+def console_for_stdout(finish_when_closed: bool = False):
     """A rich console for stdout: the terminal's width, else ``COLUMNS``, else 200.
 
     Piped output (logs, CI) would get rich's 80 columns; 200 keeps the tables
     on one line each, and ``COLUMNS`` overrides it as it does on a terminal.
+
+    When the reader of stdout goes away (``| head``), the console raises
+    ``BrokenPipeError`` and :func:`m2nkit.engine.tools.cli.main` ends quietly with 141;
+    with ``finish_when_closed`` (the command still has files to write: ``--json``,
+    ``--dump``) it goes quiet instead, sets ``reader_gone`` and lets the command
+    finish, so ``m2nkit plan ... --json F | head -2`` still writes F.
     """
     from rich.console import Console
 
     class _Console(Console):
+        reader_gone = False
+
         def on_broken_pipe(self) -> None:
-            # rich's own handler exits 1; a reader that went away (``| head``) is not
-            # a failure: m2nkit.engine.tools.cli.main ends quietly with 141.
+            # rich's own handler exits 1; a reader that went away is not a failure.
             self.quiet = True
-            raise BrokenPipeError
+            if not finish_when_closed:
+                raise BrokenPipeError
+            self.reader_gone = True
+            stdout_to_devnull()       # later writes and the exit's flush go nowhere
 
     if sys.stdout.isatty():
         return _Console()                          # rich reads COLUMNS itself
     columns = os.environ.get("COLUMNS", "").strip()
     return _Console(width=int(columns) if columns.isdigit() and int(columns) > 0 else 200)
+
+
+def stdout_to_devnull() -> None:
+    """Point this process's stdout file descriptor at ``/dev/null`` (its reader is gone)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):     # not a file descriptor (capsys)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 def ipc_routes(plan, count: int) -> dict:

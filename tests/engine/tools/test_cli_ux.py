@@ -12,6 +12,7 @@ restatement of vLLM's loaders (itself checked against real vLLM dumps in
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import re
@@ -185,6 +186,84 @@ def test_a_closed_pipe_ends_quietly(tmp_path):
     assert first.startswith(b"m2nkit plan")
     assert proc.returncode in (0, 141), (proc.returncode, err)
     assert err == ""
+
+
+class _ReaderGoneAfterOneLine(io.StringIO):
+    """A stdout whose reader goes away once a line has been written (``| head -1``):
+    every later write raises ``BrokenPipeError``, as a closed pipe's does."""
+
+    def write(self, text):
+        if "\n" in self.getvalue():
+            raise BrokenPipeError(32, "Broken pipe")
+        return super().write(text)
+
+
+def test_a_closed_pipe_still_writes_the_json_and_dump_asked_for(tiny_checkpoints, tmp_path,
+                                                                capsys, monkeypatch):
+    """``m2nkit plan ... --verify --dump D --json F | head -1``: the tables stop at the closed
+    pipe, the run goes on quietly and writes F and D whole, then exits 141; the same
+    files as a run whose reader stays (whose dump is checked against vLLM's loaders in
+    ``test_dump_writes_each_workers_storage_as_vllm_holds_it``). Without files to write,
+    a closed pipe stops the run at once (141, no file)."""
+    ckpt = tiny_checkpoints("tiny-qwen3-tied")
+    args = ["plan", str(ckpt), "--trainer", "fsdp:2", "--inference", "vllm:tp=2", "-v", "--verify"]
+    code = main(args + ["--json", str(tmp_path / "kept.json"), "--dump", str(tmp_path / "kept")])
+    assert code == 0
+    capsys.readouterr()
+
+    closed = _ReaderGoneAfterOneLine()
+    monkeypatch.setattr(sys, "stdout", closed)
+    code = main(args + ["--json", str(tmp_path / "piped.json"), "--dump", str(tmp_path / "piped")])
+    assert code == 141
+    assert closed.getvalue().startswith("m2nkit plan") and "wrote" not in closed.getvalue()
+    assert capsys.readouterr().err == ""
+    assert json.loads((tmp_path / "piped.json").read_text()) == json.loads(
+        (tmp_path / "kept.json").read_text())
+    files = sorted(p.name for p in (tmp_path / "kept").iterdir())
+    assert files == ["worker0.safetensors", "worker1.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "piped").iterdir()) == files
+    for name in files:
+        want, got = _load(tmp_path / "kept" / name), _load(tmp_path / "piped" / name)
+        assert set(got) == set(want)
+        assert all(torch.equal(got[k], want[k]) for k in want), name
+
+    monkeypatch.setattr(sys, "stdout", _ReaderGoneAfterOneLine())
+    assert main(["plan", str(ckpt), "--trainer", "fsdp:2", "--inference", "vllm:tp=2", "-v"]) == 141
+
+
+@pytest.mark.parametrize("argv,first", [
+    (["plan", "x", "--trainer", "fsdp:2", "--inference", "vllm:tp=2", "--layout", "trace"],
+     "m2nkit plan: error: argument --layout: invalid choice: 'trace' (choose from 'tables', "
+     "'traced', 'auto')"),
+    (["demo", "--receiver", "vllmm"],
+     "m2nkit demo: error: argument --receiver: invalid choice: 'vllmm' (choose from "
+     "'stand-in', 'vllm', 'sglang')"),
+    (["plan", "x"], "m2nkit plan: error: the following arguments are required: --trainer, "
+                    "--inference"),
+    ([], "m2nkit: error: the following arguments are required: command"),
+    (["pla"], "m2nkit: error: argument command: invalid choice: 'pla' (choose from 'plan', "
+              "'demo')"),
+])
+def test_usage_errors_are_one_line(capsys, argv, first):
+    """A mistyped choice or a missing argument is one line on stderr, exit 2, like every
+    other refusal (argparse alone prints its usage block first); ``--help`` keeps it."""
+    code, out, err = _cli(capsys, *argv)
+    assert code == 2 and out == ""
+    assert err == f"{first} (see {first.split(': error')[0]} --help)\n"
+    for command in ([], ["plan"], ["demo"]):
+        code, out, _ = _cli(capsys, *command, "--help")
+        assert code == 0 and out.startswith(" ".join(["usage: m2nkit", *command, "[-h]"]))
+
+
+def _cli(capsys, *args):
+    """``main(args)`` in this process: ``(exit code, stdout, stderr)``, argparse exits included."""
+    capsys.readouterr()
+    try:
+        code = main([str(a) for a in args])
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
 def test_ep_on_a_dense_model_gets_a_note(capsys, monkeypatch):
