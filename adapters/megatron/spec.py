@@ -160,19 +160,28 @@ def megatron_size_problem(par: MegatronParallel, config: Any, *, loader: str = "
     tp, ep, etp = par.tp, par.ep, par.etp
     nh = num("num_attention_heads")
     ng = num("num_key_value_heads") or nh
-    if nh and nh % tp:
-        return (f"num_attention_heads ({nh}) must be a multiple of tp ({tp}) (megatron-core "
-                "TransformerConfig)")
-    if ng and ng % tp and tp % ng:
-        return (f"num_key_value_heads ({ng}, megatron-core's num_query_groups) must be a "
-                f"multiple or a divisor of tp ({tp}) (megatron-core TransformerConfig)")
     experts = num("num_experts", "num_local_experts", "n_routed_experts")
     dense = (not experts or bool(_cfg(config, "mlp_only_layers"))
              or num("decoder_sparse_step") > 1 or num("first_k_dense_replace") > 0)
     ffn = num("intermediate_size")
-    if dense and ffn and ffn % tp:
-        return (f"intermediate_size ({ffn}, megatron-core's ffn_hidden_size) must be divisible "
-                f"by tp ({tp}) (megatron-core ColumnParallelLinear/RowParallelLinear)")
+
+    def tp_error(t: int) -> str | None:
+        if nh and nh % t:
+            return (f"num_attention_heads ({nh}) must be a multiple of tp ({t}) (megatron-core "
+                    "TransformerConfig)")
+        if ng and ng % t and t % ng:
+            return (f"num_key_value_heads ({ng}, megatron-core's num_query_groups) must be a "
+                    f"multiple or a divisor of tp ({t}) (megatron-core TransformerConfig)")
+        if dense and ffn and ffn % t:
+            return (f"intermediate_size ({ffn}, megatron-core's ffn_hidden_size) must be "
+                    f"divisible by tp ({t}) (megatron-core ColumnParallelLinear/"
+                    "RowParallelLinear)")
+        return None
+
+    error = tp_error(tp)
+    if error is not None:
+        fits = [t for t in range(1, max(nh, tp) + 1) if tp_error(t) is None]
+        return f"{error}; tp that fits these rules: {', '.join(map(str, fits))}"
     if ep > 1 and not experts:
         return (f"ep={ep} needs experts, and this model has none (no num_experts, "
                 "num_local_experts or n_routed_experts): megatron-core refuses expert "

@@ -34,7 +34,7 @@ __all__ = ["InferenceSpec", "parse_inference_spec", "SPEC_SYNTAX", "PLACEMENTS",
 
 #: What a valid spec looks like (quoted in every parse error).
 SPEC_SYNTAX = ("vllm:tp=T[,dp=D][,ep][,placement=linear|round_robin][,all2all=BACKEND]"
-               "[,dtype=auto|bfloat16|float16|float32][,quant=fp8_per_block[,wire=bf16|fp8]] "
+               "[,dtype=auto|bfloat16|float16|float32][,quant=none|fp8_per_block[,wire=bf16|fp8]] "
                "(T, D positive ints; e.g. 'vllm:tp=4', "
                "'vllm:tp=2,dp=4,ep', 'vllm:tp=2,ep,placement=round_robin', 'vllm:tp=2,dtype=float16', "
                "'vllm:tp=8,quant=fp8_per_block,wire=fp8')")
@@ -196,7 +196,7 @@ def parse_inference_spec(text: str) -> InferenceSpec:
         if key in ("tp", "dp"):
             values[key] = positive_size(item, text, label, SPEC_SYNTAX)
         elif key == "ep":
-            values[key] = flag(item, text, label)
+            values[key] = flag(item, text, label, "vLLM's expert parallelism is on or off (--enable-expert-parallel): its size is always tp*dp")
         elif key == "quant":
             if not item.has_value or not value:
                 raise ValueError(f"{label} {text!r}: '{part}' needs a scheme, like "
@@ -206,8 +206,11 @@ def parse_inference_spec(text: str) -> InferenceSpec:
         elif key in _CHOICES:
             choices, names = _CHOICES[key]
             if not item.has_value or value.lower() not in choices:
+                spelt = _SPELLINGS.get(key, {}).get(value.lower())
                 raise ValueError(f"{label} {text!r}: '{part}' is not valid; {key} must be one "
-                                 f"of {', '.join(names)}")
+                                 f"of {', '.join(names)}"
+                                 + (f" (vLLM's --dtype values: write {key}={spelt})" if spelt
+                                    else ""))
             values[key] = choices[value.lower()]
         else:
             raise ValueError(f"{label} {text!r}: unknown key '{key}'; valid keys are tp, dp, ep, "
@@ -216,6 +219,10 @@ def parse_inference_spec(text: str) -> InferenceSpec:
     check_sizes(values, text, label, SPEC_SYNTAX)
     return InferenceSpec(**values)
 
+
+#: Short names vLLM's ``--dtype`` does not take (vllm/config/model.py ``ModelDType``), and
+#: its spelling of them, for the refusal to suggest.
+_SPELLINGS = {"dtype": {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}}
 
 #: Keys with a fixed set of values: key -> (accepted text -> value, names to list).
 _CHOICES = {

@@ -363,6 +363,9 @@ def _open_dump_dir(path: str | None) -> tuple[Path | None, bool]:
     if not path.strip():
         raise UserError("--dump needs a directory path, got an empty string")
     d = Path(path)
+    if d.exists() and not d.is_dir():
+        raise UserError(f"--dump {path}: exists and is not a directory; give a directory "
+                        "(created if missing)")
     created = not d.exists()
     try:
         d.mkdir(parents=True, exist_ok=True)
@@ -725,7 +728,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--inference", required=True,
                       help="vllm:tp=T[,dp=D][,ep][,placement=linear|round_robin][,all2all=B]"
                            "[,dtype=auto|bfloat16|float16|float32]"
-                           "[,quant=fp8_per_block[,wire=bf16|fp8]] (docs/fp8.md), or "
+                           "[,quant=none|fp8_per_block[,wire=bf16|fp8]] (docs/fp8.md), or "
                            "sglang:tp=T[,dp=D][,ep][,dtype=X] (docs/sglang.md)")
     plan.add_argument("--json", metavar="PATH", help="write the manifest and plan as JSON")
     plan.add_argument("--verify", action="store_true",

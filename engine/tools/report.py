@@ -94,6 +94,19 @@ def print_routes(console, routes: dict) -> None:
                   "slabs by torch_p2p to other nodes")
 
 
+def skipped_why(plan) -> str:
+    """Why the inference side skips the plan's skipped wire tensors, in the summary's
+    words: ``": <reason>"`` for one reason, ``": <n> <reason>; <m> <reason>"`` for
+    several (most first), each cut at its first ``": "`` (``-v`` prints the whole
+    reason per tensor); ``""`` when nothing is skipped."""
+    from collections import Counter
+
+    reasons = Counter(w.skipped.split(": ")[0] for w in plan.wires if w.skipped)
+    if len(reasons) <= 1:
+        return "".join(f": {r}" for r in reasons)
+    return ": " + "; ".join(f"{n} {r}" for r, n in reasons.most_common())
+
+
 def print_summary(console, args, ckpt, metas, plan, timings, fp8=None, fp8_checkpoint=None):
     """The ``m2nkit plan`` summary table, then why ``nccl_m2n`` leaves tensors to torch_p2p.
 
@@ -126,8 +139,8 @@ def print_summary(console, args, ckpt, metas, plan, timings, fp8=None, fp8_check
     else:
         t.add_row("vLLM layout", "traced from vLLM's own weight loaders" if layout == "traced"
                   else "m2nkit's family tables (no vLLM needed)")
-    t.add_row("wire tensors", f"{len(plan.wires)} ({n_skipped} skipped by {engine}), "
-                              f"{fmt_bytes(sum(m.nbytes for m in metas))}")
+    t.add_row("wire tensors", f"{len(plan.wires)} ({n_skipped} skipped by {engine}"
+                              f"{skipped_why(plan)}), {fmt_bytes(sum(m.nbytes for m in metas))}")
     if fp8_checkpoint:
         t.add_row("fp8 checkpoint", fp8_checkpoint)
     t.add_row("slabs", f"{plan.num_slabs:,}")

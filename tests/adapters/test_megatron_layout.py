@@ -274,6 +274,20 @@ def test_megatron_size_rules_name_the_value(config, sizes, loader, says):
     assert why is not None and says in why, why
 
 
+@pytest.mark.parametrize("config,fits", [
+    ({**_LLAMA, "num_attention_heads": 6}, "1, 2, 6"),            # 3: 2 KV heads vs 3
+    ({**_LLAMA, "num_key_value_heads": 3, "num_attention_heads": 12}, "1, 3, 6, 12"),
+    ({**_LLAMA, "intermediate_size": 90}, "1, 2"),                # 90 % 4, 90 % 8
+])
+def test_a_tp_refusal_lists_the_tp_that_fit(config, fits):
+    """Worked out here from the heads, KV heads and FFN width: the tp of 1..heads that
+    megatron-core's head and FFN rules take."""
+    from m2nkit.adapters.megatron.spec import megatron_size_problem
+
+    why = megatron_size_problem(MegatronParallel(tp=4), config, loader="plan")
+    assert why.endswith(f"; tp that fits these rules: {fits}"), why
+
+
 @pytest.mark.parametrize("config,sizes", [
     (_LLAMA, {"tp": 4}),                         # 2 KV heads: a divisor of tp=4 (replicated)
     (_LLAMA, {"tp": 2, "pp": 2}),

@@ -425,10 +425,14 @@ def test_wire_shape_mismatch_raises_and_params_keep_the_model_dtype():
     ("vllm:tp=2,tp=4", "gives 'tp' twice"),
     ("vllm:tp=2,pp=2", r"unknown key 'pp'; valid keys are tp, dp, ep"),
     ("vllm:tp=2,ep=maybe", "must be 'ep', 'ep=1' or 'ep=0'"),
+    ("vllm:tp=2,ep=2", r"'ep=2' must be 'ep', 'ep=1' or 'ep=0' \(vLLM's expert parallelism is "
+                       r"on or off \(--enable-expert-parallel\): its size is always tp\*dp\)"),
     ("vllm:tp=2,,dp=2", "empty item"),
     ("vllm:tp=2,placement=striped", "placement must be one of linear, round_robin"),
     ("vllm:tp=2,placement", "placement must be one of"),
     ("vllm:tp=2,dtype=fp8", "dtype must be one of auto, bfloat16, float16, half, float32, float"),
+    ("vllm:tp=2,dtype=bf16", r"float32, float \(vLLM's --dtype values: write dtype=bfloat16\)$"),
+    ("vllm:tp=2,dtype=FP32", r"float32, float \(vLLM's --dtype values: write dtype=float32\)$"),
     ("vllm:tp=2,all2all=nccl", "all2all must be one of allgather_reducescatter, naive"),
     ("vllm:tp=2,dtype=auto,dtype=half", "gives 'dtype' twice"),
 ])

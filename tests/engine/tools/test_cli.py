@@ -426,3 +426,32 @@ def test_verify_on_a_config_is_refused_before_the_layout_is_built(capsys, monkey
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
     assert "--verify needs tensor data, but" in err and "has only a config" in err, err
+
+
+def test_the_summary_says_why_tensors_are_skipped(capsys, tmp_path, monkeypatch):
+    """DeepSeek-V3.2's published config has one multi-token-prediction layer after its
+    ``num_hidden_layers`` (index 61), which vLLM's main model skips: the summary says so
+    and counts exactly that layer's tensors (named in the plan's json)."""
+    monkeypatch.setenv("COLUMNS", "400")
+    cfg = CONFIGS / "deepseek-ai__DeepSeek-V3.2" / "config.json"
+    layers = json.loads(cfg.read_text())["num_hidden_layers"]
+    code, out, _ = run_plan(capsys, cfg, "--trainer", "fsdp:8", "--inference", "vllm:tp=8,ep",
+                            "--json", tmp_path / "plan.json")
+    wires = json.loads((tmp_path / "plan.json").read_text())["plan"]["wires"]
+    mtp = sum(w["name"].startswith(f"model.layers.{layers}.") for w in wires)
+    assert code == 0 and mtp > 1000
+    assert (f"{len(wires)} ({mtp} skipped by vLLM: multi-token-prediction layer {layers} "
+            "(num_nextn_predict_layers=1)), ") in out
+
+
+def test_several_skip_reasons_are_counted_most_first():
+    from types import SimpleNamespace
+
+    from m2nkit.engine.tools.report import skipped_why
+
+    def plan(*reasons):
+        return SimpleNamespace(wires=[SimpleNamespace(skipped=r) for r in reasons])
+
+    assert skipped_why(plan("", "")) == ""
+    assert skipped_why(plan("tied: details", "")) == ": tied"
+    assert skipped_why(plan("a: x", "b: y", "b: z", "")) == ": 2 b; 1 a"

@@ -508,6 +508,17 @@ def test_dump_to_an_unwritable_place_fails_before_any_work(tmp_path, capsys):
     assert out.err.startswith("m2nkit: error: --dump ") and out.err.count("\n") == 1
 
 
+def test_dump_onto_a_file_says_it_is_not_a_directory(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("mine")
+    code = main(["plan", str(EXAMPLE), "--trainer", "fsdp:2", "--inference", "vllm:tp=2",
+                 "--verify", "--dump", str(blocker)])
+    out = capsys.readouterr()
+    assert code == 2 and out.out == "" and blocker.read_text() == "mine"
+    assert out.err == (f"m2nkit: error: --dump {blocker}: exists and is not a directory; give "
+                       "a directory (created if missing)\n")
+
+
 def test_dump_dir_created_for_a_run_that_fails_is_removed(tmp_path, capsys):
     out = tmp_path / "dump"
     code = main(["plan", str(EXAMPLE), "--trainer", "fsdp:2", "--inference", "vllm:tp=3",
