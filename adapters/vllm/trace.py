@@ -92,9 +92,10 @@ from ..families.kinds import rotary_source_row
 
 from .spec import InferenceSpec, parse_inference_spec
 
-__all__ = ["TraceError", "TracedCopy", "missing_transformers_class", "missing_class_refusal", "Feed", "per_expert_feeds", "trace_worker", "traced_problems", "experts_on_disk", "transformers_experts_on_disk", "trace_destination", "chain_box",
-           "chain_text", "view_region", "vllm_checkpoint_name", "merge_copies",
-           "checkpoint_names"]
+__all__ = ["TraceError", "TracedCopy", "missing_transformers_class", "missing_class_refusal",
+           "Feed", "per_expert_feeds", "trace_worker", "traced_problems", "experts_on_disk",
+           "transformers_experts_on_disk", "trace_destination", "chain_box", "chain_text",
+           "view_region", "vllm_checkpoint_name", "merge_copies", "checkpoint_names"]
 
 #: Stacked-expert wire names whose vLLM checkpoint name drops ``.weight``.
 _STACKED = (".experts.gate_up_proj.weight", ".experts.down_proj.weight")

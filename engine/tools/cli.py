@@ -340,8 +340,11 @@ def _traced(ckpt, metas, ispec):
     # the last attempt's error is in the one-line refusal below.
     import logging
 
-    for name in ("vllm.transformers_utils.repo_utils", "vllm.transformers_utils.config"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)
+    retry_loggers = [logging.getLogger(name) for name in (
+        "vllm.transformers_utils.repo_utils", "vllm.transformers_utils.config")]
+    levels = [logger.level for logger in retry_loggers]
+    for logger in retry_loggers:             # for the trace only: restored after it
+        logger.setLevel(logging.CRITICAL)
     from m2nkit.adapters.vllm.trace import TraceError, trace_destination
 
     path = Path(ckpt.path)
@@ -350,6 +353,9 @@ def _traced(ckpt, metas, ispec):
         return trace_destination(source, metas, ispec)
     except TraceError as e:
         raise UserError(f"--layout traced: {e}") from None
+    finally:
+        for logger, level in zip(retry_loggers, levels):
+            logger.setLevel(level)
 
 
 def _open_dump_dir(path: str | None) -> tuple[Path | None, bool]:
