@@ -480,8 +480,8 @@ LAYOUTS.update({
 
 # --- Kimi-K2.5 (KimiK25ForConditionalGeneration): transformers' own
 # Kimi_K25ForConditionalGeneration (5.24 and later; the project's 5.12.1 has no Kimi-K2.5
-# class), built from a tiny Kimi_K25Config and saved by its own save_pretrained, so this runs under .venv-tf
-# (scripts/side_transformers.sh): ``.venv-tf/bin/python tests/data/oracle/regenerate.py
+# class), built from a tiny Kimi_K25Config and saved by its own save_pretrained, so this
+# runs under .venv-tf (scripts/side_transformers.sh): ``.venv-tf/bin/python tests/data/oracle/regenerate.py
 # --models tiny-kimi-k25 --oracle-python .venv-tf/bin/python``. vLLM's kimi_k25.py imports
 # transformers' ``Kimi_K25Config`` too, so the oracle runs there as well.
 #
@@ -503,8 +503,9 @@ LAYOUTS.update({
 # loader, "There is no module or parameter named 'model'" and "... named
 # 'vision_tower.encoder.patch_embed'" from AutoWeightsLoader), so ``_PUBLISHED_NAMES``
 # renames those three prefixes to the published ones after save_pretrained; every other
-# name, every shape, dtype (the router ``gate.weight`` and ``e_score_correction_bias`` in float32, as
-# transformers keeps them: ``_keep_in_fp32_modules_strict``) and byte is save_pretrained's.
+# name, every shape, dtype (the router ``gate.weight`` and ``e_score_correction_bias`` in
+# float32, as transformers keeps them: ``_keep_in_fp32_modules_strict``) and byte is
+# save_pretrained's.
 # transformers' from_pretrained reads the renamed file back into the same in-memory
 # tensors (checked by ``_kimi_k25``), so it is a checkpoint transformers itself loads.
 
