@@ -481,8 +481,9 @@ LAYOUTS.update({
 # --- Kimi-K2.5 (KimiK25ForConditionalGeneration): transformers' own
 # Kimi_K25ForConditionalGeneration (5.24 and later; the project's 5.12.1 has no Kimi-K2.5
 # class), built from a tiny Kimi_K25Config and saved by its own save_pretrained, so this
-# runs under .venv-tf (scripts/side_transformers.sh): ``.venv-tf/bin/python tests/data/oracle/regenerate.py
-# --models tiny-kimi-k25 --oracle-python .venv-tf/bin/python``. vLLM's kimi_k25.py imports
+# runs under .venv-tf (scripts/side_transformers.sh): ``.venv-tf/bin/python
+# tests/data/oracle/regenerate.py --models tiny-kimi-k25 --oracle-python
+# .venv-tf/bin/python``. vLLM's kimi_k25.py imports
 # transformers' ``Kimi_K25Config`` too, so the oracle runs there as well.
 #
 # transformers keeps the model under other names in memory (conversion_mapping.py,
