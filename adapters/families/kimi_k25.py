@@ -220,7 +220,8 @@ PROJECTOR = Tower(
 )
 
 #: No tiny model m2nkit builds: transformers 5.12.1 has no Kimi-K2.5 class.
-#: ``tests/data/oracle/tiny-kimi-k25`` is written by ``regenerate.py`` (``_kimi_k25``).
+#: ``tests/data/oracle/tiny-kimi-k25`` is written by transformers 5.24+'s own model and
+#: ``save_pretrained`` under .venv-tf (``regenerate.py``, ``_kimi_k25``).
 TINY_MODELS: dict = {}
 
 _WRAPPED = wrapper_family(

@@ -353,29 +353,35 @@ LAYOUTS.update({
 # config keys from the published configs (Llama-4-Scout: shared/models; MiniMax-M2: the
 # keys vLLM reads that transformers' config drops, REFERENCE.md section 9).
 
+def _random_tiny(cls, config):
+    """transformers' ``cls`` built from ``config`` (seed 0, bf16); 1-D parameters, biases and
+    persistent float buffers randomised as ``save_tiny_checkpoint`` does, so a norm sent to
+    the wrong place fails a byte comparison."""
+    import torch
+
+    torch.manual_seed(0)
+    model = cls._from_config(config, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 or name.endswith("bias"):
+                p.copy_(torch.randn_like(p))
+        for module in model.modules():
+            for name, buf in list(module._buffers.items()):
+                if (buf is not None and name not in module._non_persistent_buffers_set
+                        and buf.dtype.is_floating_point):
+                    module._buffers[name] = torch.randn(buf.shape).to(buf.dtype)
+    return model
+
+
 def _misc_tiny(architecture: str, make_config):
-    """transformers' ``architecture`` class built from ``make_config()`` (seed 0, bf16) and
-    saved by its own ``save_pretrained``; 1-D parameters, biases and persistent float
-    buffers randomised as ``save_tiny_checkpoint`` does, so a norm sent to the wrong place
-    fails a byte comparison."""
+    """transformers' ``architecture`` class built from ``make_config()`` by ``_random_tiny``
+    and saved by its own ``save_pretrained``."""
     def build(d: Path) -> None:
-        import torch
         import transformers
 
         config = make_config()
         config.architectures = [architecture]
-        torch.manual_seed(0)
-        model = getattr(transformers, architecture)._from_config(config, dtype=torch.bfloat16)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if p.dim() == 1 or name.endswith("bias"):
-                    p.copy_(torch.randn_like(p))
-            for module in model.modules():
-                for name, buf in list(module._buffers.items()):
-                    if (buf is not None and name not in module._non_persistent_buffers_set
-                            and buf.dtype.is_floating_point):
-                        module._buffers[name] = torch.randn(buf.shape).to(buf.dtype)
-        model.save_pretrained(d)
+        _random_tiny(getattr(transformers, architecture), config).save_pretrained(d)
     return build
 
 
@@ -472,22 +478,43 @@ LAYOUTS.update({
 })
 
 
-# --- Kimi-K2.5 (KimiK25ForConditionalGeneration): transformers 5.12.1 has no class for it, so
-# its tiny checkpoint is not written by save_pretrained. The text part is transformers'
-# DeepSeek-V3 (save_tiny_checkpoint of a tiny deepseek_v3 config: its on-disk names and
-# per-expert tensors), renamed under the published checkpoint's prefixes
-# (``language_model.model.``, ``language_model.lm_head.``); the MoonViT tower and the
-# projector are the tensors vLLM 0.33.0's loader takes (kimi_k25_vit.py,
-# MoonViT3dPretrainedModel / KimiK25MultiModalProjector) under the published names
-# (``vision_tower.encoder.blocks.N.wqkv``, ``mm_projector.proj.0`` ...), random bf16 with
-# a fixed seed. vLLM's kimi_k25.py imports transformers' ``Kimi_K25Config`` (5.24), so the
-# oracle runs with transformers 5.24 (``--oracle-python`` of a venv that has it).
+# --- Kimi-K2.5 (KimiK25ForConditionalGeneration): transformers' own
+# Kimi_K25ForConditionalGeneration (5.24 and later; the project's 5.12.1 has no Kimi-K2.5
+# class), built from a tiny Kimi_K25Config and saved by its own save_pretrained, so this
+# runs under .venv-tf (scripts/side_transformers.sh): ``.venv-tf/bin/python
+# tests/data/oracle/regenerate.py --models tiny-kimi-k25 --oracle-python
+# .venv-tf/bin/python``. vLLM's kimi_k25.py imports
+# transformers' ``Kimi_K25Config`` too, so the oracle runs there as well.
+#
+# transformers keeps the model under other names in memory (conversion_mapping.py,
+# ``kimi_k25``: ``model.language_model.layers.N``, ``model.vision_tower.layers.N.attn.
+# {q,k,v}_proj`` split from ``wqkv`` and q/k permuted for its rotary (PermuteForRope),
+# ``norm1/norm2``, ``mlp.fc1/fc2``, ``attn.proj``, ``mm_projector.{in,out}_proj``, fused
+# ``experts.gate_up_proj``), and save_pretrained writes them back through the reverse of
+# that mapping. transformers 5.25.0's reverse writes three groups under names neither the
+# published checkpoint (the source patterns of that mapping, which transformers reads from
+# moonshotai/Kimi-K2.5) nor vLLM 0.33.0's loader (kimi_k25.py: ``AutoWeightsLoader`` with
+# ``hf_to_vllm_mapper``, which renames only ``language_model.layers.`` and
+# ``mm_projector.proj.0/2``) takes: its ``blocks`` -> ``layers`` renaming, reversed, turns
+# the text layers into ``language_model.model.blocks.N``; ``vision_tower.encoder`` ->
+# ``model.vision_tower``, reversed, puts the patch embedding under
+# ``vision_tower.encoder.patch_embed``; and no rule covers the projector's ``pre_norm``
+# (``model.mm_projector.pre_norm``). The oracle on that file fails on each (tried one
+# renaming at a time: ``KeyError: 'blocks.0.input_layernorm.weight'`` from DeepseekV2's
+# loader, "There is no module or parameter named 'model'" and "... named
+# 'vision_tower.encoder.patch_embed'" from AutoWeightsLoader), so ``_PUBLISHED_NAMES``
+# renames those three prefixes to the published ones after save_pretrained; every other
+# name, every shape, dtype (the router ``gate.weight`` and ``e_score_correction_bias`` in
+# float32, as transformers keeps them: ``_keep_in_fp32_modules_strict``) and byte is
+# save_pretrained's.
+# transformers' from_pretrained reads the renamed file back into the same in-memory
+# tensors (checked by ``_kimi_k25``), so it is a checkpoint transformers itself loads.
 
 #: The text part: MLA sizes of the GLM tinies (hidden 32, 4 heads), layer 0 dense, layer 1
 #: MoE with 4 routed experts + 1 shared, noaux_tc, one expert group as Kimi-K2.5 has;
 #: no MTP layer (Kimi-K2.5: num_nextn_predict_layers 0). ``qk_head_dim`` is given: the
-#: config class derives it from its default head dims before shrink_config sets them,
-#: and vLLM's column loader would take the first rows of a too-large ``q_b_proj``.
+#: config class derives it from its default head dims, and vLLM's column loader would
+#: take the first rows of a too-large ``q_b_proj``.
 KIMI_TEXT = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=4,
                  intermediate_size=32, moe_intermediate_size=32, n_routed_experts=4,
                  n_shared_experts=1, num_experts_per_tok=2, num_hidden_layers=2,
@@ -495,49 +522,41 @@ KIMI_TEXT = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=4,
                  qk_nope_head_dim=16, qk_rope_head_dim=8, qk_head_dim=24, v_head_dim=16,
                  head_dim=8, topk_method="noaux_tc", scoring_func="sigmoid", n_group=1,
                  topk_group=1, num_nextn_predict_layers=0, routed_scaling_factor=2.827,
-                 norm_topk_prob=True)
+                 norm_topk_prob=True, max_position_embeddings=256, bos_token_id=None,
+                 eos_token_id=None, pad_token_id=None)
 #: The MoonViT tower: 2 blocks of width 16 with 2 heads of 8 (tp 2 splits them; at tp 4
 #: vLLM falls back to a data-parallel, unsplit tower: heads % tp != 0), MLP 32, 14 px
 #: patches, a 4 x 4 learned position grid (spelt ``init_pos_emb_*`` as the published
-#: config does; vLLM reads that first), 2 x 2 patch merge (projector width 64).
+#: config does, which vLLM reads first, and ``pos_emb_*`` as transformers'
+#: Kimi_K25VisionConfig does), 2 x 2 patch merge (projector width 64).
 KIMI_VISION = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
                    intermediate_size=32, patch_size=14, init_pos_emb_height=4,
-                   init_pos_emb_width=4, init_pos_emb_time=4, merge_kernel_size=[2, 2],
+                   init_pos_emb_width=4, init_pos_emb_time=4, pos_emb_height=4,
+                   pos_emb_width=4, pos_emb_time=4, merge_kernel_size=[2, 2],
                    merge_type="sd2_tpool", mm_projector_type="patchmerger",
                    pos_emb_type="divided_fixed", video_attn_type="spatial_temporal",
                    projector_hidden_act="gelu", projector_ln_eps=1e-5,
                    hidden_act="gelu_pytorch_tanh")
+#: Keys of the published top-level config vLLM reads (kimi_k25.py: ``image_token_id``,
+#: ``media_placeholder_token_id``, ``use_unified_vision_chunk``), inside the tiny vocab.
+KIMI_TOP = dict(image_token_id=199, media_placeholder_token_id=199,
+                use_unified_vision_chunk=True, tie_word_embeddings=False)
+#: (prefix save_pretrained writes, the published checkpoint's): see the block comment.
+_PUBLISHED_NAMES = (("language_model.model.blocks.", "language_model.model.layers."),
+                    ("vision_tower.encoder.patch_embed.", "vision_tower.patch_embed."),
+                    ("model.mm_projector.pre_norm.", "mm_projector.pre_norm."))
 
 
-def kimi_vision_tensors(vision: dict, text_hidden: int) -> list[tuple[str, tuple[int, ...]]]:
-    """(published name, shape) of the MoonViT tower and the patch-merger projector, in the
-    order vLLM 0.33.0 registers them (kimi_k25_vit.py: ``MoonVision3dPatchEmbed.proj``
-    (Conv2dLayer) and ``.pos_emb.weight [h, w, D]``; per block ``norm0``, ``norm1``,
-    ``mlp.fc0``/``fc1``, ``wqkv`` [3D, D], ``wo``; ``final_layernorm``;
-    ``KimiK25MultiModalProjector``: ``pre_norm``, ``linear_1``/``linear_2``, which
-    the checkpoint names ``proj.0``/``proj.2``: ``hf_to_vllm_mapper``)."""
-    D, I, ps = vision["hidden_size"], vision["intermediate_size"], vision["patch_size"]
-    h, w = vision["init_pos_emb_height"], vision["init_pos_emb_width"]
-    merged = D * vision["merge_kernel_size"][0] * vision["merge_kernel_size"][1]
-    out = [("vision_tower.patch_embed.proj.weight", (D, 3, ps, ps)),
-           ("vision_tower.patch_embed.proj.bias", (D,)),
-           ("vision_tower.patch_embed.pos_emb.weight", (h, w, D))]
-    for b in range(vision["num_hidden_layers"]):
-        p = f"vision_tower.encoder.blocks.{b}"
-        out += [(f"{p}.norm0.weight", (D,)), (f"{p}.norm0.bias", (D,)),
-                (f"{p}.norm1.weight", (D,)), (f"{p}.norm1.bias", (D,)),
-                (f"{p}.mlp.fc0.weight", (I, D)), (f"{p}.mlp.fc0.bias", (I,)),
-                (f"{p}.mlp.fc1.weight", (D, I)), (f"{p}.mlp.fc1.bias", (D,)),
-                (f"{p}.wqkv.weight", (3 * D, D)), (f"{p}.wqkv.bias", (3 * D,)),
-                (f"{p}.wo.weight", (D, D)), (f"{p}.wo.bias", (D,))]
-    out += [("vision_tower.encoder.final_layernorm.weight", (D,)),
-            ("vision_tower.encoder.final_layernorm.bias", (D,)),
-            ("mm_projector.pre_norm.weight", (D,)), ("mm_projector.pre_norm.bias", (D,)),
-            ("mm_projector.proj.0.weight", (merged, merged)),
-            ("mm_projector.proj.0.bias", (merged,)),
-            ("mm_projector.proj.2.weight", (text_hidden, merged)),
-            ("mm_projector.proj.2.bias", (text_hidden,))]
-    return out
+def kimi_k25_config():
+    """The tiny ``Kimi_K25Config`` (transformers 5.24+): KIMI_TEXT / KIMI_VISION / KIMI_TOP,
+    the projector's ``pre_norm`` over the vision width (``projection_hidden_size``)."""
+    from transformers import Kimi_K25Config
+
+    config = Kimi_K25Config(text_config={**KIMI_TEXT, "model_type": "deepseek_v3"},
+                            vision_config=KIMI_VISION,
+                            projection_hidden_size=KIMI_VISION["hidden_size"], **KIMI_TOP)
+    config.text_config.tie_word_embeddings = False
+    return config
 
 
 def _kimi_k25(d: Path) -> None:
@@ -545,32 +564,38 @@ def _kimi_k25(d: Path) -> None:
     import json
 
     import torch
+    import transformers
     from safetensors.torch import load_file, save_file
-    from transformers import AutoConfig
 
-    from m2nkit.adapters.tiny import save_tiny_checkpoint, shrink_config
-
-    text_dir = d / "text"
-    config = shrink_config(
-        AutoConfig.for_model("deepseek_v3", architectures=["DeepseekV3ForCausalLM"]),
-        derived={}, **KIMI_TEXT)
-    save_tiny_checkpoint(config, text_dir, seed=0)
-    text = json.loads((text_dir / "config.json").read_text())
-    text.update(model_type="kimi_k2", topk_method="noaux_tc", scoring_func="sigmoid",
-                first_k_dense_replace=1)      # as published; transformers' class drops them
+    if not hasattr(transformers, "Kimi_K25ForConditionalGeneration"):
+        raise SystemExit(f"tiny-kimi-k25: transformers {transformers.__version__} has no "
+                         "Kimi_K25ForConditionalGeneration; run regenerate.py under .venv-tf")
+    cls = transformers.Kimi_K25ForConditionalGeneration
+    model = _random_tiny(cls, kimi_k25_config())
+    model.save_pretrained(d)
+    file = d / "model.safetensors"
     tensors = {}
-    for name, t in load_file(str(text_dir / "model.safetensors")).items():
-        tensors["language_model." + name] = t      # model.* and lm_head.* alike
-    g = torch.Generator().manual_seed(0)
-    for name, shape in kimi_vision_tensors(KIMI_VISION, text["hidden_size"]):
-        tensors[name] = torch.randn(shape, generator=g).to(torch.bfloat16)
-    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
-    top = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
-           "dtype": "bfloat16", "tie_word_embeddings": False, "image_token_id": 199,
-           "media_placeholder_token_id": 199, "use_unified_vision_chunk": True,
-           "text_config": text, "vision_config": KIMI_VISION}
-    (d / "config.json").write_text(json.dumps(top, indent=2) + "\n")
-    shutil.rmtree(text_dir)
+    for name, t in load_file(str(file)).items():
+        for old, new in _PUBLISHED_NAMES:
+            if name.startswith(old):
+                name = new + name[len(old):]
+        tensors[name] = t
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    # as published: the architecture vLLM's registry knows (save_pretrained writes its
+    # class name, ``Kimi_K25ForConditionalGeneration``, which vLLM would serve through its
+    # generic Transformers backend) and the text config's model_type (the config class
+    # maps it back)
+    config = json.loads((d / "config.json").read_text())
+    config["architectures"] = ["KimiK25ForConditionalGeneration"]
+    config["text_config"]["model_type"] = "kimi_k2"
+    (d / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    # the published names load back into transformers' own model, byte for byte
+    want = model.state_dict()
+    have = cls.from_pretrained(d, dtype=torch.bfloat16).state_dict()
+    assert set(have) == set(want), sorted(set(have) ^ set(want))[:4]
+    bad = [n for n in want if have[n].dtype != want[n].dtype or not torch.equal(
+        have[n].view(torch.uint8), want[n].view(torch.uint8))]
+    assert not bad, f"from_pretrained of the renamed checkpoint differs at {bad[:4]}"
 
 
 CHECKPOINTS["tiny-kimi-k25"] = _kimi_k25
