@@ -71,6 +71,13 @@ The published ``config.json`` still spells them in the hub's older schema
 defaults, which are the published sizes (``tests/adapters/test_kimi_k25.py``
 pins the two equal), and so does this table.
 
+**FSDP2** (transformers 5.24+'s ``Kimi_K25ForConditionalGeneration``):
+its in-memory names are renamed to the checkpoint's (:data:`IN_MEMORY_RENAMES`)
+and each block's in-memory ``attn.q_proj``/``k_proj``/``v_proj`` are re-fused
+into the checkpoint's ``wqkv`` row by row (:data:`WQKV_SPLIT`), both read
+from transformers' ``conversion_mapping.py`` (``kimi_k25``) and held against
+vLLM's own load by ``tests/integration/test_fsdp2_kimi_k25.py``.
+
 **Parallel sizes**: the text model's heads must divide by tp (vLLM
 ``ModelConfig.verify_with_parallel_config``; MLA's column splits alone would
 take the tiny model's 4 heads at tp 8). Found by tracing vLLM's own loaders
@@ -88,11 +95,12 @@ from .deepseek_v3 import FAMILY as DEEPSEEK_V3
 from .kinds import REPLICATED, VISION_COLUMN, VISION_FUSED_QKV, VISION_ROW
 from .quant import compressed_tensors_refusal
 from .sizes import Sizes, cfg_get
-from .table import Param
+from .table import Param, SplitOnLoad
 from .wrapper import Part, Tower, wrapper_family
 
 __all__ = ["ARCHITECTURE", "PREFIXES", "TEXT", "VISION", "PROJECTOR", "vision_symbols",
-           "VISION_DEFAULTS", "TINY_MODELS", "HF_NAMES", "VLLM_PARAMS", "CONDITIONS", "FAMILY"]
+           "VISION_DEFAULTS", "TINY_MODELS", "IN_MEMORY_RENAMES", "WQKV_SPLIT", "HF_NAMES",
+           "VLLM_PARAMS", "CONDITIONS", "FAMILY"]
 
 ARCHITECTURE = "KimiK25ForConditionalGeneration"
 
@@ -269,6 +277,49 @@ def _heads_divide(s: Sizes, spec: Any) -> str | None:
     return None
 
 
-FAMILY = replace(_WRAPPED, sizes=sizes, checks=(*_WRAPPED.checks, _heads_divide))
+_L = r"^model\.vision_tower\.layers\.(\d+)\."
+_BLOCK = r"vision_tower.encoder.blocks.\1."
+
+#: transformers 5.24+'s in-memory names of ``Kimi_K25ForConditionalGeneration`` ->
+#: the checkpoint's, in order: the inverse of its ``conversion_mapping.py``
+#: ``kimi_k25`` renames (``language_model.model`` -> ``model.language_model``;
+#: per vision block ``norm0``/``norm1`` -> ``norm1``/``norm2``, ``mlp.fc0``/``fc1``
+#: -> ``fc1``/``fc2``, ``wo`` -> ``attn.proj``; ``vision_tower.encoder`` ->
+#: ``model.vision_tower``, ``blocks`` -> ``layers``; ``mm_projector.proj.0``/``.2``
+#: -> ``model.mm_projector.in_proj``/``out_proj``; ``pos_emb.weight`` ->
+#: ``pos_emb.position_embeddings``). Every pattern starts at an in-memory root
+#: (``model.``, ``lm_head.``), which no checkpoint name has, so each applies once.
+IN_MEMORY_RENAMES = (
+    (_L + r"norm1\.", _BLOCK + "norm0."),
+    (_L + r"norm2\.", _BLOCK + "norm1."),
+    (_L + r"mlp\.fc1\.", _BLOCK + "mlp.fc0."),
+    (_L + r"mlp\.fc2\.", _BLOCK + "mlp.fc1."),
+    (_L + r"attn\.proj\.", _BLOCK + "wo."),
+    (_L, _BLOCK),
+    (r"^model\.vision_tower\.final_layernorm\.", "vision_tower.encoder.final_layernorm."),
+    (r"^model\.vision_tower\.patch_embed\.pos_emb\.position_embeddings$",
+     "vision_tower.patch_embed.pos_emb.weight"),
+    (r"^model\.vision_tower\.", "vision_tower."),
+    (r"^model\.mm_projector\.in_proj\.", "mm_projector.proj.0."),
+    (r"^model\.mm_projector\.out_proj\.", "mm_projector.proj.2."),
+    (r"^model\.mm_projector\.", "mm_projector."),
+    (r"^model\.language_model\.", "language_model.model."),
+    (r"^lm_head\.", "language_model.lm_head."),
+)
+
+#: transformers 5.24+ cuts each block's ``wqkv`` into ``attn.q_proj``/``k_proj``/``v_proj``
+#: as it loads and reorders q's and k's rows per head for its rotary embedding
+#: (``conversion_mapping.py`` ``kimi_k25``: ``Chunk(dim=0)``, then ``PermuteForRope``
+#: over ``vision_config.num_attention_heads``); the wire is the checkpoint's ``wqkv``.
+WQKV_SPLIT = SplitOnLoad(
+    pattern=r"(?P<prefix>vision_tower\.encoder\.blocks\.\d+)\.attn\.(?P<part>[qkv]_proj)"
+            r"\.(?P<leaf>weight|bias)",
+    wire_leaf="wqkv", parts=("q_proj", "k_proj", "v_proj"), rope=("q_proj", "k_proj"),
+    heads=lambda config: _vision_key(cfg_get(config, "vision_config", default={}),
+                                     "num_attention_heads"))
+
+FAMILY = replace(_WRAPPED, sizes=sizes, checks=(*_WRAPPED.checks, _heads_divide),
+                 hf=replace(_WRAPPED.hf, renames=(*IN_MEMORY_RENAMES, *_WRAPPED.hf.renames),
+                            split_on_load=(WQKV_SPLIT,)))
 #: The composed pieces, under the names every family module has.
 HF_NAMES, VLLM_PARAMS, CONDITIONS = FAMILY.hf, FAMILY.params, FAMILY.conditions

@@ -26,7 +26,7 @@ from .sizes import Sizes
 
 __all__ = [
     "Feeds", "Param", "qkv_feeds", "merged_feeds", "kv_heads", "head_dim", "alias",
-    "TRANSFORMERS_FUSED_EXPERTS", "HFNaming", "TinyModel", "Family",
+    "TRANSFORMERS_FUSED_EXPERTS", "SplitOnLoad", "HFNaming", "TinyModel", "Family",
     "COLWISE", "ROWWISE", "TPPlan", "SkippedLayers",
 ]
 
@@ -142,6 +142,72 @@ TRANSFORMERS_FUSED_EXPERTS: Mapping[str, tuple[str, tuple[str, ...]]] = {
 
 
 @dataclass(frozen=True)
+class SplitOnLoad:
+    """A wire tensor transformers holds in memory as several parameters, cut by rows as it loads.
+
+    transformers' ``WeightConverter`` with ``Chunk(dim=0)``, then
+    ``PermuteForRope`` on some of the chunks (``conversion_mapping.py``,
+    ``core_model_loading.py``): Kimi-K2.5's MoonViT checkpoint holds
+    ``wqkv`` ``[3*D, D]``, transformers 5.24+ holds ``attn.q_proj``,
+    ``attn.k_proj`` and ``attn.v_proj`` ``[D, D]``, q's and k's rows
+    reordered per head for its rotary embedding. The wire tensor is the
+    checkpoint's (what vLLM's loader takes): part ``j``'s rows follow the
+    parts before it, each in the checkpoint's row order.
+
+    ``PermuteForRope`` views a part's ``[heads * hd, ...]`` rows as
+    ``(heads, hd // 2, 2)`` and swaps the last two axes: in-memory row
+    ``h*hd + a*(hd//2) + i`` is checkpoint row ``h*hd + 2*i + a``
+    (:meth:`wire_row`); a bias is permuted alike.
+
+    Attributes:
+        pattern: regex on a part's on-disk name (after ``HFNaming.renames``),
+            with named groups ``prefix``, ``part`` (one of ``parts``) and
+            ``leaf`` (``weight``, ``bias``).
+        wire_leaf: the wire tensor is ``{prefix}.{wire_leaf}.{leaf}``.
+        parts: the parts, in the wire's row order.
+        rope: the parts whose rows ``PermuteForRope`` reorders.
+        heads: the config -> the heads of each ``rope`` part (``PermuteForRope``
+            reads ``num_attention_heads`` of its ``subconfig_key``).
+    """
+
+    pattern: str
+    wire_leaf: str
+    parts: tuple[str, ...]
+    rope: tuple[str, ...] = ()
+    heads: Callable[[Any], int] | None = None
+
+    def __post_init__(self) -> None:
+        stray = sorted(set(self.rope) - set(self.parts))
+        if stray:
+            raise ValueError(f"SplitOnLoad: rope parts {stray} are not among parts {self.parts}")
+        if self.rope and self.heads is None:
+            raise ValueError("SplitOnLoad: rope parts need heads (config -> heads per part)")
+
+    def match(self, disk_name: str) -> tuple[str, int] | None:
+        """``(wire name, part index)`` of on-disk name ``disk_name``, or ``None``."""
+        m = re.fullmatch(self.pattern, disk_name)
+        if m is None or m.group("part") not in self.parts:
+            return None
+        wire = f"{m.group('prefix')}.{self.wire_leaf}.{m.group('leaf')}"
+        return wire, self.parts.index(m.group("part"))
+
+    @staticmethod
+    def wire_row(row: int, rows: int, heads: int) -> int:
+        """The checkpoint row of in-memory row ``row`` of a ``rope`` part of ``rows`` rows.
+
+        Raises:
+            ValueError: ``rows`` not ``heads`` times an even head dim.
+        """
+        hd = rows // heads if heads > 0 else 0
+        if hd * heads != rows or hd % 2:
+            raise ValueError(f"SplitOnLoad: {rows} rows are not {heads} heads of an even head "
+                             "dim, which transformers' PermuteForRope needs")
+        h, r = divmod(row, hd)
+        a, i = divmod(r, hd // 2)
+        return h * hd + 2 * i + a
+
+
+@dataclass(frozen=True)
 class HFNaming:
     """How transformers 5 names a family's tensors in memory and on disk.
 
@@ -217,6 +283,9 @@ class HFNaming:
             (transformers' ``conversion_mapping.py`` transposes them as it
             loads, vLLM's loader as it reads: ``is_fused_checkpoint_transposed``);
             the reader takes such a tensor as a permuted view, never a gather.
+        split_on_load: wire tensors transformers holds as several in-memory
+            parameters (:class:`SplitOnLoad`); the FSDP2 source re-fuses each
+            rank's shards of them, row by row, without a gather.
 
     Raises:
         ValueError: a part of ``fused_experts`` has no on-disk pattern; an
@@ -235,6 +304,7 @@ class HFNaming:
     table_differs: Callable[[Any], str | None] | None = None
     buffers: tuple[str, ...] = ()
     stacked_order: tuple[int, ...] = ()
+    split_on_load: tuple[SplitOnLoad, ...] = ()
 
     def __post_init__(self) -> None:
         if self.stacked_order and sorted(self.stacked_order) != [0, 1, 2]:
@@ -272,6 +342,14 @@ class HFNaming:
         for pattern, reason in self.refused:
             if re.search(pattern, disk_name):
                 return reason
+        return None
+
+    def split_part(self, disk_name: str) -> tuple[SplitOnLoad, str, int] | None:
+        """``(rule, wire name, part index)`` of ``split_on_load`` for on-disk ``disk_name``, or ``None``."""
+        for rule in self.split_on_load:
+            hit = rule.match(disk_name)
+            if hit is not None:
+                return (rule, *hit)
         return None
 
     def fused_leaf(self, in_memory: str) -> str | None:

@@ -13,15 +13,23 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..experts import expert_pattern_regex
 from ..families.expand import expand
-from ..families.table import Family
+from ..families.table import Family, SplitOnLoad
 from .errors import FSDP2SourceError
 from .params import Weight
 
-__all__ = ["known_wire_names", "wire_names"]
+__all__ = ["known_wire_names", "wire_names", "SplitGroup"]
+
+
+class SplitGroup(NamedTuple):
+    """The in-memory parameters of one wire tensor transformers split as it loaded
+    (``HFNaming.split_on_load``): ``parts[j]`` is part ``j`` of ``rule.parts``."""
+
+    rule: SplitOnLoad
+    parts: dict[int, Weight]
 
 
 def known_wire_names(family: Family, config: Any) -> set[str]:
@@ -35,10 +43,12 @@ def wire_names(params: Sequence[Weight], family: Family, known: set[str]):
 
     Returns ``(order, groups)``: ``order`` lists ``(wire name, Weight)``, or
     ``(wire name, None)`` for a stacked tensor re-fused from per-expert
-    parameters (at the place of its first part); ``groups[wire] = ({expert:
-    {part: Weight}}, parts)``. Names follow the family's ``HFNaming``:
-    in-memory fused experts (``fused_leaf``), per-expert names
-    (``experts_on_disk``), renames (``disk_name``).
+    parameters or from parameters transformers split as it loaded (at the
+    place of its first part); ``groups[wire] = ({expert: {part: Weight}},
+    parts)`` for the former, a :class:`SplitGroup` for the latter. Names
+    follow the family's ``HFNaming``: in-memory fused experts
+    (``fused_leaf``), per-expert names (``experts_on_disk``), renames
+    (``disk_name``), split tensors (``split_on_load``).
 
     Raises:
         FSDP2SourceError: a name vLLM takes no tensor for (names the first,
@@ -47,6 +57,7 @@ def wire_names(params: Sequence[Weight], family: Family, known: set[str]):
     hf = family.hf
     permuted = getattr(hf, "permuted", None) or {}
     refusal = getattr(hf, "refusal", lambda name: None)
+    split_part = getattr(hf, "split_part", lambda name: None)
     expert_rx = [(part, expert_pattern_regex(pat)) for part, pat in hf.experts_on_disk.items()]
     wire_of_part = {part: (leaf, parts) for leaf, parts in hf.fused_experts.values()
                     for part in parts}
@@ -63,6 +74,14 @@ def wire_names(params: Sequence[Weight], family: Family, known: set[str]):
             why = refusal(disk)
             if why:
                 raise FSDP2SourceError(f"fsdp2_source: parameter '{x.name}' cannot be sent: {why}")
+            split = split_part(disk)
+            if split is not None:  # one of the rows of a tensor transformers cut as it loaded
+                rule, wire, j = split
+                if wire not in groups:
+                    groups[wire] = SplitGroup(rule, {})
+                    order.append((wire, None))
+                groups[wire].parts[j] = x
+                continue
             leaf = next((leaf for leaf in permuted if disk.endswith("." + leaf)), None)
             if leaf is not None:  # the wire holds it in another dim order
                 wire_leaf, x.order = permuted[leaf][0], tuple(permuted[leaf][1])

@@ -31,7 +31,7 @@ from .dtensor import mesh_of, weight_layout
 from .dtype import fp32_patterns, policy_dtypes, wire_dtype_rule
 from .errors import FSDP2SourceError
 from .lora import adapter_param_ids, plan_lora_merge
-from .names import known_wire_names, wire_names
+from .names import SplitGroup, known_wire_names, wire_names
 from .params import Weight, cast, is_dtensor, live, named_weights
 
 __all__ = ["FSDP2Source", "fsdp2_source"]
@@ -118,6 +118,11 @@ def fsdp2_source(
     tensor, and the rank's local tensor stacks its shards. A tensor the
     family sends in another dim order (``HFNaming.permuted``) travels as
     ``to_local().permute(order)`` (a view) with its boxes permuted alike.
+    A tensor transformers cut into several parameters as it loaded
+    (``HFNaming.split_on_load``: a vision block's ``wqkv`` held as q, k and
+    v, q's and k's rows reordered for rotary) travels as the checkpoint's
+    tensor: the rank's local tensor concatenates its parts' shards, its
+    pieces put each row where the checkpoint has it (:func:`_split_entry`).
 
     Wire dtype (:func:`wire_dtype_rule`): fp32 for what the checkpoint format
     keeps fp32 (``_keep_in_fp32_modules_strict``); a buffer in its own dtype
@@ -287,6 +292,11 @@ def fsdp2_source(
     entries: list[M2NManifestEntry] = []
     module_names: dict[str, tuple[str, ...]] = {}
     for wire, x in order:
+        if x is None and isinstance(groups[wire], SplitGroup):
+            split = groups[wire]
+            entries.append(_split_entry(wire, split, config, layout_of, wire_dtype, bool(sharded)))
+            module_names[wire] = tuple(split.parts[j].name for j in sorted(split.parts))
+            continue
         if x is None:
             experts, parts = groups[wire]
             entries.append(_expert_entry(wire, experts, parts, layout_of, wire_dtype,
@@ -394,3 +404,100 @@ def _expert_entry(wire: str, experts: dict[int, dict[str, Weight]], parts: tuple
 
     return M2NManifestEntry(wire, dtype, global_shape, lay, local)
 
+
+
+def _split_entry(wire: str, split: SplitGroup, config: Any, layout_of, wire_dtype,
+                 sharded: bool) -> M2NManifestEntry:
+    """The wire tensor of parameters transformers split as it loaded, as row pieces.
+
+    The wire tensor ``[sum R_j, *C]`` is the checkpoint's: part ``j``
+    (``[R_j, *C]`` in memory) fills rows ``[sum R_<j, sum R_<=j)``, each of
+    its in-memory rows at the checkpoint row ``SplitOnLoad.wire_row`` gives
+    for a ``rope`` part, at the same row otherwise. A rank's local tensor
+    is its parts' local shards concatenated along dim 0 (one copy, no
+    gather); a shard holding rows ``[r0, r1)`` of a part is one piece per
+    run of rows that stay consecutive in the wire (``r1 - r0`` single rows
+    for a rope part, whose neighbours land 2 rows apart; one piece
+    otherwise). On a plain model every rank holds the whole wire tensor.
+
+    Raises:
+        FSDP2SourceError: a missing part; parts of different trailing
+            shapes or dtypes; a rank whose parts' boxes differ off dim 0; a
+            rope part whose rows are not whole heads of an even head dim.
+    """
+    rule = split.rule
+    missing = [p for j, p in enumerate(rule.parts) if j not in split.parts]
+    if missing:
+        raise FSDP2SourceError(f"fsdp2_source: '{wire}' is re-fused from {rule.parts}, but its "
+                               f"'{missing[0]}' part is not among the model's parameters")
+    xs = [split.parts[j] for j in range(len(rule.parts))]
+    shapes = [tuple(int(n) for n in x.param.shape) for x in xs]
+    dtype = wire_dtype(xs[0])
+    for x, shape in zip(xs, shapes):
+        if not shape or shape[1:] != shapes[0][1:] or wire_dtype(x) != dtype:
+            raise FSDP2SourceError(
+                f"fsdp2_source: parameters of '{wire}' differ: '{x.name}' has shape {shape} "
+                f"and dtype {wire_dtype(x)}, '{xs[0].name}' {shapes[0]} and {dtype}; the parts "
+                "must match but for their rows to be concatenated")
+    heads = rule.heads(config) if rule.rope else 0
+    rows = [s[0] for s in shapes]
+    offsets = [sum(rows[:j]) for j in range(len(rows))]
+    maps = []  # per part: in-memory row -> wire row
+    for j, (x, part) in enumerate(zip(xs, rule.parts)):
+        if part in rule.rope:
+            try:
+                maps.append([offsets[j] + rule.wire_row(r, rows[j], heads) for r in range(rows[j])])
+            except ValueError as e:
+                raise FSDP2SourceError(f"fsdp2_source: parameter '{x.name}': {e}") from None
+        else:
+            maps.append(None)
+    global_shape = (sum(rows), *shapes[0][1:])
+    members = [(x.module, x.attr, x.name) for x in xs]
+    layouts = [layout_of(x)[0] for x in xs]
+    if layouts[0] is None:  # a plain model: every rank holds the whole wire tensor
+        order = torch.empty(global_shape[0], dtype=torch.long)
+        for j in range(len(xs)):
+            for r in range(rows[j]):
+                order[maps[j][r] if maps[j] else offsets[j] + r] = offsets[j] + r
+
+        def whole() -> torch.Tensor:
+            parts = [live(m, a, n, False) for m, a, n in members]
+            return cast(torch.cat(parts).index_select(0, order), dtype)
+
+        return M2NManifestEntry(wire, dtype, global_shape, SourceLayout(), whole)
+    pieces = []
+    for rank in layouts[0]:
+        boxes = [lay[rank] for lay in layouts]
+        rest = boxes[0][1:]
+        if any(b[1:] != rest for b in boxes):
+            raise FSDP2SourceError(
+                f"fsdp2_source: the parts of '{wire}' are sharded differently on trainer rank "
+                f"{rank} ({dict(zip(rule.parts, boxes))}); they must split alike off dim 0 to "
+                "be concatenated")
+        if any(b == a for a, b in rest):
+            continue
+        rows_of = []  # (wire row, local row) of every row the rank holds, in local order
+        for j, ((r0, r1), *_) in enumerate(boxes):
+            base = len(rows_of) - r0
+            rows_of += [(maps[j][r] if maps[j] else offsets[j] + r, base + r)
+                        for r in range(r0, r1)]
+        for a, b, at in _row_runs(rows_of):
+            pieces.append(Piece(rank, ((a, b), *rest), (at, *([0] * len(rest)))))
+    lay = PieceLayout(tuple(pieces), where=f"parameter '{wire}'")
+
+    def local() -> torch.Tensor:
+        return cast(torch.cat([live(m, a, n, sharded) for m, a, n in members]), dtype)
+
+    return M2NManifestEntry(wire, dtype, global_shape, lay, local)
+
+
+def _row_runs(rows: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """``(wire start, wire stop, local start)`` runs of ``(wire row, local row)`` pairs that
+    continue one another on both sides."""
+    runs: list[tuple[int, int, int]] = []
+    for w, at in rows:
+        if runs and runs[-1][1] == w and runs[-1][2] + w - runs[-1][0] == at:
+            runs[-1] = (runs[-1][0], w + 1, runs[-1][2])
+        else:
+            runs.append((w, w + 1, at))
+    return runs

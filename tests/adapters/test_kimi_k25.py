@@ -233,3 +233,71 @@ def test_a_sharded_checkpoint_reads_the_same(tmp_path, tiny):
     assert sharded.params == ckpt.params
     for m in ckpt.params[::7]:
         assert sharded.read_full(m.name).equal(ckpt.read_full(m.name))
+
+
+@pytest.mark.parametrize("rows,heads", [(16, 2), (8, 1), (24, 3), (4, 2)])
+def test_split_rows_invert_transformers_permute_for_rope(rows, heads):
+    """``SplitOnLoad.wire_row`` against transformers' own ``PermuteForRope`` (what it
+    applies to q and k of each vision block as it loads): in-memory row ``m`` of the
+    permuted checkpoint rows ``arange(rows)`` holds checkpoint row ``wire_row(m)``. Biases
+    are held bit for bit against vLLM in ``tests/integration/test_fsdp2_kimi_k25.py``."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers.core_model_loading import PermuteForRope
+
+    from m2nkit.adapters.families.kimi_k25 import WQKV_SPLIT
+
+    rows_in = torch.arange(rows).repeat(3, 1).T.contiguous()     # [rows, 3]: row r holds r
+    op = PermuteForRope()
+    if hasattr(op, "_permute_for_rope"):                       # transformers 5.24+
+        memory = op._permute_for_rope(rows_in, SimpleNamespace(num_attention_heads=heads))
+    else:                                                      # 5.12.1 reads config.getattr
+        op.config = SimpleNamespace(getattr=lambda key, default: {"num_attention_heads": heads}
+                                    .get(key, default))
+        memory = op._apply(rows_in)
+    assert [WQKV_SPLIT.wire_row(m, rows, heads) for m in range(rows)] == memory[:, 0].tolist()
+    config = SimpleNamespace(vision_config=SimpleNamespace(num_attention_heads=heads))
+    assert WQKV_SPLIT.heads(config) == heads
+
+
+def test_split_rows_refuse_odd_head_dims():
+    from m2nkit.adapters.families.kimi_k25 import WQKV_SPLIT
+
+    with pytest.raises(ValueError, match="6 rows are not 2 heads of an even head dim"):
+        WQKV_SPLIT.wire_row(0, 6, 2)
+
+
+#: transformers 5.25's ``Kimi_K25ForConditionalGeneration.named_parameters()`` of the tiny
+#: checkpoint (recorded; block and layer 0, the MoE layer's router) -> the published names.
+_IN_MEMORY = {
+    "model.vision_tower.patch_embed.proj.weight": "vision_tower.patch_embed.proj.weight",
+    "model.vision_tower.patch_embed.pos_emb.position_embeddings":
+        "vision_tower.patch_embed.pos_emb.weight",
+    "model.vision_tower.layers.0.norm1.weight": "vision_tower.encoder.blocks.0.norm0.weight",
+    "model.vision_tower.layers.0.norm2.bias": "vision_tower.encoder.blocks.0.norm1.bias",
+    "model.vision_tower.layers.0.attn.proj.weight": "vision_tower.encoder.blocks.0.wo.weight",
+    "model.vision_tower.layers.0.mlp.fc1.weight": "vision_tower.encoder.blocks.0.mlp.fc0.weight",
+    "model.vision_tower.layers.0.mlp.fc2.bias": "vision_tower.encoder.blocks.0.mlp.fc1.bias",
+    "model.vision_tower.final_layernorm.weight": "vision_tower.encoder.final_layernorm.weight",
+    "model.language_model.embed_tokens.weight": "language_model.model.embed_tokens.weight",
+    "model.language_model.layers.1.mlp.gate.weight": "language_model.model.layers.1.mlp.gate.weight",
+    "model.language_model.norm.weight": "language_model.model.norm.weight",
+    "model.mm_projector.pre_norm.weight": "mm_projector.pre_norm.weight",
+    "model.mm_projector.in_proj.bias": "mm_projector.proj.0.bias",
+    "model.mm_projector.out_proj.weight": "mm_projector.proj.2.weight",
+    "lm_head.weight": "language_model.lm_head.weight",
+}
+
+
+def test_in_memory_names_are_the_published_ones():
+    from m2nkit.adapters.families.kimi_k25 import FAMILY, WQKV_SPLIT
+
+    hf = FAMILY.hf
+    assert {n: hf.disk_name(n) for n in _IN_MEMORY} == _IN_MEMORY
+    for published in _IN_MEMORY.values():          # a checkpoint name is left alone
+        assert hf.disk_name(published) == published
+    for j, part in enumerate(("q_proj", "k_proj", "v_proj")):
+        disk = hf.disk_name(f"model.vision_tower.layers.3.attn.{part}.bias")
+        assert hf.split_part(disk) == (WQKV_SPLIT, "vision_tower.encoder.blocks.3.wqkv.bias", j)
+    assert hf.split_part("language_model.model.layers.0.self_attn.q_proj.weight") is None

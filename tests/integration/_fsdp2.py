@@ -13,18 +13,18 @@ from pathlib import Path
 import torch
 
 
-def shard_layers(model, kind: str, world: int):
-    """``model`` sharded by FSDP2 in this rank: ``fully_shard`` per decoder layer
-    (``model.model.layers``), then the root, on a 1-D mesh ``(dp_shard=world,)``
-    (``kind="fsdp"``) or an HSDP mesh ``(dp_replicate=2, dp_shard=world // 2)``
-    (``kind="hsdp"``). Needs the process group (``_procs.gloo_rank``)."""
+def shard_layers(model, kind: str, world: int, layers=None):
+    """``model`` sharded by FSDP2 in this rank: ``fully_shard`` per layer of ``layers``
+    (default: the decoder layers ``model.model.layers``), then the root, on a 1-D mesh
+    ``(dp_shard=world,)`` (``kind="fsdp"``) or an HSDP mesh ``(dp_replicate=2,
+    dp_shard=world // 2)`` (``kind="hsdp"``). Needs the process group (``_procs.gloo_rank``)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = (init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_replicate", "dp_shard"))
             if kind == "hsdp" else
             init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",)))
-    for layer in model.model.layers:
+    for layer in model.model.layers if layers is None else layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
