@@ -22,6 +22,7 @@ import shutil
 
 from _paths import CONFIGS, ORACLE
 import pytest
+import torch
 
 from m2nkit.adapters.families import family
 from m2nkit.adapters.families.kimi_k25 import VISION_DEFAULTS
@@ -243,19 +244,10 @@ def test_split_rows_invert_transformers_permute_for_rope(rows, heads):
     are held bit for bit against vLLM in ``tests/integration/test_fsdp2_kimi_k25.py``."""
     from types import SimpleNamespace
 
-    import torch
-    from transformers.core_model_loading import PermuteForRope
-
     from m2nkit.adapters.families.kimi_k25 import WQKV_SPLIT
 
     rows_in = torch.arange(rows).repeat(3, 1).T.contiguous()     # [rows, 3]: row r holds r
-    op = PermuteForRope()
-    if hasattr(op, "_permute_for_rope"):                       # transformers 5.24+
-        memory = op._permute_for_rope(rows_in, SimpleNamespace(num_attention_heads=heads))
-    else:                                                      # 5.12.1 reads config.getattr
-        op.config = SimpleNamespace(getattr=lambda key, default: {"num_attention_heads": heads}
-                                    .get(key, default))
-        memory = op._apply(rows_in)
+    memory = _permute_for_rope(rows_in, heads)
     assert [WQKV_SPLIT.wire_row(m, rows, heads) for m in range(rows)] == memory[:, 0].tolist()
     config = SimpleNamespace(vision_config=SimpleNamespace(num_attention_heads=heads))
     assert WQKV_SPLIT.heads(config) == heads
@@ -301,3 +293,71 @@ def test_in_memory_names_are_the_published_ones():
         disk = hf.disk_name(f"model.vision_tower.layers.3.attn.{part}.bias")
         assert hf.split_part(disk) == (WQKV_SPLIT, "vision_tower.encoder.blocks.3.wqkv.bias", j)
     assert hf.split_part("language_model.model.layers.0.self_attn.q_proj.weight") is None
+
+
+def _permute_for_rope(rows: "torch.Tensor", heads: int) -> "torch.Tensor":
+    """transformers' own ``PermuteForRope`` of ``rows`` ``[R, C]`` (what it applies to q and k
+    as it loads), through 5.12.1's ``_apply`` or 5.24+'s ``_permute_for_rope``."""
+    from types import SimpleNamespace
+
+    from transformers.core_model_loading import PermuteForRope
+
+    op = PermuteForRope()
+    if hasattr(op, "_permute_for_rope"):
+        return op._permute_for_rope(rows, SimpleNamespace(num_attention_heads=heads))
+    op.config = SimpleNamespace(getattr=lambda key, default: {"num_attention_heads": heads}
+                                .get(key, default))
+    return op._apply(rows)
+
+
+def _vision_block(parts):
+    """A module tree named as transformers 5.24+ names Kimi-K2.5's vision block 0."""
+    root = torch.nn.Module()
+    root.model = torch.nn.Module()
+    root.model.vision_tower = torch.nn.Module()
+    layer = torch.nn.Module()
+    root.model.vision_tower.layers = torch.nn.ModuleList([layer])
+    layer.attn = torch.nn.Module()
+    for name, (w, b) in parts.items():
+        linear = torch.nn.Linear(w.shape[1], w.shape[0])
+        linear.weight.data.copy_(w)
+        linear.bias.data.copy_(b)
+        setattr(layer.attn, name, linear)
+    return root
+
+
+def _tiny_config():
+    import transformers
+
+    return transformers.PretrainedConfig.from_dict(
+        json.loads((TINY / "config.json").read_text()))
+
+
+def test_plain_model_sends_the_checkpoints_wqkv():
+    """The checkpoint's ``wqkv`` cut and permuted by transformers' own ops, as it loads;
+    ``fsdp2_source`` of the resulting (unsharded) q/k/v sends the checkpoint's bytes."""
+    from m2nkit.adapters.fsdp2 import fsdp2_source
+
+    torch.manual_seed(0)
+    D, heads = 16, 2                                    # the tiny tower's sizes
+    wqkv, bias = torch.randn(3 * D, D), torch.randn(3 * D)
+    parts = {}
+    for j, name in enumerate(("q_proj", "k_proj", "v_proj")):
+        w, b = wqkv[j * D:(j + 1) * D], bias[j * D:(j + 1) * D]
+        if name != "v_proj":
+            w, b = _permute_for_rope(w, heads), _permute_for_rope(b[:, None], heads)[:, 0]
+        parts[name] = (w, b)
+    got = dict(fsdp2_source(_vision_block(parts), config=_tiny_config()).iter_local())
+    prefix = "vision_tower.encoder.blocks.0.wqkv"
+    assert set(got) == {f"{prefix}.weight", f"{prefix}.bias"}
+    assert torch.equal(got[f"{prefix}.weight"], wqkv)
+    assert torch.equal(got[f"{prefix}.bias"], bias)
+
+
+def test_missing_split_part_is_named():
+    from m2nkit.adapters.fsdp2 import FSDP2SourceError, fsdp2_source
+
+    parts = {n: (torch.zeros(16, 16), torch.zeros(16)) for n in ("q_proj", "k_proj")}
+    with pytest.raises(FSDP2SourceError, match=r"wqkv.weight' is re-fused from .*'v_proj' part "
+                                               "is not among the model's parameters"):
+        fsdp2_source(_vision_block(parts), config=_tiny_config())
