@@ -345,7 +345,10 @@ class HFNaming:
         return None
 
     def split_part(self, disk_name: str) -> tuple[SplitOnLoad, str, int] | None:
-        """``(rule, wire name, part index)`` of on-disk ``disk_name`` (``split_on_load``), or ``None``."""
+        """``(rule, wire name, part index)`` of on-disk ``disk_name``, or ``None``.
+
+        The first :attr:`split_on_load` rule that matches it.
+        """
         for rule in self.split_on_load:
             hit = rule.match(disk_name)
             if hit is not None:

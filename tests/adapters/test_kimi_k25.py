@@ -273,7 +273,8 @@ _IN_MEMORY = {
     "model.vision_tower.layers.0.mlp.fc2.bias": "vision_tower.encoder.blocks.0.mlp.fc1.bias",
     "model.vision_tower.final_layernorm.weight": "vision_tower.encoder.final_layernorm.weight",
     "model.language_model.embed_tokens.weight": "language_model.model.embed_tokens.weight",
-    "model.language_model.layers.1.mlp.gate.weight": "language_model.model.layers.1.mlp.gate.weight",
+    "model.language_model.layers.1.mlp.gate.weight":
+        "language_model.model.layers.1.mlp.gate.weight",
     "model.language_model.norm.weight": "language_model.model.norm.weight",
     "model.mm_projector.pre_norm.weight": "mm_projector.pre_norm.weight",
     "model.mm_projector.in_proj.bias": "mm_projector.proj.0.bias",

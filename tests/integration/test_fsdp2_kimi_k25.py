@@ -47,7 +47,8 @@ def test_kimi_k25_fsdp2_ranks_into_traced_layouts_equal_vllm_loads(tmp_path):
         assert shapes[WQKV] == [48, 16]
         assert shapes["vision_tower.encoder.blocks.0.wqkv.bias"] == [48]
         assert not any(".attn.q_proj" in n or "position_embeddings" in n for n in shapes)
-        assert shapes["language_model.model.layers.1.mlp.experts.gate_up_proj.weight"] == [4, 64, 32]
+        experts = "language_model.model.layers.1.mlp.experts"
+        assert shapes[f"{experts}.gate_up_proj.weight"] == [4, 64, 32]
         for spec in SPECS:
             moved, minimum = got["plans"][spec]
             assert moved == minimum > 0, (kind, spec)
