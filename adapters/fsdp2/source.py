@@ -405,7 +405,6 @@ def _expert_entry(wire: str, experts: dict[int, dict[str, Weight]], parts: tuple
     return M2NManifestEntry(wire, dtype, global_shape, lay, local)
 
 
-
 def _split_entry(wire: str, split: SplitGroup, config: Any, layout_of, wire_dtype,
                  sharded: bool) -> M2NManifestEntry:
     """The wire tensor of parameters transformers split as it loaded, as row pieces.
@@ -444,21 +443,17 @@ def _split_entry(wire: str, split: SplitGroup, config: Any, layout_of, wire_dtyp
     offsets = [sum(rows[:j]) for j in range(len(rows))]
     maps = []  # per part: in-memory row -> wire row
     for j, (x, part) in enumerate(zip(xs, rule.parts)):
-        if part in rule.rope:
-            try:
-                maps.append([offsets[j] + rule.wire_row(r, rows[j], heads) for r in range(rows[j])])
-            except ValueError as e:
-                raise FSDP2SourceError(f"fsdp2_source: parameter '{x.name}': {e}") from None
-        else:
-            maps.append(None)
+        try:
+            maps.append([offsets[j] + (rule.wire_row(r, rows[j], heads) if part in rule.rope
+                                       else r) for r in range(rows[j])])
+        except ValueError as e:
+            raise FSDP2SourceError(f"fsdp2_source: parameter '{x.name}': {e}") from None
     global_shape = (sum(rows), *shapes[0][1:])
     members = [(x.module, x.attr, x.name) for x in xs]
     layouts = [layout_of(x)[0] for x in xs]
     if layouts[0] is None:  # a plain model: every rank holds the whole wire tensor
-        order = torch.empty(global_shape[0], dtype=torch.long)
-        for j in range(len(xs)):
-            for r in range(rows[j]):
-                order[maps[j][r] if maps[j] else offsets[j] + r] = offsets[j] + r
+        order = torch.empty(global_shape[0], dtype=torch.long)  # wire row -> row of the cat
+        order[torch.tensor([w for m in maps for w in m])] = torch.arange(global_shape[0])
 
         def whole() -> torch.Tensor:
             parts = [live(m, a, n, False) for m, a, n in members]
@@ -479,8 +474,7 @@ def _split_entry(wire: str, split: SplitGroup, config: Any, layout_of, wire_dtyp
         rows_of = []  # (wire row, local row) of every row the rank holds, in local order
         for j, ((r0, r1), *_) in enumerate(boxes):
             base = len(rows_of) - r0
-            rows_of += [(maps[j][r] if maps[j] else offsets[j] + r, base + r)
-                        for r in range(r0, r1)]
+            rows_of += [(maps[j][r], base + r) for r in range(r0, r1)]
         for a, b, at in _row_runs(rows_of):
             pieces.append(Piece(rank, ((a, b), *rest), (at, *([0] * len(rest)))))
     lay = PieceLayout(tuple(pieces), where=f"parameter '{wire}'")

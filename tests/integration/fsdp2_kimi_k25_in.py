@@ -43,7 +43,6 @@ WQKV = "vision_tower.encoder.blocks.0.wqkv.weight"
 
 
 def _rank_main(rank, world, port, ckpt, out):
-    sys.path[:0] = [str(HERE.parent.parent), str(HERE.parent)]
     import transformers
 
     from _procs import gloo_rank, save_source

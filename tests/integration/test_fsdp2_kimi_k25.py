@@ -20,21 +20,17 @@ import subprocess
 import pytest
 
 from _paths import REPO
+from integration.test_traced_kimi_k25 import _python_tf
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
-PYTHON_TF = REPO / ".venv-tf" / "bin" / "python"
 SCRIPT = REPO / "tests" / "integration" / "fsdp2_kimi_k25_in.py"
 SPECS = {"vllm:tp=2": 2, "vllm:tp=2,ep": 2, "vllm:tp=4,ep": 4}
 WQKV = "vision_tower.encoder.blocks.0.wqkv.weight"
 
 
 def test_kimi_k25_fsdp2_ranks_into_traced_layouts_equal_vllm_loads(tmp_path):
-    if not PYTHON_TF.exists():
-        pytest.fail(f"{PYTHON_TF} is missing: transformers' Kimi_K25ForConditionalGeneration "
-                    "and vLLM 0.33.0's Kimi-K2.5 need transformers 5.24+, which "
-                    "scripts/side_transformers.sh installs there (CI runs it)")
-    r = subprocess.run([str(PYTHON_TF), str(SCRIPT), str(tmp_path)], capture_output=True,
+    r = subprocess.run([_python_tf(), str(SCRIPT), str(tmp_path)], capture_output=True,
                        text=True, timeout=840, cwd=REPO,
                        env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-4000:]
