@@ -12,7 +12,13 @@ their own for the baseline's all-gather):
   tensor, all-gather among the trainer ranks, rank 0 sends the full tensor to
   every worker, each worker keeps its part (what RL frameworks do today);
 * ``floor``    — ``raw_floor_round``: the plan's bytes per (trainer, worker)
-  link as one raw message each, from buffers filled in advance.
+  link as one raw message each, from buffers filled in advance;
+* ``messages`` — ``message_pattern_round``: the same bytes in exactly
+  torch_p2p's messages (its buckets, pairs, tags and sizes), from buffers
+  filled in advance: no copies, no layouts. Its ratio to the floor is what
+  gloo's per-message cost alone takes for the transport's message pattern,
+  so the m2nkit / floor ratio splits into that and the transport's own
+  copies and bookkeeping (m2nkit / messages).
 
 With ``--wire fp8`` a fourth method runs beside them, in the same processes:
 
@@ -75,12 +81,13 @@ from pathlib import Path
 
 from m2nkit.engine.tools.procs import collect_ranks, free_port, peak_kib, reset_peak, rss_kib
 
-METHODS = ("m2nkit", "gather", "floor")
+METHODS = ("m2nkit", "gather", "floor", "messages")
 LABELS = {
     "m2nkit": "m2nkit torch_p2p",
     "fp8": "m2nkit fp8 wire",
     "gather": "gather-then-broadcast",
     "floor": "raw gloo floor",
+    "messages": "m2nkit's messages, raw",
 }
 
 #: The default benchmark model: big enough that a round takes long enough to
@@ -118,15 +125,17 @@ def _rank_main(rank: int, cfg: dict, out) -> None:
 def slot_order(methods: list[str], k: int) -> list[str]:
     """The methods of round ``k`` in the order they run.
 
-    m2nkit and the floor alternate which goes first (m2nkit first in even
-    rounds), so neither always runs right after the other's traffic or
-    right after the barrier; gather-then-broadcast runs last, in a slot of
-    its own, once both are done.
+    m2nkit, the floor and m2nkit's raw messages take turns going first
+    (the order rotates by one each round: with two of them, they alternate),
+    so none always runs right after another's traffic or right after the
+    barrier; gather-then-broadcast (and the fp8 wire) run last, in slots of
+    their own, once those are done.
     """
-    pair = [m for m in ("m2nkit", "floor") if m in methods]
-    if k % 2:
-        pair.reverse()
-    return pair + [m for m in methods if m not in ("m2nkit", "floor")]
+    core = [m for m in ("m2nkit", "floor", "messages") if m in methods]
+    if core:
+        shift = k % len(core)
+        core = core[shift:] + core[:shift]
+    return core + [m for m in methods if m not in ("m2nkit", "floor", "messages")]
 
 
 def _run_rank(rank: int, cfg: dict) -> dict:
@@ -142,6 +151,7 @@ def _run_rank(rank: int, cfg: dict) -> dict:
     from m2nkit.adapters.hf_checkpoint import checkpoint_manifest, checkpoint_metas
     from m2nkit.adapters.trainer_spec import parse_trainer_spec
     from m2nkit.engine.tools.baseline import (create_trainer_group, gather_then_broadcast_round,
+                                              message_pattern_buffers, message_pattern_round,
                                               raw_floor_buffers, raw_floor_round)
     from m2nkit.engine.in_process import allocate_storage, bitwise_equal
     from m2nkit.engine.session import plan_from_manifest
@@ -186,6 +196,8 @@ def _run_rank(rank: int, cfg: dict) -> dict:
     local = storage = ref = buffers = None
     if "floor" in methods:
         buffers = raw_floor_buffers(plan, rank)
+    pattern = message_pattern_buffers(plan, p2p.schedule(plan), rank) \
+        if "messages" in methods else None
     if is_trainer:
         # clone(): the shard in anonymous memory, every page written, as a
         # trainer holds its weights. The provider's tensors can still be
@@ -236,7 +248,7 @@ def _run_rank(rank: int, cfg: dict) -> dict:
         for method in slot_order(methods, k):
             if method == "gather" and (k >= cfg["gather_rounds"] or k < 0):
                 continue
-            if storage is not None and method != "floor":
+            if storage is not None and method not in ("floor", "messages"):
                 scrub()
             gc.collect()
             barrier(f"before {method} round {k}")
@@ -268,17 +280,20 @@ def _run_rank(rank: int, cfg: dict) -> dict:
                                                 stream=iter(local) if is_trainer else None,
                                                 storage=storage, timeout_s=timeout_s)
                 c = {"sent": r.sent, "received": r.received, "gathered": r.gathered}
+            elif method == "messages":
+                r = message_pattern_round(group, plan, pattern, rank, timeout_s=timeout_s)
+                c = {"sent": r.sent, "received": r.received, "gathered": 0}
             else:
                 r = raw_floor_round(group, plan, rank, buffers, timeout_s=timeout_s)
                 c = {"sent": r.sent, "received": r.received, "gathered": 0}
             barrier(f"after {method} round {k}")
             dt, dc = time.perf_counter() - t0, cpu_s() - c0
-            exact = None  # the floor moves filler bytes: nothing to check
+            exact = None  # the floor and the raw messages move filler bytes: nothing to check
             if storage is not None and method == "fp8":
                 held = {**storage, **got.held}
                 bad = [name for name in ref8 if not bitwise_equal(held[name], ref8[name])]
                 exact = {"ok": not bad, "params": len(ref8), "bad": bad[:3]}
-            elif storage is not None and method != "floor":
+            elif storage is not None and method not in ("floor", "messages"):
                 bad = [name for name in storage if not bitwise_equal(storage[name], ref[name])]
                 exact = {"ok": not bad, "params": len(storage), "bad": bad[:3]}
             if k < 0:
@@ -446,8 +461,9 @@ def check_bytes(rows: list[dict], payload: int, model_bytes: int, N: int) -> lis
         if row["method"] == "gather" and row["p2p_sent"][0] != N * model_bytes:
             failures.append(f"gather-then-broadcast rank 0 sent {row['p2p_sent'][0]} bytes, "
                             f"expected N x model = {N * model_bytes}")
-        if row["method"] == "floor" and row["sent_total"] != payload:
-            failures.append(f"raw floor sent {row['sent_total']} bytes, plan moves {payload}")
+        if row["method"] in ("floor", "messages") and row["sent_total"] != payload:
+            failures.append(f"{LABELS[row['method']]} sent {row['sent_total']} bytes, plan "
+                            f"moves {payload}")
     return failures
 
 
@@ -526,6 +542,7 @@ def run_one(args, methods: list[str], trainer: str, inference: str, scale: int) 
         torch_p2p.RUN_PIECE_BYTES = RUNS_PIECE_BYTES
     messages = {"m2nkit": message_count(plan, BucketSchedule.build(plan, bucket_bytes)),
                 "floor": len(plan.link_bytes)}
+    messages["messages"] = messages["m2nkit"]
     fp8 = None
     inference_fp8 = f"{inference},quant=fp8_per_block,wire=fp8"
     if "fp8" in methods:
@@ -587,6 +604,7 @@ def run_one(args, methods: list[str], trainer: str, inference: str, scale: int) 
     print_tables(rows)
     print()
     floor_ratio = ratios(rows, "m2nkit", "floor")
+    pattern_ratio = ratios(rows, "messages", "floor")
     gather_ratio = ratios(rows, "gather", "m2nkit")
     notes = []
     if floor_ratio:
@@ -594,6 +612,10 @@ def run_one(args, methods: list[str], trainer: str, inference: str, scale: int) 
                      f"{_fmt_ratios(floor_ratio)}; median {statistics.median(floor_ratio):.2f}x "
                      f"(goal <= 1.25x). Messages a round: m2nkit {messages['m2nkit']:,}, floor "
                      f"{messages['floor']:,}")
+    if pattern_ratio:
+        notes.append(f"m2nkit's messages, raw / floor per round: {_fmt_ratios(pattern_ratio)}; "
+                     f"median {statistics.median(pattern_ratio):.2f}x: what gloo's per-message "
+                     "cost alone takes for torch_p2p's message pattern (no copies, no layouts)")
     if gather_ratio:
         notes.append(f"gather-then-broadcast / m2nkit per round: {_fmt_ratios(gather_ratio)}; "
                      f"median {statistics.median(gather_ratio):.1f}x (goal >= 5x)")
@@ -629,10 +651,10 @@ def run_one(args, methods: list[str], trainer: str, inference: str, scale: int) 
                          "T-1 padded chunks per tensor), counted in 'sent'")
     reset = "" if all(r["peak_reset"] for r in rows) else " (reset unavailable: since start)"
     notes.append(
-        f"All methods run in the same {T + N} processes, round by round (m2nkit and the floor "
-        "alternate which goes first; gather-then-broadcast last), after "
-        f"{args.warmup} unrecorded warm-up round(s) of m2nkit and the floor. peak = VmHWM, reset before "
-        f"every slot{reset}, max over ranks and slots. Δ idle = over the process's RSS when idle "
+        f"All methods run in the same {T + N} processes, round by round (m2nkit, the floor "
+        "and m2nkit's raw messages take turns going first; gather-then-broadcast last), after "
+        f"{args.warmup} unrecorded warm-up round(s) of all but gather-then-broadcast. "
+        f"peak = VmHWM, reset before every slot{reset}, max over ranks and slots. Δ idle = over the process's RSS when idle "
         "after imports, checkpoint headers, plan and groups (at most "
         f"{_mib(max(r['rss_idle'] for r in rows))}). Δ ready = over its RSS just before the "
         "slot, everything the methods hold between rounds resident (shard, vLLM storage, the "
@@ -644,7 +666,7 @@ def run_one(args, methods: list[str], trainer: str, inference: str, scale: int) 
     if built:
         print(f"(model built in {t_build:.0f} s, kept for the next run)")
     names = {"m2nkit": "m2nkit", "gather": "gather_broadcast", "floor": "floor",
-             "fp8": "m2nkit_fp8_wire"}
+             "fp8": "m2nkit_fp8_wire", "messages": "message_pattern"}
     doc = {"methods": {names[r["method"]]: {
         "round_s": r["round_s"], "rounds_s": r["rounds_s"], "cpu_s": r["cpu_s"],
         "bytes_sent_total": r["sent_total"], "bytes_received_total": r["recv_total"],
@@ -661,6 +683,9 @@ def run_one(args, methods: list[str], trainer: str, inference: str, scale: int) 
         "gather_rounds": gather_rounds, "payload_bytes": payload, "interleaved": True,
         "ratio_to_floor": {"rounds": floor_ratio,
                            "median": statistics.median(floor_ratio) if floor_ratio else None},
+        "message_pattern_to_floor": {"rounds": pattern_ratio, "median":
+                                     statistics.median(pattern_ratio) if pattern_ratio
+                                     else None},
         "gather_over_m2nkit": {"rounds": gather_ratio,
                                "median": statistics.median(gather_ratio) if gather_ratio
                                else None},
@@ -738,13 +763,15 @@ def main() -> None:
     if len(docs) > 1 or docs[0]["ratio_to_floor"]["rounds"]:
         print()
         _table([("case", 30), ("m2nkit s", 9), ("floor s", 8), ("/ floor, per round", 32),
-                ("median", 7), ("gather/m2n", 10), ("load", 10)],
+                ("median", 7), ("msgs/floor", 10), ("gather/m2n", 10), ("load", 10)],
                [[f"{d['case'] or 'given'}: {d['trainer']} -> {d['inference']}",
                  f"{d['methods']['m2nkit']['round_s']:.3f}" if "m2nkit" in d["methods"] else "-",
                  f"{d['methods']['floor']['round_s']:.3f}" if "floor" in d["methods"] else "-",
                  _fmt_ratios(d["ratio_to_floor"]["rounds"]) or "-",
                  f"{d['ratio_to_floor']['median']:.2f}x" if d["ratio_to_floor"]["median"]
                  else "-",
+                 f"{d['message_pattern_to_floor']['median']:.2f}x"
+                 if d["message_pattern_to_floor"]["median"] else "-",
                  f"{d['gather_over_m2nkit']['median']:.1f}x" if d["gather_over_m2nkit"]["median"]
                  else "-",
                  f"{d['load_average'][0]:.1f}-{d['load_average'][1]:.1f}"] for d in docs])

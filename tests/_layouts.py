@@ -16,6 +16,22 @@ def own_param_destination(name, shape, dtype, boxes_per_worker):
     return DestinationLayout("test", len(boxes_per_worker), tuple(params), {name: tuple(bindings)})
 
 
+def fused_moe_destination(name, num_workers, experts, intermediate, hidden, param_dtype):
+    """vLLM's fused ``w13_weight`` ``[E, I/N, H]`` per worker, bound from a ``[E, 2I, H]``
+    ``gate_up_proj`` wire tensor: worker ``w``'s gate rows, then its up rows, per expert
+    (``FusedMoE.weight_loader``, vLLM ``model_executor/layers/fused_moe/layer.py``)."""
+    half = intermediate // num_workers
+    params, bindings = [], []
+    for w in range(num_workers):
+        params.append(DestinationParam(w, "w13_weight", param_dtype,
+                                       (experts, intermediate, hidden)))
+        for rows, at in (((w * half, (w + 1) * half), 0),
+                         ((intermediate + w * half, intermediate + (w + 1) * half), half)):
+            bindings.append(Binding(name, w, ((0, experts), rows, (0, hidden)), "w13_weight",
+                                    (0, at, 0)))
+    return DestinationLayout("test", num_workers, tuple(params), {name: tuple(bindings)})
+
+
 def fill_worker(layout, wire, worker):
     """Worker ``worker``'s storage as the layout's bindings fill it from ``wire`` (name ->
     full tensor): NaN first, zero boxes zeroed, each binding's box copied (cast to the

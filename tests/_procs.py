@@ -93,12 +93,14 @@ def in_threads(fns: dict, timeout_s: float, what: str = "a thread") -> dict:
 
 
 def p2p_round_in_threads(plan, schedule, streams: dict, storage: dict,
-                         timeout_s: float = 60.0) -> dict:
+                         timeout_s: float = 60.0, pools: dict | None = None) -> dict:
     """One real ``torch_p2p`` round over gloo on 127.0.0.1, one thread per rank.
 
     Trainer rank ``r`` sends ``streams[r]`` (its ``iter_local()`` list);
-    worker ``w`` receives into ``storage[w]``. Returns ``{worker: bytes
-    received}``; every group is aborted afterwards.
+    worker ``w`` receives into ``storage[w]``; ``pools`` (group rank ->
+    ``BufferPool``), when given, are the ranks' staging pools. Returns
+    ``{group rank: bytes sent (trainer) or received (worker)}``; every group
+    is aborted afterwards.
 
     Raises:
         AssertionError: a rank hung or failed (names the rank and its error).
@@ -109,6 +111,7 @@ def p2p_round_in_threads(plan, schedule, streams: dict, storage: dict,
 
     T, N = plan.num_trainer_ranks, plan.num_workers
     port, groups = free_port(), []
+    pools = pools or {}
 
     def rank_fn(rank):
         def run():
@@ -116,9 +119,9 @@ def p2p_round_in_threads(plan, schedule, streams: dict, storage: dict,
             groups.append(group)
             if rank < T:
                 return send_round(group, plan, schedule, rank, iter(streams[rank]),
-                                  timeout_s=timeout_s)
+                                  timeout_s=timeout_s, pool=pools.get(rank))
             return recv_round(group, plan, schedule, rank - T, storage[rank - T],
-                              timeout_s=timeout_s)[1]
+                              timeout_s=timeout_s, pool=pools.get(rank))[1]
         return run
 
     try:
@@ -128,7 +131,7 @@ def p2p_round_in_threads(plan, schedule, streams: dict, storage: dict,
             group.abort()
     errors = {r: e for r, (kind, e) in out.items() if kind == "err"}
     assert not errors, errors
-    return {r - T: out[r][1] for r in range(T, T + N)}
+    return {r: out[r][1] for r in range(T + N)}
 
 
 def join_ranks(ctx, timeout_s: float, label: str = "") -> float:

@@ -44,7 +44,11 @@ inference side skips (a tied ``lm_head``) are not sent.
 m2nkit plan puts on each (trainer rank, worker) link, as one message per
 link from buffers filled in advance — no reading, packing or unpacking:
 a lower bound for any transfer of the plan's bytes between these
-processes over this group.
+processes over this group. :func:`message_pattern_round` sits between the
+two: the same bytes in exactly torch_p2p's messages (its buckets, pairs,
+tags and sizes), from buffers filled in advance, so its time over the
+floor's is what the message pattern alone costs, and the transport's over
+it is what its copies and bookkeeping cost.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from typing import Iterable, Mapping
 import torch
 
 from m2nkit.engine.control import TransferError, create_group, wait_work
+from m2nkit.engine.deadline import Deadline
 from m2nkit.engine.plan_types import Plan, next_local
 from m2nkit.manifest.pieces import box_slices
 
@@ -66,6 +71,9 @@ __all__ = [
     "create_trainer_group",
     "gather_then_broadcast_round",
     "held_stream",
+    "message_fill",
+    "message_pattern_buffers",
+    "message_pattern_round",
     "raw_floor_buffers",
     "raw_floor_round",
 ]
@@ -316,6 +324,80 @@ def raw_floor_buffers(plan: Plan, rank: int) -> dict[int, torch.Tensor]:
         elif rank == T + dst:
             out[src] = torch.zeros(n, dtype=torch.uint8)
     return out
+
+
+def message_pattern_buffers(plan: Plan, schedule, rank: int) -> dict[tuple[int, int, int],
+                                                                  torch.Tensor]:
+    """Filled ``uint8`` buffers for :func:`message_pattern_round`, one per message of ``rank``.
+
+    Keyed ``(bucket, peer rank, tag)`` over torch_p2p's messages of one round
+    (``torch_p2p.round_messages``: the transport's own buckets, pairs, tags
+    and sizes). A trainer rank's buffers are filled with a byte derived from
+    ``(trainer rank, worker, tag)`` (:func:`message_fill`), a worker's with
+    zeros; every page is written here.
+
+    Raises:
+        ValueError: ``rank`` is outside the ``T + N`` group.
+    """
+    from m2nkit.engine.transports.torch_p2p import round_messages
+
+    _check(plan, rank)
+    T = plan.num_trainer_ranks
+    out = {}
+    for m in round_messages(plan, schedule):
+        if rank == m.src:
+            out[(m.bucket, T + m.worker, m.tag)] = torch.full(
+                (m.nbytes,), message_fill(m.src, m.worker, m.tag), dtype=torch.uint8)
+        elif rank == T + m.worker:
+            out[(m.bucket, m.src, m.tag)] = torch.zeros(m.nbytes, dtype=torch.uint8)
+    return dict(sorted(out.items()))
+
+
+def message_fill(src: int, worker: int, tag: int) -> int:
+    """The byte :func:`message_pattern_buffers` fills trainer ``src``'s message ``tag`` to
+    ``worker`` with (1..251: never the receive buffers' zero)."""
+    return 1 + (src * 131 + worker * 31 + tag * 7) % 251
+
+
+def message_pattern_round(group, plan: Plan, buffers: Mapping[tuple[int, int, int], torch.Tensor],
+                          rank: int, *, timeout_s: float) -> RoundBytes:
+    """Replay torch_p2p's messages of one round from pre-filled buffers: no copies, no layouts.
+
+    ``buffers`` come from :func:`message_pattern_buffers` (the same plan,
+    schedule and rank). Bucket by bucket, as ``send_round``/``recv_round``
+    run them: every message of the bucket posted, then all waited for,
+    before the next bucket. Its time against :func:`raw_floor_round`'s
+    (the same bytes as one message per link) is what gloo's per-message
+    cost alone takes for the transport's message pattern; the transport's
+    time against it is what its own copies and bookkeeping take.
+
+    Raises:
+        TransferError: a send or receive failed or timed out.
+    """
+    _check(plan, rank)
+    T = plan.num_trainer_ranks
+    deadline = Deadline(timeout_s)
+    posted, bucket, n = [], None, 0
+    for (k, peer, tag), buf in buffers.items():
+        if k != bucket:
+            for work, what in posted:
+                wait_work(work, deadline, what)
+            posted, bucket = [], k
+        if rank < T:
+            what = f"trainer rank {rank}: pattern send of bucket {k} to worker {peer - T}"
+            op = group.send
+        else:
+            what = f"worker {rank - T} (rank {rank}): pattern receive of bucket {k} from " \
+                   f"trainer rank {peer}"
+            op = group.recv
+        try:
+            posted.append((op([buf], peer, tag), what))
+        except RuntimeError as e:
+            raise TransferError(f"{what} failed: {str(e).splitlines()[0]}") from e
+        n += buf.numel()
+    for work, what in posted:
+        wait_work(work, deadline, what)
+    return RoundBytes(sent=n) if rank < T else RoundBytes(received=n)
 
 
 def raw_floor_round(group, plan: Plan, rank: int, buffers: Mapping[int, torch.Tensor], *,

@@ -56,6 +56,8 @@ __all__ = [
     "recv_round",
     "exchange_in_process",
     "message_count",
+    "RoundMessage",
+    "round_messages",
 ]
 
 
@@ -154,6 +156,32 @@ def region_is_contiguous(shape: tuple[int, ...], region: tuple[slice, ...]) -> b
     while k > 0 and ext[k - 1] == shape[k - 1]:
         k -= 1                     # trailing whole dims
     return all(e <= 1 for e in ext[:max(k - 1, 0)])
+
+
+def _byte_range(shape: tuple[int, ...] | None, region: tuple[slice, ...],
+                itemsize: int) -> tuple[int, int] | None:
+    """``(first byte, end byte)`` of ``t[region]`` in a C-contiguous ``t`` of ``shape``.
+
+    ``None`` where the region is not one contiguous run of ``t``'s bytes
+    (:func:`region_is_contiguous`) or ``shape`` is unknown or of another rank.
+    Computed once per plan, so a round takes a zero-copy message as one slice
+    of the tensor's flat bytes instead of indexing its region anew.
+    """
+    if shape is None or len(shape) != len(region) or not region_is_contiguous(shape, region):
+        return None
+    start, count, stride = 0, 1, 1
+    for s, n in zip(reversed(region), reversed(shape)):
+        start += s.start * stride
+        count *= min(s.stop, n) - s.start
+        stride *= n
+    return start * itemsize, (start + count) * itemsize
+
+
+def _flat_view(t: torch.Tensor, shape: tuple[int, ...] | None) -> torch.Tensor | None:
+    """``t``'s bytes as one flat uint8 view when ``t`` is C-contiguous with ``shape``, else None."""
+    if shape is None or tuple(t.shape) != shape or not t.is_contiguous():
+        return None
+    return t.reshape(-1).view(torch.uint8)
 
 
 def _aligned(n: int) -> int:
@@ -379,7 +407,8 @@ class _SendBucket(NamedTuple):
     """One trainer rank's bucket, prepared once per plan: see :func:`_send_layout`."""
 
     # wire index -> [(dst, src region, pool offset or -1 (direct), nbytes, tag, slab shape,
-    # whether the row completes its packed message)], in packing order
+    # whether the row completes its packed message, (first, end) byte of a direct row in the
+    # planned local tensor or None, the text naming its message in errors)], in packing order
     rows: dict
     packed: dict        # (dst, tag) -> (pool offset, bytes) of each message copied together
     packed_end: int     # pool bytes of the packed messages; bounce copies start here
@@ -390,9 +419,11 @@ class _SendBucket(NamedTuple):
 class _RecvBucket(NamedTuple):
     """One worker's bucket, prepared once per plan: see :func:`_recv_layout`."""
 
-    # (src, tag, nbytes, direct row or None, packed rows, run or None); a row is
+    # (src, tag, nbytes, direct row or None, packed rows, run or None, span, what); a row is
     # (vLLM name, region in it, dtype, offset in the message, bytes, slab shape); a run is
-    # (vLLM name, wire dtype, first element, end element, parameter shape)
+    # (vLLM name, wire dtype, first element, end element, parameter shape); span is
+    # (first, end) byte of a direct row or a run in its planned parameter, or None where
+    # it is not contiguous there; what names the message in errors
     msgs: list
     need: int           # pool bytes of the packed messages (bounce copies come on top)
     offsets: tuple      # per message: its pool offset if packed (``packed`` rows), else -1
@@ -454,17 +485,26 @@ def _send_layout(plan: Plan, schedule: BucketSchedule, rank: int) -> list[_SendB
             for key, (nbytes, _) in packed_msgs.items():
                 base[key] = cursor
                 cursor += _aligned(nbytes)
+            # A direct row also gets its byte range in the planned local tensor (where it is
+            # contiguous there), and every message the text that names it in errors.
             left = {key: count for key, (_, count) in packed_msgs.items()}
             final = {}
             for wi in sorted(rows):
                 final[wi] = []
+                wp = plan.wires[wi]
                 for dst, region, at, nbytes, t, shape in rows[wi]:
-                    last = False
+                    last, span = False, None
                     if at >= 0:
                         left[(dst, t)] -= 1
                         last = not left[(dst, t)]
                         at += base[(dst, t)]
-                    final[wi].append((dst, region, at, nbytes, t, shape, last))
+                        what = (f"trainer rank {rank}: send of bucket {k} (packed, tag {t}) "
+                                f"to worker {dst}")
+                    else:
+                        span = _byte_range(wp.local_shape(rank), region, wp.itemsize)
+                        what = (f"trainer rank {rank}: send of bucket {k} ('{wp.name}') "
+                                f"to worker {dst}")
+                    final[wi].append((dst, region, at, nbytes, t, shape, last, span, what))
             out.append(_SendBucket(final, {key: (base[key], nbytes) for key, (nbytes, _)
                                            in packed_msgs.items()}, cursor, need,
                                    (schedule.bounds[k], schedule.bounds[k + 1])))
@@ -482,19 +522,23 @@ def _recv_layout(plan: Plan, schedule: BucketSchedule, worker: int) -> list[_Rec
             for src, items in sorted(link_slabs(plan, schedule.wires(k), dst=worker).items()):
                 packed, nbytes, direct = _messages(plan, items)
                 t = tags.get(src, 0)
+                what = (f"worker {worker} (rank {plan.num_trainer_ranks + worker}): receive of "
+                        f"bucket {k} from trainer rank {src}")
                 if nbytes:
                     rows = [(slab.param, slab.dst_region, plan.wires[wi].meta.dtype, at,
                              slab.nbytes, _box_shape(slab)) for wi, slab, at in packed]
-                    msgs.append((src, t, nbytes, None, rows, None))
+                    msgs.append((src, t, nbytes, None, rows, None, None, what))
                     need += _aligned(nbytes)
                     t += 1
                 for msg in direct:
                     wi, slab = msg[0]
                     dtype = plan.wires[wi].meta.dtype
+                    shape = _dst_shapes(plan).get((worker, slab.param))
                     if len(msg) == 1:
+                        span = _byte_range(shape, slab.dst_region, dtype.itemsize)
                         msgs.append((src, t, slab.nbytes,
                                      (slab.param, slab.dst_region, dtype, 0, slab.nbytes,
-                                      _box_shape(slab)), None, None))
+                                      _box_shape(slab)), None, None, span, what))
                     else:                  # a run: contiguous in the parameter, in its order
                         rows, at = [], 0
                         for wj, part in msg:
@@ -502,12 +546,13 @@ def _recv_layout(plan: Plan, schedule: BucketSchedule, worker: int) -> list[_Rec
                                          _box_shape(part)))
                             at += part.nbytes
                         first, end = _flat_range(plan, wi, slab)[1], _flat_range(plan, *msg[-1])[2]
-                        run = (slab.param, dtype, first, end, _dst_shapes(plan)[(worker, slab.param)])
-                        msgs.append((src, t, at, None, rows, run))
+                        run = (slab.param, dtype, first, end, shape)
+                        span = (first * dtype.itemsize, end * dtype.itemsize)
+                        msgs.append((src, t, at, None, rows, run, span, what))
                     t += 1
                 tags[src] = t
             offsets, cursor = [], 0
-            for _, _, nbytes, direct, _, run in msgs:
+            for _, _, nbytes, direct, _, run, _, _ in msgs:
                 packed_msg = direct is None and run is None
                 offsets.append(cursor if packed_msg else -1)
                 cursor += _aligned(nbytes) if packed_msg else 0
@@ -528,6 +573,30 @@ def message_count(plan: Plan, schedule: BucketSchedule) -> int:
     """
     return sum(len(b.msgs) for w in range(plan.num_workers)
                for b in _recv_layout(plan, schedule, w))
+
+
+class RoundMessage(NamedTuple):
+    """One message of a torch_p2p round: bucket ``bucket``, trainer rank ``src`` to
+    worker ``worker`` (group rank ``T + worker``) with ``tag``, ``nbytes`` bytes."""
+
+    bucket: int
+    src: int
+    worker: int
+    tag: int
+    nbytes: int
+
+
+def round_messages(plan: Plan, schedule: BucketSchedule) -> list[RoundMessage]:
+    """Every message one round of ``plan`` puts on the wire, in each worker's posting order.
+
+    What :func:`recv_round` posts and :func:`send_round` sends (the same
+    layouts), so a benchmark can replay the round's message pattern from
+    pre-filled buffers (``engine/tools/baseline.py``, ``message_pattern_round``)
+    and tell gloo's per-message cost apart from the transport's copies.
+    """
+    return [RoundMessage(k, src, w, tag, nbytes) for w in range(plan.num_workers)
+            for k, b in enumerate(_recv_layout(plan, schedule, w))
+            for src, tag, nbytes, *_ in b.msgs]
 
 
 def _post(group, op: str, buf: torch.Tensor, peer: int, tag: int, what: str):
@@ -560,7 +629,7 @@ def _send_views(plan: Plan, bucket: _SendBucket, arena: torch.Tensor):
     for wi, items in bucket.rows.items():
         dtype = plan.wires[wi].meta.dtype
         views = [arena[off:off + n].view(dtype).view(shape)
-                 for _, _, off, n, _, shape, _ in items if off >= 0]
+                 for _, _, off, n, _, shape, *_ in items if off >= 0]
         if views:
             rows[wi] = views
     return bufs, rows
@@ -593,13 +662,15 @@ def _bucket_sends(plan: Plan, bucket: _SendBucket, k: int, rank: int, it, arena:
         packs = row_views.get(wi)
         if packs:                                         # into packed messages or runs
             torch._foreach_copy_(packs, [local[row[1]] for row in rows if row[2] >= 0])
-        for dst, region, at, nbytes, tag, _, last in rows:
+        flat = _flat_view(local, wp.local_shape(rank))    # None: odd strides or a wider shape
+        for dst, region, at, nbytes, tag, _, last, span, what in rows:
             if at >= 0:
                 if last:                                  # its message is complete
                     buf = bufs[(dst, tag)]
-                    yield _Send(dst, tag, buf, None,
-                                f"trainer rank {rank}: send of bucket {k} (packed, tag {tag}) "
-                                f"to worker {dst}", buf.numel())
+                    yield _Send(dst, tag, buf, None, what, buf.numel())
+                continue
+            if flat is not None and span is not None:
+                yield _Send(dst, tag, flat[span[0]:span[1]], local, what, nbytes)  # zero-copy
                 continue
             piece = local[region]
             if piece.is_contiguous():
@@ -611,9 +682,7 @@ def _bucket_sends(plan: Plan, bucket: _SendBucket, k: int, rank: int, it, arena:
                 else:                                     # a local tensor with odd strides
                     buf = torch.empty(nbytes, dtype=torch.uint8, device=arena.device)
                 buf.view(wp.meta.dtype).view(piece.shape).copy_(piece)
-            yield _Send(dst, tag, buf, piece,
-                        f"trainer rank {rank}: send of bucket {k} ('{wp.name}') to worker {dst}",
-                        nbytes)
+            yield _Send(dst, tag, buf, piece, what, nbytes)
         del local
 
 
@@ -697,34 +766,36 @@ def _recv_targets(plan: Plan, bucket: _RecvBucket, k: int, worker: int,
     (vLLM ``model_executor/layers/linear.py``, ``weight_loader``;
     ``model_loader/weight_utils.py``, ``default_weight_loader``).
     """
-    me = plan.num_trainer_ranks + worker
+    shapes = _dst_shapes(plan)
+    flats: dict[str, torch.Tensor | None] = {}   # vLLM name -> its flat bytes, if in wire dtype
     views = []
     need = bucket.need
-    for src, tag, nbytes, direct, packed, run in bucket.msgs:
+    for src, tag, nbytes, direct, packed, run, span, _ in bucket.msgs:
         view = None
-        if direct is not None:
-            param = storage[direct[0]]
-            if param.dtype == direct[2]:
-                view = param[direct[1]]
-                if not view.is_contiguous():
-                    view = None
+        if direct is not None or run is not None:
+            name, dtype = (direct[0], direct[2]) if direct is not None else run[:2]
+            param = storage[name]
+            if param.dtype == dtype:
+                if span is not None:
+                    if name not in flats:
+                        flats[name] = _flat_view(param, shapes.get((worker, name)))
+                    flat = flats[name]
+                    if flat is not None:
+                        view = flat[span[0]:span[1]]
+                if view is None and direct is not None:   # a parameter with other strides
+                    view = param[direct[1]]
+                    view = _flat_bytes(view) if view.is_contiguous() else None
             if view is None:
-                need += _aligned(nbytes)
-        elif run is not None:
-            param = storage[run[0]]
-            if param.dtype == run[1] and tuple(param.shape) == run[4] and param.is_contiguous():
-                view = param.view(-1)[run[2]:run[3]]
-            else:
                 need += _aligned(nbytes)
         views.append(view)
     arena = pool.reserve(need)
     packs = pool.views(bucket, lambda buf: _recv_views(bucket, buf))
     cursor = bucket.need                  # packed messages first, at their layout offsets
     out = []
-    for i, ((src, tag, nbytes, direct, packed, run), view) in enumerate(zip(bucket.msgs, views)):
-        what = f"worker {worker} (rank {me}): receive of bucket {k} from trainer rank {src}"
+    for i, ((src, tag, nbytes, direct, packed, run, _, what), view) in enumerate(
+            zip(bucket.msgs, views)):
         if view is not None:
-            out.append(_Recv(src, tag, _flat_bytes(view), None, nbytes, what))  # zero-copy
+            out.append(_Recv(src, tag, view, None, nbytes, what))  # zero-copy
             continue
         if i in packs:
             target, sources = packs[i]
@@ -741,7 +812,7 @@ def _recv_views(bucket: _RecvBucket, arena: torch.Tensor) -> dict[int, tuple]:
     """``{message index: (its pool bytes, [typed view of each row])}`` of ``bucket``'s packed
     messages, made once per pool bytes (``BufferPool.views``) and reused every round."""
     out = {}
-    for i, ((_, _, nbytes, _, rows, _), off) in enumerate(zip(bucket.msgs, bucket.offsets)):
+    for i, ((_, _, nbytes, _, rows, *_), off) in enumerate(zip(bucket.msgs, bucket.offsets)):
         if off >= 0:
             target = arena[off:off + nbytes]
             out[i] = (target, [target[at:at + n].view(dtype).view(shape)

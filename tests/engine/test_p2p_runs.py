@@ -30,7 +30,7 @@ import time
 import pytest
 import torch
 
-from _layouts import fill_worker
+from _layouts import fill_worker, fused_moe_destination
 from _procs import in_threads, p2p_round_in_threads
 from m2nkit.engine.control import TransferError, create_group
 from m2nkit.engine.in_process import allocate_storage, bitwise_equal, execute_plan
@@ -40,7 +40,6 @@ from m2nkit.engine.transports import torch_p2p
 from m2nkit.engine.transports.torch_p2p import (BucketSchedule, BufferPool, message_count,
                                                 recv_round, send_round)
 from m2nkit.manifest import ParamMeta, Shard
-from m2nkit.manifest.destination import Binding, DestinationLayout, DestinationParam
 
 T, N = 2, 2          # fsdp:2 trainer ranks, tp=2 workers
 E, I, H = 4, 16, 32  # experts, intermediate, hidden: each trainer holds 2 experts
@@ -63,14 +62,7 @@ def _fused_moe(param_dtype=torch.bfloat16):
     full = torch.randn(E, 2 * I, H, generator=g).to(torch.bfloat16)
     meta = ParamMeta("experts.gate_up_proj", torch.bfloat16, (E, 2 * I, H),
                      owners=tuple(range(T)), placements=(Shard(0),))
-    params, bindings = [], []
-    for w in range(N):
-        params.append(DestinationParam(w, "w13_weight", param_dtype, (E, I, H)))
-        gate = ((0, E), (w * HALF, (w + 1) * HALF), (0, H))
-        up = ((0, E), (I + w * HALF, I + (w + 1) * HALF), (0, H))
-        bindings += [Binding(meta.name, w, gate, "w13_weight", (0, 0, 0)),
-                     Binding(meta.name, w, up, "w13_weight", (0, HALF, 0))]
-    dest = DestinationLayout("test", N, tuple(params), {meta.name: tuple(bindings)})
+    dest = fused_moe_destination(meta.name, N, E, I, H, param_dtype)
     plan = build_plan([meta], T, dest)
     assert plan.problems == []
     return full, plan, dest
@@ -98,33 +90,16 @@ def test_gloo_round_lands_every_run_byte_in_place_without_staging():
     full, plan, dest = _fused_moe()
     schedule = BucketSchedule.build(plan)
     storage = {w: allocate_storage(dest, w) for w in range(N)}
-    pools = {w: BufferPool() for w in range(N)}
-    port, groups = free_port(), []
-
-    def rank_fn(rank):
-        def run():
-            _, group = create_group("127.0.0.1", port, rank, T + N, timeout_s=30)
-            groups.append(group)
-            if rank < T:
-                return send_round(group, plan, schedule, rank, iter(_streams(full)[rank]),
-                                  timeout_s=30)
-            return recv_round(group, plan, schedule, rank - T, storage[rank - T], timeout_s=30,
-                              pool=pools[rank - T])[1]
-        return run
-
-    try:
-        out = in_threads({r: rank_fn(r) for r in range(T + N)}, 60, "a rank")
-    finally:
-        for group in groups:
-            group.abort()
-    assert all(kind == "ok" for kind, _ in out.values()), out
+    pools = {T + w: BufferPool() for w in range(N)}
+    got = p2p_round_in_threads(plan, schedule, _streams(full), storage, timeout_s=30,
+                               pools=pools)
     for w in range(N):
         want, count = fill_worker(dest, {"experts.gate_up_proj": full}, w)
         assert (count["w13_weight"] == 1).all()
         assert bitwise_equal(storage[w]["w13_weight"], want["w13_weight"]), w
-        assert out[T + w][1] == E * I * H * 2          # the worker's bytes, sent once
-        assert pools[w].nbytes == 0                    # received into w13_weight itself
-    assert [out[r][1] for r in range(T)] == [N * E * I * H * 2 // T] * T   # half the experts each
+        assert got[T + w] == E * I * H * 2             # the worker's bytes, sent once
+        assert pools[T + w].nbytes == 0                # received into w13_weight itself
+    assert [got[r] for r in range(T)] == [N * E * I * H * 2 // T] * T   # half the experts each
 
 
 def test_a_run_into_a_parameter_of_another_dtype_is_staged_and_cast():
@@ -139,7 +114,7 @@ def test_a_run_into_a_parameter_of_another_dtype_is_staged_and_cast():
         want, _ = fill_worker(dest, {"experts.gate_up_proj": full}, w)
         assert storage[w]["w13_weight"].dtype == torch.float32
         assert bitwise_equal(storage[w]["w13_weight"], want["w13_weight"]), w
-        assert got[w] == E * I * H * 2                 # bf16 on the wire
+        assert got[T + w] == E * I * H * 2             # bf16 on the wire
 
 
 def test_in_process_executor_runs_the_same_run_messages():

@@ -90,7 +90,7 @@ def test_gloo_round_casts_an_fp32_wire_into_bf16_parameters_on_direct_and_packed
             assert storage[w][name].dtype == torch.bfloat16
             assert bitwise_equal(storage[w][name], t), (w, name)
         # what crossed the wire is fp32: the worker's own rows of both tensors, 4 bytes each
-        assert got[w] == 4 * (BIG[0] * BIG[1] + SMALL[0] * SMALL[1]) // N
+        assert got[T + w] == 4 * (BIG[0] * BIG[1] + SMALL[0] * SMALL[1]) // N
 
 
 def test_in_process_executor_runs_the_transports_receive_path_and_casts_alike():

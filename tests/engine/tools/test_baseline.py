@@ -23,7 +23,9 @@ import torch
 
 from _procs import CTX, ensure_forkserver
 from m2nkit.engine.tools.baseline import (create_trainer_group, gather_then_broadcast_round,
-                                    raw_floor_buffers, raw_floor_round)
+                                          message_fill, message_pattern_buffers,
+                                          message_pattern_round, raw_floor_buffers,
+                                          raw_floor_round)
 from m2nkit.engine.tools.procs import free_port
 
 ROOT = REPO
@@ -81,6 +83,13 @@ def _rank_main(rank: int, ports: tuple[int, int], plan, local, out) -> None:
 
         result["floor"] = raw_floor_round(group, plan, rank, raw_floor_buffers(plan, rank),
                                           timeout_s=TIMEOUT_S)
+
+        bufs = message_pattern_buffers(plan, sched, rank)
+        moved = message_pattern_round(group, plan, bufs, rank, timeout_s=TIMEOUT_S)
+        # each receive buffer: (bucket, trainer rank, tag, bytes, its distinct byte values)
+        landed = [(k, peer, tag, b.numel(), sorted(set(b.tolist()))) for (k, peer, tag), b
+                  in bufs.items()] if rank >= T else None
+        result["pattern"] = (moved, landed)
         out.put((rank, "ok", result))
     except BaseException:
         out.put((rank, "error", traceback.format_exc()))
@@ -229,6 +238,30 @@ def test_m2nkit_moves_exactly_the_bytes_the_workers_hold(setup, results):
     for r in range(T):
         assert results[r]["m2nkit"] == int(plan.send_bytes[r])
     assert plan.nbytes_min < N * _model_bytes_on_disk()
+
+
+@pytest.mark.timeout(120)
+def test_message_pattern_replays_the_transports_messages_with_their_bytes(setup, results):
+    # The same buckets, pairs, tags and sizes as torch_p2p's round: per link the
+    # bytes of the plan, and each receive holds exactly its own send's fill
+    # byte (a tag or peer mixed up would land another message's byte).
+    from m2nkit.engine.transports.torch_p2p import BucketSchedule, message_count
+
+    _, plan, _ = setup
+    sched = BucketSchedule.build(plan, 64 << 10)
+    assert len(sched) > 1
+    for r in range(T):
+        assert results[r]["pattern"][0].sent == int(plan.send_bytes[r])
+    per_link, count = {}, 0
+    for w in range(N):
+        moved, landed = results[T + w]["pattern"]
+        assert moved.received == int(plan.recv_bytes[w])
+        for k, src, tag, nbytes, values in landed:
+            assert values == [message_fill(src, w, tag)], (k, src, w, tag)
+            per_link[(src, w)] = per_link.get((src, w), 0) + nbytes
+            count += 1
+    assert per_link == dict(plan.link_bytes)
+    assert count == message_count(plan, sched) > len(plan.link_bytes)
 
 
 @pytest.mark.timeout(120)
