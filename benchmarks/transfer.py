@@ -654,8 +654,9 @@ def run_one(args, methods: list[str], trainer: str, inference: str, scale: int) 
         f"All methods run in the same {T + N} processes, round by round (m2nkit, the floor "
         "and m2nkit's raw messages take turns going first; gather-then-broadcast last), after "
         f"{args.warmup} unrecorded warm-up round(s) of all but gather-then-broadcast. "
-        f"peak = VmHWM, reset before every slot{reset}, max over ranks and slots. Δ idle = over the process's RSS when idle "
-        "after imports, checkpoint headers, plan and groups (at most "
+        f"peak = VmHWM, reset before every slot{reset}, max over ranks and slots. Δ idle = "
+        "over the process's RSS when idle after imports, checkpoint headers, plan and groups "
+        "(at most "
         f"{_mib(max(r['rss_idle'] for r in rows))}). Δ ready = over its RSS just before the "
         "slot, everything the methods hold between rounds resident (shard, vLLM storage, the "
         "floor's buffers): what one round of the method itself costs.")

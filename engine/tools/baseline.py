@@ -326,13 +326,13 @@ def raw_floor_buffers(plan: Plan, rank: int) -> dict[int, torch.Tensor]:
     return out
 
 
-def message_pattern_buffers(plan: Plan, schedule, rank: int) -> dict[tuple[int, int, int],
-                                                                  torch.Tensor]:
+def message_pattern_buffers(plan: Plan, schedule,
+                            rank: int) -> dict[tuple[int, int, int], torch.Tensor]:
     """Filled ``uint8`` buffers for :func:`message_pattern_round`, one per message of ``rank``.
 
     Keyed ``(bucket, peer rank, tag)`` over torch_p2p's messages of one round
-    (``torch_p2p.round_messages``: the transport's own buckets, pairs, tags
-    and sizes). A trainer rank's buffers are filled with a byte derived from
+    at ``schedule`` (a ``torch_p2p.BucketSchedule``; ``torch_p2p.round_messages``:
+    the transport's own buckets, pairs, tags and sizes). A trainer rank's buffers are filled with a byte derived from
     ``(trainer rank, worker, tag)`` (:func:`message_fill`), a worker's with
     zeros; every page is written here.
 

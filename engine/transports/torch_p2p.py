@@ -312,24 +312,15 @@ def _split_direct(plan: Plan, wi: int, slab: Slab) -> list[Slab]:
 RUN_PIECE_BYTES = 0
 
 
-def _flat_range(plan: Plan, wi: int, slab: Slab) -> tuple[str, int, int] | None:
+def _flat_range(plan: Plan, slab: Slab) -> tuple[str, int, int] | None:
     """``(param, first element, end element)`` of ``slab`` in its worker parameter, flattened.
 
     ``None`` where the region is not one contiguous run of the parameter's
-    C-order elements (or the parameter's shape is not the slab's rank).
+    C-order elements (or the parameter's shape is not the slab's rank):
+    :func:`_byte_range` counted in elements.
     """
-    shape = _dst_shapes(plan).get((slab.dst, slab.param))
-    if shape is None or len(shape) != len(slab.box):
-        return None
-    region = slab.dst_region
-    if not region_is_contiguous(shape, region):
-        return None
-    start, stride = 0, 1
-    for s, n in zip(reversed(slab.dst_start), reversed(shape)):
-        start += s * stride
-        stride *= n
-    count = slab.nbytes // plan.wires[wi].itemsize
-    return slab.param, start, start + count
+    span = _byte_range(_dst_shapes(plan).get((slab.dst, slab.param)), slab.dst_region, 1)
+    return None if span is None else (slab.param, *span)
 
 
 def _messages(plan: Plan, items: list[tuple[int, Slab]]):
@@ -364,7 +355,7 @@ def _messages(plan: Plan, items: list[tuple[int, Slab]]):
     keyed = []
     for i, (wi, slab) in enumerate(parts):
         if slab.nbytes < RUN_PIECE_BYTES:
-            flat = _flat_range(plan, wi, slab)
+            flat = _flat_range(plan, slab)
             if flat is not None:
                 keyed.append((flat[0], flat[1], flat[2], plan.wires[wi].meta.dtype, i))
     keyed.sort(key=lambda k: (k[0], k[1], k[4]))
@@ -545,7 +536,7 @@ def _recv_layout(plan: Plan, schedule: BucketSchedule, worker: int) -> list[_Rec
                             rows.append((part.param, part.dst_region, dtype, at, part.nbytes,
                                          _box_shape(part)))
                             at += part.nbytes
-                        first, end = _flat_range(plan, wi, slab)[1], _flat_range(plan, *msg[-1])[2]
+                        first, end = _flat_range(plan, slab)[1], _flat_range(plan, msg[-1][1])[2]
                         run = (slab.param, dtype, first, end, shape)
                         span = (first * dtype.itemsize, end * dtype.itemsize)
                         msgs.append((src, t, at, None, rows, run, span, what))

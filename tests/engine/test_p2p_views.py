@@ -63,8 +63,8 @@ def _restrided(t):
 
 
 def _within(buf, t):
-    lo = t.untyped_storage().data_ptr()
-    return lo <= buf.data_ptr() and buf.data_ptr() + buf.numel() <= lo + t.untyped_storage().nbytes()
+    lo, n = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+    return lo <= buf.data_ptr() and buf.data_ptr() + buf.numel() <= lo + n
 
 
 def _assert_landed(full, dest, storage):
