@@ -76,10 +76,13 @@ PHASES = ("imports", "read", "vLLM layout", "plan")
 
 
 def _command(config: Path, trainer: str, inference: str) -> list[str]:
-    """``m2nkit plan ...`` with the console script next to this interpreter, else ``-m``."""
+    """``m2nkit plan ... --layout tables`` with the console script next to this interpreter,
+    else ``-m`` (the tables: the layout traced from vLLM's loaders, the default where vLLM
+    is importable, is ``benchmarks/trace.py``'s and ``plan_configs.py``'s)."""
     script = Path(sys.executable).parent / "m2nkit"
     head = [str(script)] if script.is_file() else [sys.executable, "-m", "m2nkit.engine.tools.cli"]
-    return head + ["plan", str(config), "--trainer", trainer, "--inference", inference]
+    return head + ["plan", str(config), "--trainer", trainer, "--inference", inference,
+                   "--layout", "tables"]
 
 
 def _seconds(text: str) -> float:
@@ -224,7 +227,7 @@ def main() -> None:
         cmd = _command(config, trainer, inference)
         runs = [run_once(cmd) for _ in range(args.repeat)]
         median = sorted(runs, key=lambda r: r["wall_s"])[(len(runs) - 1) // 2]
-        results.append({"case": name, "command": " ".join(["m2nkit"] + cmd[-6:]), "runs": runs,
+        results.append({"case": name, "command": " ".join(["m2nkit"] + cmd[-8:]), "runs": runs,
                         "median": median,
                         "wall_s_all": [round(r["wall_s"], 2) for r in runs],
                         "balance": None, "_args": (config, trainer, inference)})

@@ -71,6 +71,18 @@ def tiny_checkpoints(tmp_path_factory):
     return get
 
 
+@pytest.fixture(autouse=True)
+def _fast_tests_run_as_without_vllm(request, monkeypatch):
+    """Outside ``integration``, m2nkit sees no vLLM (``adapters.vllm.builder.vllm_importable``
+    is false), as on a machine without it: ``m2nkit plan``'s default layout is then the
+    tables, and only the integration tests run vLLM's loaders. A fast test that starts
+    ``m2nkit plan`` in a process of its own passes ``--layout tables``."""
+    if request.node.get_closest_marker("integration") is None:
+        from m2nkit.adapters.vllm import builder
+
+        monkeypatch.setattr(builder, "vllm_importable", lambda: False)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
     """Report a skipped ``integration`` test as failed (see the module docstring)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-__all__ = ["VLLMDestination", "vllm_destination", "LAYOUTS", "resolve_layout"]
+__all__ = ["VLLMDestination", "vllm_destination", "LAYOUTS", "resolve_layout", "vllm_importable"]
 
 #: Where a destination layout comes from: m2nkit's family tables (no vLLM
 #: needed), or vLLM's own weight loaders, traced (``adapters/vllm/trace.py``;
@@ -38,13 +38,19 @@ def resolve_layout(layout: str, architecture: str | None = None) -> str:
         raise ValueError(f"layout {layout!r} is not one of {list(LAYOUTS)}")
     if layout != "auto":
         return layout
-    import importlib.util
-
     from ..families import has_table
 
     if architecture is not None and has_table(architecture):
         return "tables"
-    return "traced" if importlib.util.find_spec("vllm") is not None else "tables"
+    return "traced" if vllm_importable() else "tables"
+
+
+def vllm_importable() -> bool:
+    """Whether vLLM can be imported here (found on the path; not imported): what decides
+    whether a layout may be traced from vLLM's own loaders (``trace.trace_destination``)."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,20 @@ undoes (a transpose that is not undone is refused). A model whose own
 so too, its wire holding them ``[E, out, in]`` under ``.weight`` names (the
 family's ``HFNaming.permuted``; under transformers' in-memory names they are
 refused), and under EP its index by local expert ids reads as a slice
-(:func:`_fake_class`).
+(:func:`_fake_class`). More generally, a wire tensor that a family table
+declares to be an on-disk tensor with its dims permuted (``HFNaming.permuted``:
+stacked experts stored ``[E, in, out]`` on disk) is handed over as that on-disk
+tensor, under its on-disk name (:func:`permuted_on_disk`): the vLLM 0.33.0 model
+loader that reads such experts itself (``_load_weights_other`` in
+``model_executor/models/``) narrows ``gate_up_proj [E, H, 2*I]`` on its last dim,
+then ``permute(0, 2, 1)``, which undoes the fake's transpose. That loader
+``copy_``s into its parameters outside any ``weight_loader``; such a copy is
+attributed to the parameter whose storage it writes (:func:`trace_worker`).
+Its ``down_proj_bias.zero_()`` on tp ranks other than 0 makes the copy that
+follows a zeroed one: a zero box of ``w2_bias`` there, not a binding
+(:class:`TracedCopy` ``zero``). A config the family table plans in its
+unquantized form (an MXFP4 ``quantization_config``) is traced so too
+(:func:`unquantized_form`).
 A model loader that takes only per-expert tensors (several MLA models'
 ``load_weights`` in ``model_executor/models/``, which match expert names
 from ``fused_moe_make_expert_params_mapping``) is fed each expert's gate,
@@ -128,13 +141,17 @@ class TracedCopy:
 
     ``box`` and ``region`` are half-open ``((lo, hi), ...)`` boxes of the
     wire tensor's global shape and of the parameter's local shape, of equal
-    rank and equal extents per dim.
+    rank and equal extents per dim. ``zero``: the loader zeroed the tensor
+    before it copied it (``weight.zero_()``: a ``w2_bias`` on tp ranks other
+    than 0, :func:`_fake_class`), so ``region`` ends up zeros,
+    not the box: it becomes a zero box of the parameter, never a binding.
     """
 
     name: str
     param: str
     box: tuple[tuple[int, int], ...]
     region: tuple[tuple[int, int], ...]
+    zero: bool = False
 
 
 # --------------------------------------------------------------------------
@@ -374,7 +391,7 @@ def rotary_rows(copy: TracedCopy, heads: int, head_dim: int) -> list[TracedCopy]
     (a, b), cols = copy.box
     (r, _), rcols = copy.region
     return [TracedCopy(copy.name, copy.param,
-                       ((w, w + 1), cols), ((r + p - a, r + p - a + 1), rcols))
+                       ((w, w + 1), cols), ((r + p - a, r + p - a + 1), rcols), copy.zero)
             for p in range(a, b) for w in (rotary_source_row(p, head_dim),)]
 
 
@@ -511,6 +528,10 @@ def per_expert_feeds(meta: ParamMeta, patterns: dict[str, str],
     return None
 
 
+#: The op chain of a checkpoint tensor its loader zeroed whole (:func:`_fake_class`).
+_ZEROED = (("zero_", (), ()),)
+
+
 @functools.lru_cache(maxsize=1)
 def _fake_class():
     """vLLM's ``FakeRDTTensor`` with the loader idioms it does not record, as what they are.
@@ -537,17 +558,46 @@ def _fake_class():
     receiver's ``copy_`` makes too). ``to`` with a device, a memory format
     or ``copy=True``, and every other op, still fails in vLLM's
     ``__torch_dispatch__``.
+
+    ``zero_()`` of a whole checkpoint tensor before any view of it was taken
+    (vLLM 0.33.0's ``_load_weights_other`` in ``model_executor/models/``:
+    ``if tp_rank != 0: weight.zero_()`` on ``down_proj_bias`` before
+    ``param.copy_(weight)``, so that only moe rank 0 adds the bias) is what
+    it is, in place: the fake's chain opens with the op ``zero_``, and every
+    copy from it (or a view of it taken later) writes zeros, which
+    :func:`trace_worker` turns into a zeroed :class:`TracedCopy` (a zero box
+    of the parameter, not a binding). A ``zero_`` of a view, or of a tensor
+    some view was already taken of (whose zeros that view would or would
+    not share), is marked on the tensor's root (``_zero_refused``) and every
+    copy from that tensor is refused naming the parameter and the op.
     """
     from vllm.distributed.weight_transfer.sharded_rdt_fake import FakeRDTTensor
 
     class Fake(FakeRDTTensor):
         def _make_child(self, new_shape, new_dtype, *new_ops):
-            return Fake(name=self._name, shape=new_shape, dtype=new_dtype, device=self.device,
-                        ops=self._ops + new_ops, sink=self._sink)
+            root = getattr(self, "_root", None)
+            root = self if root is None else root       # (no `or`: a tensor has no truth value)
+            root._viewed = True
+            child = Fake(name=self._name, shape=new_shape, dtype=new_dtype, device=self.device,
+                         ops=self._ops + new_ops, sink=self._sink)
+            child._root = root
+            return child
 
         @classmethod
         def __torch_function__(cls, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
+            if func is torch.Tensor.zero_ and len(args) == 1 and isinstance(args[0], cls):
+                t = args[0]
+                root = getattr(t, "_root", None)
+                root = t if root is None else root
+                if t is root and t._ops in ((), _ZEROED) and not getattr(t, "_viewed", False):
+                    t._ops = _ZEROED
+                else:
+                    root._zero_refused = (
+                        f"zero_() of a view of it ({chain_text(t._ops) or 'the tensor'})"
+                        if t is not root else "zero_() after views of it were taken")
+                    t._ops = t._ops + _ZEROED
+                return t
             if func is torch.Tensor.view_as and args and isinstance(args[0], cls):
                 return args[0].view(tuple(args[1].shape))
             if func is torch.Tensor.to and args and isinstance(args[0], cls):
@@ -582,7 +632,16 @@ def trace_worker(model: torch.nn.Module, feeds: Sequence[Feed],
     (its parameters are not written). Each parameter's ``weight_loader``
     (vLLM's ``default_weight_loader`` where it has none, as
     ``AutoWeightsLoader`` falls back to) is wrapped for the call so each
-    copy is attributed to its parameter, then restored.
+    copy is attributed to its parameter, then restored. A ``copy_`` outside
+    any ``weight_loader`` into a parameter or a view of one (vLLM 0.33.0's
+    ``_load_weights_other`` in ``model_executor/models/``: ``param.copy_(narrow_weight)``
+    for its experts and their biases) is attributed to the parameter whose
+    storage it writes (vLLM's own ``BakeSink`` drops such a copy); one into
+    anything else (a buffer) stays unrecorded, as there.
+
+    A copy from a tensor the loader zeroed first (``weight.zero_()``,
+    :func:`_fake_class`) is a :class:`TracedCopy` with ``zero`` set: the
+    region ends up zeros, whatever the wire holds.
 
     Returns:
         ``(copies, touched, copied)``: the copies in wire coordinates; the
@@ -597,8 +656,32 @@ def trace_worker(model: torch.nn.Module, feeds: Sequence[Feed],
     from vllm.distributed.weight_transfer.sharded_rdt_fake import BakeSink
     from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
-    sink = BakeSink()
+    class _Sink(BakeSink):
+        def __init__(self):
+            super().__init__()
+            self.owners: dict[int, str] = {}    # storage -> the parameter it holds
+
+        def accept_copy(self, dest, src):
+            if self.current is None:
+                try:
+                    owner = self.owners.get(dest.untyped_storage()._cdata)
+                except (RuntimeError, NotImplementedError):
+                    owner = None
+                if owner is not None:
+                    self.current = (owner, owner)
+                    try:
+                        return super().accept_copy(dest, src)
+                    finally:
+                        self.current = None
+            return super().accept_copy(dest, src)
+
+    sink = _Sink()
     params = dict(model.named_parameters())
+    for n, p in reversed(params.items()):       # the first name of a shared storage wins
+        try:
+            sink.owners[p.untyped_storage()._cdata] = n
+        except (RuntimeError, NotImplementedError):     # a parameter without a storage
+            pass
     saved: list[tuple[torch.nn.Parameter, Any, bool]] = []
     for pname, p in params.items():
         inner = getattr(p, "weight_loader", None)
@@ -626,6 +709,7 @@ def trace_worker(model: torch.nn.Module, feeds: Sequence[Feed],
                            torch.device("cpu" if ids_on_cpu and len(f.shape) == 3
                                         and f.name.endswith(_STACKED_IN_MEMORY) else "meta"),
                            sink=sink)) for f in feeds]
+    roots = dict(fakes)
     handed: list[str] = []          # the last fake load_weights took (it reads lazily)
 
     def stream():
@@ -668,6 +752,16 @@ def trace_worker(model: torch.nn.Module, feeds: Sequence[Feed],
                 continue
             src_name, ops = c.src
             feed = by_name[src_name]
+            refused = getattr(roots.get(src_name), "_zero_refused", None)
+            zero = ops[:1] == _ZEROED
+            if zero:
+                ops = ops[1:]
+            if refused or any(op == "zero_" for op, _, _ in ops):
+                raise TraceError(f"wire tensor '{feed.wire.name}' into parameter '{pname}': "
+                                 f"vLLM's loader applies {refused or 'zero_()'} in its op chain "
+                                 f"{chain_text(c.src[1])}; m2nkit carries a zero_() only of the "
+                                 "whole tensor before any view of it (its copies then leave "
+                                 "zeros)")
             rotary = rotary_heads(feed, ops)
             if rotary is not None:
                 ops = ops[3:]
@@ -685,7 +779,7 @@ def trace_worker(model: torch.nn.Module, feeds: Sequence[Feed],
             except ValueError as e:
                 raise TraceError(f"wire tensor '{feed.wire.name}' into parameter '{pname}': "
                                  f"{e}") from None
-            pair = _pair(feed.wire.name, pname, box, kept, region, dims)
+            pair = replace(_pair(feed.wire.name, pname, box, kept, region, dims), zero=zero)
             out.extend([pair] if rotary is None else rotary_rows(pair, *rotary))
     return out, touched, set(sink.copied_names)
 
@@ -694,7 +788,8 @@ def _feeds(wire: Sequence[ParamMeta], experts: dict[str, str], fused: bool,
            model: torch.nn.Module | None = None,
            names: dict[str, str] | None = None,
            split: "list[tuple[ParamMeta, list[Feed] | None]] | None" = None,
-           only: frozenset[str] | None = None) -> list[Feed]:
+           only: frozenset[str] | None = None,
+           permuted: Mapping[str, tuple[str, tuple[int, ...]]] | None = None) -> list[Feed]:
     """The fake checkpoint tensors of ``wire``: stacked experts whole (``fused``) or per expert.
 
     Per expert, with ``model``: only the experts vLLM placed on this worker
@@ -705,9 +800,12 @@ def _feeds(wire: Sequence[ParamMeta], experts: dict[str, str], fused: bool,
     6 of them instead of 384. ``names``: wire name -> checkpoint name where
     they differ (:func:`checkpoint_names`). ``split``: :func:`_split_experts`
     of the same arguments, computed once for every worker of a trace.
-    ``only``: the wire tensors to feed (default: all of them).
+    ``only``: the wire tensors to feed (default: all of them). ``permuted``:
+    the wire tensors that are on-disk tensors with their dims permuted
+    (:func:`permuted_on_disk`), fed as those.
     """
     names = names or {}
+    permuted = permuted or {}
     transposed = model is not None and _fused_experts_read_transposed(model)
     if model is not None and _fused_experts_indexed_by_ids(model):
         bad = next((m.name for m in wire if len(m.shape) == 3
@@ -720,7 +818,7 @@ def _feeds(wire: Sequence[ParamMeta], experts: dict[str, str], fused: bool,
                 f"carries that; the wire holds them as '{bad}.weight' [E, out, in] "
                 "(the family's HFNaming.permuted)")
     if fused:
-        return [_whole_feed(m, transposed, names.get(m.name)) for m in wire
+        return [_whole_feed(m, transposed, names.get(m.name), permuted.get(m.name)) for m in wire
                 if only is None or m.name in only]
     local = _local_experts(model) if model is not None else {}
     out = []
@@ -728,7 +826,7 @@ def _feeds(wire: Sequence[ParamMeta], experts: dict[str, str], fused: bool,
         if only is not None and m.name not in only:
             continue
         if per_expert is None:
-            out.append(_whole_feed(m, transposed, names.get(m.name)))
+            out.append(_whole_feed(m, transposed, names.get(m.name), permuted.get(m.name)))
             continue
         here = local.get(per_expert[0].block) if per_expert else None
         if here is None:
@@ -797,7 +895,8 @@ def _fused_experts_indexed_by_ids(model: torch.nn.Module) -> bool:
     return any(callable(getattr(m, "load_moe_expert_weights", None)) for m in model.modules())
 
 
-def _whole_feed(meta: ParamMeta, transposed: bool, name: str | None = None) -> Feed:
+def _whole_feed(meta: ParamMeta, transposed: bool, name: str | None = None,
+                on_disk: tuple[str, tuple[int, ...]] | None = None) -> Feed:
     """A whole wire tensor as the checkpoint tensor vLLM reads.
 
     Stacked experts (transformers 5's in-memory ``[E, out, in]``,
@@ -811,7 +910,20 @@ def _whole_feed(meta: ParamMeta, transposed: bool, name: str | None = None) -> F
     and vLLM reads such a file wrongly or not at all; see
     tests/data/oracle/README.md). ``name``: the wire tensor's checkpoint
     name where it differs from ``meta.name`` (:func:`checkpoint_names`).
+
+    ``on_disk``: ``(on-disk name, order)`` of a wire tensor that is an
+    on-disk tensor ``D`` with its dims permuted, ``wire = D.permute(order)``
+    (:func:`permuted_on_disk`): the fake is ``D`` itself, under its on-disk
+    name, its dim ``j`` running along wire dim ``order.index(j)``. vLLM's
+    loaders read checkpoints, so that is the tensor they are written for;
+    a loader that permutes it back (``_load_weights_other``:
+    ``narrow_weight.permute(0, 2, 1)``) copies boxes of the wire in its own axis order, and one that does
+    not is refused by :func:`chain_box`.
     """
+    if on_disk is not None:
+        disk, order = on_disk
+        dims = tuple(order.index(j) for j in range(len(order)))
+        return Feed(disk, meta, tuple(meta.shape[d] for d in dims), (0,) * len(dims), dims)
     name = vllm_checkpoint_name(name or meta.name)
     if transposed and len(meta.shape) == 3 and name.endswith(_STACKED_IN_MEMORY):
         experts, rows, cols = meta.shape
@@ -848,10 +960,11 @@ def merge_copies(copies: Iterable[TracedCopy]) -> list[TracedCopy]:
     touch along one dim and their regions touch the same way, all other
     dims equal. Repeated to a fixed point, so a worker's whole experts
     ``[E/ep, 2*Im, H]`` become one binding, as the family tables declare it.
+    Zeroed copies (``TracedCopy.zero``) merge only with zeroed ones.
     """
-    groups: dict[tuple[str, str], list[TracedCopy]] = {}
+    groups: dict[tuple[str, str, bool], list[TracedCopy]] = {}
     for c in copies:
-        groups.setdefault((c.name, c.param), []).append(c)
+        groups.setdefault((c.name, c.param, c.zero), []).append(c)
     out = []
     for items in groups.values():
         changed = True
@@ -869,7 +982,8 @@ def merge_copies(copies: Iterable[TracedCopy]) -> list[TracedCopy]:
                         merged[-1] = TracedCopy(
                             m.name, m.param,
                             m.box[:k] + ((m.box[k][0], c.box[k][1]),) + m.box[k + 1:],
-                            m.region[:k] + ((m.region[k][0], c.region[k][1]),) + m.region[k + 1:])
+                            m.region[:k] + ((m.region[k][0], c.region[k][1]),) + m.region[k + 1:],
+                            m.zero)
                         changed = True
                     else:
                         merged.append(c)
@@ -996,6 +1110,87 @@ def experts_on_disk(config: Any) -> dict[str, str]:
         return dict(family_for(config).hf.experts_on_disk)
     except UnsupportedArchitecture:
         return transformers_experts_on_disk(config)
+
+
+def permuted_on_disk(config: Any, wire: Iterable[str]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Wire name -> ``(on-disk name, order)`` of the wire tensors that are permuted on-disk ones.
+
+    A family table's ``HFNaming.permuted`` declares on-disk tensors the wire
+    carries in another dim order (``wire = disk.permute(order)``: stacked
+    experts ``[E, H, 2*I]`` on disk, ``[E, 2*I, H]`` on the wire), the rule
+    the checkpoint reader reads such a wire tensor from disk by
+    (``m2nkit.adapters.hf_checkpoint.match.permuted_wire``).
+    vLLM's loaders are written for the on-disk tensor, so that is what the
+    trace hands them (:func:`_whole_feed`). ``{}`` for an architecture
+    without a table (its wire is transformers' in-memory model) or a table
+    without such tensors. ``config``: a transformers config, a
+    ``config.json`` dict, or a checkpoint directory.
+    """
+    import json
+
+    from ..families import UnsupportedArchitecture, family_for
+    from ..hf_checkpoint.match import permuted_wire
+
+    if isinstance(config, (str, os.PathLike)):
+        config = json.loads(Path(config, "config.json").read_text())
+    try:
+        hf = family_for(config).hf
+    except UnsupportedArchitecture:
+        return {}
+    if not hf.permuted:
+        return {}
+    out = {}
+    for name in wire:
+        found = permuted_wire(hf, name)
+        if found is not None:
+            out[name] = found
+    return out
+
+
+def unquantized_form(config: Mapping[str, Any],
+                     wire: Sequence[ParamMeta]) -> tuple[dict, tuple[str, ...]] | None:
+    """``(config without quantization_config, notes)`` where the family table plans it unquantized.
+
+    A model published MXFP4 (``quantization_config: {quant_method:
+    mxfp4}``) is one for which vLLM 0.33.0 builds MXFP4 expert parameters whose
+    padding and swizzle depend on the GPU's MoE kernel (it does not even
+    build them on a CPU: ``layers/fused_moe/oracle/mxfp4.py``). m2nkit's
+    table plans such a config in its bf16 form, for a vLLM serving the bf16
+    checkpoint of the model, and says so in the plan's notes
+    (its family module's ``MXFP4_NOTE``). The trace does the same, so
+    that a traced plan and a table plan of one config describe one served
+    model: vLLM's model is built for the config without its
+    ``quantization_config``, and the layout carries the family's notes.
+
+    Taken only where all of these hold: the config has a
+    ``quantization_config``; its architecture has a family table that
+    accepts the config (``Family.sizes``), whose wire for it holds no
+    quantized tensor (``families.quant.QuantizedWires`` is empty: an fp8
+    block config's table wire holds fp8 weights and their scales, and stays
+    quantized), and that says how it reads the config (``Family.notes`` is
+    not empty); and the wire handed to the trace is unquantized (floating
+    point, 16 bits or more). Otherwise ``None``: vLLM builds the config as
+    it is, and :func:`_check_quantized_wire` refuses a quantized build fed an
+    unquantized wire.
+    """
+    if not isinstance(config, Mapping) or not config.get("quantization_config"):
+        return None
+    if any(m.dtype.itemsize < 2 or not m.dtype.is_floating_point for m in wire):
+        return None
+    from ..families import UnsupportedArchitecture, family_for
+    from ..families.quant import QuantizedWires
+
+    try:
+        family = family_for(config)
+        family.sizes(config)
+        if QuantizedWires(family, config):
+            return None
+    except (UnsupportedArchitecture, ValueError):
+        return None
+    notes = tuple(family.notes(config)) if family.notes is not None else ()
+    if not notes:
+        return None
+    return {k: v for k, v in config.items() if k != "quantization_config"}, notes
 
 
 def transformers_experts_on_disk(config: Any) -> dict[str, str]:
@@ -1426,7 +1621,7 @@ class _ExpertSlots:
         mine = []
         for c in merge_copies([c for c in copies if c.name in wires]):
             block = _block_of(c.param)
-            if block not in slots or not c.box or len(c.region) != len(c.box):
+            if block not in slots or not c.box or len(c.region) != len(c.box) or c.zero:
                 return None
             (a, b), (r0, r1) = c.box[0], c.region[0]
             if b - a != r1 - r0 or r1 > len(slots[block]) \
@@ -1463,9 +1658,10 @@ class _ExpertSlots:
             TraceError: they differ (names the worker, a differing copy and the
                 switch that turns the derivation off).
         """
-        want = {(c.name, c.param, c.box, c.region)
+        want = {(c.name, c.param, c.box, c.region, c.zero)
                 for c in merge_copies([c for c in real if c.name in self.wires])}
-        have = {(c.name, c.param, c.box, c.region) for c in merge_copies(list(derived))}
+        have = {(c.name, c.param, c.box, c.region, c.zero)
+                for c in merge_copies(list(derived))}
         empty = sorted(p for p in touched if _block_of(p) in self.slots)
         if want == have and not empty:
             return
@@ -1686,7 +1882,7 @@ def _trace_layers(model: torch.nn.Module, feeds: Sequence[Feed],
             if src in reps:
                 from_rep.setdefault(src, []).append(c)
             else:
-                sampled.setdefault(src, set()).add((c.name, c.param, c.box, c.region))
+                sampled.setdefault(src, set()).add((c.name, c.param, c.box, c.region, c.zero))
 
     def reindexed(name: str, i: int) -> str:
         head, _, tail = _layer_of(name)
@@ -1699,9 +1895,9 @@ def _trace_layers(model: torch.nn.Module, feeds: Sequence[Feed],
             name, param = reindexed(c.name, i), reindexed(c.param, i)
             if name not in wires or param not in params:
                 return trace_worker(model, feeds, vllm_config)
-            extra.append(TracedCopy(name, param, c.box, c.region))
+            extra.append(replace(c, name=name, param=param))
     for (fp, s), r in samples.items():
-        mine = {(reindexed(c.name, s), reindexed(c.param, s), c.box, c.region)
+        mine = {(reindexed(c.name, s), reindexed(c.param, s), c.box, c.region, c.zero)
                 for c in from_rep.get((fp, r), ())}
         if mine != sampled.get((fp, s), set()):
             return trace_worker(model, feeds, vllm_config)
@@ -1735,8 +1931,12 @@ def trace_destination(config: Any, wire: Sequence[ParamMeta],
         Every worker's parameters (``named_parameters`` of vLLM's model
         object: names, local shapes, the dtype vLLM allocates), the bindings
         traced from its loaders, ``zero_boxes`` for elements a loader leaves
-        unwritten in a parameter it writes, aliases for parameters that
-        share storage, and ``skipped`` for wire tensors no worker takes.
+        unwritten in a parameter it writes (or writes zeros into: a zeroed
+        copy, ``TracedCopy.zero``), aliases for parameters that share
+        storage, and ``skipped`` for wire tensors no worker takes. Its notes
+        add the family's where the config is traced in the unquantized form
+        the family table plans it in (:func:`unquantized_form`: an MXFP4
+        config as its bf16 form).
 
     Raises:
         TraceError: a loader that is not a box algebra (names tensor,
@@ -1755,11 +1955,13 @@ def trace_destination(config: Any, wire: Sequence[ParamMeta],
         else:
             config.save_pretrained(tmp)
             config_dir = tmp
+        config_dir, notes = _served_config(config_dir, wire, tmp)
         params: list[DestinationParam] = []
         bindings: dict[str, list[Binding]] = {m.name: [] for m in wire}
         aliases: dict[str, str] = {}
         experts = experts_on_disk(config_dir)
         names = checkpoint_names(config_dir, [m.name for m in wire])
+        permuted = permuted_on_disk(config_dir, [m.name for m in wire])
         split = _split_experts(wire, experts, names)    # the same for every worker
         stacked = {vllm_checkpoint_name(names.get(m.name, m.name)) for m, per_expert in split
                    if per_expert is not None}
@@ -1783,7 +1985,8 @@ def trace_destination(config: Any, wire: Sequence[ParamMeta],
             if fused:
                 try:
                     copies, touched, copied = _trace_layers(
-                        model, _feeds(wire, experts, True, model, names, only=only), vllm_config)
+                        model, _feeds(wire, experts, True, model, names, only=only,
+                                      permuted=permuted), vllm_config)
                     if w == 0 and not stacked <= copied:
                         copies = None
                         fused = False
@@ -1794,15 +1997,15 @@ def trace_destination(config: Any, wire: Sequence[ParamMeta],
                     model, vllm_config = _build_meta_model(config_dir, spec, w)
             if copies is None:
                 copies, touched, _ = _trace_layers(
-                    model, _feeds(wire, experts, False, model, names, split, only=only),
-                    vllm_config)
+                    model, _feeds(wire, experts, False, model, names, split, only=only,
+                                  permuted=permuted), vllm_config)
             return model, vllm_config, copies, touched
 
         def _trace_only(model, vllm_config, only: frozenset[str]):
             if not only:
                 return [], set()
             feeds = _feeds(wire, experts, fused, model, names, None if fused else split,
-                           only=only)
+                           only=only, permuted=permuted)
             mine, touched, _ = _trace_layers(model, feeds, vllm_config)
             return mine, touched
 
@@ -1851,10 +2054,16 @@ def trace_destination(config: Any, wire: Sequence[ParamMeta],
             if not merged:
                 copies = merge_copies(copies)
             by_param: dict[str, list[tuple]] = {p: [] for p in touched}
+            zeroed: dict[str, list[TracedCopy]] = {}
             for c in copies:
+                if c.zero:      # the loader zeroed the tensor: a zero box, not a binding
+                    by_param.setdefault(c.param, [])
+                    zeroed.setdefault(c.param, []).append(c)
+                    continue
                 by_param.setdefault(c.param, []).append(c.region)
                 bindings[c.name].append(Binding(c.name, w, c.box, c.param,
                                                 tuple(a for a, _ in c.region)))
+            _check_zeroed(w, zeroed, by_param)
             canonical = {}
             for pname, p in model.named_parameters(remove_duplicate=False):
                 key = id(p)
@@ -1871,7 +2080,55 @@ def trace_destination(config: Any, wire: Sequence[ParamMeta],
     return DestinationLayout(str(spec), spec.num_workers, tuple(params),
                              {n: tuple(b) for n, b in bindings.items() if b},
                              skipped=skipped, aliases=aliases,
-                             notes=("layout traced from vLLM's own weight loaders",))
+                             notes=("layout traced from vLLM's own weight loaders", *notes))
+
+
+def _check_zeroed(worker: int, zeroed: Mapping[str, Sequence[TracedCopy]],
+                  bound: Mapping[str, Sequence[tuple]]) -> None:
+    """Refuse a zeroed copy whose region a binding of the same worker also writes.
+
+    A zeroed copy (``TracedCopy.zero``) becomes a zero box because no
+    binding writes its region (``_uncovered``); where a binding does, the
+    result depends on which copy came last, which the layout does not keep.
+
+    Raises:
+        TraceError: names the worker, the parameter, the wire tensor and the op.
+    """
+    for pname, copies in zeroed.items():
+        for c in copies:
+            if any(all(a < d and q < b for (a, b), (q, d) in zip(c.region, r))
+                   for r in bound.get(pname, ())):
+                raise TraceError(f"worker {worker}: vLLM's loader copies wire tensor "
+                                 f"'{c.name}' zeroed (zero_()) into {list(c.region)} of "
+                                 f"parameter '{pname}', which another copy also writes; "
+                                 "m2nkit cannot tell which of the two lands last")
+
+
+def _served_config(config_dir: str, wire: Sequence[ParamMeta], tmp: str) -> tuple[str, tuple]:
+    """The config directory vLLM builds from, and the notes that say how it was read.
+
+    ``config_dir`` itself, or, where the family table plans a quantized config
+    in its unquantized form (:func:`unquantized_form`: an MXFP4 one), a
+    directory under ``tmp`` holding that config without ``quantization_config``
+    (any other file of ``config_dir`` linked beside it) and the family's notes.
+    """
+    import json
+
+    try:
+        config = json.loads(Path(config_dir, "config.json").read_text())
+    except (OSError, ValueError):
+        return config_dir, ()
+    unquantized = unquantized_form(config, wire)
+    if unquantized is None:
+        return config_dir, ()
+    served, notes = unquantized
+    out = Path(tmp, "unquantized")
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(served))
+    for f in Path(config_dir).iterdir():
+        if f.name != "config.json" and f.resolve() != out.resolve():
+            (out / f.name).symlink_to(f.resolve())
+    return str(out), notes
 
 
 def _unpadded_region(region: tuple, padding) -> tuple:
@@ -1890,6 +2147,7 @@ def traced_problems(model: torch.nn.Module, layout: DestinationLayout, worker: i
                     experts_on_disk: dict[str, str] | None = None,
                     at_most: int = 8, names: dict[str, str] | None = None,
                     padded: Mapping[str, tuple[tuple[int, ...], tuple[int, ...], int]] | None = None,
+                    permuted: Mapping[str, tuple[str, tuple[int, ...]]] | None = None,
                     ) -> list[str]:
     """How ``layout``'s bindings for ``worker`` differ from what the live model's loaders do.
 
@@ -1907,18 +2165,22 @@ def traced_problems(model: torch.nn.Module, layout: DestinationLayout, worker: i
     expert weights the loaders write into a padded tensor
     (``engine.plugins.vllm_reload.padded_experts``); their traced regions
     are read back in the unpadded coordinates the layout declares (row
-    shard ``s`` at ``s * R`` is ``s * r``).
+    shard ``s`` at ``s * R`` is ``s * r``). ``permuted``: the wire tensors
+    that are permuted on-disk ones (:func:`permuted_on_disk`), fed as those;
+    a copy the loaders make from a tensor they zeroed first
+    (``TracedCopy.zero``) is no binding and not compared.
 
     Raises:
         TraceError: the loaders cannot be traced (the caller decides whether
             the tables alone may stand).
     """
-    copies, _, _ = trace_worker(model, _feeds(wire, experts_on_disk or {}, False, model, names),
-                                vllm_config)
+    copies, _, _ = trace_worker(model, _feeds(wire, experts_on_disk or {}, False, model, names,
+                                              permuted=permuted), vllm_config)
     if padded:
         copies = [replace(c, region=_unpadded_region(c.region, padded[c.param]))
                   if c.param in padded else c for c in copies]
-    traced = {(c.name, c.param, c.box, c.region) for c in merge_copies(copies)}
+    # a zeroed copy (TracedCopy.zero) is no binding: the plan leaves those elements zero
+    traced = {(c.name, c.param, c.box, c.region) for c in merge_copies(copies) if not c.zero}
     declared = [TracedCopy(b.name, b.param, b.box,
                            tuple((o, o + hi - lo) for o, (lo, hi) in zip(b.offset, b.box)))
                 for bs in layout.bindings.values() for b in bs if b.worker == worker]

@@ -403,29 +403,19 @@ class M2NVLLMEngine(WeightTransferEngine):
         weights vLLM pads (``vllm_reload.padded_experts``), whose traced
         regions are read in the wire's unpadded coordinates.
         """
-        from m2nkit.adapters.families import UnsupportedArchitecture, family_for
         from m2nkit.adapters.vllm.trace import (TraceError, checkpoint_names, experts_on_disk,
-                                                traced_problems)
+                                                permuted_on_disk, traced_problems)
 
-        try:
-            permuted = family_for(self.model_config.hf_config).hf.permuted
-        except UnsupportedArchitecture:
-            permuted = {}
-        if permuted:
-            # Wire tensors stored on disk in another dim order (GPT-OSS's stacked
-            # experts): vLLM's loaders read the on-disk order, so a trace on the
-            # wire's order proves nothing either way.
-            _log.warning("%s: the layout was not checked against vLLM's loaders: the wire "
-                         "carries %s in another dim order than the checkpoint vLLM's "
-                         "loaders read", self.identity, sorted(permuted))
-            return []
+        hf_config = self.model_config.hf_config
         try:
             wire = [w.meta for w in plan.wires]
+            names = [m.name for m in wire]
+            # wire tensors stored on disk in another dim order (the family's
+            # HFNaming.permuted) are fed to the loaders in the on-disk order they read
             found = traced_problems(self.model, plan.destination, self.worker, wire,
-                                    self.vllm_config, experts_on_disk(self.model_config.hf_config),
-                                    names=checkpoint_names(self.model_config.hf_config,
-                                                           [m.name for m in wire]),
-                                    padded=padded)
+                                    self.vllm_config, experts_on_disk(hf_config),
+                                    names=checkpoint_names(hf_config, names), padded=padded,
+                                    permuted=permuted_on_disk(hf_config, names))
             self.traced_own_loaders = True
             return found
         except TraceError as e:

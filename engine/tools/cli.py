@@ -87,12 +87,13 @@ def _config_path(path: str | os.PathLike) -> Path:
 
 
 def _check_architecture(path: str | os.PathLike, what: str,
-                        layout: str = "tables") -> str | None:
+                        layout: str | None = "tables") -> str | None:
     """Refuse a checkpoint whose ``config.json`` names an architecture the layout cannot carry.
 
     Reads the file with ``json`` only. An architecture without a family
-    table passes when ``layout`` may trace it (``traced``, or ``auto`` with
-    vLLM importable: transformers and vLLM then say whether they know it).
+    table passes when ``layout`` may trace it (:func:`plan_layout`: ``traced``,
+    the default with vLLM importable, or ``auto``; transformers and vLLM then say
+    whether they know it).
     Anything else wrong with the file (missing, not JSON) is left to the
     checkpoint reader, which says what is wrong.
 
@@ -105,13 +106,12 @@ def _check_architecture(path: str | os.PathLike, what: str,
             ``--layout traced``: ``m2nkit.adapters.families``).
     """
     from m2nkit.adapters.families import architecture_name, architecture_of, has_table
-    from m2nkit.adapters.vllm.builder import resolve_layout
 
     doc = _read_config(path)
     if doc is None:
         return None
     arch = architecture_name(doc)
-    if arch is not None and not has_table(arch) and resolve_layout(layout, arch) == "traced":
+    if arch is not None and not has_table(arch) and plan_layout(layout, arch) == "traced":
         return arch
     try:
         return architecture_of(doc)
@@ -262,7 +262,6 @@ def _build(args):
     from m2nkit.adapters.hf_checkpoint import checkpoint_metas, read_checkpoint
     from m2nkit.adapters.trainer_spec import parse_trainer_spec
     from m2nkit.adapters.vllm import destination_layout, parse_inference_spec
-    from m2nkit.adapters.vllm.builder import resolve_layout
     from m2nkit.engine.plan import build_plan
     from m2nkit.manifest.serialize import manifest_digest
 
@@ -281,7 +280,11 @@ def _build(args):
     ckpt = read_checkpoint(args.checkpoint)
     metas = checkpoint_metas(ckpt, tspec)
     t2 = time.perf_counter()
-    args.layout = "tables" if sglang else resolve_layout(args.layout, ckpt.architecture)
+    if sglang:
+        args.layout = "tables"
+    else:
+        args.layout_why = _layout_why(args.layout, ckpt.architecture, ispec)
+        args.layout = plan_layout(args.layout, ckpt.architecture, ispec)
     if sglang:    # m2nkit's tables with SGLang's rules (m2nkit.adapters.sglang)
         from m2nkit.adapters.sglang.destination import sglang_destination_layout
 
@@ -299,6 +302,38 @@ def _build(args):
     timings = {"imports": t1 - t0, "read": t2 - t1,
                ("SGLang layout" if sglang else "vLLM layout"): t3 - t2, "plan": t4 - t3}
     return ckpt, tspec, ispec, metas, plan, timings
+
+
+def plan_layout(layout: str | None, architecture: str | None, ispec=None) -> str:
+    """``"traced"`` or ``"tables"``: where ``m2nkit plan``'s vLLM layout comes from.
+
+    ``layout`` is ``--layout``: ``traced``, ``tables``, ``auto`` (the family table where
+    ``architecture`` has one, else traced: ``adapters.vllm.builder.resolve_layout``), or
+    ``None`` for the default (issue 16): traced from vLLM's own loaders where vLLM is
+    importable, else the tables. A default request for online quantization (``ispec``
+    with ``quant=``) takes the tables, the only layout that plans it.
+    """
+    from m2nkit.adapters.vllm.builder import resolve_layout, vllm_importable
+
+    if layout is not None:
+        return resolve_layout(layout, architecture)
+    if ispec is not None and ispec.quant != "none":
+        return "tables"
+    return "traced" if vllm_importable() else "tables"
+
+
+def _layout_why(layout: str | None, architecture: str | None, ispec) -> str:
+    """Why the plan's vLLM layout is the one :func:`plan_layout` gives (for the report)."""
+    chosen = plan_layout(layout, architecture, ispec)
+    if layout == "auto":
+        return ("--layout auto: " + ("this architecture has a family table" if chosen == "tables"
+                                     else "no family table for this architecture"))
+    if layout is not None:
+        return f"--layout {layout}"
+    if ispec.quant != "none":
+        return "the default for quant=: --layout traced does not plan it"
+    return ("the default with vLLM importable; --layout tables for m2nkit's tables"
+            if chosen == "traced" else "the default without vLLM")
 
 
 def _config_only(path: Path) -> bool:
@@ -324,9 +359,9 @@ def _check_sglang_args(args) -> None:
 
 def _traced(ckpt, metas, ispec):
     """The layout traced from vLLM's loaders (``--layout traced``); a refusal is a user error."""
-    import importlib.util
+    from m2nkit.adapters.vllm.builder import vllm_importable
 
-    if importlib.util.find_spec("vllm") is None:
+    if not vllm_importable():
         raise UserError("--layout traced needs vLLM installed (it runs vLLM's own weight "
                         "loaders); without vLLM use --layout tables")
     # vLLM logs its import-time notes (no vllm._C, no Triton on this platform) at
@@ -747,11 +782,12 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--bindings", action="store_true",
                       help="print where each wire tensor (HF name) lands: vLLM (or SGLang) parameter, "
                            "rows/cols/experts, workers")
-    plan.add_argument("--layout", choices=("tables", "traced", "auto"), default="auto",
-                      help="where the vLLM layout comes from: m2nkit's family tables (no vLLM "
-                           "needed), or vLLM's own weight loaders, traced on the meta device "
-                           "(needs vLLM); auto (default): the table where the architecture has "
-                           "one, else traced")
+    plan.add_argument("--layout", choices=("tables", "traced", "auto"), default=None,
+                      help="where the vLLM layout comes from: vLLM's own weight loaders, traced "
+                           "on the meta device (needs vLLM; the default where vLLM is "
+                           "importable), or m2nkit's family tables (no vLLM needed; the default "
+                           "without vLLM, and for quant=); auto: the table where the "
+                           "architecture has one, else traced")
     plan.add_argument("--nodes", type=int, default=None, metavar="N",
                       help="for the ipc transport (colocated): N nodes, each with an equal run of "
                            "trainer ranks and workers; prints the bytes copied over shared memory "

@@ -46,10 +46,11 @@ __all__ = ["VLLMWorkers", "WorkersClient", "serve_host", "round_source", "traine
 
 
 def vllm_available() -> bool:
-    """Whether vLLM can be imported here (without importing it)."""
-    import importlib.util
+    """Whether vLLM can be imported here (without importing it:
+    ``adapters.vllm.builder.vllm_importable``)."""
+    from m2nkit.adapters.vllm.builder import vllm_importable
 
-    return importlib.util.find_spec("vllm") is not None
+    return vllm_importable()
 
 
 # --------------------------------------------------------------------------

@@ -137,8 +137,10 @@ def print_summary(console, args, ckpt, metas, plan, timings, fp8=None, fp8_check
         t.add_row("SGLang layout", "m2nkit's family tables with SGLang 0.5.23's rules "
                                    "(no SGLang needed)")
     else:
-        t.add_row("vLLM layout", "traced from vLLM's own weight loaders" if layout == "traced"
-                  else "m2nkit's family tables (no vLLM needed)")
+        why = getattr(args, "layout_why", "")
+        t.add_row("vLLM layout", ("traced from vLLM's own weight loaders" if layout == "traced"
+                                  else "m2nkit's family tables (no vLLM needed)")
+                  + (f" ({why})" if why else ""))
     t.add_row("wire tensors", f"{len(plan.wires)} ({n_skipped} skipped by {engine}"
                               f"{skipped_why(plan)}), {fmt_bytes(sum(m.nbytes for m in metas))}")
     if fp8_checkpoint:

@@ -329,7 +329,7 @@ def test_a_config_only_plan_never_imports_transformers():
     code = ("import sys\n"
             "from m2nkit.engine.tools.cli import main\n"
             f"rc = main(['plan', {str(CONFIGS / 'Qwen__Qwen3-8B' / 'config.json')!r}, "
-            "'--trainer', 'fsdp:8', '--inference', 'vllm:tp=2'])\n"
+            "'--trainer', 'fsdp:8', '--inference', 'vllm:tp=2', '--layout', 'tables'])\n"
             "print(rc, sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr

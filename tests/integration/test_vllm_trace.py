@@ -25,9 +25,11 @@ from _oracle import FIXTURES, _model, assert_layout_equals_dumps
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]
 
 #: Families whose vLLM 0.33.0 loaders do not trace as boxes of the wire tensors, and why.
-#: GPT-OSS: its loader reads the stacked experts in the on-disk [E, in, out] order with
-#: gate/up interleaved (a strided slice), while the wire carries them [E, out, in].
-UNTRACEABLE = {"GptOssForCausalLM": "load_weights failed on the fake wire tensors"}
+#: None: GPT-OSS's loader (``GptOssModel._load_weights_other``) is handed its stacked experts
+#: as the checkpoint holds them ([E, in, out], the wire's HFNaming.permuted transposed back)
+#: and permutes them itself, and its ``w2_bias.zero_()`` on tp ranks other than 0 is a zero
+#: box (trace._fake_class).
+UNTRACEABLE: dict[str, str] = {}
 
 
 def _metas(wire):
@@ -138,6 +140,13 @@ MATRIX += [("tiny-qwen3.5-vl", s) for s in ("vllm:tp=1", "vllm:tp=2", "vllm:tp=4
 MATRIX += [(m, s) for m in ("tiny-llama4", "tiny-llama4-vision")
            for s in ("vllm:tp=1", "vllm:tp=2", "vllm:tp=4", "vllm:tp=8", "vllm:tp=2,ep",
                      "vllm:tp=4,ep", "vllm:tp=2,dp=2", "vllm:tp=2,dp=2,ep")]
+
+#: GPT-OSS (families/gpt_oss.py): stacked experts [E, in, out] on disk, interleaved gate/up,
+#: carried [E, out, in] (HFNaming.permuted); w2_bias on moe rank 0 only (zeros elsewhere,
+#: flattened over dp without EP); 4 KV heads, not replicated (tp 8 is refused by both).
+MATRIX += [("tiny-gpt-oss", s) for s in ("vllm:tp=1", "vllm:tp=2", "vllm:tp=4", "vllm:tp=8",
+                                         "vllm:tp=2,ep", "vllm:tp=4,ep", "vllm:tp=2,dp=2",
+                                         "vllm:tp=2,dp=2,ep")]
 
 
 @pytest.mark.parametrize("model,spec", MATRIX, ids=[f"{m}-{s[5:]}" for m, s in MATRIX])
@@ -272,7 +281,11 @@ LAYERED = [("tiny-llama", {"num_hidden_layers": 5}, "vllm:tp=2", {1, 2, 3}),
            ("tiny-qwen3-next", {"num_hidden_layers": 7, "layer_types": [
                "linear_attention", "linear_attention", "linear_attention", "full_attention",
                "linear_attention", "linear_attention", "full_attention"]}, "vllm:tp=2,ep",
-            {2, 4})]
+            {2, 4}),
+           # GPT-OSS: sliding and full attention layers alternate (two groups), experts fed
+           # transposed, w2_bias zeroed on flat moe ranks 1-3 (zero copies re-indexed)
+           ("tiny-gpt-oss", {"num_hidden_layers": 6, "layer_types": [
+               "sliding_attention", "full_attention"] * 3}, "vllm:tp=2,dp=2", {2, 3})]
 
 
 def _layered(tmp_path, model, changes):
@@ -367,12 +380,30 @@ def test_a_sample_layer_that_disagrees_falls_back_to_the_full_trace(tmp_path, mo
     assert len(runs) == 2 and runs[1] == len(wire) > runs[0], runs
 
 
-def test_an_untraceable_loader_is_refused_naming_the_model_and_the_reason():
+def _loader_that_fails_on_the_fakes(monkeypatch):
+    """vLLM's Llama ``load_weights`` replaced by one that expects another layout than the
+    wire's: it narrows each tensor one row past its end (a RuntimeError on the fake's meta
+    geometry, as a loader reading an on-disk order the wire does not have fails)."""
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    from vllm.model_executor.models.llama import LlamaForCausalLM
+
+    def load_weights(self, weights):
+        for _, weight in weights:
+            weight.narrow(0, 0, weight.shape[0] + 1)
+        return set()
+    monkeypatch.setattr(LlamaForCausalLM, "load_weights", load_weights)
+
+
+def test_an_untraceable_loader_is_refused_naming_the_model_and_the_reason(monkeypatch):
     from m2nkit.adapters.vllm.trace import TraceError
 
-    with pytest.raises(TraceError, match=r"GptOssForCausalLM: vLLM's load_weights failed on "
-                                         r"the fake wire tensors .*--layout tables"):
-        _trace("tiny-gpt-oss", "vllm:tp=2")
+    _loader_that_fails_on_the_fakes(monkeypatch)
+    with pytest.raises(TraceError, match=r"^LlamaForCausalLM: vLLM's load_weights failed on "
+                                         r"the fake wire tensors \(the last one handed to it: "
+                                         r"wire tensor '[^']+'\) "
+                                         r"\(RuntimeError: .*\); use the family table "
+                                         r"\(--layout tables\)$"):
+        _trace("tiny-llama", "vllm:tp=2")
 
 
 def test_kimi_k25_cannot_be_built_with_this_transformers():
@@ -423,42 +454,62 @@ def test_plan_layout_traced_verifies_and_says_so():
     assert "traced from vLLM's own weight loaders" in r.stdout
     # traced: the reference is vLLM's own DefaultModelLoader on the checkpoint's files
     assert "verify: all 2 workers hold exactly what vLLM's own loaders would" in r.stdout
-    tables = _cli(EXAMPLE, "--trainer", "fsdp:3", "--inference", "vllm:tp=2,ep")
-    assert "m2nkit's family tables (no vLLM needed)" in tables.stdout
+    # the default where vLLM is importable (issue 16), and the tables when asked for
+    default = _cli(EXAMPLE, "--trainer", "fsdp:3", "--inference", "vllm:tp=2,ep")
+    assert default.returncode == 0, default.stdout + default.stderr
+    assert ("traced from vLLM's own weight loaders (the default with vLLM importable; "
+            "--layout tables for m2nkit's tables)") in " ".join(default.stdout.split())
+    tables = _cli(EXAMPLE, "--trainer", "fsdp:3", "--inference", "vllm:tp=2,ep", "--layout",
+                  "tables")
+    assert "m2nkit's family tables (no vLLM needed) (--layout tables)" in tables.stdout
 
 
-def test_plan_layout_traced_refuses_an_untraceable_loader_in_one_line():
+def test_plan_layout_traced_refuses_an_untraceable_loader_in_one_line(monkeypatch, capsys):
+    """The CLI's own ``main`` in this process (the loader is patched here, so not in a
+    subprocess): the refusal is one line naming the model and the reason."""
     from _paths import ORACLE
+    from m2nkit.engine.tools.cli import main
 
-    r = _cli(ORACLE / "tiny-gpt-oss" / "checkpoint", "--trainer", "fsdp:2", "--inference",
-             "vllm:tp=2", "--layout", "traced")
-    assert r.returncode == 2, r.stdout + r.stderr
-    line = r.stderr.strip().splitlines()[-1]
-    assert line.startswith("m2nkit: error: --layout traced: GptOssForCausalLM: vLLM's "
-                           "load_weights failed on the fake wire tensors")
-    assert "Traceback" not in r.stderr
+    _loader_that_fails_on_the_fakes(monkeypatch)
+    capsys.readouterr()
+    code = main(["plan", str(ORACLE / "tiny-llama" / "checkpoint"), "--trainer", "fsdp:2",
+                 "--inference", "vllm:tp=2", "--layout", "traced"])
+    out, err = capsys.readouterr()
+    assert code == 2, out + err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("m2nkit: error: --layout traced: LlamaForCausalLM: vLLM's "
+                           "load_weights failed on the fake wire tensors (the last one handed "
+                           "to it: wire tensor '"), line
+    assert "(RuntimeError: start (0) + length " in line, line
+    assert line.endswith("; use the family table (--layout tables)"), line
+    assert "Traceback" not in err
 
 
 @pytest.mark.parametrize("model,spec,worker", [("tiny-qwen3-moe", "vllm:tp=2,ep", 1),
                                                ("tiny-llama", "vllm:tp=4", 3),
-                                               ("tiny-deepseek-v3", "vllm:tp=2", 0)])
+                                               ("tiny-deepseek-v3", "vllm:tp=2", 0),
+                                               ("tiny-llama4", "vllm:tp=2,ep", 1)])
 def test_the_live_models_loaders_check_the_plan_and_leave_its_bytes(model, spec, worker):
     """What the plugin runs at init: the live (loaded) model's own loaders, traced,
-    against the plan's bindings for its worker; no parameter changes."""
+    against the plan's bindings for its worker; no parameter changes. Llama-4's experts
+    travel in another dim order than on disk (``HFNaming.permuted``): fed as the
+    on-disk tensors its loader reads, as the plugin feeds them."""
     from dataclasses import replace
 
     from _oracle import DATA
     from m2nkit.adapters.vllm import destination_layout, parse_inference_spec
-    from m2nkit.adapters.vllm.trace import experts_on_disk, traced_problems
+    from m2nkit.adapters.vllm.trace import experts_on_disk, permuted_on_disk, traced_problems
     from m2nkit.engine.tools.vllm_workers import build_cpu_worker
 
     config, _, wire = _model(model)
+    permuted = permuted_on_disk(config, list(wire))
+    assert bool(permuted) == (model == "tiny-llama4")
     ispec = parse_inference_spec(spec)
     live, vllm_config = build_cpu_worker(DATA / model / "checkpoint", ispec, worker)
     before = {n: p.detach().clone() for n, p in live.named_parameters()}
     layout = destination_layout(config, _metas(wire), ispec)
     problems = traced_problems(live, layout, worker, _metas(wire), vllm_config,
-                               experts_on_disk(config))
+                               experts_on_disk(config), permuted=permuted)
     assert problems == []
     for n, p in live.named_parameters():
         assert torch.equal(p.detach().view(torch.uint8), before[n].view(torch.uint8)), n
@@ -468,7 +519,7 @@ def test_the_live_models_loaders_check_the_plan_and_leave_its_bytes(model, spec,
              for b in layout.bindings[name]]
     bad = replace(layout, bindings={**layout.bindings, name: tuple(wrong)})
     problems = traced_problems(live, bad, worker, _metas(wire), vllm_config,
-                               experts_on_disk(config))
+                               experts_on_disk(config), permuted=permuted)
     assert any(p.startswith(f"the plan writes box") and f"of '{name}'" in p for p in problems), \
         problems
     assert any(p.startswith("vLLM's loaders write box") and f"of '{name}'" in p for p in problems)

@@ -162,8 +162,9 @@ def _missing_shard(d: Path):
 
 
 def _unknown_arch(d: Path):
-    # neither m2nkit nor transformers knows it (one without a table that transformers
-    # knows is planned from vLLM's loaders: tests/integration/test_traced_plans.py)
+    # m2nkit has no table for it, and without vLLM (the fast suite: conftest.py) nothing
+    # can trace it (one that transformers knows is planned from vLLM's loaders:
+    # tests/integration/test_traced_plans.py)
     cfg = json.loads((d / "config.json").read_text())
     cfg["architectures"] = ["FooForCausalLM"]
     (d / "config.json").write_text(json.dumps(cfg))
@@ -184,7 +185,7 @@ def _bad_dtype(d: Path):
 @pytest.mark.parametrize("damage,sharded,inference,needle", [
     (_corrupt_header, False, "vllm:tp=2", "model.safetensors"),
     (_missing_shard, True, "vllm:tp=2", "does not exist"),
-    (_unknown_arch, False, "vllm:tp=2", "has no such model class"),
+    (_unknown_arch, False, "vllm:tp=2", "'FooForCausalLM' is not supported"),
     (_wrong_shape, False, "vllm:tp=2", "o_proj.weight"),
     (_bad_dtype, False, "vllm:tp=2", "F64"),
     (None, False, "vllm:tp=3", "tp=3"),
@@ -371,6 +372,33 @@ def test_layout_traced_without_vllm_is_refused_naming_the_way_out(capsys, monkey
     code, out, _ = run_plan(capsys, EXAMPLE, "--trainer", "fsdp:2", "--inference", "vllm:tp=2",
                             "--layout", "auto")
     assert code == 0 and "m2nkit's family tables (no vLLM needed)" in " ".join(out.split())
+
+
+def test_the_default_layout_is_traced_where_vllm_is_importable(capsys, monkeypatch):
+    """Issue 16: ``m2nkit plan`` traces vLLM's loaders by default where vLLM is importable,
+    else plans from the tables; online quantization (``quant=``) is planned from the tables
+    only; an explicit ``--layout`` wins; the report says which and why."""
+    from m2nkit.adapters.vllm import builder, parse_inference_spec
+    from m2nkit.engine.tools.cli import plan_layout
+
+    plain = parse_inference_spec("vllm:tp=2")
+    fp8 = parse_inference_spec("vllm:tp=2,quant=fp8_per_block")
+    table, tableless = "Qwen3ForCausalLM", "Olmo3ForCausalLM"
+    monkeypatch.setattr(builder, "vllm_importable", lambda: True)
+    assert [plan_layout(None, table, plain), plan_layout(None, tableless, plain)] == \
+        ["traced", "traced"]
+    assert plan_layout(None, table, fp8) == "tables"
+    assert [plan_layout("auto", table, plain), plan_layout("auto", tableless, plain)] == \
+        ["tables", "traced"]
+    assert plan_layout("tables", tableless, plain) == "tables"
+    monkeypatch.setattr(builder, "vllm_importable", lambda: False)
+    assert [plan_layout(None, table, plain), plan_layout(None, tableless, plain)] == \
+        ["tables", "tables"]
+    assert plan_layout("traced", table, plain) == "traced"   # refused later, naming the way out
+    code, out, _ = run_plan(capsys, EXAMPLE, "--trainer", "fsdp:2", "--inference", "vllm:tp=2")
+    assert code == 0
+    assert "m2nkit's family tables (no vLLM needed) (the default without vLLM)" in \
+        " ".join(out.split())
 
 
 def test_plan_nodes_reports_the_ipc_transports_bytes_each_way(tmp_path, capsys):

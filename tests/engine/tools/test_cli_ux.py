@@ -177,7 +177,7 @@ def test_a_closed_pipe_ends_quietly(tmp_path):
         pass
     proc = subprocess.Popen([sys.executable, "-m", "m2nkit.engine.tools.cli", "plan",
                              str(CONFIGS / "Qwen__Qwen3-8B" / "config.json"), "--trainer", "fsdp:2",
-                             "--inference", "vllm:tp=2", "-v"],
+                             "--inference", "vllm:tp=2", "-v", "--layout", "tables"],
                             stdout=w, stderr=subprocess.PIPE, text=True)
     os.close(w)
     with os.fdopen(r, "rb") as reader:
