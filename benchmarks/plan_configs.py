@@ -107,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
                 if layout == "traced" and folder in NEEDS_NEWER_TRANSFORMERS:
                     if not Path(args.tf_python).is_file():
                         rows.append({"config": folder, "layout": layout, "not_run":
-                                     f"needs transformers 5.24+: {args.tf_python} not found"})
+                                     f"needs transformers 5.24+: {args.tf_python} not found "
+                                     "(scripts/side_transformers.sh makes it)"})
+                        print(_line(rows[-1]), flush=True)
                         continue
                     python = args.tf_python
                 row = {"config": folder, "trainer": trainer, "inference": inference,

@@ -1291,10 +1291,25 @@ def _build_meta_model(config_dir: str, spec: InferenceSpec, worker: int):
         what = archs[0] if archs else "the model"
         lacking = missing_transformers_class(e)
         why = (f": {missing_class_refusal(lacking, archs[0] if archs else None)}" if lacking
-               else f" ({type(e).__name__}: {e}); no layout can be traced here")
+               else f" ({type(e).__name__}: {one_line_reason(e)}); no layout can be traced here")
         raise TraceError(f"{what}: vLLM could not build its model for worker {worker} of "
                          f"{spec} on the meta device{why}") from None
     return model, vllm_config
+
+
+def one_line_reason(e: BaseException) -> str:
+    """``e``'s message on one line: a pydantic ``ValidationError`` (how vLLM's
+    ``VllmConfig`` refuses a configuration, ``vllm/config/vllm.py``) as its errors'
+    messages alone, anything else with its whitespace collapsed."""
+    errors = getattr(e, "errors", None)
+    if callable(errors):
+        try:
+            msgs = [str(x.get("msg", "")).removeprefix("Value error, ") for x in errors()]
+        except Exception:       # not pydantic's errors(): the message as it is
+            msgs = []
+        if msgs and all(msgs):
+            return "; ".join(msgs)
+    return " ".join(str(e).split())
 
 
 #: How an import of a name transformers does not have reads: vLLM's lazy config

@@ -198,6 +198,8 @@ def _precheck(args) -> None:
     else:
         ispec = importlib.import_module("m2nkit.adapters.vllm.spec").parse_inference_spec(
             args.inference)
+        if args.command == "plan" and args.layout == "traced" and ispec.quant != "none":
+            raise UserError(_QUANT_NOT_TRACED.format(inference=args.inference))
     if args.command == "plan":
         if args.dump is not None and not args.verify:
             raise UserError("--dump writes the storage that --verify fills: add --verify")
@@ -380,7 +382,7 @@ def _traced(ckpt, metas, ispec):
     levels = [logger.level for logger in retry_loggers]
     for logger in retry_loggers:             # for the trace only: restored after it
         logger.setLevel(logging.CRITICAL)
-    from m2nkit.adapters.vllm.trace import TraceError, trace_destination
+    from m2nkit.adapters.vllm.trace import TraceError, one_line_reason, trace_destination
 
     path = Path(ckpt.path)
     source = path if path.is_dir() else ckpt.config   # vLLM reads dtypes from the files too
@@ -388,6 +390,10 @@ def _traced(ckpt, metas, ispec):
         return trace_destination(source, metas, ispec)
     except TraceError as e:
         raise UserError(f"--layout traced: {e}") from None
+    except ImportError as e:    # vLLM is found but does not import (a broken install)
+        raise UserError(f"--layout traced: vLLM is installed but does not import here "
+                        f"({type(e).__name__}: {one_line_reason(e)}); without a working vLLM "
+                        "use --layout tables") from None
     finally:
         for logger, level in zip(retry_loggers, levels):
             logger.setLevel(level)
@@ -479,6 +485,11 @@ def _cmd_plan(args) -> int:
             dump_dir.rmdir()
 
 
+#: The refusal of ``--layout traced`` with online quantization (before torch loads).
+_QUANT_NOT_TRACED = ("--inference {inference}: quant= is planned with --layout tables (vLLM's "
+                     "online fp8 rule, m2nkit.adapters.vllm.fp8)")
+
+
 def _fp8_checkpoint(ckpt) -> tuple[str, dict] | None:
     """The plan's row and json of an fp8 block checkpoint (``quant.fp8_checkpoint_row``);
     ``None`` for any other config (a quantization_config the plan refuses is refused there,
@@ -517,8 +528,7 @@ def _plan_and_report(args, console, json_file, dump_dir) -> int:
     fp8 = None
     if ispec.quant != "none":
         if args.layout == "traced":
-            raise UserError(f"--inference {args.inference}: quant= is planned with --layout "
-                            "tables (vLLM's online fp8 rule, m2nkit.adapters.vllm.fp8)")
+            raise UserError(_QUANT_NOT_TRACED.format(inference=args.inference))
         from m2nkit.engine.tools.fp8 import plan_fp8_wire
 
         fp8 = plan_fp8_wire(ckpt.config, plan)

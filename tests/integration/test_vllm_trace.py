@@ -464,6 +464,25 @@ def test_plan_layout_traced_verifies_and_says_so():
     assert "m2nkit's family tables (no vLLM needed) (--layout tables)" in tables.stdout
 
 
+def test_a_size_vllm_refuses_is_refused_by_the_default_layout_in_one_line():
+    """The default (traced) asks vLLM's own config checks: 32 heads over tp 3, and EP on a
+    dense model, are refused in vLLM's words, one line, no traceback."""
+    from _paths import CONFIGS
+
+    config = CONFIGS / "Qwen__Qwen3-8B" / "config.json"
+    for inference, words in (("vllm:tp=3", "Total number of attention heads (32) must be "
+                                           "divisible by tensor parallel size (3)."),
+                             ("vllm:tp=2,ep", "Number of experts in the model must be greater "
+                                              "than 0 when expert parallelism is enabled.")):
+        r = _cli(config, "--trainer", "fsdp:8", "--inference", inference)
+        assert r.returncode == 2, r.stdout + r.stderr
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+        assert lines[0].startswith("m2nkit: error: --layout traced: Qwen3ForCausalLM: vLLM "
+                                   "could not build its model for worker 0 of vllm:tp="), lines[0]
+        assert f"(ValidationError: {words})" in lines[0], lines[0]
+
+
 def test_plan_layout_traced_refuses_an_untraceable_loader_in_one_line(monkeypatch, capsys):
     """The CLI's own ``main`` in this process (the loader is patched here, so not in a
     subprocess): the refusal is one line naming the model and the reason."""

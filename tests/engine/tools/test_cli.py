@@ -401,6 +401,32 @@ def test_the_default_layout_is_traced_where_vllm_is_importable(capsys, monkeypat
         " ".join(out.split())
 
 
+def test_traced_online_quantization_is_refused_from_the_arguments_alone(capsys):
+    code, out, err = run_plan(capsys, EXAMPLE, "--trainer", "fsdp:2", "--inference",
+                              "vllm:tp=2,quant=fp8_per_block", "--layout", "traced")
+    assert (code, out) == (2, "")
+    assert err.strip() == ("m2nkit: error: --inference vllm:tp=2,quant=fp8_per_block: quant= is "
+                           "planned with --layout tables (vLLM's online fp8 rule, "
+                           "m2nkit.adapters.vllm.fp8)")
+
+
+def test_a_refusal_from_vllms_config_checks_reads_as_one_line():
+    """vLLM refuses a configuration with a pydantic ``ValidationError`` whose text spans
+    lines (the input's repr, a link); the trace's refusal keeps its messages only."""
+    from m2nkit.adapters.vllm.trace import one_line_reason
+
+    class ValidationError(ValueError):
+        def errors(self):
+            return [{"msg": "Value error, Total number of attention heads (32) must be "
+                            "divisible by tensor parallel size (3).", "type": "value_error"}]
+
+    e = ValidationError("1 validation error for VllmConfig\n  Value error, Total ...\n"
+                        "    For further information visit https://errors.pydantic.dev")
+    assert one_line_reason(e) == ("Total number of attention heads (32) must be divisible by "
+                                  "tensor parallel size (3).")
+    assert one_line_reason(RuntimeError("two\n   lines")) == "two lines"
+
+
 def test_plan_nodes_reports_the_ipc_transports_bytes_each_way(tmp_path, capsys):
     """``--nodes 2``: trainer ranks 0-1 and worker 0 on one node, ranks 2-3 and worker 1
     on the other; the split is recounted here from the JSON's slab rows."""
